@@ -1,0 +1,31 @@
+"""The error users see for a bad configuration or input: one line, key, value and the fix."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+
+class ConfigError(ValueError):
+    """A configuration or input the run cannot start with.
+
+    Entry points print ``str(error)`` as one line on stderr and exit with code 2 before any
+    work is done or any file is written.
+    """
+
+    def __init__(self, key: str, value: object, valid: Iterable[object] | str):
+        self.key, self.value = key, value
+        self.valid = valid if isinstance(valid, str) else ", ".join(str(v) for v in valid)
+        super().__init__(f"{key}={value!r} is not valid; valid: {self.valid}")
+
+
+def require(condition: bool, key: str, value: object, valid: Iterable[object] | str) -> None:
+    """Raise ``ConfigError(key, value, valid)`` unless ``condition`` holds."""
+    if not condition:
+        raise ConfigError(key, value, valid)
+
+
+def choose(key: str, value: str, valid: Iterable[str]) -> str:
+    """``value`` if it is one of ``valid``, else a ``ConfigError`` listing them."""
+    valid = list(valid)
+    require(value in valid, key, value, valid)
+    return value

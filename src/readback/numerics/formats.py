@@ -1,0 +1,62 @@
+"""FP8 formats and the recipe-level format choice, in Transformer Engine's vocabulary."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class FP8Format:
+    """One FP8 encoding: its torch dtype and the facts the rounding code needs.
+
+    ``min_exponent`` is the exponent of the smallest normal number; below it the grid spacing
+    stays at ``2**(min_exponent - mantissa_bits)`` (subnormals).
+    """
+
+    name: str
+    dtype: torch.dtype
+    max: float
+    mantissa_bits: int
+    min_exponent: int
+
+    @property
+    def smallest_subnormal(self) -> float:
+        return 2.0 ** (self.min_exponent - self.mantissa_bits)
+
+    def __repr__(self) -> str:
+        return self.name
+
+
+E4M3 = FP8Format("E4M3", torch.float8_e4m3fn, 448.0, mantissa_bits=3, min_exponent=-6)
+E5M2 = FP8Format("E5M2", torch.float8_e5m2, 57344.0, mantissa_bits=2, min_exponent=-14)
+
+
+class Format(enum.Enum):
+    """Recipe format: which FP8 encoding forward tensors and gradients use.
+
+    ``HYBRID`` is Transformer Engine's default for training: E4M3 for activations and weights
+    (more precision), E5M2 for gradients (more range).
+    """
+
+    E4M3 = (E4M3, E4M3)
+    HYBRID = (E4M3, E5M2)
+
+    @property
+    def fwd(self) -> FP8Format:
+        return self.value[0]
+
+    @property
+    def bwd(self) -> FP8Format:
+        return self.value[1]
+
+    @classmethod
+    def parse(cls, name: str | Format) -> Format:
+        if isinstance(name, Format):
+            return name
+        try:
+            return cls[name.upper()]
+        except KeyError:
+            raise ValueError(f"unknown fp8_format {name!r}; valid: {[f.name for f in cls]}") from None

@@ -1,0 +1,80 @@
+"""Rounding to the FP8 grid: the one place where a tensor becomes FP8.
+
+``quantize`` scales, saturates and rounds. ``nearest`` is torch's cast (round to nearest even);
+``stochastic`` is an unbiased rounding whose randomness comes from an explicit generator, so a
+run is reproducible and two generators give independent roundings of the same tensor.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from readback.numerics.formats import FP8Format
+
+ROUNDINGS = ("nearest", "stochastic")
+
+
+@dataclass(frozen=True)
+class QTensor:
+    """An FP8 tensor and the scale it was stored with: ``value ~= data / scale``."""
+
+    data: torch.Tensor
+    scale: torch.Tensor
+    fmt: FP8Format
+
+    @property
+    def scale_inv(self) -> torch.Tensor:
+        """Multiplier back to real units; Transformer Engine's GEMMs multiply by it."""
+        return self.scale.reciprocal()
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        return (self.data.to(torch.float32) * self.scale_inv).to(dtype)
+
+    @property
+    def nbytes(self) -> int:
+        return self.data.numel() * self.data.element_size()
+
+
+def _grid_spacing(y: torch.Tensor, fmt: FP8Format) -> torch.Tensor:
+    """Distance between the two FP8 grid points around each ``y`` (already scaled, fp32).
+
+    Read straight from the fp32 exponent bits: in the binade ``[2**e, 2**(e+1))`` the FP8 grid
+    spacing is ``2**(e - mantissa_bits)``, and below the smallest normal it is constant.
+    """
+    exponent = ((y.view(torch.int32) >> 23) & 0xFF) - 127
+    exponent = exponent.clamp(min=fmt.min_exponent, max=127 + fmt.mantissa_bits)
+    return ((exponent - fmt.mantissa_bits + 127) << 23).view(torch.float32)
+
+
+def round_stochastic(y: torch.Tensor, fmt: FP8Format, generator: torch.Generator | None) -> torch.Tensor:
+    """Round fp32 ``y`` (within ``+-fmt.max``) to one of its two FP8 neighbours, unbiased.
+
+    ``y / spacing`` is exact (a power-of-two scaling), so ``frac`` is exact and rounding up with
+    probability ``frac`` gives ``E[result] = y``, subnormals included. The result is on the FP8 grid.
+    """
+    spacing = _grid_spacing(y, fmt)
+    units = y / spacing
+    low = torch.floor(units)
+    frac = units - low
+    u = torch.rand(y.shape, generator=generator, device=y.device, dtype=torch.float32)
+    return (low + (u < frac).to(torch.float32)) * spacing
+
+
+def quantize(
+    x: torch.Tensor,
+    fmt: FP8Format,
+    scale: torch.Tensor | float,
+    rounding: str = "nearest",
+    generator: torch.Generator | None = None,
+) -> QTensor:
+    """Scale ``x``, saturate to ``+-fmt.max`` (as Transformer Engine does, for both formats;
+    infinities saturate too, NaN stays NaN) and round to ``fmt``."""
+    scale = torch.as_tensor(scale, dtype=torch.float32, device=x.device)
+    y = (x.to(torch.float32) * scale).clamp(-fmt.max, fmt.max)
+    if rounding == "stochastic":
+        y = round_stochastic(y, fmt, generator)
+    elif rounding != "nearest":
+        raise ValueError(f"unknown rounding {rounding!r}; valid: {list(ROUNDINGS)}")
+    return QTensor(y.to(fmt.dtype), scale, fmt)

@@ -1,0 +1,145 @@
+"""Per-tensor scaling: recipes (Transformer Engine's field names) and their per-tensor state.
+
+A recipe says how scales are chosen; a ``ScalingState`` holds one tensor's scale (and, for
+delayed scaling, its amax history) and is what a checkpoint saves.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from readback.numerics.formats import FP8Format, Format
+
+AMAX_COMPUTE_ALGOS = ("max", "most_recent")
+
+
+def compute_scale(
+    amax: torch.Tensor, fmt: FP8Format, margin: int = 0, previous: torch.Tensor | float = 1.0
+) -> torch.Tensor:
+    """``(fmt.max / amax) / 2**margin``.
+
+    Where that is not a usable scale (amax zero or non-finite, or a scale that overflows fp32)
+    the ``previous`` scale is kept, as Transformer Engine does: an all-zero tensor or one NaN must
+    not poison every later step with an inf/NaN scale.
+    """
+    amax = torch.as_tensor(amax, dtype=torch.float32)
+    previous = torch.as_tensor(previous, dtype=torch.float32, device=amax.device)
+    scale = (fmt.max / amax) / 2.0**margin
+    usable = (amax > 0) & torch.isfinite(amax) & torch.isfinite(scale)
+    return torch.where(usable, scale, previous)
+
+
+@dataclass(frozen=True)
+class DelayedScaling:
+    """Scale from the amax history of earlier steps (Transformer Engine's default recipe).
+
+    ``interval`` keeps its Transformer Engine 1.x meaning: the scale is recomputed every
+    ``interval`` steps, while the history is updated every step.
+    ``override_linear_precision`` = (fprop, dgrad, wgrad); True runs that GEMM in high precision.
+    """
+
+    margin: int = 0
+    interval: int = 1
+    fp8_format: Format = Format.HYBRID
+    amax_history_len: int = 1024
+    amax_compute_algo: str = "max"
+    override_linear_precision: tuple[bool, bool, bool] = (False, False, False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "fp8_format", Format.parse(self.fp8_format))
+        object.__setattr__(self, "override_linear_precision", tuple(bool(b) for b in self.override_linear_precision))
+        if self.amax_compute_algo not in AMAX_COMPUTE_ALGOS:
+            raise ValueError(f"amax_compute_algo={self.amax_compute_algo!r}; valid: {list(AMAX_COMPUTE_ALGOS)}")
+        if self.interval < 1 or self.amax_history_len < 1:
+            raise ValueError("interval and amax_history_len must be >= 1")
+        if len(self.override_linear_precision) != 3:
+            raise ValueError("override_linear_precision is (fprop, dgrad, wgrad): three booleans")
+
+    def new_state(self, fmt: FP8Format) -> DelayedScalingState:
+        return DelayedScalingState(self, fmt)
+
+
+@dataclass(frozen=True)
+class CurrentScaling:
+    """Scale from this tensor's own amax, computed when it is quantized."""
+
+    margin: int = 0
+    fp8_format: Format = Format.HYBRID
+    override_linear_precision: tuple[bool, bool, bool] = (False, False, False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "fp8_format", Format.parse(self.fp8_format))
+        object.__setattr__(self, "override_linear_precision", tuple(bool(b) for b in self.override_linear_precision))
+
+    def new_state(self, fmt: FP8Format) -> CurrentScalingState:
+        return CurrentScalingState(self, fmt)
+
+
+class DelayedScalingState:
+    """One tensor's amax history (a ring buffer) and scale.
+
+    Within a step every quantization uses the same scale and the step's amax is the max over
+    them; ``end_step`` writes that amax into the history and, every ``interval`` steps,
+    recomputes the scale from the history.
+    """
+
+    def __init__(self, recipe: DelayedScaling, fmt: FP8Format):
+        self.recipe, self.fmt = recipe, fmt
+        self.history = torch.zeros(recipe.amax_history_len)
+        self.scale = torch.ones(())
+        self.steps = 0  # steps recorded so far; the newest amax sits at (steps - 1) % len
+        self._amax = torch.zeros(())
+
+    def scale_for(self, x: torch.Tensor) -> torch.Tensor:
+        if self.scale.device != x.device:  # follow the model to its device, once
+            self.history, self.scale, self._amax = (t.to(x.device) for t in (self.history, self.scale, self._amax))
+        self._amax = torch.maximum(self._amax, x.detach().abs().amax().float())
+        return self.scale
+
+    def end_step(self) -> None:
+        self.history[self.steps % len(self.history)] = self._amax
+        self.steps += 1
+        self._amax = torch.zeros_like(self._amax)
+        if self.steps % self.recipe.interval == 0:
+            if self.recipe.amax_compute_algo == "max":
+                amax = self.history.max()
+            else:
+                amax = self.history[(self.steps - 1) % len(self.history)]
+            self.scale = compute_scale(amax, self.fmt, self.recipe.margin, self.scale)
+
+    def state_dict(self) -> dict:
+        return {"history": self.history.clone(), "scale": self.scale.clone(), "steps": self.steps}
+
+    def load_state_dict(self, state: dict) -> None:
+        if state["history"].shape != self.history.shape:
+            raise ValueError(
+                f"amax history length {len(state['history'])} in checkpoint, {len(self.history)} in recipe"
+            )
+        self.history = state["history"].clone()
+        self.scale = state["scale"].clone()
+        self.steps = int(state["steps"])
+        self._amax = torch.zeros((), device=self.scale.device)
+
+
+class CurrentScalingState:
+    """Scale of the tensor being quantized now; keeps the last scale as the fallback."""
+
+    def __init__(self, recipe: CurrentScaling, fmt: FP8Format):
+        self.recipe, self.fmt = recipe, fmt
+        self.scale = torch.ones(())
+
+    def scale_for(self, x: torch.Tensor) -> torch.Tensor:
+        amax = x.detach().abs().amax().float()
+        self.scale = compute_scale(amax, self.fmt, self.recipe.margin, self.scale.to(amax.device))
+        return self.scale
+
+    def end_step(self) -> None:
+        pass
+
+    def state_dict(self) -> dict:
+        return {"scale": self.scale.clone()}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.scale = state["scale"].clone()
