@@ -1,8 +1,8 @@
 """FP8 numerics: formats, scaling, rounding and the emulated GEMM (Transformer Engine's terms)."""
 
-from readback.numerics.formats import E4M3, E5M2, FP8Format, Format
-from readback.numerics.gemm import fp8_mm
-from readback.numerics.rounding import ROUNDINGS, QTensor, quantize, round_stochastic
+from readback.numerics.formats import BF16, E4M3, E5M2, FP8Format, Format
+from readback.numerics.gemm import GEMM_PRECISIONS, fp8_mm, matmul
+from readback.numerics.rounding import ROUNDINGS, QTensor, pinned, quantize, round_stochastic
 from readback.numerics.scaling import (
     AMAX_COMPUTE_ALGOS,
     CurrentScaling,
@@ -14,9 +14,11 @@ from readback.numerics.scaling import (
 
 __all__ = [
     "AMAX_COMPUTE_ALGOS",
+    "BF16",
     "E4M3",
     "E5M2",
     "FP8Format",
+    "GEMM_PRECISIONS",
     "Format",
     "ROUNDINGS",
     "CurrentScaling",
@@ -26,6 +28,8 @@ __all__ = [
     "QTensor",
     "compute_scale",
     "fp8_mm",
+    "matmul",
+    "pinned",
     "quantize",
     "round_stochastic",
 ]

@@ -32,6 +32,9 @@ class FP8Format:
 
 E4M3 = FP8Format("E4M3", torch.float8_e4m3fn, 448.0, mantissa_bits=3, min_exponent=-6)
 E5M2 = FP8Format("E5M2", torch.float8_e5m2, 57344.0, mantissa_bits=2, min_exponent=-14)
+# The no-FP8 baseline rounds at the same sites, to BF16 with scale 1, so one code path serves both.
+_E4M3 = E4M3  # the class body below rebinds the name E4M3
+BF16 = FP8Format("BF16", torch.bfloat16, float(torch.finfo(torch.bfloat16).max), mantissa_bits=7, min_exponent=-126)
 
 
 class Format(enum.Enum):
@@ -41,8 +44,8 @@ class Format(enum.Enum):
     (more precision), E5M2 for gradients (more range).
     """
 
-    E4M3 = (E4M3, E4M3)
-    HYBRID = (E4M3, E5M2)
+    E4M3 = (_E4M3, _E4M3)
+    HYBRID = (_E4M3, E5M2)
 
     @property
     def fwd(self) -> FP8Format:

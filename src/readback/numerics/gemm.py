@@ -31,23 +31,39 @@ def use_scaled_mm(a: QTensor, b: QTensor) -> bool:
     return not both_e5m2 and all(n % 16 == 0 for n in (*a.data.shape, *b.data.shape))
 
 
-def fp8_mm(a: QTensor, b: QTensor, transpose_b: bool = True) -> torch.Tensor:
-    """``a @ b.T`` (or ``a @ b``) of two FP8 tensors in real units, as FP32 holding a BF16 product.
+def fp8_mm(a: QTensor, b: QTensor) -> torch.Tensor:
+    """``a @ b`` of two quantized tensors in real units, as FP32 holding a BF16 product.
 
     Batched operands (``..., m, k``) are allowed. On Hopper the real FP8 kernel applies the
     scales before its single BF16 rounding; the emulation rounds the unscaled product to BF16
     first, so the two can differ by one BF16 ulp.
     """
-    mat2 = b.data.t() if transpose_b else b.data
     if use_scaled_mm(a, b):
         out = torch._scaled_mm(
             a.data.contiguous(),
-            mat2.t().contiguous().t(),  # column-major, as the kernel requires
+            b.data.t().contiguous().t(),  # column-major, as the kernel requires
             scale_a=a.scale_inv,
             scale_b=b.scale_inv,
             out_dtype=torch.bfloat16,
         )
         return out.float()
-    mat2 = b.data.transpose(-1, -2) if transpose_b else b.data
-    product = torch.matmul(a.data.to(torch.bfloat16), mat2.to(torch.bfloat16))
+    product = torch.matmul(a.data.to(torch.bfloat16), b.data.to(torch.bfloat16))
     return product.float() * (a.scale_inv * b.scale_inv)
+
+
+GEMM_PRECISIONS = ("fp8", "bf16", "fp32", "fp64")
+_DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32, "fp64": torch.float64}
+
+
+def matmul(a: QTensor | torch.Tensor, b: QTensor | torch.Tensor, precision: str) -> torch.Tensor:
+    """``a @ b`` in one of ``GEMM_PRECISIONS``; the result is FP32.
+
+    ``fp8`` multiplies quantized operands (``QTensor``; FP8, or BF16 in the no-FP8 baseline);
+    the others multiply the operands' real values in that dtype (``fp64``: rounding switched off,
+    for gradcheck and the FP64 reference). The result is FP32, or FP64 for ``fp64``.
+    """
+    if precision == "fp8":
+        return fp8_mm(a, b)
+    dtype = _DTYPES[precision]
+    values = [t.dequantize(dtype) if isinstance(t, QTensor) else t.to(dtype) for t in (a, b)]
+    return torch.matmul(*values).to(torch.promote_types(dtype, torch.float32))

@@ -30,7 +30,18 @@ class QTensor:
         return self.scale.reciprocal()
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        return (self.data.to(torch.float32) * self.scale_inv).to(dtype)
+        """Real values, computed in FP32 (FP64 if asked) and then cast to ``dtype``."""
+        exact = torch.float64 if dtype == torch.float64 else torch.float32
+        return (self.data.to(exact) * self.scale_inv.to(exact)).to(dtype)
+
+    @property
+    def mT(self) -> QTensor:
+        """Transpose of the last two dimensions (same scale)."""
+        return QTensor(self.data.mT, self.scale, self.fmt)
+
+    def map(self, fn) -> QTensor:
+        """Apply a layout change (view, reshape, expand) to the data, keeping the scale."""
+        return QTensor(fn(self.data), self.scale, self.fmt)
 
     @property
     def nbytes(self) -> int:
@@ -78,3 +89,12 @@ def quantize(
     elif rounding != "nearest":
         raise ValueError(f"unknown rounding {rounding!r}; valid: {list(ROUNDINGS)}")
     return QTensor(y.to(fmt.dtype), scale, fmt)
+
+
+def pinned(x: torch.Tensor, executed: torch.Tensor) -> torch.Tensor:
+    """Straight-through: the value the executed forward produced, with ``x``'s gradient.
+
+    This is how a reference replay makes each rounding site return the exact bits of the
+    executed forward while autograd differentiates the high-precision formula.
+    """
+    return x + (executed - x).detach()

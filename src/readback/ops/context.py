@@ -1,0 +1,208 @@
+"""The numerics of one run: recipe, policy and every rounding site. All ops round through it.
+
+A ``Site`` is one named tensor the run rounds (``layer0.attn.output``, ``layer0.mlp.up.weight``,
+...): it owns the tensor's format, its scaling state and its random streams. ``Numerics`` creates
+sites on first use and advances them together at the end of each optimizer step.
+"""
+
+from __future__ import annotations
+
+import hashlib
+
+import torch
+
+from readback.numerics import (
+    BF16,
+    GEMM_PRECISIONS,
+    ROUNDINGS,
+    CurrentScaling,
+    DelayedScaling,
+    FP8Format,
+    QTensor,
+    quantize,
+)
+from readback.policy import POLICIES
+
+PRECISIONS = ("fp8", "bf16", "off")
+ATTENTION_BWD = GEMM_PRECISIONS[:3]  # fp8, bf16, fp32
+
+
+class _UnitScale:
+    """Scaling state of a site with no scaling (BF16 baseline, rounding off)."""
+
+    scale = torch.ones(())
+
+    def scale_for(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.ones((), device=x.device)
+
+    def observe(self, key: str, values: torch.Tensor) -> None:
+        """Accumulate count, sum and sum of squares of ``values`` under ``key`` (in FP64)."""
+        v = values.detach().to(torch.float64).flatten()
+        moments = torch.stack([torch.tensor(float(v.numel()), dtype=torch.float64, device=v.device), v.sum(), v.square().sum()])
+        self.observations[key] = self.observations[key] + moments if key in self.observations else moments
+
+    def pop_observations(self) -> dict[str, float]:
+        """``{"<kind>/mean/<site>": mean, "<kind>/z/<site>": mean / standard error}`` of everything
+        observed since the last call, then forget it. The z-score tests "mean is zero"."""
+        stats = {}
+        for key, (count, total, squares) in ((k, m.tolist()) for k, m in self.observations.items()):
+            kind, site = key.split("/", 1)
+            mean = total / count
+            variance = max(squares / count - mean * mean, 0.0) * count / max(count - 1, 1)
+            stats[f"{kind}/mean/{site}"] = mean
+            stats[f"{kind}/z/{site}"] = mean / (variance / count) ** 0.5 if variance > 0 else 0.0
+        self.observations.clear()
+        return stats
+
+    def end_step(self) -> None:
+        pass
+
+    def state_dict(self) -> dict:
+        return {}
+
+    def load_state_dict(self, state: dict) -> None:
+        pass
+
+
+class Site:
+    """One rounding site. ``quantize`` is the only way a tensor of the model gets rounded."""
+
+    def __init__(self, numerics: Numerics, name: str, direction: str, fmt: FP8Format | None, state):
+        self.numerics, self.name, self.direction = numerics, name, direction
+        self.fmt, self.state = fmt, state
+
+    def quantize(self, x: torch.Tensor, rounding: str = "nearest", scale: torch.Tensor | None = None,
+                 stream: str = "forward") -> QTensor:
+        """Round ``x`` at this site. ``scale`` reuses an earlier scale (a re-rounding) instead
+        of the site's own; ``stream`` names the random stream of a stochastic rounding."""
+        if self.fmt is None:  # rounding switched off: the identity, in x's own precision
+            return QTensor(x, torch.ones((), dtype=x.dtype, device=x.device), None)
+        if scale is None:
+            scale = self.state.scale_for(x)
+        generator = self.numerics.generator(self.name, stream, x.device) if rounding == "stochastic" else None
+        return quantize(x, self.fmt, scale, rounding, generator)
+
+
+class Numerics:
+    """How this run rounds: precision, recipe, policy, attention-backward precision, rounding.
+
+    ``precision``: ``fp8`` (recipe required), ``bf16`` (every site rounds to BF16, no scaling) or
+    ``off`` (no rounding at all, GEMMs in FP64: for gradcheck and references).
+    """
+
+    def __init__(
+        self,
+        precision: str = "fp8",
+        recipe: DelayedScaling | CurrentScaling | None = None,
+        policy: str = "exact",
+        attention_bwd: str = "fp8",
+        rounding: str = "nearest",
+        seed: int = 0,
+    ):
+        for key, value, valid in (
+            ("precision", precision, PRECISIONS),
+            ("policy", policy, POLICIES),
+            ("attention_bwd", attention_bwd, ATTENTION_BWD),
+            ("rounding", rounding, ROUNDINGS),
+        ):
+            if value not in valid:
+                raise ValueError(f"{key}={value!r}; valid: {list(valid)}")
+        if precision == "fp8" and recipe is None:
+            recipe = DelayedScaling()
+        self.precision, self.recipe, self.policy = precision, recipe, policy
+        self.rounding = rounding if precision == "fp8" else "nearest"
+        self.attention_bwd = {"fp8": attention_bwd, "bf16": "bf16" if attention_bwd == "fp8" else attention_bwd,
+                              "off": "fp64"}[precision]
+        self.seed = seed
+        self.step = 0
+        self.sites: dict[str, Site] = {}
+        self.saved_bytes: dict[str, int] = {}
+        self.tape: list | None = None
+        self.observations: dict[str, torch.Tensor] = {}
+        self._generators: dict[tuple, torch.Generator] = {}
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """Precision of everything that is not rounded (softmax, norms, row sums)."""
+        return torch.float64 if self.precision == "off" else torch.float32
+
+    def linear_precision(self, gemm: str) -> str:
+        """GEMM precision of a linear's ``fprop``, ``dgrad`` or ``wgrad``."""
+        if self.precision == "off":
+            return "fp64"
+        overrides = self.recipe.override_linear_precision if self.precision == "fp8" else (False,) * 3
+        return "fp32" if overrides[("fprop", "dgrad", "wgrad").index(gemm)] else "fp8"
+
+    def site(self, name: str, direction: str = "fwd") -> Site:
+        """The site ``name``; ``direction`` ``fwd`` (activations, weights) or ``bwd`` (gradients)
+        picks the recipe's format for it on first use."""
+        if name not in self.sites:
+            if self.precision == "off":
+                fmt, state = None, _UnitScale()
+            elif self.precision == "bf16":
+                fmt, state = BF16, _UnitScale()
+            else:
+                fmt = self.recipe.fp8_format.fwd if direction == "fwd" else self.recipe.fp8_format.bwd
+                state = self.recipe.new_state(fmt)
+            self.sites[name] = Site(self, name, direction, fmt, state)
+        return self.sites[name]
+
+    def generator(self, site: str, stream: str, device: torch.device) -> torch.Generator:
+        """The random stream (site, stream) of this step: seeded from (seed, site, stream, step),
+        so runs are reproducible, resume needs no generator state, and streams are independent."""
+        key = (site, stream, str(device))
+        if key not in self._generators:
+            digest = hashlib.blake2b(f"{self.seed}/{site}/{stream}/{self.step}".encode(), digest_size=8).digest()
+            generator = torch.Generator(device=device)
+            generator.manual_seed(int.from_bytes(digest, "little") & (2**63 - 1))
+            self._generators[key] = generator
+        return self._generators[key]
+
+    def account(self, op: str, **saved: torch.Tensor | QTensor | None) -> None:
+        """Add the bytes an op saved for its backward, per saved tensor, to ``saved_bytes``."""
+        for name, tensor in saved.items():
+            if tensor is not None:
+                nbytes = tensor.nbytes if isinstance(tensor, QTensor) else tensor.numel() * tensor.element_size()
+                key = f"{op}.{name}"
+                self.saved_bytes[key] = self.saved_bytes.get(key, 0) + nbytes
+
+    def record(self, site: str, **tensors) -> None:
+        """Keep what an op executed when a tape is running (references and probes replay it)."""
+        if self.tape is not None:
+            self.tape.append((site, tensors))
+
+    def observe(self, key: str, values: torch.Tensor) -> None:
+        """Accumulate count, sum and sum of squares of ``values`` under ``key`` (in FP64)."""
+        v = values.detach().to(torch.float64).flatten()
+        moments = torch.stack([torch.tensor(float(v.numel()), dtype=torch.float64, device=v.device), v.sum(), v.square().sum()])
+        self.observations[key] = self.observations[key] + moments if key in self.observations else moments
+
+    def pop_observations(self) -> dict[str, float]:
+        """``{"<kind>/mean/<site>": mean, "<kind>/z/<site>": mean / standard error}`` of everything
+        observed since the last call, then forget it. The z-score tests "mean is zero"."""
+        stats = {}
+        for key, (count, total, squares) in ((k, m.tolist()) for k, m in self.observations.items()):
+            kind, site = key.split("/", 1)
+            mean = total / count
+            variance = max(squares / count - mean * mean, 0.0) * count / max(count - 1, 1)
+            stats[f"{kind}/mean/{site}"] = mean
+            stats[f"{kind}/z/{site}"] = mean / (variance / count) ** 0.5 if variance > 0 else 0.0
+        self.observations.clear()
+        return stats
+
+    def end_step(self) -> None:
+        """After the optimizer step: update every scaling state, start the next step's streams."""
+        for site in self.sites.values():
+            site.state.end_step()
+        self.step += 1
+        self._generators.clear()
+
+    def state_dict(self) -> dict:
+        sites = {name: {"direction": s.direction, "state": s.state.state_dict()} for name, s in self.sites.items()}
+        return {"step": self.step, "sites": sites}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.step = state["step"]
+        self._generators.clear()
+        for name, saved in state["sites"].items():
+            self.site(name, saved["direction"]).state.load_state_dict(saved["state"])

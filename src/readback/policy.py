@@ -1,0 +1,26 @@
+"""The study's saved-activation policies.
+
+A policy names one read mode per (op, gradient). Each op declares its own table, ``READS``,
+next to its backward, and its backward looks its reads up there; this module names the policies
+and gathers the tables, for validation, the audit and the docs.
+"""
+
+from __future__ import annotations
+
+READ_MODES = ("rounded", "original", "fresh", "none")
+
+POLICIES = {
+    "reuse_rounded": "attention D-term reads the FP8 output O8 saved for the projection's wgrad "
+    "(what Transformer Engine's delayed-scaling FP8 attention does)",
+    "fresh_reround": "attention D-term reads a fresh stochastic rounding of the saved original O",
+    "no_saved_copy": "attention D = rowsum(P * dP): no copy of O is saved for it (the control)",
+    "original": "attention D-term reads the high-precision O (Transformer Engine current scaling)",
+    "exact": "every gradient reads what its forward used: the gradient of the executed forward",
+}
+
+
+def read_rules(policy: str) -> dict[str, dict[str, str]]:
+    """``{op: {gradient: read mode}}`` of every op under ``policy``."""
+    from readback.ops import OPS
+
+    return {name: dict(op.READS[policy]) for name, op in OPS.items()}

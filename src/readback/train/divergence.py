@@ -1,0 +1,92 @@
+"""Divergence detection: non-finite losses, loss blow-ups and non-finite gradients.
+
+* A NaN/Inf training loss stops the run at once: :meth:`DivergenceDetector.check_loss` returns
+  ``True`` and the trainer does not apply that step's update.
+* A logged loss above ``factor`` x the running minimum of the earlier logged losses, for
+  ``patience`` consecutive logged steps, marks ``diverged_at_step`` as the first step of that
+  streak; :meth:`DivergenceDetector.observe_logged` returns ``True`` (stop) only when ``stop``.
+* Steps with non-finite gradients are recorded (step and parameter names); the trainer skips
+  their update.
+
+All ranks feed the detector the same all-reduced numbers, so they reach the same verdicts.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+
+class DivergenceDetector:
+    def __init__(self, factor: float = 2.0, patience: int = 3, stop: bool = False):
+        self.factor = float(factor)
+        self.patience = max(int(patience), 1)
+        self.stop = bool(stop)
+        self.running_min = math.inf
+        self.streak_start: int | None = None
+        self.streak_len = 0
+        self.diverged_at_step: int | None = None
+        self.reason: str | None = None
+        self.nonfinite_loss = False
+        self.skipped: list[dict[str, Any]] = []
+
+    @classmethod
+    def from_config(cls, cfg: Any) -> DivergenceDetector:
+        return cls(factor=cfg.factor, patience=cfg.patience, stop=cfg.stop)
+
+    @property
+    def diverged(self) -> bool:
+        return self.diverged_at_step is not None
+
+    def check_loss(self, step: int, loss: float) -> bool:
+        """Per-step check of the training loss; ``True`` when it is NaN/Inf (stop now)."""
+        if math.isfinite(loss):
+            return False
+        self.nonfinite_loss = True
+        if self.diverged_at_step is None:
+            self.diverged_at_step = step
+        self.reason = f"non-finite loss ({loss}) at step {step}"
+        return True
+
+    def observe_logged(self, step: int, loss: float) -> bool:
+        """Check a logged loss against ``factor`` x running minimum; ``True`` means stop."""
+        if not math.isfinite(loss):
+            return self.check_loss(step, loss)
+        if math.isfinite(self.running_min) and loss > self.factor * self.running_min:
+            if self.streak_len == 0:
+                self.streak_start = step
+            self.streak_len += 1
+        else:
+            self.streak_len, self.streak_start = 0, None
+        self.running_min = min(self.running_min, loss)
+        if self.streak_len >= self.patience and self.diverged_at_step is None:
+            self.diverged_at_step = self.streak_start
+            self.reason = (
+                f"loss above {self.factor} x running minimum ({self.running_min:.4g}) for "
+                f"{self.patience} logged steps from step {self.streak_start}"
+            )
+        return self.stop and self.diverged
+
+    def record_nonfinite_grads(self, step: int, names: list[str]) -> None:
+        """Remember a step whose update was skipped because these gradients were non-finite."""
+        self.skipped.append({"step": int(step), "params": list(names)})
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "running_min": self.running_min,
+            "streak_start": self.streak_start,
+            "streak_len": self.streak_len,
+            "diverged_at_step": self.diverged_at_step,
+            "reason": self.reason,
+            "nonfinite_loss": self.nonfinite_loss,
+            "skipped": [dict(s) for s in self.skipped],
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.running_min = float(state["running_min"])
+        self.streak_start = state["streak_start"]
+        self.streak_len = int(state["streak_len"])
+        self.diverged_at_step = state["diverged_at_step"]
+        self.reason = state["reason"]
+        self.nonfinite_loss = bool(state["nonfinite_loss"])
+        self.skipped = [dict(s) for s in state["skipped"]]

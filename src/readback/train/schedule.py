@@ -1,0 +1,64 @@
+"""Warmup-stable-decay learning rate with a 1-sqrt cooldown (the FOG recipe).
+
+Steps are counted from 1: ``lr(t)`` is the learning rate of the ``t``-th optimizer update, the
+one after which the trainer's step counter reads ``t`` (and which is logged as ``step=t``).
+
+* warmup, ``t <= warmup_steps``: ``peak * t / warmup_steps`` (linear, never 0);
+* stable: ``peak``;
+* cooldown over the last ``cooldown_frac`` of the ``T`` steps, from ``t0 = T - round(cooldown_frac * T)``:
+  ``min_lr + (peak - min_lr) * (1 - sqrt((t - t0) / (T - t0)))``, which reaches ``min_lr`` at ``t = T``.
+
+When warmup and cooldown overlap (very short runs) the smaller of the two values is used.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+from readback.errors import require
+
+
+@dataclass(frozen=True)
+class WSDSchedule:
+    """``schedule(step) -> lr`` for steps ``1..steps``; stateless (the step is the state)."""
+
+    peak: float
+    steps: int
+    warmup_steps: int = 0
+    cooldown_frac: float = 0.2
+    min_lr: float = 1e-8
+
+    def __post_init__(self) -> None:
+        require(self.steps >= 1, "trainer.steps", self.steps, "an integer >= 1")
+        require(self.warmup_steps >= 0, "trainer.optim.warmup_steps", self.warmup_steps, "an integer >= 0")
+        require(0.0 <= self.cooldown_frac <= 1.0, "trainer.optim.cooldown_frac", self.cooldown_frac, "a number in [0, 1]")
+        require(0.0 <= self.min_lr <= self.peak, "trainer.optim.min_lr", self.min_lr, f"a number in [0, peak lr = {self.peak}]")
+
+    @property
+    def cooldown_start(self) -> int:
+        """``t0``: the last step at full (post-warmup) learning rate."""
+        return self.steps - int(round(self.cooldown_frac * self.steps))
+
+    def __call__(self, step: int) -> float:
+        t = min(max(int(step), 1), self.steps)
+        lr = self.peak
+        if self.warmup_steps > 0 and t <= self.warmup_steps:
+            lr = self.peak * t / self.warmup_steps
+        t0, T = self.cooldown_start, self.steps
+        if t > t0:
+            frac = (t - t0) / (T - t0)
+            lr = min(lr, self.min_lr + (self.peak - self.min_lr) * (1.0 - math.sqrt(frac)))
+        return lr
+
+    @classmethod
+    def from_config(cls, optim_cfg: Any, *, peak: float, steps: int) -> WSDSchedule:
+        """Build from ``trainer.optim`` (``warmup_steps``, ``cooldown_frac``, ``min_lr``)."""
+        return cls(
+            peak=float(peak),
+            steps=int(steps),
+            warmup_steps=int(optim_cfg.warmup_steps),
+            cooldown_frac=float(optim_cfg.cooldown_frac),
+            min_lr=float(optim_cfg.min_lr),
+        )
