@@ -77,6 +77,8 @@ class Site:
         of the site's own; ``stream`` names the random stream of a stochastic rounding."""
         if self.fmt is None:  # rounding switched off: the identity, in x's own precision
             return QTensor(x, torch.ones((), dtype=x.dtype, device=x.device), None)
+        if self.fmt is BF16:  # BF16 sites round to nearest, as BF16 GEMM inputs do
+            rounding = "nearest"
         if scale is None:
             scale = self.state.scale_for(x)
         generator = self.numerics.generator(self.name, stream, x.device) if rounding == "stochastic" else None
@@ -88,6 +90,7 @@ class Numerics:
 
     ``precision``: ``fp8`` (recipe required), ``bf16`` (every site rounds to BF16, no scaling) or
     ``off`` (no rounding at all, GEMMs in FP64: for gradcheck and references).
+    ``bf16_sites``: name prefixes of sites kept in BF16 under FP8 (the study's LM head).
     """
 
     def __init__(
@@ -98,6 +101,7 @@ class Numerics:
         attention_bwd: str = "fp8",
         rounding: str = "nearest",
         seed: int = 0,
+        bf16_sites: tuple[str, ...] = (),
     ):
         for key, value, valid in (
             ("precision", precision, PRECISIONS),
@@ -113,7 +117,7 @@ class Numerics:
         self.rounding = rounding if precision == "fp8" else "nearest"
         self.attention_bwd = {"fp8": attention_bwd, "bf16": "bf16" if attention_bwd == "fp8" else attention_bwd,
                               "off": "fp64"}[precision]
-        self.seed = seed
+        self.seed, self.bf16_sites = seed, tuple(bf16_sites)
         self.step = 0
         self.sites: dict[str, Site] = {}
         self.saved_bytes: dict[str, int] = {}
@@ -139,7 +143,7 @@ class Numerics:
         if name not in self.sites:
             if self.precision == "off":
                 fmt, state = None, _UnitScale()
-            elif self.precision == "bf16":
+            elif self.precision == "bf16" or name.startswith(self.bf16_sites):
                 fmt, state = BF16, _UnitScale()
             else:
                 fmt = self.recipe.fp8_format.fwd if direction == "fwd" else self.recipe.fp8_format.bwd
