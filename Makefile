@@ -19,5 +19,9 @@ $(STAMP): pyproject.toml
 test: $(STAMP)
 	$(PY) -m pytest
 
+# The study's diverging setting on the embedded default: tiny FOG, local text, wandb offline.
+train: $(STAMP)
+	WANDB_MODE=$${WANDB_MODE:-offline} $(PY) train.py +experiment=reuse_rounded
+
 clean:
 	rm -rf $(VENV) outputs multirun .pytest_cache

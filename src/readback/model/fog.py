@@ -169,7 +169,7 @@ class FOG(nn.Module):
         if stats is not None:
             self._stats = {f"kurtosis/{k}_max": max(v) for k, v in stats.items()}
         logits = linear(x, self.embedding, self.numerics, "lm_head") if self.lm_head is None else self.lm_head(x)
-        return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
+        return F.cross_entropy(logits.to(torch.promote_types(logits.dtype, torch.float32)).flatten(0, 1), targets.flatten())
 
     def activation_stats(self) -> dict[str, float]:
         """Kurtosis maxima over layers from the last forward run with ``track_stats`` on."""

@@ -20,9 +20,7 @@ class _XIELU(torch.autograd.Function):
     def forward(fctx, x, alpha_p, alpha_n, numerics):
         fctx.save_for_backward(x, alpha_p, alpha_n)
         numerics.account("xielu", input=x)
-        positive = x > 0
-        negative_branch = alpha_n * torch.expm1(torch.clamp(x, max=EPS)) - alpha_n * x
-        return torch.where(positive, alpha_p * x * x, negative_branch) + BETA * x
+        return replay(x, alpha_p, alpha_n)
 
     @staticmethod
     def backward(fctx, dy):
@@ -36,6 +34,15 @@ class _XIELU(torch.autograd.Function):
         return dx, d_alpha_p, d_alpha_n, None
 
 
+def replay(x: torch.Tensor, alpha_p: torch.Tensor, alpha_n: torch.Tensor) -> torch.Tensor:
+    """Reference: the formula in plain torch ops, differentiated by autograd (nothing rounded)."""
+    negative = alpha_n * torch.expm1(torch.clamp(x, max=EPS)) - alpha_n * x
+    return torch.where(x > 0, alpha_p * x * x, negative) + BETA * x
+
+
 def xielu(x: torch.Tensor, alpha_p: torch.Tensor, alpha_n: torch.Tensor, numerics) -> torch.Tensor:
     """xIELU with the effective coefficients ``alpha_p = softplus(p)``, ``alpha_n = b + softplus(n)``."""
+    if numerics.replaying:
+        dtype = numerics.dtype
+        return replay(x.to(dtype), alpha_p.to(dtype), alpha_n.to(dtype))
     return _XIELU.apply(x, alpha_p, alpha_n, numerics)

@@ -141,5 +141,8 @@ def attention(q, k, v, numerics, name: str, softmax_scale: float = 0.125) -> tup
     Returns ``(o, oq)``: ``o`` (B, T, H*hd) holds the rounded output O8's values, and ``oq`` is
     that copy, to pass to the output projection as ``x_q``.
     """
+    numerics.watch(name, q=q, k=k, v=v)
+    if numerics.replaying:
+        return replay(q, k, v, numerics.next_record(name), softmax_scale, numerics.dtype), None
     o, data, scale = _Attention.apply(q, k, v, numerics, name, softmax_scale)
     return o, QTensor(data, scale, numerics.site(f"{name}.output").fmt)

@@ -7,6 +7,7 @@ sites on first use and advances them together at the end of each optimizer step.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 
 import torch
@@ -122,13 +123,63 @@ class Numerics:
         self.sites: dict[str, Site] = {}
         self.saved_bytes: dict[str, int] = {}
         self.tape: list | None = None
+        self.watched: dict[str, torch.Tensor] | None = None
         self.observations: dict[str, torch.Tensor] = {}
+        self.stream_salt = ""
         self._generators: dict[tuple, torch.Generator] = {}
+        self._replay: tuple | None = None  # (records iterator, dtype) while replaying a tape
 
     @property
     def dtype(self) -> torch.dtype:
         """Precision of everything that is not rounded (softmax, norms, row sums)."""
+        if self._replay is not None:
+            return self._replay[1]
         return torch.float64 if self.precision == "off" else torch.float32
+
+    @property
+    def replaying(self) -> bool:
+        return self._replay is not None
+
+    @contextlib.contextmanager
+    def replay(self, tape: list, dtype: torch.dtype = torch.float32):
+        """Run the model as the reference: each op runs its plain-autograd ``replay`` with its
+        roundings pinned to the records of ``tape`` (one executed forward), in ``dtype``."""
+        self._replay = (iter(tape), dtype)
+        try:
+            yield
+        finally:
+            self._replay = None
+
+    def next_record(self, name: str) -> dict:
+        """The executed forward's record of op call ``name``, in call order."""
+        site, record = next(self._replay[0])
+        if site != name:
+            raise RuntimeError(f"replay out of order: tape has {site!r}, model called {name!r}")
+        return record
+
+    def watch(self, name: str, **tensors: torch.Tensor) -> None:
+        """Keep the gradients of an op's inputs (e.g. attention dQ/dK/dV) when ``watched`` is on."""
+        if self.watched is not None:
+            for key, tensor in tensors.items():
+                if tensor.requires_grad:
+                    tensor.retain_grad()
+                    self.watched[f"{name}.d{key}"] = tensor
+
+    @contextlib.contextmanager
+    def isolated(self, stream_salt: str = ""):
+        """Run extra executions (probes) without moving the run: scaling states, sites,
+        random streams and observations are restored on exit. ``stream_salt`` gives the
+        executions inside their own random streams (an empty salt reuses the step's own)."""
+        state, names = self.state_dict(), set(self.sites)
+        observations, salt = dict(self.observations), self.stream_salt
+        self.stream_salt, self._generators = stream_salt, {}
+        try:
+            yield
+        finally:
+            for name in set(self.sites) - names:
+                del self.sites[name]
+            self.load_state_dict(state)
+            self.observations, self.stream_salt = observations, salt
 
     def linear_precision(self, gemm: str) -> str:
         """GEMM precision of a linear's ``fprop``, ``dgrad`` or ``wgrad``."""
@@ -156,7 +207,8 @@ class Numerics:
         so runs are reproducible, resume needs no generator state, and streams are independent."""
         key = (site, stream, str(device))
         if key not in self._generators:
-            digest = hashlib.blake2b(f"{self.seed}/{site}/{stream}/{self.step}".encode(), digest_size=8).digest()
+            key_text = f"{self.seed}/{site}/{stream}/{self.step}{self.stream_salt}"
+            digest = hashlib.blake2b(key_text.encode(), digest_size=8).digest()
             generator = torch.Generator(device=device)
             generator.manual_seed(int.from_bytes(digest, "little") & (2**63 - 1))
             self._generators[key] = generator

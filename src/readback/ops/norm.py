@@ -61,6 +61,9 @@ def rms_norm(x, gain, numerics, name: str, eps: float = 1e-6, round_output: bool
     With ``round_output`` returns ``(y, yq)``: ``y`` holds the rounded values (site
     ``{name}.output``) and ``yq`` is the copy to hand to the consuming linear as ``x_q``.
     """
+    if numerics.replaying:
+        y = replay(x, gain, numerics.next_record(name), eps, numerics.dtype)
+        return (y, None) if round_output else y
     y, data, scale = _RMSNorm.apply(x, gain, numerics, name, eps, round_output)
     if not round_output:
         return y
