@@ -17,6 +17,7 @@ from readback.errors import ConfigError, choose, require
 from readback.numerics import AMAX_COMPUTE_ALGOS, ROUNDINGS, Format
 from readback.ops.context import ATTENTION_BWD
 from readback.policy import POLICIES
+from readback.probe.gradient_error import DTYPES
 
 CONF_DIR = Path(__file__).resolve().parents[2] / "conf"
 BACKENDS = ("emulated", "te")
@@ -44,6 +45,9 @@ def validate(cfg: DictConfig) -> None:
     _validate_model(cfg)
     for key in ("steps", "micro_batch", "log_every", "eval_every", "eval_batches", "ckpt_every", "keep_last"):
         _positive_int(cfg, f"trainer.{key}")
+    _positive_int(cfg, "probe.every", minimum=0)
+    _positive_int(cfg, "probe.repeats")
+    choose("probe.dtype", cfg.probe.dtype, DTYPES)
     batch, micro = cfg.model.global_batch, cfg.trainer.micro_batch
     require(batch % micro == 0, "trainer.micro_batch", micro, f"a divisor of model.global_batch={batch}")
 
