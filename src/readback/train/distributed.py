@@ -1,0 +1,133 @@
+"""Process-group setup for ``torchrun`` and Slurm (submitit), and the few collectives the loop needs.
+
+* ``torchrun --nproc_per_node=N train.py ...`` sets ``RANK``/``WORLD_SIZE``/``LOCAL_RANK``.
+* Under Slurm (``SLURM_JOB_ID`` set, no ``RANK`` yet) and with submitit importable,
+  ``submitit.helpers.TorchDistributedEnvironment().export()`` derives and exports them.
+* Without ``WORLD_SIZE`` (or with ``WORLD_SIZE=1``) the run is a single process, no process group.
+
+DDP runs over gloo on CPU and NCCL on CUDA; rank 0 alone writes files and logs.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from readback.errors import ConfigError
+
+log = logging.getLogger(__name__)
+
+DEVICES = ("auto", "cpu", "cuda")
+
+
+@dataclass
+class DistEnv:
+    rank: int = 0
+    world_size: int = 1
+    local_rank: int = 0
+    device: torch.device = torch.device("cpu")
+    owns_group: bool = False  # this module created the process group (and destroys it)
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def distributed(self) -> bool:
+        return self.world_size > 1
+
+
+def maybe_export_slurm_env() -> None:
+    """Export torch.distributed variables from the Slurm environment when launched by Slurm."""
+    if "RANK" in os.environ or "SLURM_JOB_ID" not in os.environ:
+        return
+    try:
+        import submitit
+
+        submitit.helpers.TorchDistributedEnvironment().export()
+    except Exception as e:  # noqa: BLE001 - not a submitit job, or submitit missing
+        log.debug("no Slurm distributed environment exported: %s", e)
+
+
+def world_from_env() -> tuple[int, int, int]:
+    """``(rank, world_size, local_rank)`` from the environment; ``(0, 1, 0)`` when unset."""
+    maybe_export_slurm_env()
+    world = int(os.environ.get("WORLD_SIZE", "1") or 1)
+    rank = int(os.environ.get("RANK", "0") or 0)
+    local = int(os.environ.get("LOCAL_RANK", str(rank)) or 0)
+    return rank, world, local
+
+
+def resolve_device(name: str, local_rank: int = 0) -> torch.device:
+    name = str(name)
+    if name not in DEVICES:
+        raise ConfigError("trainer.device", name, DEVICES)
+    if name == "auto":
+        name = "cuda" if torch.cuda.is_available() else "cpu"
+    if name == "cuda":
+        if not torch.cuda.is_available():
+            raise ConfigError("trainer.device", "cuda", "auto, cpu (no CUDA device is available)")
+        return torch.device("cuda", local_rank % max(torch.cuda.device_count(), 1))
+    return torch.device("cpu")
+
+
+def init_distributed(device: str = "auto") -> DistEnv:
+    """Resolve rank/world/device and, for ``world_size > 1``, join (or reuse) the process group."""
+    rank, world, local = world_from_env()
+    dev = resolve_device(device, local)
+    env = DistEnv(rank=rank, world_size=world, local_rank=local, device=dev)
+    if dev.type == "cuda":
+        torch.cuda.set_device(dev)
+    if world > 1:
+        if dist.is_available() and dist.is_initialized():
+            env.rank, env.world_size = dist.get_rank(), dist.get_world_size()
+        else:
+            backend = "nccl" if dev.type == "cuda" else "gloo"
+            kwargs: dict[str, Any] = {"backend": backend, "rank": rank, "world_size": world}
+            if backend == "nccl":
+                kwargs["device_id"] = dev
+            dist.init_process_group(**kwargs)
+            env.owns_group = True
+    return env
+
+
+def cleanup(env: DistEnv) -> None:
+    if env.owns_group and dist.is_initialized():
+        dist.destroy_process_group()
+        env.owns_group = False
+
+
+def all_reduce_mean(t: torch.Tensor, env: DistEnv) -> torch.Tensor:
+    """Mean of ``t`` over ranks (``t`` itself in a single process)."""
+    if not env.distributed:
+        return t
+    t = t.clone()
+    dist.all_reduce(t, op=dist.ReduceOp.SUM)
+    return t / env.world_size
+
+
+def broadcast_object(obj: Any, env: DistEnv, src: int = 0) -> Any:
+    if not env.distributed:
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=src)
+    return box[0]
+
+
+def gather_objects(obj: Any, env: DistEnv) -> list[Any] | None:
+    """Every rank's ``obj`` on rank 0 (a list by rank), ``None`` elsewhere."""
+    if not env.distributed:
+        return [obj]
+    out = [None] * env.world_size if env.is_main else None
+    dist.gather_object(obj, out, dst=0)
+    return out
+
+
+def barrier(env: DistEnv) -> None:
+    if env.distributed:
+        dist.barrier()

@@ -1,0 +1,120 @@
+"""Two processes on gloo (``torchrun --nproc_per_node=2``) train the toy model like one process
+with the same global batch: same loss curve to ~1e-6, one metrics file, per-rank checkpoint state."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import shutil
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+
+from readback.train import run
+from readback.train.checkpoint import checkpoint_path, list_checkpoints, load_checkpoint
+from readback.train.metrics import read_jsonl
+
+TESTS = Path(__file__).resolve().parent
+OVERRIDES = {"trainer.steps": 8, "trainer.log_every": 1, "trainer.eval_every": 4, "trainer.eval_batches": 3,
+             "trainer.ckpt_every": 4, "trainer.keep_last": 2, "trainer.micro_batch": 2}
+
+
+def _toys():
+    """The toy model/stream of ``test_train_components.py``, loaded by path (any import mode)."""
+    spec = importlib.util.spec_from_file_location("readback_train_toys", TESTS / "test_train_components.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+WORKER = textwrap.dedent(
+    """
+    import importlib, json, sys, types
+    from pathlib import Path
+
+    sys.path.insert(0, {tests!r})
+    import test_ddp
+
+    toys = test_ddp._toys()
+    for name, attr, fn in (("readback.model", "build_model", toys.toy_build_model),
+                           ("readback.data", "build_data", toys.toy_build_data)):
+        try:
+            module = importlib.import_module(name)
+        except Exception:
+            module = sys.modules[name] = types.ModuleType(name)
+        setattr(module, attr, fn)
+    from readback.train import run
+
+    run(toys.make_cfg(**json.loads(sys.argv[2])), Path(sys.argv[1]))
+    """
+)
+
+
+def _torchrun(tmp_path: Path, run_dir: Path, overrides: dict) -> subprocess.CompletedProcess:
+    script = tmp_path / "worker.py"
+    script.write_text(WORKER.format(tests=str(TESTS)))
+    env = dict(os.environ, OMP_NUM_THREADS="1", WANDB_MODE="disabled")
+    env.pop("WORLD_SIZE", None)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(script),
+           str(run_dir), json.dumps(overrides)]
+    return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=180, cwd=tmp_path)
+
+
+@pytest.fixture
+def single_thread():
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)  # like the torchrun workers
+    yield
+    torch.set_num_threads(before)
+
+
+def _install_toys(monkeypatch):
+    toys = _toys()
+    for name, attr, fn in (("readback.model", "build_model", toys.toy_build_model),
+                           ("readback.data", "build_data", toys.toy_build_data)):
+        toys._install(monkeypatch, name, attr, fn)
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    return toys
+
+
+def test_two_processes_match_one(tmp_path, monkeypatch, single_thread):
+    toys = _install_toys(monkeypatch)
+    one, two = tmp_path / "one", tmp_path / "two"
+    run(toys.make_cfg(**OVERRIDES), one)  # 1 process: 4 micro-batches of 2 per step
+    proc = _torchrun(tmp_path, two, OVERRIDES)  # 2 processes: 2 micro-batches of 2 each
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+
+    a, b = read_jsonl(one / "metrics.jsonl"), read_jsonl(two / "metrics.jsonl")
+    assert [r["step"] for r in b] == list(range(1, 9))  # rank 0 alone wrote, once per step
+    for ra, rb in zip(a, b, strict=True):
+        assert rb["tokens"] == ra["tokens"] and rb["lr"] == ra["lr"]
+        assert rb["loss"] == pytest.approx(ra["loss"], rel=1e-6, abs=1e-7)
+        assert rb["grad_norm"] == pytest.approx(ra["grad_norm"], rel=1e-5, abs=1e-7)
+        assert ("val_loss" in rb) == ("val_loss" in ra)
+        if "val_loss" in ra:
+            assert rb["val_loss"] == pytest.approx(ra["val_loss"], rel=1e-6, abs=1e-7)
+    assert [r["step"] for r in b if "val_loss" in r] == [4, 8]
+
+    summary = json.loads((two / "summary.json").read_text())
+    assert summary["status"] == "completed" and summary["world_size"] == 2 and summary["steps"] == 8
+    assert summary["final_loss"] == pytest.approx(json.loads((one / "summary.json").read_text())["final_loss"],
+                                                  rel=1e-6)
+    state = load_checkpoint(checkpoint_path(two / "checkpoints", 8))
+    assert state["world_size"] == 2 and len(state["ranks"]) == 2
+    assert [r["data"] for r in state["ranks"]] == [{"consumed": 64}, {"consumed": 64}]
+
+    # a 2-process checkpoint resumes in one process (same global batch) on the same curve
+    resumed = tmp_path / "resumed"
+    shutil.copytree(two, resumed)
+    checkpoint_path(resumed / "checkpoints", 8).unlink()
+    assert [s for s, _ in list_checkpoints(resumed / "checkpoints")] == [4]
+    run(toys.make_cfg(**OVERRIDES, **{"trainer.resume": True}), resumed)
+    c = read_jsonl(resumed / "metrics.jsonl")
+    assert [r["step"] for r in c] == list(range(1, 9))
+    for rb, rc in zip(b, c, strict=True):
+        assert rc["loss"] == pytest.approx(rb["loss"], rel=1e-6, abs=1e-7)

@@ -1,0 +1,568 @@
+"""The trainer's parts one by one, then end-to-end runs of ``readback.train.run`` on a toy model.
+
+The toy model and data stream implement the interfaces the trainer relies on (loss from
+``model(idx, targets)``, ``model.numerics``, ``activation_stats``; ``next_batch``, ``val_batches``,
+``state_dict``) and are installed in place of ``readback.model.build_model`` /
+``readback.data.build_data``.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import logging
+import math
+import sys
+import types
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+from omegaconf import OmegaConf
+from torch import nn
+
+from readback.errors import ConfigError
+from readback.train import run
+from readback.train.checkpoint import (
+    atomic_torch_save,
+    checkpoint_path,
+    list_checkpoints,
+    load_checkpoint,
+    load_latest_checkpoint,
+    save_checkpoint,
+)
+from readback.train.divergence import DivergenceDetector
+from readback.train.metrics import JsonlWriter, MetricsLogger, WandbLogger, read_jsonl, resolve_wandb_mode
+from readback.train.optim import build_optimizer, clip_grads_, grad_norm, nonfinite_grad_names, param_groups
+from readback.train.schedule import WSDSchedule
+
+CONF = Path(__file__).resolve().parents[1] / "conf"
+
+
+# --------------------------------------------------------------------------- toy stand-ins
+class ToyNumerics:
+    """Step counter, plus state that forwards in eval mode change and that feeds back into the
+    loss (like amax histories and random streams): evaluation must not leak into training."""
+
+    def __init__(self) -> None:
+        self.step = 0
+        self.eval_forwards = 0
+
+    def end_step(self) -> None:
+        self.step += 1
+
+    def state_dict(self) -> dict:
+        return {"step": self.step, "eval_forwards": self.eval_forwards}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.step = int(state["step"])
+        self.eval_forwards = int(state["eval_forwards"])
+
+    def saturation_counts(self) -> dict[str, int]:
+        return {"toy.out": self.step % 3}
+
+
+class ToyModel(nn.Module):
+    """Embedding -> gated residual MLP -> head. Deterministic, tiny, with a 1-D gain, a frozen
+    1-D parameter and switches that poison the loss or one gradient at a chosen step."""
+
+    def __init__(self, vocab: int, d: int = 16, nan_loss_at: int | None = None, nan_grad_at: int | None = None):
+        super().__init__()
+        self.vocab = vocab
+        self.emb = nn.Embedding(vocab, d)
+        self.gain = nn.Parameter(torch.ones(d))
+        self.frozen = nn.Parameter(torch.ones(d), requires_grad=False)
+        self.fc = nn.Linear(d, d)
+        self.head = nn.Linear(d, vocab, bias=False)
+        self.numerics = ToyNumerics()
+        self.nan_loss_at, self.nan_grad_at = nan_loss_at, nan_grad_at
+        self._stats: dict[str, float] = {}
+
+    def _this_step(self) -> int:
+        return self.numerics.step + 1
+
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        gain = self.gain
+        if self.training and self.nan_grad_at == self._this_step():
+            gain = gain + 0.0
+            gain.register_hook(lambda g: torch.full_like(g, math.nan))
+        h = self.emb(idx)
+        if self.training:  # a leak of evaluation state into training would change the loss
+            h = h * (1.0 + 0.01 * self.numerics.eval_forwards)
+        else:
+            self.numerics.eval_forwards += 1
+        h = h + torch.tanh(self.fc(h * gain * self.frozen))
+        c = h.detach() - h.detach().mean(-1, keepdim=True)
+        self._stats = {"kurtosis/attn_out_max": float((c**4).mean() / (c**2).mean() ** 2)}
+        loss = F.cross_entropy(self.head(h).flatten(0, 1), targets.flatten())
+        if self.training and self.nan_loss_at == self._this_step():
+            loss = loss * math.nan
+        return loss
+
+    def activation_stats(self) -> dict[str, float]:
+        return dict(self._stats)
+
+    def n_params(self) -> int:
+        return sum(p.numel() for p in self.parameters())
+
+    def flops_per_token(self) -> float:
+        return 6.0 * self.n_params()
+
+
+class ToyStream:
+    """Sequences ``start, start+k, start+2k, ... (mod vocab)``, ``k`` in 1..3, one per global index;
+    rank ``r`` takes its share of every global batch (like the real stream)."""
+
+    def __init__(self, vocab: int, *, seq_len: int, micro_batch: int, seed: int, rank: int, world_size: int,
+                 crash_at_call: int | None = None):
+        self.vocab_size, self.seq_len, self.micro_batch = vocab, seq_len, micro_batch
+        self.seed, self.rank, self.world_size = seed, rank, world_size
+        self.tokens_per_batch = micro_batch * seq_len
+        self.consumed = 0
+        self.calls = 0
+        self.crash_at_call = crash_at_call
+
+    def _seq(self, index: int) -> torch.Tensor:
+        g = torch.Generator().manual_seed(self.seed * 1_000_003 + index)
+        start = int(torch.randint(0, self.vocab_size, (1,), generator=g))
+        k = int(torch.randint(1, 4, (1,), generator=g))
+        return (start + k * torch.arange(self.seq_len + 1)) % self.vocab_size
+
+    def _batch(self, first: int) -> tuple[torch.Tensor, torch.Tensor]:
+        seqs = torch.stack([self._seq(first + j) for j in range(self.micro_batch)])
+        return seqs[:, :-1].contiguous(), seqs[:, 1:].contiguous()
+
+    def next_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.crash_at_call is not None and self.calls == self.crash_at_call:
+            raise RuntimeError("simulated crash")
+        self.calls += 1
+        batch = self._batch(self.consumed + self.rank * self.micro_batch)
+        self.consumed += self.micro_batch * self.world_size
+        return batch
+
+    def val_batches(self, n: int):
+        for i in range(n):
+            yield self._batch(10**6 + i * self.micro_batch)
+
+    def state_dict(self) -> dict:
+        return {"consumed": self.consumed}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.consumed = int(state["consumed"])
+
+
+BUILT: list[ToyModel] = []
+
+
+def toy_build_model(cfg, device):
+    m = cfg.model
+    with torch.device(device):
+        model = ToyModel(int(m.vocab_size), int(m.d_model), m.get("nan_loss_at"), m.get("nan_grad_at"))
+    BUILT.append(model)
+    return model
+
+
+def toy_build_data(cfg_data, *, seq_len, micro_batch, seed, rank=0, world_size=1):
+    if cfg_data.get("forbid_build"):
+        raise AssertionError("build_data must not be called")
+    return ToyStream(int(cfg_data.vocab), seq_len=seq_len, micro_batch=micro_batch, seed=seed, rank=rank,
+                     world_size=world_size, crash_at_call=cfg_data.get("crash_at_call"))
+
+
+def _install(monkeypatch, module: str, attr: str, fn) -> None:
+    try:
+        mod = importlib.import_module(module)
+    except Exception:  # not written yet, or broken mid-edit: a stand-in module
+        mod = types.ModuleType(module)
+        monkeypatch.setitem(sys.modules, module, mod)
+    monkeypatch.setattr(mod, attr, fn, raising=False)
+
+
+@pytest.fixture
+def toys(monkeypatch):
+    _install(monkeypatch, "readback.model", "build_model", toy_build_model)
+    _install(monkeypatch, "readback.data", "build_data", toy_build_data)
+    monkeypatch.delenv("WANDB_MODE", raising=False)
+    BUILT.clear()
+    yield BUILT
+
+
+def make_cfg(**trainer):
+    """The real ``conf/trainer/default.yaml`` and ``conf/logger/none.yaml`` with toy sizes."""
+    base = OmegaConf.load(CONF / "trainer" / "default.yaml")
+    small = dict(steps=12, micro_batch=2, log_every=2, eval_every=4, eval_batches=2, ckpt_every=4, keep_last=2,
+                 progress=False, device="cpu")
+    base = OmegaConf.merge(base, small, {"optim": {"warmup_steps": 3}})
+    cfg = OmegaConf.create({
+        "seed": 3,
+        "experiment": "toy",
+        "model": {"seq_len": 8, "global_batch": 8, "lr": 3e-2, "vocab_size": None, "d_model": 16},
+        "data": {"vocab": 24},
+        "trainer": base,
+        "logger": OmegaConf.load(CONF / "logger" / "none.yaml"),
+    })
+    for key, value in trainer.items():
+        OmegaConf.update(cfg, key, value, force_add=True)
+    return cfg
+
+
+# --------------------------------------------------------------------------- schedule
+def test_schedule_warmup_stable_cooldown():
+    peak, mn = 1e-3, 1e-8
+    s = WSDSchedule(peak=peak, steps=100, warmup_steps=10, cooldown_frac=0.2, min_lr=mn)
+    assert s.cooldown_start == 80
+    assert s(1) == pytest.approx(peak / 10)
+    assert s(5) == pytest.approx(peak / 2)
+    assert s(10) == pytest.approx(peak)
+    assert s(11) == s(50) == s(80) == peak
+    for t in (81, 85, 90, 99, 100):
+        assert s(t) == pytest.approx(mn + (peak - mn) * (1 - math.sqrt((t - 80) / 20)), rel=1e-12)
+    assert s(100) == pytest.approx(mn)
+    lrs = [s(t) for t in range(1, 101)]
+    assert all(a <= b for a, b in zip(lrs[:10], lrs[1:11]))
+    assert all(a >= b for a, b in zip(lrs[79:], lrs[80:]))
+
+
+def test_schedule_from_config_and_overlap():
+    cfg = OmegaConf.load(CONF / "trainer" / "default.yaml")
+    s = WSDSchedule.from_config(cfg.optim, peak=3e-3, steps=cfg.steps)
+    assert (s.warmup_steps, s.cooldown_frac, s.min_lr) == (cfg.optim.warmup_steps, 0.2, 1e-8)
+    short = WSDSchedule(peak=1.0, steps=4, warmup_steps=4, cooldown_frac=0.5, min_lr=0.0)
+    assert short(3) == pytest.approx(min(0.75, 1 - math.sqrt(0.5)))
+    with pytest.raises(ConfigError):
+        WSDSchedule(peak=1.0, steps=10, cooldown_frac=1.5)
+
+
+# --------------------------------------------------------------------------- optimizer
+def test_param_groups_no_decay_on_1d():
+    model = ToyModel(10, 4)
+    groups = param_groups(model, 0.1)
+    decay, no_decay = groups
+    assert decay["weight_decay"] == 0.1 and no_decay["weight_decay"] == 0.0
+    assert all(p.ndim >= 2 for p in decay["params"])
+    assert all(p.ndim < 2 for p in no_decay["params"])
+    ids = {id(p) for g in groups for p in g["params"]}
+    assert id(model.frozen) not in ids and id(model.gain) in {id(p) for p in no_decay["params"]}
+    assert id(model.fc.bias) in {id(p) for p in no_decay["params"]}
+    assert len(ids) == sum(1 for p in model.parameters() if p.requires_grad)
+    opt = build_optimizer(model, OmegaConf.load(CONF / "trainer" / "default.yaml").optim, lr=1e-3)
+    assert isinstance(opt, torch.optim.AdamW)
+    assert opt.defaults["betas"] == (0.9, 0.95) and opt.defaults["eps"] == 1e-8
+
+
+def test_grad_norm_clip_and_nonfinite_names():
+    torch.manual_seed(0)
+    a, b = nn.Linear(3, 4), nn.Linear(3, 4)
+    b.load_state_dict(a.state_dict())
+    x = torch.randn(5, 3) * 10
+    for m in (a, b):
+        m(x).square().sum().backward()
+    expected = torch.nn.utils.clip_grad_norm_(list(b.parameters()), 1.0)
+    norm = grad_norm(list(a.parameters()))
+    assert torch.allclose(norm, expected)
+    clip_grads_(list(a.parameters()), 1.0, norm)
+    for pa, pb in zip(a.parameters(), b.parameters()):
+        assert torch.allclose(pa.grad, pb.grad)
+    a.bias.grad[0] = math.inf
+    assert not math.isfinite(grad_norm(list(a.parameters())))
+    assert nonfinite_grad_names(a.named_parameters()) == ["bias"]
+
+
+# --------------------------------------------------------------------------- divergence
+def test_divergence_nan_stops():
+    d = DivergenceDetector(factor=2.0, patience=3)
+    assert not d.check_loss(1, 3.0)
+    assert d.check_loss(2, math.nan) and d.diverged_at_step == 2 and d.nonfinite_loss
+    assert DivergenceDetector().check_loss(7, math.inf)
+
+
+def test_divergence_factor_patience_marks_first_step_of_streak():
+    d = DivergenceDetector(factor=2.0, patience=3, stop=False)
+    for step, loss in [(10, 5.0), (20, 3.0), (30, 2.0), (40, 4.5), (50, 2.5), (60, 4.1), (70, 5.0)]:
+        assert not d.observe_logged(step, loss)
+    assert not d.diverged  # 40 alone, then a streak of two
+    assert not d.observe_logged(80, 9.0)  # third in a row: marked, but stop=False
+    assert d.diverged_at_step == 60 and "60" in d.reason
+    stopper = DivergenceDetector(factor=1.5, patience=2, stop=True)
+    assert not stopper.observe_logged(1, 2.0)
+    assert not stopper.observe_logged(2, 3.5)
+    assert stopper.observe_logged(3, 3.5) and stopper.diverged_at_step == 2
+
+
+def test_divergence_no_false_positive_on_falling_curve():
+    d = DivergenceDetector(factor=1.2, patience=1, stop=True)
+    for step in range(1, 500):
+        noisy = 10.0 * math.exp(-step / 100) + 2.0 + 0.05 * math.sin(step)
+        assert not d.observe_logged(step, noisy)
+        assert not d.check_loss(step, noisy)
+    assert d.diverged_at_step is None
+
+
+def test_divergence_state_roundtrip():
+    d = DivergenceDetector(2.0, 2)
+    d.observe_logged(1, 1.0)
+    d.observe_logged(2, 3.0)
+    d.record_nonfinite_grads(2, ["w"])
+    e = DivergenceDetector(2.0, 2)
+    e.load_state_dict(d.state_dict())
+    e.observe_logged(3, 3.0)
+    assert e.diverged_at_step == 2 and e.skipped == [{"step": 2, "params": ["w"]}]
+
+
+# --------------------------------------------------------------------------- checkpoints
+def test_atomic_checkpoint_survives_a_kill_mid_write(tmp_path, monkeypatch):
+    save_checkpoint({"step": 1, "w": torch.ones(3)}, tmp_path, 1)
+
+    def dying_save(obj, f, *args, **kwargs):
+        f.write(b"PK\x03\x04 half a checkpoint")
+        raise KeyboardInterrupt("killed mid-write")
+
+    monkeypatch.setattr(torch, "save", dying_save)
+    with pytest.raises(KeyboardInterrupt):
+        save_checkpoint({"step": 2, "w": torch.zeros(3)}, tmp_path, 2)
+    monkeypatch.undo()
+    assert [s for s, _ in list_checkpoints(tmp_path)] == [1]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step_0000001.pt"]  # no temp file left
+    path, state = load_latest_checkpoint(tmp_path)
+    assert path.name == "step_0000001.pt" and torch.equal(state["w"], torch.ones(3))
+
+
+def test_corrupt_newest_checkpoint_is_skipped(tmp_path, caplog):
+    save_checkpoint({"step": 1}, tmp_path, 1)
+    save_checkpoint({"step": 2}, tmp_path, 2)
+    checkpoint_path(tmp_path, 3).write_bytes(b"garbage")
+    with caplog.at_level(logging.WARNING):
+        path, state = load_latest_checkpoint(tmp_path)
+    assert state["step"] == 2 and "step_0000003.pt" in caplog.text
+    assert load_latest_checkpoint(tmp_path / "missing") is None
+
+
+def test_keep_last_prunes(tmp_path):
+    for step in (4, 8, 12, 16):
+        save_checkpoint({"step": step}, tmp_path, step, keep_last=2)
+    assert [s for s, _ in list_checkpoints(tmp_path)] == [12, 16]
+    atomic_torch_save({"step": 20}, checkpoint_path(tmp_path, 20))
+    assert load_checkpoint(checkpoint_path(tmp_path, 20))["step"] == 20
+
+
+# --------------------------------------------------------------------------- metrics
+def test_jsonl_writer_and_resume_truncation(tmp_path):
+    path = tmp_path / "metrics.jsonl"
+    w = JsonlWriter(path)
+    for step in (2, 4, 6, 8):
+        w.write({"step": step, "loss": 1.0 / step, "t": torch.tensor(0.5), "bad": math.nan})
+    w.close()
+    lines = path.read_text().splitlines()
+    assert len(lines) == 4 and json.loads(lines[0]) == {"step": 2, "loss": 0.5, "t": 0.5, "bad": None}
+    with open(path, "a") as f:
+        f.write('{"step": 10, "loss"')  # torn by a crash
+    w = JsonlWriter(path)
+    w.truncate_after(4)
+    w.write({"step": 6, "loss": 0.0})
+    w.close()
+    assert [r["step"] for r in read_jsonl(path)] == [2, 4, 6]
+
+
+def test_wandb_mode_resolution(monkeypatch):
+    monkeypatch.delenv("WANDB_MODE", raising=False)
+    monkeypatch.delenv("WANDB_DISABLED", raising=False)
+    monkeypatch.delenv("WANDB_API_KEY", raising=False)
+    monkeypatch.setenv("NETRC", "/nonexistent")
+    monkeypatch.setenv("HOME", "/nonexistent")
+    assert resolve_wandb_mode("auto") == "offline"
+    monkeypatch.setenv("WANDB_API_KEY", "x" * 40)
+    assert resolve_wandb_mode("auto") == "online"
+    assert resolve_wandb_mode("offline") == "offline"
+    monkeypatch.setenv("WANDB_MODE", "disabled")
+    assert resolve_wandb_mode("online") == "disabled"
+
+
+def test_wandb_disabled_is_a_noop(tmp_path, monkeypatch):
+    monkeypatch.delenv("WANDB_MODE", raising=False)
+    wb = WandbLogger(run_dir=tmp_path, mode="disabled")
+    assert wb.mode == "noop" and wb.run_id
+    logger = MetricsLogger(JsonlWriter(tmp_path / "metrics.jsonl"), wb)
+    logger.log({"step": 1, "loss": 2.0})
+    logger.close()
+    assert read_jsonl(tmp_path / "metrics.jsonl") == [{"step": 1, "loss": 2.0}]
+    assert not (tmp_path / "wandb").exists()
+
+
+def test_wandb_offline_writes_into_run_dir(tmp_path, monkeypatch):
+    monkeypatch.delenv("WANDB_MODE", raising=False)
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    wb = WandbLogger(run_dir=tmp_path, mode="offline", name="toy", config={"a": 1}, run_id="abc123xy")
+    assert wb.mode == "offline"
+    logger = MetricsLogger(JsonlWriter(tmp_path / "metrics.jsonl"), wb)
+    logger.log({"step": 1, "loss": 2.0})
+    logger.close()
+    runs = list((tmp_path / "wandb").glob("offline-run-*abc123xy"))
+    assert runs, list((tmp_path / "wandb").iterdir())
+    assert read_jsonl(tmp_path / "metrics.jsonl") == [{"step": 1, "loss": 2.0}]
+
+
+def test_wandb_init_and_log_failures_never_raise(tmp_path, monkeypatch):
+    import wandb
+
+    monkeypatch.delenv("WANDB_MODE", raising=False)
+    calls = []
+
+    def broken_init(**kwargs):
+        calls.append(kwargs["mode"])
+        raise RuntimeError("no network / bad key")
+
+    monkeypatch.setattr(wandb, "init", broken_init)
+    wb = WandbLogger(run_dir=tmp_path, mode="online")
+    assert calls == ["online", "offline"] and wb.mode == "noop"
+    wb.log({"loss": 1.0}, step=1)
+    wb.finish()
+
+    class CrashingRun:
+        summary: dict = {}
+
+        def log(self, *a, **k):
+            raise OSError("wandb service died")
+
+        def finish(self, *a, **k):
+            raise OSError("still dead")
+
+    monkeypatch.setattr(wandb, "init", lambda **kwargs: CrashingRun())
+    wb = WandbLogger(run_dir=tmp_path, mode="offline")
+    logger = MetricsLogger(JsonlWriter(tmp_path / "m.jsonl"), wb)
+    logger.log({"step": 1, "loss": 1.0})
+    logger.log({"step": 2, "loss": 0.5})
+    logger.close()
+    assert [r["step"] for r in read_jsonl(tmp_path / "m.jsonl")] == [1, 2]
+
+
+# --------------------------------------------------------------------------- end to end
+BASE_KEYS = {"step", "loss", "lr", "tokens", "grad_norm", "tokens_per_s"}
+SUMMARY_KEYS = {"status", "final_loss", "val_loss", "steps", "tokens", "diverged_at_step", "wall_time_s",
+                "n_params", "experiment"}
+CURVE_KEYS = ("step", "loss", "lr", "tokens", "grad_norm", "val_loss")
+
+
+def _curve(run_dir: Path) -> list[tuple]:
+    return [tuple(r.get(k) for k in CURVE_KEYS) for r in read_jsonl(run_dir / "metrics.jsonl")]
+
+
+def test_run_end_to_end_contracts(tmp_path, toys):
+    cfg = make_cfg()
+    summary = run(cfg, tmp_path)
+    records = read_jsonl(tmp_path / "metrics.jsonl")
+    assert [r["step"] for r in records] == [2, 4, 6, 8, 10, 12]
+    for r in records:
+        assert BASE_KEYS <= r.keys()
+        assert r["tokens"] == r["step"] * 8 * 8
+        assert "kurtosis/attn_out_max" in r and "fp8_saturation/toy.out" in r
+    assert [r["step"] for r in records if "val_loss" in r] == [4, 8, 12]
+    assert records[-1]["loss"] < records[0]["loss"]
+    assert records[0]["lr"] == pytest.approx(2e-2) and records[1]["lr"] == pytest.approx(3e-2)  # warmup 3
+    assert records[-1]["lr"] == pytest.approx(1e-8)
+    on_disk = json.loads((tmp_path / "summary.json").read_text())
+    assert on_disk == json.loads(json.dumps(summary))
+    assert SUMMARY_KEYS <= on_disk.keys()
+    assert on_disk["status"] == "completed" and on_disk["diverged_at_step"] is None
+    assert on_disk["steps"] == 12 and on_disk["tokens"] == 12 * 64
+    assert on_disk["final_loss"] == records[-1]["loss"] and on_disk["val_loss"] == records[-1]["val_loss"]
+    assert on_disk["n_params"] == toys[0].n_params() and on_disk["experiment"] == "toy"
+    assert cfg.model.vocab_size == 24  # taken from the stream
+    assert [s for s, _ in list_checkpoints(tmp_path / "checkpoints")] == [8, 12]
+    state = load_checkpoint(checkpoint_path(tmp_path / "checkpoints", 12))
+    assert {"model", "optimizer", "schedule", "ranks", "divergence", "wandb_run_id", "step"} <= state.keys()
+    assert state["ranks"][0]["numerics"] == {"step": 12, "eval_forwards": 0} and state["ranks"][0]["data"] == {"consumed": 96}
+
+
+def test_resume_reproduces_the_uninterrupted_curve_bit_exactly(tmp_path, toys):
+    straight, crashed = tmp_path / "straight", tmp_path / "crashed"
+    run(make_cfg(), straight)
+    # 4 micro-batches per step: call 40 is the first of step 11, after step 10 was logged
+    with pytest.raises(RuntimeError, match="simulated crash"):
+        run(make_cfg(**{"data.crash_at_call": 40}), crashed)
+    failed = json.loads((crashed / "summary.json").read_text())
+    assert failed["status"] == "failed" and "simulated crash" in failed["error"] and failed["steps"] == 10
+    assert [r["step"] for r in read_jsonl(crashed / "metrics.jsonl")][-1] == 10
+    assert [s for s, _ in list_checkpoints(crashed / "checkpoints")] == [4, 8]
+    summary = run(make_cfg(**{"trainer.resume": True}), crashed)
+    assert summary["status"] == "completed"
+    assert [r["step"] for r in read_jsonl(crashed / "metrics.jsonl")] == [2, 4, 6, 8, 10, 12]
+    assert _curve(crashed) == _curve(straight)  # exact equality, floats included
+    a = load_checkpoint(checkpoint_path(straight / "checkpoints", 12))["model"]
+    b = load_checkpoint(checkpoint_path(crashed / "checkpoints", 12))["model"]
+    assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_evaluation_leaves_training_untouched(tmp_path, toys):
+    run(make_cfg(**{"trainer.eval_every": 2}), tmp_path / "often")
+    run(make_cfg(**{"trainer.eval_every": 12}), tmp_path / "once")
+    train_curve = [(s, loss, lr, g) for s, loss, lr, _, g, _ in _curve(tmp_path / "often")]
+    assert train_curve == [(s, loss, lr, g) for s, loss, lr, _, g, _ in _curve(tmp_path / "once")]
+
+
+def test_nan_loss_stops_without_applying_the_update(tmp_path, toys):
+    cfg = make_cfg(**{"model.nan_loss_at": 6, "trainer.log_every": 1, "trainer.ckpt_every": 5})
+    summary = run(cfg, tmp_path)
+    assert summary["status"] == "diverged" and summary["diverged_at_step"] == 6 and summary["steps"] == 6
+    assert "non-finite loss" in summary["divergence_reason"]
+    records = read_jsonl(tmp_path / "metrics.jsonl")
+    assert [r["step"] for r in records] == [1, 2, 3, 4, 5, 6]
+    assert records[-1]["loss"] is None and records[-1]["diverged"] is True
+    assert json.loads((tmp_path / "summary.json").read_text())["final_loss"] is None
+    # no checkpoint of the diverged step; the weights are exactly those after step 5
+    assert [s for s, _ in list_checkpoints(tmp_path / "checkpoints")] == [5]
+    after_five = load_checkpoint(checkpoint_path(tmp_path / "checkpoints", 5))["model"]
+    final = toys[0].state_dict()
+    assert all(torch.equal(final[k], after_five[k]) for k in final)
+
+
+def test_nonfinite_gradients_skip_the_update(tmp_path, toys):
+    summary = run(make_cfg(**{"model.nan_grad_at": 3}), tmp_path)
+    assert summary["status"] == "completed"
+    assert summary["skipped_updates"] == [{"step": 3, "params": ["gain"]}]
+    assert all(torch.isfinite(v).all() for v in toys[0].state_dict().values())
+    assert read_jsonl(tmp_path / "metrics.jsonl")[1]["skipped_updates"] == 1
+
+
+def test_patience_divergence_can_stop(tmp_path, toys):
+    cfg = make_cfg(**{"trainer.divergence.factor": 0.5, "trainer.divergence.patience": 2,
+                      "trainer.divergence.stop": True, "trainer.log_every": 1})
+    summary = run(cfg, tmp_path)
+    # every loss is above 0.5 x the running minimum: marked at step 2, stopped at step 3
+    assert summary["status"] == "diverged" and summary["diverged_at_step"] == 2 and summary["steps"] == 3
+    assert "val_loss" in read_jsonl(tmp_path / "metrics.jsonl")[-1]
+
+
+def test_wandb_failure_does_not_stop_training(tmp_path, toys, monkeypatch, capsys):
+    import wandb
+
+    def broken_init(**kwargs):
+        raise RuntimeError("wandb is down")
+
+    monkeypatch.setattr(wandb, "init", broken_init)
+    cfg = make_cfg(**{"trainer.steps": 4, "trainer.progress": True})
+    cfg.logger = OmegaConf.load(CONF / "logger" / "wandb.yaml")
+    summary = run(cfg, tmp_path)
+    assert summary["status"] == "completed"
+    bar = capsys.readouterr().err
+    assert "4/4" in bar and "loss=" in bar and "tok_s=" in bar
+    assert [r["step"] for r in read_jsonl(tmp_path / "metrics.jsonl")] == [2, 4]
+    run_id = load_checkpoint(checkpoint_path(tmp_path / "checkpoints", 4))["wandb_run_id"]
+    assert isinstance(run_id, str) and run_id
+
+
+def test_dry_run_builds_on_meta_and_skips_data(tmp_path, toys, capsys):
+    cfg = make_cfg(**{"trainer.dry_run": True, "model.vocab_size": 24, "data.forbid_build": True})
+    summary = run(cfg, tmp_path)
+    assert summary["status"] == "dry_run" and summary["n_params"] == toys[0].n_params()
+    assert summary["flops_per_token"] == 6.0 * summary["n_params"]
+    assert all(p.is_meta for p in toys[0].parameters())
+    assert "parameters" in capsys.readouterr().out
+    assert json.loads((tmp_path / "summary.json").read_text())["status"] == "dry_run"
+    assert not (tmp_path / "metrics.jsonl").exists() and not (tmp_path / "checkpoints").exists()
+
+
+def test_indivisible_global_batch_is_a_config_error(tmp_path, toys):
+    with pytest.raises(ConfigError, match="model.global_batch"):
+        run(make_cfg(**{"trainer.micro_batch": 3}), tmp_path / "run")
+    assert not (tmp_path / "run").exists()
