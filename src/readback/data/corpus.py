@@ -45,12 +45,13 @@ def shakespeare_files(editions: str = "modern") -> list[Path]:
 
 
 def local_files(patterns: list[str] | str) -> list[Path]:
-    """User-given text files (paths or globs) in the order given, each checked to be non-empty."""
+    """User-given text files in the order given; a glob adds its matches in sorted order."""
     if isinstance(patterns, str):
         patterns = [patterns]
     files: list[Path] = []
-    for pattern in patterns:
-        matches = sorted(glob.glob(str(Path(pattern).expanduser()))) if glob.has_magic(pattern) else [pattern]
+    for pattern in map(str, patterns):
+        is_glob = any(c in pattern for c in "*?[")
+        matches = sorted(glob.glob(str(Path(pattern).expanduser()))) if is_glob else [pattern]
         if not matches:
             raise ConfigError("data.files", pattern, "a path or glob matching existing text files")
         files.extend(Path(m).expanduser() for m in matches)
@@ -85,20 +86,23 @@ def load_documents(files: list[Path], hf_cache: Path) -> list[str]:
     """One string per file, read with ``datasets``' local ``text`` builder (no hub access).
 
     ``text`` is a builder packaged inside ``datasets`` and every file is local, so nothing is
-    resolved or downloaded; its Arrow cache goes under our own cache directory.
+    resolved or downloaded; its Arrow cache goes under our own cache directory. The one request
+    ``datasets`` would still make, a usage-counter ping for packaged builders, is switched off
+    for the call, so an offline machine neither waits for it nor needs offline mode set.
     """
     import datasets
-    from datasets.utils import tqdm as hf_tqdm
 
-    quiet = not hf_tqdm.are_progress_bars_disabled()
-    if quiet:  # its "Downloading data" bar for a local copy would only confuse
-        hf_tqdm.disable_progress_bars()
+    counts, datasets.config.HF_UPDATE_DOWNLOAD_COUNTS = datasets.config.HF_UPDATE_DOWNLOAD_COUNTS, False
+    bars = not datasets.are_progress_bars_disabled()
+    if bars:  # its "Downloading data" bar for a local copy would only confuse
+        datasets.disable_progress_bars()
     try:
         ds = datasets.load_dataset("text", data_files=[str(f) for f in files], sample_by="document",
                                    split="train", cache_dir=str(hf_cache))
     finally:
-        if quiet:
-            hf_tqdm.enable_progress_bars()
+        datasets.config.HF_UPDATE_DOWNLOAD_COUNTS = counts
+        if bars:
+            datasets.enable_progress_bars()
     docs = [_clean(t) for t in ds["text"]]
     if len(docs) != len(files):  # the builder drops files with no text at all
         raise ConfigError("data.files", [str(f) for f in files], "non-empty text files")

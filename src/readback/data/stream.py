@@ -1,0 +1,145 @@
+"""Fixed-length training sequences from a token array: order, sharding over ranks, resumption.
+
+Packing: the split's tokens are laid end to end (an EOS token wherever the text is not
+continuous) and cut into windows of ``seq_len + 1`` tokens with stride ``seq_len``; a window
+gives ``x = w[:-1]`` and ``y = w[1:]``, so every token is a target exactly once per epoch.
+
+Order: all ranks walk one global sequence stream, epoch ``e`` being a permutation of the
+windows drawn from ``(seed, e)``. A step consumes ``micro_batch * world_size`` consecutive
+entries; rank ``r`` takes entries ``[r * micro_batch, (r + 1) * micro_batch)`` of them. Hence
+two ranks at call ``k`` see exactly what one rank sees at calls ``2k`` and ``2k + 1`` (the
+trainer compares a 2-process run with a 1-process run accumulating two micro-batches), and
+the position is a single count of global entries that any world size can resume from.
+"""
+
+from __future__ import annotations
+
+import numbers
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+import torch
+
+from readback.errors import ConfigError, require
+
+Batch = tuple[torch.Tensor, torch.Tensor]
+
+
+def check_layout(seq_len: int, micro_batch: int, seed: int, rank: int, world_size: int) -> None:
+    """``ConfigError`` for a batch layout no stream can serve."""
+    def whole(x: object) -> bool:
+        return isinstance(x, numbers.Integral) and not isinstance(x, bool)
+
+    require(whole(seq_len) and seq_len >= 1, "seq_len", seq_len, "an integer >= 1")
+    require(whole(micro_batch) and micro_batch >= 1, "micro_batch", micro_batch, "an integer >= 1")
+    require(whole(seed), "seed", seed, "an integer")
+    require(whole(world_size) and world_size >= 1, "world_size", world_size, "an integer >= 1")
+    require(whole(rank) and 0 <= rank < world_size, "rank", rank, f"0..{world_size - 1}")
+
+
+def windows(tokens: np.ndarray, index: np.ndarray, seq_len: int) -> Batch:
+    """``(x, y)`` int64 tensors of shape ``(len(index), seq_len)`` for the windows ``index``."""
+    rows = tokens[index[:, None] * seq_len + np.arange(seq_len + 1)].astype(np.int64)
+    rows_t = torch.from_numpy(rows)
+    return rows_t[:, :-1].contiguous(), rows_t[:, 1:].contiguous()
+
+
+def n_windows(tokens: np.ndarray, seq_len: int) -> int:
+    """How many ``seq_len + 1`` windows with stride ``seq_len`` fit in ``tokens``."""
+    return max(0, (len(tokens) - 1) // seq_len)
+
+
+def val_iter(tokens: np.ndarray, n: int, micro_batch: int, seq_len: int) -> Iterator[Batch]:
+    """``n`` batches of the validation windows in order, cycling if ``n`` batches need more."""
+    total = n_windows(tokens, seq_len)
+    if total == 0:
+        raise ConfigError("data.val_fraction", "too little validation text",
+                          f"enough validation text for one window of seq_len + 1 = {seq_len + 1} tokens")
+    for b in range(n):
+        index = (b * micro_batch + np.arange(micro_batch)) % total
+        yield windows(tokens, index, seq_len)
+
+
+def split_blocks(ids: np.ndarray, offsets: np.ndarray, block_doc: np.ndarray, is_val: np.ndarray,
+                 eos: int) -> tuple[np.ndarray, np.ndarray]:
+    """Train and validation token streams; EOS closes every run of consecutive blocks of one document."""
+    out: dict[bool, list[np.ndarray]] = {False: [], True: []}
+    eos_arr = np.asarray([eos], dtype=ids.dtype)
+    n = len(block_doc)
+    for i in range(n):
+        side = bool(is_val[i])
+        out[side].append(ids[offsets[i]:offsets[i + 1]])
+        run_continues = i + 1 < n and bool(is_val[i + 1]) == side and block_doc[i + 1] == block_doc[i]
+        if not run_continues:
+            out[side].append(eos_arr)
+    empty = np.zeros(0, dtype=ids.dtype)
+    return (np.concatenate(out[False]) if out[False] else empty,
+            np.concatenate(out[True]) if out[True] else empty)
+
+
+class PackedStream:
+    """Batches of packed windows over in-memory train/validation token arrays (see module doc)."""
+
+    def __init__(self, train: np.ndarray, val: np.ndarray, *, vocab_size: int, seq_len: int,
+                 micro_batch: int, seed: int, rank: int = 0, world_size: int = 1,
+                 fingerprint: str = "", tokenizer: Any = None):
+        check_layout(seq_len, micro_batch, seed, rank, world_size)
+        self.vocab_size = int(vocab_size)
+        seq_len, micro_batch = int(seq_len), int(micro_batch)
+        self.seq_len, self.micro_batch = seq_len, micro_batch
+        self.seed, self.rank, self.world_size = int(seed), int(rank), int(world_size)
+        self.tokens_per_batch = micro_batch * seq_len
+        self.tokenizer = tokenizer  # tokenizers.Tokenizer for text data, None for synthetic
+        self.fingerprint = fingerprint
+        self.train_tokens, self.val_tokens = train, val
+        self.n_sequences = n_windows(train, seq_len)
+        require(self.n_sequences >= 1, "seq_len", seq_len,
+                f"at most {len(train) - 1} for {len(train)} training tokens")
+        self._consumed = 0  # global entries of the sequence stream taken so far, by all ranks
+        self._perms: dict[int, np.ndarray] = {}
+
+    def _order(self, epoch: int) -> np.ndarray:
+        if epoch not in self._perms:
+            self._perms = {epoch: np.random.default_rng([self.seed % (1 << 64), epoch]).permutation(self.n_sequences)}
+        return self._perms[epoch]
+
+    def _window_ids(self, start: int, count: int) -> np.ndarray:
+        """The windows at global stream positions ``start .. start + count - 1``."""
+        pos = start + np.arange(count)
+        epochs, within = np.divmod(pos, self.n_sequences)
+        out = np.empty(count, dtype=np.int64)
+        for e in np.unique(epochs):
+            sel = epochs == e
+            out[sel] = self._order(int(e))[within[sel]]
+        return out
+
+    def next_batch(self) -> Batch:
+        """This rank's ``(x, y)`` of the next global batch; int64, shape ``(micro_batch, seq_len)``."""
+        start = self._consumed + self.rank * self.micro_batch
+        index = self._window_ids(start, self.micro_batch)
+        self._consumed += self.micro_batch * self.world_size
+        return windows(self.train_tokens, index, self.seq_len)
+
+    def val_batches(self, n: int) -> Iterator[Batch]:
+        """``n`` validation batches in a fixed order: the same on every call and on every rank.
+
+        Not sharded: a trainer that wants to split the work keeps batch ``i`` on rank
+        ``i % world_size`` and averages the per-batch losses over all ranks.
+        """
+        require(isinstance(n, int) and n >= 0, "n", n, "an integer >= 0")
+        return val_iter(self.val_tokens, n, self.micro_batch, self.seq_len)
+
+    def state_dict(self) -> dict:
+        """Where the stream is; loading it into a stream of the same data continues identically."""
+        epoch, cursor = divmod(self._consumed, self.n_sequences)
+        return {"consumed": self._consumed, "epoch": epoch, "cursor": cursor, "seed": self.seed,
+                "n_sequences": self.n_sequences, "fingerprint": self.fingerprint}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Resume at ``state``; the world size and micro-batch may differ, the data and seed may not."""
+        saved = (state.get("fingerprint"), state.get("n_sequences"), state.get("seed"))
+        mine = (self.fingerprint, self.n_sequences, self.seed)
+        require(saved == mine, "data state", saved,
+                f"a state saved by a stream of the same data config, seq_len and seed {mine}")
+        self._consumed = int(state["consumed"])
