@@ -8,6 +8,8 @@ The toy model and data stream implement the interfaces the trainer relies on (lo
 
 from __future__ import annotations
 
+import contextlib
+
 import importlib
 import json
 import logging
@@ -61,6 +63,15 @@ class ToyNumerics:
 
     def saturation_counts(self) -> dict[str, int]:
         return {"toy.out": self.step % 3}
+
+    @contextlib.contextmanager
+    def isolated(self):
+        """Like ``Numerics.isolated``: whatever happens inside is undone on exit."""
+        state = self.state_dict()
+        try:
+            yield
+        finally:
+            self.load_state_dict(state)
 
 
 class ToyModel(nn.Module):

@@ -28,6 +28,13 @@ class GradientProbe:
     dtype: str = "fp32"
     params: tuple[str, ...] = ("*",)
 
+    @classmethod
+    def from_config(cls, cfg) -> GradientProbe:
+        """From the ``probe`` config group; off when absent."""
+        if cfg is None:
+            return cls()
+        return cls(every=cfg.every, repeats=cfg.repeats, dtype=cfg.dtype, params=tuple(cfg.params))
+
     def due(self, step: int) -> bool:
         return self.every > 0 and step % self.every == 0
 

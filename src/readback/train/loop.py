@@ -15,7 +15,6 @@ Order of one optimizer step ``t`` (counted from 1):
 
 from __future__ import annotations
 
-import copy
 import logging
 import math
 import time
@@ -27,6 +26,7 @@ import torch
 from omegaconf import DictConfig, OmegaConf, open_dict
 
 from readback.errors import ConfigError
+from readback.probe import GradientProbe
 from readback.train.checkpoint import (
     atomic_write_text,
     checkpoint_dir,
@@ -234,6 +234,8 @@ class _Trainer:
         self.logger: MetricsLogger = MetricsLogger()
         self.pbar: Any = None
         self.peak_flops: float | None = None
+        self.probe = GradientProbe.from_config(OmegaConf.select(cfg, "probe"))
+        self.probe_metrics: dict[str, float] = {}
 
     # ------------------------------------------------------------------ setup
     def _build(self) -> None:
@@ -317,7 +319,8 @@ class _Trainer:
         """Forward/backward over ``accum`` micro-batches; ``(loss, grad norm, grad norm tensor)``.
 
         With ``track_stats`` a model that has a ``track_stats`` switch measures its activation
-        statistics in the last micro-batch only (they cost a device sync per layer).
+        statistics in the last micro-batch only (they cost a device sync per layer). On probe
+        steps the first micro-batch is measured by the probe before it trains.
         """
         lr = self.schedule(step)
         set_lr(self.optimizer, lr)
@@ -327,6 +330,8 @@ class _Trainer:
         for micro in range(self.accum):
             x, y = self.stream.next_batch()
             x, y = x.to(dev, non_blocking=True), y.to(dev, non_blocking=True)
+            if micro == 0 and self.probe.due(step):
+                self.probe_metrics = self.probe.measure(self.model, x, y)
             last = micro == self.accum - 1
             if has_switch:
                 self.model.track_stats = bool(track_stats and last)
@@ -354,17 +359,16 @@ class _Trainer:
         if self.eval_batches <= 0:
             return None
         env = self.env
-        numerics_before = copy.deepcopy(self.model.numerics.state_dict())
         was_training = self.model.training
         self.model.eval()
         dev = env.device
         totals = torch.zeros(2, dtype=torch.float64, device=dev)  # (sum of losses, batches)
-        for i, (x, y) in enumerate(self.stream.val_batches(self.eval_batches)):
-            if i % env.world_size == env.rank:
-                totals[0] += self.model(x.to(dev), y.to(dev)).double()
-                totals[1] += 1
+        with self.model.numerics.isolated():
+            for i, (x, y) in enumerate(self.stream.val_batches(self.eval_batches)):
+                if i % env.world_size == env.rank:
+                    totals[0] += self.model(x.to(dev), y.to(dev)).double()
+                    totals[1] += 1
         self.model.train(was_training)
-        self.model.numerics.load_state_dict(numerics_before)
         totals = all_reduce_mean(totals, env) * env.world_size
         return float(totals[0] / totals[1].clamp_min(1))
 
@@ -392,6 +396,8 @@ class _Trainer:
         observations = getattr(numerics, "pop_observations", None)
         if observations is not None:  # e.g. attn_rowsum/{mean,z}/<layer>, accumulated since the last record
             rec.update({k: float(v) for k, v in observations().items()})
+        rec.update(self.probe_metrics)
+        self.probe_metrics = {}
         return rec
 
     def _wall_time(self) -> float:
@@ -464,7 +470,7 @@ class _Trainer:
         for step in range(start + 1, self.steps + 1):
             t0 = time.perf_counter()
             is_eval = (self.eval_every > 0 and step % self.eval_every == 0) or step == self.steps
-            is_log = (self.log_every > 0 and step % self.log_every == 0) or is_eval
+            is_log = (self.log_every > 0 and step % self.log_every == 0) or is_eval or self.probe.due(step)
             loss, gnorm, gnorm_t = self._train_step(step, track_stats=is_log)
             lr = self.schedule(step)
             self.step = step
