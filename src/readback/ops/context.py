@@ -36,6 +36,14 @@ class _UnitScale:
     def scale_for(self, x: torch.Tensor) -> torch.Tensor:
         return torch.ones((), device=x.device)
 
+    def saturation_counts(self) -> dict[str, int]:
+        """Elements saturated to the format's max at each FP8 site since the last call: a run
+        that diverges from FP8 overflow shows it here first."""
+        counts = {name: int(site.saturated) for name, site in self.sites.items()}
+        for site in self.sites.values():
+            site.saturated = 0
+        return {name: n for name, n in counts.items() if n}
+
     def observe(self, key: str, values: torch.Tensor) -> None:
         """Accumulate count, sum and sum of squares of ``values`` under ``key`` (in FP64)."""
         v = values.detach().to(torch.float64).flatten()
@@ -71,6 +79,7 @@ class Site:
     def __init__(self, numerics: Numerics, name: str, direction: str, fmt: FP8Format | None, state):
         self.numerics, self.name, self.direction = numerics, name, direction
         self.fmt, self.state = fmt, state
+        self.saturated = 0  # elements clipped to +-fmt.max since the last saturation_counts()
 
     def quantize(self, x: torch.Tensor, rounding: str = "nearest", scale: torch.Tensor | None = None,
                  stream: str = "forward") -> QTensor:
@@ -83,6 +92,8 @@ class Site:
         if scale is None:
             scale = self.state.scale_for(x)
         generator = self.numerics.generator(self.name, stream, x.device) if rounding == "stochastic" else None
+        if self.fmt is not BF16:
+            self.saturated = self.saturated + (x.detach().abs() * scale > self.fmt.max).sum()
         return quantize(x, self.fmt, scale, rounding, generator)
 
 
@@ -226,6 +237,14 @@ class Numerics:
         """Keep what an op executed when a tape is running (references and probes replay it)."""
         if self.tape is not None:
             self.tape.append((site, tensors))
+
+    def saturation_counts(self) -> dict[str, int]:
+        """Elements saturated to the format's max at each FP8 site since the last call: a run
+        that diverges from FP8 overflow shows it here first."""
+        counts = {name: int(site.saturated) for name, site in self.sites.items()}
+        for site in self.sites.values():
+            site.saturated = 0
+        return {name: n for name, n in counts.items() if n}
 
     def observe(self, key: str, values: torch.Tensor) -> None:
         """Accumulate count, sum and sum of squares of ``values`` under ``key`` (in FP64)."""
