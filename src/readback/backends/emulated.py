@@ -1,0 +1,25 @@
+"""``backend=emulated``: every site is a readback op (``readback.model.fog``), on CPU or GPU."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+from omegaconf import DictConfig, OmegaConf
+
+
+def site_implementations(cfg: DictConfig | Mapping) -> dict[str, str]:
+    """``{site: implementation}`` of a ``backend=emulated`` run, for the run's summary."""
+    cfg = cfg if isinstance(cfg, DictConfig) else OmegaConf.create(dict(cfg))
+    p = cfg.precision
+    head_bf16 = p.name != "fp8" or any("lm_head".startswith(x) for x in (p.get("bf16_layers", ()) or ()))
+    tied = " (tied embedding)" if cfg.model.get("tied", True) else ""
+    return {
+        "embedding": "torch.nn.functional.embedding",
+        "linear": "readback.ops.linear",
+        "attn_proj": "readback.ops.linear",
+        "attention_core": "readback.ops.attention",
+        "norm": "readback.ops.norm",
+        "qk_norm": "readback.ops.norm (frozen gain)",
+        "activation": "readback.ops.activation.xielu",
+        "lm_head": f"readback.ops.linear{tied}" + (" in BF16" if head_bf16 else ""),
+    }

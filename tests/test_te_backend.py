@@ -1,0 +1,407 @@
+"""backend=te: the pure config -> Transformer Engine mapping (any machine), the model wiring on a
+stand-in for Transformer Engine's modules (CPU), and the real thing (CUDA + Transformer Engine)."""
+
+from __future__ import annotations
+
+import importlib.util
+import math
+import sys
+import types
+from contextlib import nullcontext
+from dataclasses import dataclass
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from hydra import compose, initialize_config_dir
+
+from readback import backends
+from readback.backends import te as te_backend
+from readback.backends.te_plan import te_plan, version_tuple
+from readback.config import CONF_DIR
+from readback.errors import ConfigError
+from readback.model.fog import Linear as ReadbackLinear
+
+HAS_TE = torch.cuda.is_available() and importlib.util.find_spec("transformer_engine") is not None
+needs_te = pytest.mark.skipif(not HAS_TE, reason="needs CUDA and transformer_engine")
+TE2 = "2.8.0"
+
+
+def config(experiment: str | None = None, *overrides: str, backend: str = "te"):
+    args = ([f"+experiment={experiment}"] if experiment else []) + [f"backend={backend}", *overrides]
+    with initialize_config_dir(str(CONF_DIR), version_base="1.3"):
+        return compose("train", overrides=args)
+
+
+# --------------------------------------------------------------------------- the pure mapping
+
+# experiment -> (TE recipe, fp8_dpa, env, attention core)
+EXPERIMENTS = {
+    "reuse_rounded": ("DelayedScaling", True, {"NVTE_FP8_DPA_BWD": "1"}, "te"),
+    "reuse_rounded_bf16_bwd": ("DelayedScaling", True, {"NVTE_FP8_DPA_BWD": "0"}, "te"),
+    "fresh_reround": ("DelayedScaling", False, {}, "readback"),
+    "no_saved_copy": ("DelayedScaling", False, {}, "readback"),
+    "bf16_baseline": (None, None, {}, "te"),
+}
+
+
+@pytest.mark.parametrize("experiment", sorted(EXPERIMENTS))
+def test_experiment_maps_to_te_recipe_switches_and_sites(experiment):
+    recipe, fp8_dpa, env, core = EXPERIMENTS[experiment]
+    plan = te_plan(config(experiment), TE2)
+    assert (plan.recipe, plan.env, plan.attention_core) == (recipe, env, core)
+    if recipe is None:
+        assert not plan.fp8 and plan.recipe_kwargs == {}
+        assert plan.sites["attention_core"] == "te.DotProductAttention(bf16)"
+    else:
+        assert plan.recipe_kwargs == dict(margin=0, fp8_format="HYBRID", amax_history_len=1024,
+                                          amax_compute_algo="max", fp8_dpa=fp8_dpa, fp8_mha=False)
+    assert plan.sites["linear"] == "te.Linear" and plan.sites["norm"] == "te.RMSNorm"
+    if core == "te":
+        assert plan.sites["attention_core"].startswith("te.DotProductAttention")
+        assert plan.sites["attn_proj"] == "te.Linear"
+    else:
+        assert plan.sites["attention_core"] == "readback.ops.attention"
+        assert plan.sites["attn_proj"].startswith("readback.ops.linear")
+    assert plan.sites["lm_head"] == "torch BF16 matmul (tied embedding)"  # the study's BF16 LM head
+
+
+def test_site_labels_name_the_te_switches():
+    sites = te_plan(config("reuse_rounded_bf16_bwd"), TE2).sites
+    assert sites["attention_core"] == "te.DotProductAttention(fp8_dpa; DelayedScaling; NVTE_FP8_DPA_BWD=0)"
+
+
+@pytest.mark.parametrize("policy, o_in_f16", [("original", "1"), ("reuse_rounded", "0")])
+@pytest.mark.parametrize("bwd, dpa_bwd", [("fp8", "1"), ("bf16", "0")])
+def test_current_scaling_attention_switches(policy, o_in_f16, bwd, dpa_bwd):
+    cfg = config("reuse_rounded", f"policy={policy}", "precision.recipe=current", f"attention.bwd_precision={bwd}")
+    plan = te_plan(cfg, TE2)
+    assert plan.recipe == "Float8CurrentScaling" and plan.attention_core == "te"
+    assert plan.recipe_kwargs == dict(fp8_format="HYBRID", fp8_dpa=True, fp8_mha=False)
+    assert plan.env == {"NVTE_FP8_DPA_BWD": dpa_bwd, "NVTE_DPA_FP8CS_O_in_F16": o_in_f16}
+
+
+@pytest.mark.parametrize("overrides", [
+    ("policy=original",),  # delayed scaling's FP8 attention reads O8: no TE switch for original
+    ("policy=exact",),
+    ("attention.bwd_precision=fp32",),  # TE's attention backward is FP8 or BF16
+    ("backend.attention_core=readback",),
+])
+def test_no_te_switch_means_readback_attention_core(overrides):
+    plan = te_plan(config("reuse_rounded", *overrides), TE2)
+    assert plan.attention_core == "readback" and plan.env == {}
+    assert plan.recipe_kwargs["fp8_dpa"] is False
+    assert plan.sites["attention_core"] == "readback.ops.attention"
+
+
+def test_delayed_recipe_kwargs_come_from_the_precision_group():
+    cfg = config("reuse_rounded", "precision.margin=1", "precision.fp8_format=E4M3",
+                 "precision.amax_history_len=16", "precision.amax_compute_algo=most_recent")
+    assert te_plan(cfg, TE2).recipe_kwargs == dict(margin=1, fp8_format="E4M3", amax_history_len=16,
+                                                   amax_compute_algo="most_recent", fp8_dpa=True, fp8_mha=False)
+
+
+def test_fp8_mha_only_with_te_attention():
+    plan = te_plan(config("reuse_rounded", "backend.fp8_mha=true"), TE2)
+    assert plan.recipe_kwargs["fp8_mha"] is True
+    with pytest.raises(ConfigError, match="backend.fp8_mha"):
+        te_plan(config("fresh_reround", "backend.fp8_mha=true"), TE2)
+
+
+def test_mxfp8_is_te_only_with_readback_attention_on_per_tensor_scaling():
+    plan = te_plan(config("reuse_rounded", "precision.recipe=mxfp8"), TE2)
+    assert plan.recipe == "MXFP8BlockScaling" and plan.recipe_kwargs == dict(fp8_format="HYBRID")
+    assert plan.attention_core == "readback" and plan.readback_recipe == "current"
+    assert te_plan(config("reuse_rounded", "precision.recipe=mxfp8", "precision.margin=2"), TE2).recipe_kwargs["margin"] == 2
+
+
+# --------------------------------------------------------------------------- refusals
+
+
+@pytest.mark.parametrize("version", ["1.13.0", "2.1.0", "2.8.0+cu12"])
+def test_interval_is_refused_naming_the_te_version(version):
+    with pytest.raises(ConfigError) as error:
+        te_plan(config("reuse_rounded", "precision.interval=4"), version)
+    message = str(error.value)
+    assert "precision.interval=4" in message and f"Transformer Engine {version}" in message
+    assert "\n" not in message
+
+
+def test_override_linear_precision_refused_on_te2_naming_the_version():
+    with pytest.raises(ConfigError) as error:
+        te_plan(config("reuse_rounded", "precision.override_linear_precision=[false,false,true]"), "2.1.0")
+    assert "precision.override_linear_precision" in str(error.value)
+    assert "Transformer Engine 2.1.0" in str(error.value) and "removed in 2.0" in str(error.value)
+
+
+def test_override_linear_precision_on_te1_passes_only_the_wgrad_override():
+    plan = te_plan(config("reuse_rounded", "precision.override_linear_precision=[false,false,true]"), "1.13.0")
+    assert plan.recipe_kwargs["override_linear_precision"] == (False, False, True)
+    with pytest.raises(ConfigError, match="Transformer Engine 1.13.0 overrides only the wgrad"):
+        te_plan(config("reuse_rounded", "precision.override_linear_precision=[true,false,false]"), "1.13.0")
+
+
+def test_defaults_of_removed_fields_are_accepted_and_not_passed():
+    kwargs = te_plan(config("reuse_rounded"), "2.1.0").recipe_kwargs
+    assert "interval" not in kwargs and "override_linear_precision" not in kwargs
+
+
+def test_unknown_te_version_is_named_as_not_installed():
+    with pytest.raises(ConfigError, match=r"Transformer Engine \(not installed here"):
+        te_plan(config("reuse_rounded", "precision.interval=2"), None)
+
+
+@pytest.mark.parametrize("overrides, key, version", [
+    (("precision.recipe=current", "precision.margin=1"), "precision.margin", TE2),
+    (("precision.rounding=stochastic",), "precision.rounding", TE2),
+    (("precision.recipe=current",), "precision.recipe", "2.1.0"),  # no Float8CurrentScaling yet
+    (("precision.recipe=current",), "precision.recipe", "2.5.0"),  # no FP8 attention under current scaling
+    (("precision.recipe=mxfp8",), "precision.recipe", "1.13.0"),
+    ((), "backend", "1.11.0"),
+    (("backend.attention_core=bogus",), "backend.attention_core", TE2),
+])
+def test_what_te_cannot_run_is_refused_in_one_line(overrides, key, version):
+    with pytest.raises(ConfigError) as error:
+        te_plan(config("reuse_rounded", *overrides), version)
+    assert str(error.value).startswith(f"{key}=") and "\n" not in str(error.value)
+
+
+def test_current_scaling_on_older_te_runs_with_readback_attention():
+    plan = te_plan(config("reuse_rounded", "precision.recipe=current", "backend.attention_core=readback"), "2.5.0")
+    assert plan.recipe == "Float8CurrentScaling" and plan.attention_core == "readback"
+
+
+# --------------------------------------------------------------------------- helpers and availability
+
+
+def test_version_tuple():
+    assert version_tuple("2.8.0+cu12") == (2, 8, 0) and version_tuple("1.13") == (1, 13, 0)
+    assert version_tuple("2.9.0.dev0+abc") == (2, 9, 0) and version_tuple(None) is None
+
+
+def test_mapping_never_imports_transformer_engine():
+    before = "transformer_engine" in sys.modules
+    te_plan(config("reuse_rounded"))
+    backends.site_implementations(config("reuse_rounded"))
+    assert ("transformer_engine" in sys.modules) == before
+
+
+def test_site_implementations_for_both_backends():
+    emulated = backends.site_implementations(config("reuse_rounded", backend="emulated"))
+    assert emulated["attention_core"] == "readback.ops.attention" and emulated["linear"] == "readback.ops.linear"
+    assert emulated["lm_head"] == "readback.ops.linear (tied embedding) in BF16"
+    te = backends.site_implementations(config("reuse_rounded"))
+    assert te == te_plan(config("reuse_rounded")).sites and set(te) == set(emulated)
+
+
+@pytest.mark.skipif(HAS_TE, reason="this machine has CUDA and transformer_engine")
+def test_check_available_refuses_in_one_line_without_cuda_or_te():
+    expected = ("backend='te' is not valid; valid: needs CUDA and transformer_engine (pip install -e .[gpu]); "
+                "use backend=emulated on this machine")
+    with pytest.raises(ConfigError) as error:
+        te_backend.check_available()
+    assert str(error.value) == expected
+    with pytest.raises(ConfigError):
+        backends.check_available(config("reuse_rounded"))
+    with pytest.raises(ConfigError) as error:
+        te_backend.build_te_model(config("reuse_rounded", "model.vocab_size=256"), "cuda")
+    assert str(error.value) == expected
+
+
+def test_emulated_backend_is_always_available():
+    backends.check_available(config("reuse_rounded", backend="emulated"))
+
+
+def test_apply_te_env_sets_variables_and_guards_import_time_ones(monkeypatch):
+    monkeypatch.delenv("NVTE_FP8_DPA_BWD", raising=False)
+    monkeypatch.delenv("NVTE_DPA_FP8CS_O_in_F16", raising=False)
+    monkeypatch.delitem(sys.modules, "transformer_engine", raising=False)
+    te_backend.apply_te_env({"NVTE_FP8_DPA_BWD": "0"})
+    assert te_backend.os.environ["NVTE_FP8_DPA_BWD"] == "0"
+    monkeypatch.setitem(sys.modules, "transformer_engine", types.ModuleType("transformer_engine"))
+    te_backend.apply_te_env({"NVTE_FP8_DPA_BWD": "1", "NVTE_DPA_FP8CS_O_in_F16": "1"})  # TE's default: no change
+    with pytest.raises(ConfigError, match="fresh process"):
+        te_backend.apply_te_env({"NVTE_DPA_FP8CS_O_in_F16": "0"})
+
+
+def test_meta_build_needs_no_te_and_has_the_shapes():
+    from readback.model import build_model
+
+    cfg = config("reuse_rounded", "model.vocab_size=256")
+    meta = te_backend.build_te_model(cfg, "meta")
+    emulated = build_model(config("reuse_rounded", "model.vocab_size=256", backend="emulated"), "meta")
+    assert meta.n_params() == emulated.n_params() and meta.flops_per_token() == emulated.flops_per_token()
+
+
+# --------------------------------------------------------------------------- wiring on a stand-in TE
+# A few lines of PyTorch with the call signatures of the Transformer Engine modules the backend
+# uses. It checks this backend's own wiring (shapes, names, interface) on a CPU; it says nothing
+# about Transformer Engine's numerics, which the tests below check on a GPU.
+
+
+def _stand_in_te():
+    class Linear(nn.Linear):
+        def __init__(self, d_in, d_out, bias=True, device=None):
+            super().__init__(d_in, d_out, bias=bias, device=device)
+
+    class RMSNorm(nn.Module):
+        def __init__(self, dim, eps=1e-5, device=None):
+            super().__init__()
+            self.weight, self.eps = nn.Parameter(torch.ones(dim, device=device)), eps
+
+        def forward(self, x):
+            return F.rms_norm(x, x.shape[-1:], self.weight.to(x.dtype), self.eps)
+
+    class DotProductAttention(nn.Module):
+        def __init__(self, heads, kv_channels, num_gqa_groups=None, attention_dropout=0.0, attn_mask_type="causal",
+                     qkv_format="sbhd", softmax_scale=None, layer_number=None):
+            super().__init__()
+            assert qkv_format == "bshd" and attn_mask_type == "causal"
+            self.scale = softmax_scale
+
+        def forward(self, q, k, v):
+            q, k, v = (t.transpose(1, 2) for t in (q, k, v))
+            o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scale, enable_gqa=True)
+            return o.transpose(1, 2).flatten(2)
+
+    @dataclass
+    class DelayedScaling:
+        margin: int = 0
+        fp8_format: object = None
+        amax_history_len: int = 1024
+        amax_compute_algo: str = "max"
+        fp8_dpa: bool = False
+        fp8_mha: bool = False
+
+    calls = []
+    pytorch = types.SimpleNamespace(
+        Linear=Linear, RMSNorm=RMSNorm, DotProductAttention=DotProductAttention,
+        autocast=lambda enabled=True, recipe=None, amax_reduction_group=None: (calls.append((enabled, recipe))
+                                                                               or nullcontext()),
+    )
+    recipe = types.SimpleNamespace(DelayedScaling=DelayedScaling,
+                                   Format=types.SimpleNamespace(HYBRID="HYBRID", E4M3="E4M3"))
+    return (pytorch, recipe), calls
+
+
+@pytest.fixture
+def stand_in(monkeypatch):
+    modules, calls = _stand_in_te()
+    monkeypatch.setattr(te_backend, "_TE", modules)
+    return calls
+
+
+def _stand_in_model(cfg):
+    plan = te_plan(cfg, TE2)
+    torch.manual_seed(0)
+    return te_backend.TEFOG(te_backend._fog_config(cfg), plan, te_backend._readback_numerics(cfg, plan), "cpu")
+
+
+@pytest.mark.parametrize("experiment", ["reuse_rounded", "fresh_reround", "bf16_baseline"])
+def test_te_model_interface_on_stand_in(stand_in, experiment):
+    from readback.model import build_model
+
+    cfg = config(experiment, "model.vocab_size=64", "model.seq_len=16")
+    model = _stand_in_model(cfg)
+    emulated = build_model(config(experiment, "model.vocab_size=64", "model.seq_len=16", backend="emulated"))
+    assert model.n_params() == emulated.n_params()
+    assert model.flops_per_token() == emulated.flops_per_token()
+    idx = torch.randint(0, 64, (2, 16))
+    model.track_stats = True
+    loss = model(idx, idx.roll(-1, 1))
+    assert loss.dtype == torch.float32 and math.isfinite(loss.item()) and abs(loss.item() - math.log(64)) < 1.0
+    loss.backward()
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in trainable)
+    assert all(p.grad is None for p in model.parameters() if not p.requires_grad)  # frozen QK-norm gains
+    assert set(model.activation_stats()) == {"kurtosis/attn_out_max", "kurtosis/ffn_in_max"}
+    readback_core = model.plan.attention_core == "readback"
+    assert (model.layers[0].attn.core is None) == readback_core
+    proj = model.layers[0].attn.proj
+    assert isinstance(proj, ReadbackLinear) if readback_core else isinstance(proj, nn.Linear)
+    assert stand_in == ([(True, model._recipe)] if model.plan.fp8 else [])
+    numerics = model.numerics
+    if readback_core:
+        assert any(k.startswith("attn_rowsum/mean/layers.0.attn.core") for k in numerics.pop_observations())
+        assert "layers.0.attn.core.output" in numerics.sites  # delegated to readback's Numerics
+    numerics.end_step()
+    state = numerics.state_dict()
+    assert state["te_version"] == TE2 and state["readback"]["step"] == 1
+    numerics.load_state_dict(state)
+    assert isinstance(numerics.saturation_counts(), dict)
+
+
+def test_fp8_lm_head_and_bf16_layers_on_stand_in(stand_in):
+    cfg = config("reuse_rounded", "model.vocab_size=64", "model.seq_len=16", "precision.bf16_layers=[layers.0.mlp]")
+    model = _stand_in_model(cfg)
+    assert model.plan.sites["lm_head"] == "readback.ops.linear (tied embedding)"
+    assert model.layers[0].mlp.up.readback_fp8_off and not model.layers[1].mlp.up.readback_fp8_off
+    idx = torch.randint(0, 64, (2, 16))
+    model(idx, idx).backward()
+    assert (False, None) in stand_in  # FP8 switched off around layers.0.mlp's GEMMs
+    assert "lm_head.input" in model.numerics.sites  # the tied FP8 head rounds through readback's linear
+
+
+def test_forward_reasserts_its_runtime_switches_on_stand_in(stand_in, monkeypatch):
+    model = _stand_in_model(config("reuse_rounded_bf16_bwd", "model.vocab_size=64", "model.seq_len=16"))
+    monkeypatch.setenv("NVTE_FP8_DPA_BWD", "1")  # as another model built later in this process would
+    idx = torch.randint(0, 64, (2, 16))
+    model(idx, idx)
+    assert te_backend.os.environ["NVTE_FP8_DPA_BWD"] == "0"
+
+
+# --------------------------------------------------------------------------- the real thing (GPU)
+
+GPU_MODEL = ("model.vocab_size=512", "model.d_model=256", "model.n_heads=4", "model.n_kv_groups=2",
+             "model.ffn_dim=384", "model.seq_len=128")
+
+
+@needs_te
+@pytest.mark.gpu
+@pytest.mark.parametrize("experiment", ["reuse_rounded", "reuse_rounded_bf16_bwd", "fresh_reround",
+                                        "no_saved_copy", "bf16_baseline"])
+def test_te_model_trains_a_step(experiment):
+    import transformer_engine.pytorch as te
+
+    cfg = config(experiment, *GPU_MODEL)
+    torch.manual_seed(0)
+    model = te_backend.build_te_model(cfg, "cuda")
+    plan = model.plan
+    for key, value in plan.env.items():
+        assert te_backend.os.environ[key] == value
+    core = model.layers[0].attn.core
+    assert isinstance(core, te.DotProductAttention) if plan.te_attention else core is None
+    assert isinstance(model.layers[0].mlp.up, te.Linear) and isinstance(model.layers[0].attn_norm, te.RMSNorm)
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3)
+    idx = torch.randint(0, 512, (2, 128), device="cuda")
+    losses = []
+    for _ in range(3):
+        loss = model(idx, idx.roll(-1, 1))
+        loss.backward()
+        assert all(torch.isfinite(p.grad).all() for p in model.parameters() if p.requires_grad)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        model.numerics.end_step()
+        losses.append(loss.item())
+    assert all(math.isfinite(x) for x in losses) and losses[-1] < losses[0]
+    if plan.fp8:
+        assert any(k.endswith("_extra_state") for k in model.state_dict())  # TE's FP8 scaling state
+
+
+@needs_te
+@pytest.mark.gpu
+@pytest.mark.parametrize("experiment", ["reuse_rounded", "no_saved_copy", "bf16_baseline"])
+def test_te_model_matches_emulated_loss_with_the_same_weights(experiment):
+    from readback.model import build_model
+
+    torch.manual_seed(0)
+    emulated = build_model(config(experiment, *GPU_MODEL, backend="emulated"), "cuda")
+    model = te_backend.build_te_model(config(experiment, *GPU_MODEL), "cuda")
+    weights = {k.replace("norm.gain", "norm.weight"): v for k, v in emulated.state_dict().items()}
+    missing, unexpected = model.load_state_dict(weights, strict=False)
+    assert not unexpected and all("q_norm" in k or "k_norm" in k or "_extra_state" in k for k in missing)
+    idx = torch.randint(0, 512, (2, 128), device="cuda")
+    with torch.no_grad():
+        te_loss, emulated_loss = model(idx, idx.roll(-1, 1)).item(), emulated(idx, idx.roll(-1, 1)).item()
+    assert abs(te_loss - emulated_loss) < 0.05 * emulated_loss
