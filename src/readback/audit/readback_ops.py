@@ -1,0 +1,212 @@
+"""readback's own ops under each policy, against their straight-through replay.
+
+Forward in FP8 (E4M3, current scaling); the backward GEMMs run in FP32 (``attention_bwd="fp32"``,
+``override_linear_precision=(False, True, True)``), so the backward's own arithmetic does not blur
+which value it read. The op's ``numerics.tape`` gives the executed bits: the ``rounded``
+candidate, and the replay (the reference). ``fresh`` is reproduced exactly: the op's re-rounding
+draws from the site's ``fresh`` stream of this step, which is a function of (seed, site, stream,
+step); a draw from another seed is a second candidate that must NOT match.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from readback.audit.core import Row, audit, cat
+from readback.audit.harness import (
+    F64,
+    Setup,
+    attention_grads,
+    backprop,
+    causal_softmax,
+    group_sum,
+    heads,
+    round_fp8,
+    value,
+    xielu_slope,
+)
+from readback.numerics import CurrentScaling, QTensor, quantize
+from readback.ops import activation as activation_op
+from readback.ops import attention as attention_op
+from readback.ops import linear as linear_op
+from readback.ops import norm as norm_op
+from readback.ops.context import Numerics
+from readback.policy import POLICIES
+
+F32 = torch.float32
+RECIPE = CurrentScaling(override_linear_precision=(False, True, True))
+
+
+def numerics_for(policy: str, seed: int, rounding: str = "nearest") -> Numerics:
+    numerics = Numerics("fp8", RECIPE, policy, attention_bwd="fp32", rounding=rounding, seed=seed)
+    numerics.tape = []
+    return numerics
+
+
+def fresh_draw(numerics: Numerics, site: str, original: torch.Tensor, executed: QTensor, seed: int) -> torch.Tensor:
+    """A stochastic re-rounding of ``original`` with the forward's scale, from the ``fresh`` stream
+    of ``site`` in this step of a run seeded ``seed`` (the op's own draw when ``seed`` is the run's)."""
+    twin = Numerics("fp8", numerics.recipe, numerics.policy, seed=seed)
+    twin.step, twin.stream_salt = numerics.step, numerics.stream_salt
+    generator = twin.generator(site, "fresh", original.device)
+    return quantize(original.detach().float(), executed.fmt, executed.scale, "stochastic", generator).dequantize(F64)
+
+
+def readings(numerics: Numerics, site: str, original: torch.Tensor, executed: QTensor) -> dict[str, torch.Tensor]:
+    """Every value a backward could read for the tensor rounded at ``site`` (float64)."""
+    return {
+        "rounded": value(executed),
+        "original": value(original),
+        "fresh": fresh_draw(numerics, site, original, executed, numerics.seed),
+        "fresh(other seed)": fresh_draw(numerics, site, original, executed, numerics.seed + 1),
+    }
+
+
+def _tape(numerics: Numerics) -> dict[str, dict]:
+    return dict(numerics.tape)
+
+
+def rb_linear(setup: Setup, policy: str) -> list[Row]:
+    g = setup.generator("readback.linear")
+    d = setup.width
+    x = Setup.randn(g, setup.batch, setup.seq, d)
+    weight = Setup.randn(g, d // 2, d, std=d**-0.5)
+    upstream = Setup.randn(g, setup.batch, setup.seq, d // 2)
+    numerics = numerics_for(policy, setup.seed)
+
+    got = backprop(lambda x, weight: (linear_op.linear(x, weight, numerics, "lin"), {}),
+                   {"x": x, "weight": weight}, upstream, F32)
+    record = _tape(numerics)["lin"]
+    ref = backprop(lambda x, weight: (linear_op.replay(x, weight, record, F64), {}),
+                   {"x": x, "weight": weight}, upstream, F64)
+
+    dy = value(upstream).reshape(-1, d // 2)
+    xs = readings(numerics, "lin.input", x.reshape(-1, d), record["input"])
+    ws = readings(numerics, "lin.weight", weight, record["weight"])
+    common = dict(policy=policy, declared=linear_op.READS[policy], tol=setup.tol)
+    return [
+        *audit("readback.linear", "dgrad", got["x"], ref["x"],
+               {m: (dy @ w).reshape(x.shape) for m, w in ws.items()}, **common),
+        *audit("readback.linear", "wgrad", got["weight"], ref["weight"],
+               {m: dy.mT @ v for m, v in xs.items()}, **common),
+    ]
+
+
+def rb_rms_norm(setup: Setup, policy: str) -> list[Row]:
+    """rms_norm(round_output=True) feeding a linear with ``x_q``: the gain reads the normalised
+    value, the linear's wgrad the rounded output."""
+    g = setup.generator("readback.rms_norm")
+    d, eps = setup.width, 1e-6
+    x = Setup.randn(g, setup.batch, setup.seq, d, std=3.0) + 0.5
+    gain = 1 + Setup.randn(g, d, std=0.3)
+    weight = Setup.randn(g, d // 2, d, std=d**-0.5)
+    upstream = Setup.randn(g, setup.batch, setup.seq, d // 2)
+    numerics = numerics_for(policy, setup.seed)
+
+    def forward(x, gain, weight):
+        y, yq = norm_op.rms_norm(x, gain, numerics, "norm", eps, round_output=True)
+        return linear_op.linear(y, weight, numerics, "next", x_q=yq), {"y": y}
+
+    got = backprop(forward, {"x": x, "gain": gain, "weight": weight}, upstream, F32)
+    tape = _tape(numerics)
+
+    def replay(x, gain, weight):
+        y = norm_op.replay(x, gain, tape["norm"], eps, F64)
+        return linear_op.replay(y, weight, tape["next"], F64), {"y": y}
+
+    ref = backprop(replay, {"x": x, "gain": gain, "weight": weight}, upstream, F64)
+    y = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * gain  # the op's FP32 output before rounding
+    ys = {m: v.reshape(-1, d) for m, v in readings(numerics, "norm.output", y, tape["norm"]["output"]).items()}
+    dy, d_out = value(got["y"]).reshape(-1, d), value(upstream).reshape(-1, d // 2)
+    return [
+        *audit("readback.rms_norm", "gain", got["gain"], ref["gain"],
+               {m: (dy * v / value(gain)).sum(0) for m, v in ys.items()},
+               policy=policy, declared=norm_op.READS[policy], tol=setup.tol),
+        *audit("readback.rms_norm -> linear(x_q)", "wgrad", got["weight"], ref["weight"],
+               {m: d_out.mT @ v for m, v in ys.items()},
+               policy=policy, declared=linear_op.READS[policy], tol=setup.tol),
+    ]
+
+
+def rb_attention(setup: Setup, policy: str, rounding: str = "nearest") -> list[Row]:
+    """attention feeding its output projection with ``x_q``. dV reads P; ``dS`` (the P of the
+    softmax backward) and the D-term (the O of ``rowsum(dO * O)``, or nothing) are read out of
+    (dQ, dK) together, over every pair of candidates (the rows share their rel. error); the
+    projection's wgrad reads O. ``rounding="stochastic"`` rounds the forward stochastically too:
+    then ``rounded`` and ``fresh`` are two draws of one distribution, from different streams."""
+    g = setup.generator("readback.attention")
+    b, h, grp, t, hd, d, c = setup.batch, setup.heads, setup.groups, setup.seq, setup.head_dim, setup.width, \
+        setup.softmax_scale
+    q = Setup.randn(g, b, h, t, hd, std=2.0)
+    k, v = Setup.randn(g, b, grp, t, hd, std=2.0), Setup.randn(g, b, grp, t, hd)
+    w_proj = Setup.randn(g, d, d, std=d**-0.5)
+    upstream = Setup.randn(g, b, t, d)
+    numerics = numerics_for(policy, setup.seed, rounding)
+    op = "readback.attention" if rounding == "nearest" else f"readback.attention ({rounding} fwd)"
+
+    def forward(q, k, v, w_proj):
+        o, oq = attention_op.attention(q, k, v, numerics, "attn", c)
+        return linear_op.linear(o, w_proj, numerics, "proj", x_q=oq), {"o": o}
+
+    got = backprop(forward, {"q": q, "k": k, "v": v, "w_proj": w_proj}, upstream, F32)
+    tape = _tape(numerics)
+    rec = tape["attn"]
+
+    def replay(q, k, v, w_proj):
+        o = attention_op.replay(q, k, v, rec, c, F64)
+        return linear_op.replay(o, w_proj, tape["proj"], F64), {"o": o}
+
+    ref = backprop(replay, {"q": q, "k": k, "v": v, "w_proj": w_proj}, upstream, F64)
+
+    qh, kh, vh = value(rec["q"]), value(rec["k"]), value(rec["v"])  # K, V recorded expanded to H heads
+    probs = causal_softmax(rec["scores"])  # the op's FP32 P, recomputed the way the forward did
+    ps = readings(numerics, "attn.probs", probs, rec["probs"])
+    os = {m: heads(o, b, t, h) for m, o in readings(numerics, "attn.output", rec["out"], rec["output"]).items()}
+    os["none"] = None
+    d_out = heads(value(got["o"]), b, t, h)
+    d_proj = value(upstream).reshape(-1, d)
+    o_flat = {m: o.transpose(1, 2).reshape(-1, d) for m, o in os.items() if o is not None}
+    joint = {(mp, mo): cat(*attention_grads(p, d_out, qh, kh, vh, o, c, grp)) for mp, p in ps.items()
+             for mo, o in os.items()}
+    common = dict(policy=policy, declared=attention_op.READS[policy], tol=setup.tol)
+    return [
+        *audit(op, "dV", got["v"], ref["v"], {m: group_sum(p.mT @ d_out, grp) for m, p in ps.items()},
+               **common),
+        *audit(op, ("dS", "D"), cat(got["q"], got["k"]), cat(ref["q"], ref["k"]), joint, **common),
+        *audit(f"{op} -> linear(x_q)", "wgrad", got["w_proj"], ref["w_proj"],
+               {m: d_proj.mT @ o for m, o in o_flat.items()},
+               policy=policy, declared=linear_op.READS[policy], tol=setup.tol),
+    ]
+
+
+def rb_xielu(setup: Setup, policy: str) -> list[Row]:
+    """xIELU's input gradient: the slope at the original input, or at an FP8 rounding of it."""
+    g = setup.generator("readback.xielu")
+    x = Setup.randn(g, setup.batch, setup.seq, setup.width, std=2.0)
+    upstream = Setup.randn(g, *x.shape)
+    alpha = torch.tensor(0.8)
+    numerics = numerics_for(policy, setup.seed)
+    got = backprop(lambda x: (activation_op.xielu(x, alpha, alpha, numerics), {}), {"x": x}, upstream, F32)
+    ref = backprop(lambda x: (activation_op.replay(x, alpha.to(F64), alpha.to(F64)), {}), {"x": x}, upstream, F64)
+    xs = {"rounded": value(round_fp8(x)), "original": value(x)}
+    return audit("readback.xielu", "dx", got["x"], ref["x"],
+                 {m: value(upstream) * xielu_slope(v, 0.8, 0.8) for m, v in xs.items()},
+                 policy=policy, declared=activation_op.READS[policy], tol=setup.tol)
+
+
+def _per_policy(audit_one, policies=tuple(POLICIES), **kwargs):
+    def run(setup: Setup) -> list[Row]:
+        return [row for policy in policies for row in audit_one(setup, policy, **kwargs)]
+
+    run.__doc__ = audit_one.__doc__
+    return run
+
+
+AUDITS = {
+    "readback.linear": _per_policy(rb_linear),
+    "readback.rms_norm": _per_policy(rb_rms_norm),
+    "readback.attention": _per_policy(rb_attention),
+    "readback.attention (stochastic fwd)": _per_policy(rb_attention, ("reuse_rounded", "fresh_reround"),
+                                                       rounding="stochastic"),
+    "readback.xielu": _per_policy(rb_xielu),
+}
