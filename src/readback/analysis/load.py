@@ -1,0 +1,483 @@
+"""Loading runs: local sweep directories (``load_runs``) or a wandb project (``load_wandb``).
+
+Both return a :class:`Runs` with two pandas DataFrames:
+
+``runs.summary``: one row per run, index ``run`` (the run id: the run directory relative to the
+sweep directory it was found under, prefixed with that sweep directory's name when several are
+loaded; the wandb run path for wandb runs). Columns:
+
+* ``experiment``, ``seed``, ``model``, ``precision``, ``rounding`` (``precision.rounding``),
+  ``policy``, ``bwd_precision`` (``attention.bwd_precision``): from the run's config;
+* ``group``: what curves and tables aggregate over seeds: the experiment, followed by
+  ``[axis=value, ...]`` for each of the axes above (but the seed) that takes more than one
+  value among the loaded runs of that experiment (e.g. ``reuse_rounded [rounding=stochastic]``);
+* ``status``: ``completed`` | ``diverged`` | ``failed`` from ``summary.json``; a run without
+  one is ``running`` when a file of it changed within ``running_within_s`` seconds, else
+  ``failed`` (killed without a word: out of memory, time limit, preemption);
+* ``final_loss``, ``val_loss``, ``steps``, ``tokens``, ``diverged_at_step``, ``wall_time_s``,
+  ``n_params``, ``error``: from ``summary.json``; where it is missing, ``final_loss``,
+  ``val_loss``, ``steps`` and ``tokens`` come from the last logged records;
+* ``diverged``: ``status == "diverged"`` or a ``diverged_at_step``;
+* ``last_step``: the last step in ``metrics.jsonl``; ``bad_lines``: unreadable lines in it;
+  ``path``: the run directory (``None`` for wandb runs).
+
+``runs.metrics``: the long table of every logged number, one row per (run, step, key):
+columns ``run``, ``experiment``, ``group``, ``seed``, ``step``, ``tokens`` (of that record),
+``key``, ``value`` (float; null -> NaN, booleans -> 0/1, strings dropped). A step logged twice
+(a resumed run) keeps its last record. ``runs.wide()`` pivots it to one column per key.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import json
+import logging
+import math
+import os
+import re
+import time
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pandas as pd
+
+log = logging.getLogger(__name__)
+
+#: Config axes read from each run (column name -> dotted config key).
+CONFIG_AXES: dict[str, str] = {
+    "experiment": "experiment",
+    "seed": "seed",
+    "model": "model.name",
+    "precision": "precision.name",
+    "rounding": "precision.rounding",
+    "policy": "policy.name",
+    "bwd_precision": "attention.bwd_precision",
+}
+#: Axes that split an experiment into several groups when they vary within it.
+GROUP_AXES = ("model", "precision", "rounding", "policy", "bwd_precision")
+
+SUMMARY_FIELDS = (
+    "status", "final_loss", "val_loss", "steps", "tokens", "diverged_at_step",
+    "wall_time_s", "n_params", "error",
+)
+SUMMARY_COLUMNS = (
+    *CONFIG_AXES, "group", *SUMMARY_FIELDS, "diverged", "last_step", "bad_lines", "path",
+)
+METRIC_COLUMNS = ("run", "experiment", "group", "seed", "step", "tokens", "key", "value")
+# Record fields that are not metrics.
+_INDEX_FIELDS = ("step", "tokens")
+
+
+@dataclass
+class Runs:
+    """Runs of one or more sweeps: ``summary`` (one row per run) and ``metrics`` (long)."""
+
+    summary: pd.DataFrame = field(default_factory=lambda: _empty_summary())
+    metrics: pd.DataFrame = field(default_factory=lambda: _empty_metrics())
+
+    def __len__(self) -> int:
+        return len(self.summary)
+
+    def __repr__(self) -> str:
+        counts = self.summary["status"].value_counts().to_dict() if len(self) else {}
+        return f"Runs({len(self)} runs, {len(self.metrics)} metric rows, groups={self.groups}, status={counts})"
+
+    @property
+    def groups(self) -> list[str]:
+        """The groups: the study's experiments in :data:`STUDY_ORDER`, then the others by name."""
+        return sorted(dict.fromkeys(self.summary["group"]), key=_study_key) if len(self) else []
+
+    @property
+    def experiments(self) -> list[str]:
+        return sorted(dict.fromkeys(self.summary["experiment"]), key=_study_key) if len(self) else []
+
+    def keys(self, pattern: str = "*") -> list[str]:
+        """The logged metric keys matching a glob pattern, sorted naturally (layer 2 before 10)."""
+        keys = self.metrics["key"].unique() if len(self.metrics) else []
+        return sorted((str(k) for k in keys if fnmatch.fnmatchcase(str(k), pattern)), key=natural_key)
+
+    def curve(self, key: str) -> pd.DataFrame:
+        """The long rows of one key with finite values: run, experiment, group, seed, step,
+        tokens, value."""
+        m = self.metrics
+        rows = m[m["key"] == key]
+        rows = rows[np.isfinite(rows["value"].to_numpy(dtype=float))]
+        return rows.drop(columns="key").reset_index(drop=True)
+
+    def wide(self, keys: Iterable[str] | None = None) -> pd.DataFrame:
+        """One row per (run, step), one column per key (``keys`` globs select; default all), plus
+        ``experiment``, ``group``, ``seed`` and ``tokens`` columns."""
+        m = self.metrics
+        if keys is not None:
+            pats = list(keys)
+            names = {str(k) for k in m["key"].unique()}
+            chosen = {k for k in names if any(fnmatch.fnmatchcase(k, p) for p in pats)}
+            m = m[m["key"].astype(str).isin(chosen)]
+        if not len(m):
+            return pd.DataFrame(index=pd.MultiIndex.from_arrays([[], []], names=["run", "step"]))
+        m = m.assign(run=m["run"].astype(str), key=m["key"].astype(str))
+        table = m.pivot_table(index=["run", "step"], columns="key", values="value", aggfunc="last", dropna=False)
+        table.columns.name = None
+        info = m.groupby(["run", "step"], observed=True)[["experiment", "group", "seed", "tokens"]].last()
+        info = info.assign(experiment=info["experiment"].astype(str), group=info["group"].astype(str))
+        return info.join(table[sorted(table.columns, key=natural_key)])
+
+    def select(self, *, groups: Iterable[str] | None = None, experiments: Iterable[str] | None = None,
+               status: Iterable[str] | None = None) -> Runs:
+        """The runs of the given groups / experiments / statuses (each ``None``: all)."""
+        s = self.summary
+        keep = pd.Series(True, index=s.index)
+        if groups is not None:
+            keep &= s["group"].isin(list(groups))
+        if experiments is not None:
+            keep &= s["experiment"].isin(list(experiments))
+        if status is not None:
+            keep &= s["status"].isin(list(status))
+        ids = set(s.index[keep])
+        m = self.metrics
+        return Runs(s[keep].copy(), m[m["run"].astype(str).isin(ids)].reset_index(drop=True))
+
+
+#: The study's experiments, in the order tables and legends list them.
+STUDY_ORDER = ("reuse_rounded", "fresh_reround", "no_saved_copy", "reuse_rounded_bf16_bwd", "bf16_baseline")
+
+
+def _study_key(group: str) -> tuple[int, list[Any]]:
+    exp = str(group).split(" [", 1)[0]
+    rank = STUDY_ORDER.index(exp) if exp in STUDY_ORDER else len(STUDY_ORDER)
+    return rank, natural_key(str(group))
+
+
+def natural_key(text: str) -> list[Any]:
+    """Sort key that orders embedded numbers numerically (``layers.2`` before ``layers.10``)."""
+    return [int(t) if t.isdigit() else t for t in re.split(r"(\d+)", str(text))]
+
+
+def _empty_summary() -> pd.DataFrame:
+    df = pd.DataFrame(columns=list(SUMMARY_COLUMNS))
+    df.index.name = "run"
+    return df
+
+
+def _empty_metrics() -> pd.DataFrame:
+    dtypes = {"step": "int64", "tokens": float, "value": float}
+    return pd.DataFrame({c: pd.Series(dtype=dtypes.get(c, object)) for c in METRIC_COLUMNS})
+
+
+# ---------------------------------------------------------------------------------------------
+# finding and reading run directories
+
+
+def find_run_dirs(*roots: str | os.PathLike) -> list[Path]:
+    """Every directory under ``roots`` (a root itself included) holding ``summary.json`` or
+    ``metrics.jsonl``; what lies below a run directory (checkpoints, wandb) is not searched."""
+    found: list[Path] = []
+    for root in roots:
+        root = Path(root)
+        if not root.is_dir():
+            raise FileNotFoundError(f"no such sweep directory: {root}")
+        for here, dirs, files in os.walk(root):
+            if "summary.json" in files or "metrics.jsonl" in files:
+                found.append(Path(here))
+                dirs[:] = []
+            else:
+                dirs[:] = sorted(d for d in dirs if not d.startswith("."))
+    return sorted(dict.fromkeys(found), key=lambda p: natural_key(str(p)))
+
+
+def read_jsonl(path: Path) -> tuple[list[dict[str, Any]], int]:
+    """The JSON objects of a ``.jsonl`` file and how many lines could not be read (a run killed
+    mid-write leaves a truncated last line)."""
+    records, bad = [], 0
+    try:
+        text = path.read_text(encoding="utf-8", errors="replace")
+    except FileNotFoundError:
+        return [], 0
+    for line in text.splitlines():
+        line = line.strip()
+        if not line:
+            continue
+        try:
+            obj = json.loads(line)
+        except json.JSONDecodeError:
+            bad += 1
+            continue
+        if isinstance(obj, dict):
+            records.append(obj)
+        else:
+            bad += 1
+    return records, bad
+
+
+def _read_json(path: Path) -> dict[str, Any] | None:
+    try:
+        obj = json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        return None
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        log.warning("unreadable %s (%s); treated as missing", path, e)
+        return None
+    return obj if isinstance(obj, dict) else None
+
+
+def _read_config(run_dir: Path) -> dict[str, Any]:
+    path = run_dir / ".hydra" / "config.yaml"
+    if not path.is_file():
+        return {}
+    import yaml
+
+    try:
+        cfg = yaml.safe_load(path.read_text(encoding="utf-8"))
+    except (yaml.YAMLError, UnicodeDecodeError) as e:
+        log.warning("unreadable %s (%s); config axes taken from the path", path, e)
+        return {}
+    return cfg if isinstance(cfg, dict) else {}
+
+
+def _newest_mtime(run_dir: Path) -> float:
+    times = [run_dir.stat().st_mtime]
+    for name in ("metrics.jsonl", "summary.json", "train.log"):
+        p = run_dir / name
+        if p.exists():
+            times.append(p.stat().st_mtime)
+    ckpt = run_dir / "checkpoints"
+    if ckpt.is_dir():
+        times.append(ckpt.stat().st_mtime)
+    return max(times)
+
+
+def load_runs(*sweep_dirs: str | os.PathLike, keys: Sequence[str] | None = None,
+              running_within_s: float = 900.0) -> Runs:
+    """Every run under ``sweep_dirs`` (see the module docstring for the tables).
+
+    ``keys``: glob patterns of the metric keys to keep (default all; e.g.
+    ``["loss", "val_loss", "grad_error/*/total"]`` keeps a large sweep small).
+    ``running_within_s``: a run without ``summary.json`` whose files changed this recently is
+    ``running``, otherwise ``failed``.
+    """
+    if not sweep_dirs:
+        raise ValueError("load_runs needs at least one sweep directory")
+    roots = [Path(d) for d in sweep_dirs]
+    prefix = len(roots) > 1
+    entries = []
+    now = time.time()
+    for root in roots:
+        for run_dir in find_run_dirs(root):
+            rel = run_dir.relative_to(root).as_posix()
+            run_id = rel if rel != "." else run_dir.name
+            if prefix:
+                run_id = f"{root.name}/{run_id}" if rel != "." else run_dir.name
+            records, bad = read_jsonl(run_dir / "metrics.jsonl")
+            summary = _read_json(run_dir / "summary.json")
+            fallback = "running" if now - _newest_mtime(run_dir) < running_within_s else "failed"
+            entries.append(dict(
+                run_id=run_id, config=_read_config(run_dir), summary=summary, records=records,
+                path=str(run_dir), bad_lines=bad, status_without_summary=fallback,
+                path_parts=rel.split("/"),
+            ))
+    seen: dict[str, int] = {}
+    for e in entries:  # the same run id twice (two sweep dirs of the same name): make unique
+        n = seen.get(e["run_id"], 0)
+        seen[e["run_id"]] = n + 1
+        if n:
+            e["run_id"] = f"{e['run_id']}#{n}"
+    return runs_from_records(entries, keys=keys)
+
+
+def runs_from_records(entries: Iterable[Mapping[str, Any]], keys: Sequence[str] | None = None) -> Runs:
+    """Build :class:`Runs` from per-run dicts with ``run_id``, ``config`` (nested dict),
+    ``summary`` (dict or ``None``), ``records`` (list of metric dicts) and optionally ``path``,
+    ``bad_lines``, ``status_without_summary`` (default ``failed``) and ``path_parts`` (used to
+    guess experiment and seed when the config lacks them). Shared by the local and wandb loaders.
+    """
+    rows: list[dict[str, Any]] = []
+    frames: list[pd.DataFrame] = []
+    for e in entries:
+        row, long = _one_run(e, keys)
+        rows.append(row)
+        if len(long):
+            frames.append(long)
+    if not rows:
+        return Runs()
+    summary = pd.DataFrame(rows).set_index("run")
+    summary["group"] = _groups(summary)
+    summary = summary[[c for c in SUMMARY_COLUMNS if c in summary.columns]]
+    for col in ("final_loss", "val_loss", "wall_time_s"):
+        summary[col] = pd.to_numeric(summary[col], errors="coerce").astype(float)
+    for col in ("seed", "steps", "tokens", "diverged_at_step", "n_params", "last_step"):
+        summary[col] = pd.to_numeric(summary[col], errors="coerce").astype("Int64")
+    summary["diverged"] = summary["diverged"].astype(bool)
+    summary["bad_lines"] = summary["bad_lines"].astype(int)
+    if frames:
+        metrics = pd.concat(frames, ignore_index=True)
+        metrics["group"] = metrics["run"].map(summary["group"])
+        metrics = metrics[list(METRIC_COLUMNS)]
+        for col in ("run", "experiment", "group", "key"):
+            metrics[col] = metrics[col].astype("category")
+        metrics["seed"] = pd.to_numeric(metrics["seed"], errors="coerce").astype("Int64")
+    else:
+        metrics = _empty_metrics()
+    return Runs(summary, metrics)
+
+
+def _get(cfg: Mapping[str, Any], dotted: str) -> Any:
+    node: Any = cfg
+    for part in dotted.split("."):
+        if not isinstance(node, Mapping) or part not in node:
+            return None
+        node = node[part]
+    return node
+
+
+def _number(value: Any) -> float:
+    """A metric value as float: bool -> 0/1, null or text -> NaN."""
+    if isinstance(value, bool):
+        return float(value)
+    if isinstance(value, (int, float)):
+        return float(value)
+    return math.nan
+
+
+def _one_run(e: Mapping[str, Any], keys: Sequence[str] | None) -> tuple[dict[str, Any], pd.DataFrame]:
+    run_id = str(e["run_id"])
+    cfg = e.get("config") or {}
+    summary = e.get("summary")
+    records = list(e.get("records") or [])
+    parts = list(e.get("path_parts") or [])
+    row: dict[str, Any] = {"run": run_id}
+    for col, dotted in CONFIG_AXES.items():
+        row[col] = _get(cfg, dotted)
+    if row["experiment"] is None and summary is not None:
+        row["experiment"] = summary.get("experiment")
+    if row["seed"] is None:  # the sweep's subdir pattern: <experiment>/seed<seed>/<job>
+        for i, part in enumerate(parts):
+            m = re.fullmatch(r"seed(\d+)", part)
+            if m:
+                row["seed"] = int(m.group(1))
+                if row["experiment"] is None and i > 0:
+                    row["experiment"] = parts[i - 1]
+                break
+    if row["experiment"] is None:
+        row["experiment"] = "custom"
+    row["experiment"] = str(row["experiment"])
+
+    # metrics: last record per step; numeric values only
+    by_step: dict[float, dict[str, Any]] = {}
+    for rec in records:
+        step = rec.get("step")
+        if not isinstance(step, (int, float)) or isinstance(step, bool) or not math.isfinite(step):
+            continue
+        by_step[int(step)] = rec
+    steps = sorted(by_step)
+    long = pd.DataFrame(columns=list(METRIC_COLUMNS))
+    if steps:
+        recs = [by_step[s] for s in steps]
+        names = list(dict.fromkeys(k for r in recs for k in r if k not in _INDEX_FIELDS and not str(k).startswith("_")))
+        names = [k for k in names if any(isinstance(r.get(k), (bool, int, float)) for r in recs)]
+        if keys is not None:
+            names = [k for k in names if any(fnmatch.fnmatchcase(k, p) for p in keys)]
+        tokens = np.array([_number(r.get("tokens")) for r in recs])
+        cols = {k: np.array([_number(r.get(k)) for r in recs]) for k in names}
+        n = len(recs)
+        if names:
+            values = np.concatenate([cols[k] for k in names])
+            long = pd.DataFrame({
+                "run": run_id,
+                "experiment": row["experiment"],
+                "seed": row["seed"],
+                "step": np.tile(np.array(steps, dtype=np.int64), len(names)),
+                "tokens": np.tile(tokens, len(names)),
+                "key": np.repeat(np.array(names, dtype=object), n),
+                "value": values,
+            })
+            # a key absent from a record is not a logged NaN: drop those rows
+            present = np.concatenate([[k in r for r in recs] for k in names])
+            long = long[present].reset_index(drop=True)
+    last = by_step[steps[-1]] if steps else {}
+    losses = [by_step[s].get("loss") for s in steps]
+    vals = [by_step[s].get("val_loss") for s in steps if by_step[s].get("val_loss") is not None]
+
+    s = summary or {}
+    row["status"] = s.get("status") if summary is not None else e.get("status_without_summary", "failed")
+    row["final_loss"] = s.get("final_loss") if "final_loss" in s else (losses[-1] if losses else None)
+    row["val_loss"] = s.get("val_loss") if "val_loss" in s else (vals[-1] if vals else None)
+    row["steps"] = s.get("steps") if s.get("steps") is not None else (int(steps[-1]) if steps else None)
+    row["tokens"] = s.get("tokens") if s.get("tokens") is not None else last.get("tokens")
+    row["diverged_at_step"] = s.get("diverged_at_step")
+    row["wall_time_s"] = s.get("wall_time_s")
+    row["n_params"] = s.get("n_params")
+    row["error"] = s.get("error")
+    row["diverged"] = row["status"] == "diverged" or row["diverged_at_step"] is not None
+    row["last_step"] = int(steps[-1]) if steps else None
+    row["bad_lines"] = int(e.get("bad_lines", 0) or 0)
+    row["path"] = e.get("path")
+    return row, long
+
+
+def _groups(summary: pd.DataFrame) -> pd.Series:
+    """experiment, plus ``[axis=value, ...]`` for the axes that take more than one value within
+    the experiment (a run that lacks the axis, e.g. without a config, gets no tag for it)."""
+    out = pd.Series(index=summary.index, dtype=object)
+    for exp, sub in summary.groupby("experiment", sort=False):
+        varying = [a for a in GROUP_AXES if sub[a].dropna().astype(str).nunique() > 1]
+        for run, r in sub.iterrows():
+            tags = ", ".join(f"{a}={r[a]}" for a in varying if r[a] is not None and not pd.isna(r[a]))
+            out[run] = f"{exp} [{tags}]" if tags else str(exp)
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# wandb
+
+
+def load_wandb(project: str, entity: str | None = None, filters: dict[str, Any] | None = None,
+               *, keys: Sequence[str] | None = None, timeout: int = 60) -> Runs:
+    """The runs of a wandb project as :class:`Runs` (the same tables as :func:`load_runs`).
+
+    ``filters`` is wandb's MongoDB-style run filter, e.g.
+    ``{"config.experiment": {"$in": ["reuse_rounded", "no_saved_copy"]}}``; ``keys`` globs
+    select metric keys. Needs the ``wandb`` package, network access and a login (``wandb login``
+    or ``WANDB_API_KEY``). Full-resolution history is read with ``run.scan_history()``.
+    Runs still going are ``running``; crashed or killed ones ``failed``.
+    """
+    try:
+        import wandb
+    except ImportError as e:
+        raise RuntimeError("load_wandb needs the wandb package (pip install wandb)") from e
+    path = f"{entity}/{project}" if entity else project
+    try:
+        api = wandb.Api(timeout=timeout)
+        wruns = list(api.runs(path, filters=filters or {}))
+    except Exception as e:  # noqa: BLE001 - network, auth and lookup errors all end here
+        raise RuntimeError(
+            f"could not list the wandb runs of {path!r} ({type(e).__name__}: {e}); "
+            "this needs network access and a wandb login (wandb login, or WANDB_API_KEY)"
+        ) from e
+    states = {"running": "running", "crashed": "failed", "failed": "failed", "killed": "failed"}
+    entries = []
+    for r in wruns:
+        try:
+            cfg = _unwrap_config(dict(r.config))
+            summ = {k: v for k, v in dict(r.summary).items() if not str(k).startswith("_")}
+            records = [dict(h) for h in r.scan_history()]
+        except Exception as e:  # noqa: BLE001
+            raise RuntimeError(f"could not read wandb run {r.path} ({type(e).__name__}: {e})") from e
+        finished = "status" in summ and r.state == "finished"
+        entries.append(dict(
+            run_id="/".join(r.path), config=cfg, summary=summ if finished else None,
+            records=records, path=None, status_without_summary=states.get(r.state, "failed"),
+        ))
+    return runs_from_records(entries, keys=keys)
+
+
+def _unwrap_config(cfg: dict[str, Any]) -> dict[str, Any]:
+    """wandb may store config values as ``{"value": ..., "desc": ...}``; return plain values."""
+    out = {}
+    for k, v in cfg.items():
+        if isinstance(v, dict) and set(v) <= {"value", "desc"} and "value" in v:
+            v = v["value"]
+        out[k] = v
+    return out

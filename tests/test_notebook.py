@@ -1,0 +1,74 @@
+"""notebooks/study.ipynb: committed without outputs, and executes (nbclient, python3 kernel of this
+interpreter) on the real tiny sweep of helpers_sweep, writing every PNG and final_loss.md."""
+
+from __future__ import annotations
+
+import os
+
+import nbformat
+import pytest
+
+from helpers_sweep import EXPERIMENTS, REPO, real_sweep
+
+NOTEBOOK = REPO / "notebooks" / "study.ipynb"
+FIGURES = ("loss.png", "grad_error.png", "kurtosis.png", "attn_rowsum.png")
+
+
+def test_notebook_is_committed_clean():
+    nb = nbformat.read(NOTEBOOK, as_version=4)
+    nbformat.validate(nb)
+    code = [c for c in nb.cells if c.cell_type == "code"]
+    assert code and all(not c.outputs and c.execution_count is None for c in code)
+    params = [c for c in code if "parameters" in c.metadata.get("tags", [])]
+    assert len(params) == 1 and "READBACK_SWEEP_DIRS" in params[0].source and "OUT_DIR" in params[0].source
+    assert nb.metadata["kernelspec"]["name"] == "python3"
+
+
+def _python3_kernel(tmp_path, monkeypatch) -> None:
+    """Make sure a ``python3`` kernelspec exists; else install ipykernel's into a temporary
+    prefix and put it on JUPYTER_PATH. jupyter_client starts a spec whose argv[0] is
+    ``python`` with this interpreter (``sys.executable``)."""
+    from jupyter_client.kernelspec import KernelSpecManager, NoSuchKernel
+
+    try:
+        KernelSpecManager().get_kernel_spec("python3")
+        return
+    except NoSuchKernel:
+        pass
+    from ipykernel.kernelspec import install
+
+    prefix = tmp_path / "jupyter-prefix"
+    install(prefix=str(prefix), kernel_name="python3")
+    monkeypatch.setenv("JUPYTER_PATH", str(prefix / "share" / "jupyter"))
+    KernelSpecManager().get_kernel_spec("python3")
+
+
+@pytest.mark.slow
+def test_notebook_executes(tmp_path_factory, tmp_path, monkeypatch):
+    from nbclient import NotebookClient
+
+    sweep = real_sweep(tmp_path_factory)
+    out = tmp_path / "figures"
+    monkeypatch.setenv("READBACK_SWEEP_DIRS", f"{sweep}:")  # a trailing ':' is tolerated
+    monkeypatch.setenv("READBACK_OUT_DIR", str(out))
+    monkeypatch.setenv("MPLBACKEND", "Agg")
+    _python3_kernel(tmp_path, monkeypatch)
+
+    nb = nbformat.read(NOTEBOOK, as_version=4)
+    client = NotebookClient(nb, kernel_name="python3", timeout=300,
+                            resources={"metadata": {"path": str(NOTEBOOK.parent)}})
+    client.execute()  # raises CellExecutionError on the first failing cell
+
+    outputs = [o for c in nb.cells if c.cell_type == "code" for o in c.outputs]
+    assert not [o for o in outputs if o.output_type == "error"]
+    for name in FIGURES:
+        p = out / name
+        assert p.is_file() and p.read_bytes()[:4] == b"\x89PNG", name
+    md = (out / "final_loss.md").read_text()
+    assert all(f"| {exp} " in md for exp in EXPERIMENTS)
+    # the table and the four figures were displayed
+    shown = [o for o in outputs if o.output_type in ("display_data", "execute_result")]
+    assert sum("image/png" in o.get("data", {}) for o in shown) == len(FIGURES)
+    assert any("reuse_rounded" in o.get("data", {}).get("text/markdown", "") for o in shown)
+    assert not (sweep / "analysis").exists()  # OUT_DIR was honoured
+    assert os.environ["READBACK_OUT_DIR"] == str(out)
