@@ -21,11 +21,12 @@ def _has_fp8_tensor_cores(device_index: int) -> bool:
 
 
 def use_scaled_mm(a: QTensor, b: QTensor) -> bool:
-    """Real FP8 GEMM only on FP8-capable CUDA devices, for the 2-D shapes it accepts
-    (dimensions multiples of 16, at most one E5M2 operand)."""
+    """Real FP8 GEMM only on FP8-capable CUDA devices, for FP8 operands (not the BF16 sites) of
+    the 2-D shapes it accepts (dimensions multiples of 16, at most one E5M2 operand)."""
     if a.data.device.type != "cuda" or not _has_fp8_tensor_cores(a.data.device.index or 0):
         return False
-    if a.data.dim() != 2 or b.data.dim() != 2:
+    fp8 = (torch.float8_e4m3fn, torch.float8_e5m2)
+    if a.data.dtype not in fp8 or b.data.dtype not in fp8 or a.data.dim() != 2 or b.data.dim() != 2:
         return False
     both_e5m2 = a.data.dtype == b.data.dtype == torch.float8_e5m2
     return not both_e5m2 and all(n % 16 == 0 for n in (*a.data.shape, *b.data.shape))

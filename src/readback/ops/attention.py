@@ -42,11 +42,11 @@ class _Attention(torch.autograd.Function):
     @staticmethod
     def forward(fctx, q, k, v, numerics, name, softmax_scale):
         batch, heads, seq, dim = q.shape
-        groups = k.shape[1]
         rounding, dtype = numerics.rounding, numerics.dtype
         qq = numerics.site(f"{name}.q").quantize(q, rounding)
-        kq = _expand_groups(numerics.site(f"{name}.k").quantize(k, rounding), heads)
-        vq = _expand_groups(numerics.site(f"{name}.v").quantize(v, rounding), heads)
+        k_groups = numerics.site(f"{name}.k").quantize(k, rounding)
+        v_groups = numerics.site(f"{name}.v").quantize(v, rounding)
+        kq, vq = _expand_groups(k_groups, heads), _expand_groups(v_groups, heads)
         gemm = "fp64" if numerics.precision == "off" else "fp8"
 
         scores = matmul(qq, kq.mT, gemm) * softmax_scale
@@ -59,12 +59,14 @@ class _Attention(torch.autograd.Function):
         numerics.record(name, q=qq, k=kq, v=vq, scores=scores, probs=pq, out=out, output=oq)
 
         reads = READS[numerics.policy]
-        fctx.numerics, fctx.name, fctx.scale, fctx.groups = numerics, name, softmax_scale, groups
-        fctx.qq, fctx.kq, fctx.vq, fctx.oq = qq, kq, vq, oq
+        fctx.numerics, fctx.name, fctx.scale = numerics, name, softmax_scale
+        fctx.qq, fctx.k_groups, fctx.v_groups, fctx.oq = qq, k_groups, v_groups, oq
         fctx.p_for_dv = pq if reads["dV"] == "rounded" else probs
         fctx.p_for_ds = probs if reads["dS"] == "original" else pq
         fctx.out = out if reads["D"] in ("original", "fresh") else None
-        numerics.account("attention", q=qq, k=k, v=v, probs=probs, probs_fp8=pq, out=fctx.out)
+        # output_fp8 is the O8 copy shared with the projection (which does not count it again).
+        numerics.account("attention", q=qq, k=k_groups, v=v_groups, probs=fctx.p_for_ds, probs_fp8=fctx.p_for_dv,
+                         output_fp8=oq, out=fctx.out)
         fctx.mark_non_differentiable(oq.data, oq.scale)
         return oq.dequantize(dtype), oq.data, oq.scale
 
@@ -81,8 +83,9 @@ class _Attention(torch.autograd.Function):
         else:
             d_out_operand = d_out
 
+        kq, vq = _expand_groups(fctx.k_groups, heads), _expand_groups(fctx.v_groups, heads)
         d_v = matmul(fctx.p_for_dv.mT, d_out_operand, precision)
-        d_p = matmul(d_out_operand, fctx.vq.mT, precision)
+        d_p = matmul(d_out_operand, vq.mT, precision)
         o_read = _o_read(fctx)
         probs = _value(fctx.p_for_ds, dtype)
         row_term = (d_out * o_read if o_read is not None else probs * d_p).sum(-1, keepdim=True)
@@ -90,11 +93,11 @@ class _Attention(torch.autograd.Function):
         numerics.observe(f"attn_rowsum/{name}", d_s.sum(-1))
         d_s_operand = numerics.site(f"{name}.grad_scores", "bwd").quantize(d_s) if precision == "fp8" else d_s
 
-        d_q = matmul(d_s_operand, fctx.kq, precision) * fctx.scale
+        d_q = matmul(d_s_operand, kq, precision) * fctx.scale
         d_k = matmul(d_s_operand.mT, fctx.qq, precision) * fctx.scale
-        group = heads // fctx.groups
-        d_k = d_k.reshape(batch, fctx.groups, group, seq, dim).sum(2)
-        d_v = d_v.reshape(batch, fctx.groups, group, seq, dim).sum(2)
+        groups = fctx.k_groups.data.shape[1]
+        d_k = d_k.reshape(batch, groups, heads // groups, seq, dim).sum(2)
+        d_v = d_v.reshape(batch, groups, heads // groups, seq, dim).sum(2)
         return d_q, d_k, d_v, None, None, None
 
 

@@ -36,33 +36,6 @@ class _UnitScale:
     def scale_for(self, x: torch.Tensor) -> torch.Tensor:
         return torch.ones((), device=x.device)
 
-    def saturation_counts(self) -> dict[str, int]:
-        """Elements saturated to the format's max at each FP8 site since the last call: a run
-        that diverges from FP8 overflow shows it here first."""
-        counts = {name: int(site.saturated) for name, site in self.sites.items()}
-        for site in self.sites.values():
-            site.saturated = 0
-        return {name: n for name, n in counts.items() if n}
-
-    def observe(self, key: str, values: torch.Tensor) -> None:
-        """Accumulate count, sum and sum of squares of ``values`` under ``key`` (in FP64)."""
-        v = values.detach().to(torch.float64).flatten()
-        moments = torch.stack([torch.tensor(float(v.numel()), dtype=torch.float64, device=v.device), v.sum(), v.square().sum()])
-        self.observations[key] = self.observations[key] + moments if key in self.observations else moments
-
-    def pop_observations(self) -> dict[str, float]:
-        """``{"<kind>/mean/<site>": mean, "<kind>/z/<site>": mean / standard error}`` of everything
-        observed since the last call, then forget it. The z-score tests "mean is zero"."""
-        stats = {}
-        for key, (count, total, squares) in ((k, m.tolist()) for k, m in self.observations.items()):
-            kind, site = key.split("/", 1)
-            mean = total / count
-            variance = max(squares / count - mean * mean, 0.0) * count / max(count - 1, 1)
-            stats[f"{kind}/mean/{site}"] = mean
-            stats[f"{kind}/z/{site}"] = mean / (variance / count) ** 0.5 if variance > 0 else 0.0
-        self.observations.clear()
-        return stats
-
     def end_step(self) -> None:
         pass
 
