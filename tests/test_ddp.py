@@ -118,3 +118,56 @@ def test_two_processes_match_one(tmp_path, monkeypatch, single_thread):
     assert [r["step"] for r in c] == list(range(1, 9))
     for rb, rc in zip(b, c, strict=True):
         assert rc["loss"] == pytest.approx(rb["loss"], rel=1e-6, abs=1e-7)
+
+
+PREEMPT_WORKER = WORKER.replace(
+    "from readback.train import run\n\nrun(toys.make_cfg(**json.loads(sys.argv[2])), Path(sys.argv[1]))\n",
+    textwrap.dedent(
+        """
+        import os, signal
+        from readback.train import run
+        from readback.train.preemption import Preempted
+
+        real_next = toys.ToyStream.next_batch
+
+        def next_batch(self):  # rank 1 alone is signalled, during step 3
+            if self.rank == 1 and self.calls == 5:
+                os.kill(os.getpid(), signal.SIGTERM)
+            return real_next(self)
+
+        toys.ToyStream.next_batch = next_batch
+        try:
+            run(toys.make_cfg(**json.loads(sys.argv[2])), Path(sys.argv[1]))
+        except Preempted as p:
+            print(json.dumps(dict(rank=int(os.environ["RANK"]), step=p.step)), flush=True)
+            sys.exit(p.exit_code)
+        """
+    ),
+)
+assert PREEMPT_WORKER != WORKER
+
+
+def test_a_signal_to_one_rank_stops_every_rank_after_the_same_step(tmp_path, monkeypatch, single_thread):
+    toys = _install_toys(monkeypatch)
+    one, two = tmp_path / "one", tmp_path / "two"
+    run(toys.make_cfg(**OVERRIDES), one)
+    script = tmp_path / "worker.py"
+    script.write_text(PREEMPT_WORKER.format(tests=str(TESTS)))
+    env = dict(os.environ, OMP_NUM_THREADS="1", WANDB_MODE="disabled")
+    env.pop("WORLD_SIZE", None)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(script),
+           str(two), json.dumps(OVERRIDES)]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=180, cwd=tmp_path)
+    assert proc.returncode != 0  # the workers exit 143: torchrun reports the failure for requeueing
+    stops = sorted(json.loads(line)["rank"] for line in proc.stdout.splitlines() if line.startswith('{"rank"'))
+    steps = {json.loads(line)["step"] for line in proc.stdout.splitlines() if line.startswith('{"rank"')}
+    assert stops == [0, 1] and steps == {3}, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert [s for s, _ in list_checkpoints(two / "checkpoints")] == [3]
+    state = load_checkpoint(checkpoint_path(two / "checkpoints", 3))
+    assert state["world_size"] == 2 and [r["data"] for r in state["ranks"]] == [{"consumed": 24}, {"consumed": 24}]
+    assert not (two / "summary.json").exists()
+    run(toys.make_cfg(**OVERRIDES, **{"trainer.resume": True}), two)  # resumed in one process
+    a, b = read_jsonl(one / "metrics.jsonl"), read_jsonl(two / "metrics.jsonl")
+    assert [r["step"] for r in b] == list(range(1, 9))
+    for ra, rb in zip(a, b, strict=True):
+        assert rb["loss"] == pytest.approx(ra["loss"], rel=1e-6, abs=1e-7)

@@ -519,7 +519,8 @@ def test_nan_loss_stops_without_applying_the_update(tmp_path, toys):
     records = read_jsonl(tmp_path / "metrics.jsonl")
     assert [r["step"] for r in records] == [1, 2, 3, 4, 5, 6]
     assert records[-1]["loss"] is None and records[-1]["diverged"] is True
-    assert json.loads((tmp_path / "summary.json").read_text())["final_loss"] is None
+    on_disk = json.loads((tmp_path / "summary.json").read_text())
+    assert on_disk["final_loss"] is None and on_disk["nonfinite_tensors"][0] == "loss"
     # no checkpoint of the diverged step; the weights are exactly those after step 5
     assert [s for s, _ in list_checkpoints(tmp_path / "checkpoints")] == [5]
     after_five = load_checkpoint(checkpoint_path(tmp_path / "checkpoints", 5))["model"]
@@ -528,11 +529,27 @@ def test_nan_loss_stops_without_applying_the_update(tmp_path, toys):
 
 
 def test_nonfinite_gradients_skip_the_update(tmp_path, toys):
-    summary = run(make_cfg(**{"model.nan_grad_at": 3}), tmp_path)
+    summary = run(make_cfg(**{"model.nan_grad_at": 3, "trainer.divergence.nonfinite_grads": "skip"}), tmp_path)
     assert summary["status"] == "completed"
     assert summary["skipped_updates"] == [{"step": 3, "params": ["gain"]}]
     assert all(torch.isfinite(v).all() for v in toys[0].state_dict().values())
     assert read_jsonl(tmp_path / "metrics.jsonl")[1]["skipped_updates"] == 1
+
+
+def test_nonfinite_gradients_stop_as_divergence_by_default(tmp_path, toys):
+    cfg = make_cfg(**{"model.nan_grad_at": 3, "trainer.log_every": 1, "trainer.ckpt_every": 2})
+    summary = run(cfg, tmp_path)
+    assert summary["status"] == "diverged" and summary["diverged_at_step"] == 3 and summary["steps"] == 3
+    assert summary["nonfinite_tensors"] == ["gain.grad"] and "gain" in summary["divergence_reason"]
+    on_disk = json.loads((tmp_path / "summary.json").read_text())
+    assert on_disk["nonfinite_tensors"] == ["gain.grad"] and on_disk["final_loss"] is not None
+    records = read_jsonl(tmp_path / "metrics.jsonl")
+    assert [r["step"] for r in records] == [1, 2, 3] and records[-1]["diverged"] is True
+    assert "fp8_saturation/toy.out" in records[-1]
+    after_two = load_checkpoint(checkpoint_path(tmp_path / "checkpoints", 2))["model"]
+    final = toys[0].state_dict()
+    assert all(torch.equal(final[k], after_two[k]) for k in final)  # step 3 was not applied
+    assert [s for s, _ in list_checkpoints(tmp_path / "checkpoints")] == [2]
 
 
 def test_patience_divergence_can_stop(tmp_path, toys):

@@ -2,7 +2,14 @@
 
 A file is written to a temporary name in the same directory, flushed, ``fsync``-ed and then
 ``os.replace``-d onto its final name, so a crash at any moment leaves either the previous
-checkpoint set or the new one, never a truncated file under a checkpoint name.
+checkpoint set or the new one, never a truncated file under a checkpoint name. The temporary
+file of a save that a ``SIGKILL`` interrupted is removed when the run resumes
+(:func:`remove_stale_temp_files`).
+
+:func:`resume_plan` decides, from a run directory and a config, where a run starts: the newest
+readable checkpoint (``trainer.resume=true``), step 0 (an empty run directory), or a
+``ConfigError`` (checkpoints that cannot be resumed, or would be overwritten). ``train.py`` asks it
+before Hydra touches the run directory, the trainer again when it starts.
 """
 
 from __future__ import annotations
@@ -12,14 +19,27 @@ import os
 import random
 import re
 import tempfile
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 import torch
+from omegaconf import OmegaConf
+
+from readback.errors import ConfigError
 
 log = logging.getLogger(__name__)
 
+_UMASK = os.umask(0o022)
+os.umask(_UMASK)
+
 _NAME = re.compile(r"^step_(\d+)\.pt$")
+_TEMP = re.compile(r"^\.(step_\d+\.pt|summary\.json|metrics\.jsonl)\..+\.tmp$")  # atomic_write_bytes' temp files
+# Keys a checkpoint can only be resumed under with the value it was trained with.
+ARCHITECTURE_KEYS = (
+    "model.n_layers", "model.d_model", "model.n_heads", "model.n_kv_groups", "model.ffn_dim",
+    "model.vocab_size", "model.tied", "precision.name", "precision.amax_history_len",
+)
 
 
 def checkpoint_dir(run_dir: Path) -> Path:
@@ -49,6 +69,7 @@ def atomic_write_bytes(path: Path, write: Any) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:
+        os.fchmod(fd, 0o666 & ~_UMASK)  # mkstemp makes 0600 files: give the final file the usual mode
         with os.fdopen(fd, "wb") as f:
             write(f)
             f.flush()
@@ -106,22 +127,94 @@ def save_checkpoint(state: dict[str, Any], ckpt_dir: Path, step: int, keep_last:
     return path
 
 
-def load_checkpoint(path: Path, map_location: Any = "cpu") -> dict[str, Any]:
+def remove_stale_temp_files(directory: Path) -> list[Path]:
+    """Delete the temporary files of writes a crash interrupted (``.step_*.pt.*.tmp``, ...)."""
+    directory = Path(directory)
+    removed = []
+    if directory.is_dir():
+        for p in directory.iterdir():
+            if _TEMP.match(p.name) and p.is_file():
+                try:
+                    p.unlink()
+                    removed.append(p)
+                except OSError:  # pragma: no cover - a concurrent delete
+                    pass
+    return removed
+
+
+def load_checkpoint(path: Path, map_location: Any = "cpu", mmap: bool = False) -> dict[str, Any]:
+    """A checkpoint file's state. ``mmap``: map the tensors instead of reading them (a quick look
+    at a large checkpoint)."""
     # The trainer wrote these files itself (RNG tuples, data-stream states), hence full unpickling.
-    state = torch.load(path, map_location=map_location, weights_only=False)
+    state = torch.load(path, map_location=map_location, weights_only=False, mmap=mmap)
     if not isinstance(state, dict) or "step" not in state:
         raise ValueError(f"{path} is not a readback checkpoint")
     return state
 
 
-def load_latest_checkpoint(ckpt_dir: Path, map_location: Any = "cpu") -> tuple[Path, dict[str, Any]] | None:
+def load_latest_checkpoint(
+    ckpt_dir: Path, map_location: Any = "cpu", mmap: bool = False, quiet: bool = False
+) -> tuple[Path, dict[str, Any]] | None:
     """The newest checkpoint that loads; unreadable ones are skipped with a warning."""
     for step, path in reversed(list_checkpoints(ckpt_dir)):
         try:
-            return path, load_checkpoint(path, map_location)
+            return path, load_checkpoint(path, map_location, mmap)
         except Exception as e:  # noqa: BLE001 - any unreadable file is skipped
-            log.warning("skipping unreadable checkpoint %s (step %d): %s", path, step, e)
+            if not quiet:
+                log.warning("skipping unreadable checkpoint %s (step %d): %s", path, step, e)
     return None
+
+
+def config_mismatch(saved_config: Mapping[str, Any] | None, cfg: Any) -> tuple[str, Any, Any] | None:
+    """The first of :data:`ARCHITECTURE_KEYS` whose value in ``cfg`` differs from the one the
+    checkpoint was trained with: ``(key, now, saved)``, or ``None``. Keys unset on either side
+    (``model.vocab_size: null`` takes the data's) are not compared."""
+    if not isinstance(saved_config, Mapping):
+        return None
+    saved = OmegaConf.create(dict(saved_config))
+    for key in ARCHITECTURE_KEYS:
+        try:
+            now, was = OmegaConf.select(cfg, key, default=None), OmegaConf.select(saved, key, default=None)
+        except Exception:  # noqa: BLE001 - an unresolvable interpolation: not comparable
+            continue
+        if now is not None and was is not None and now != was:
+            return key, now, was
+    return None
+
+
+def resume_plan(run_dir: Path, cfg: Any, *, mmap: bool = False) -> tuple[Path, dict[str, Any]] | None:
+    """Where a run in ``run_dir`` starts: ``(path, state)`` of the checkpoint to resume from, or
+    ``None`` for step 0. Raises ``ConfigError`` when
+
+    * the run directory holds checkpoints but ``trainer.resume`` is false (they would be
+      overwritten) -- unless this is a requeued Slurm job, which resumes;
+    * ``trainer.resume`` is true and none of its checkpoints loads;
+    * the newest readable checkpoint was trained with another model (:func:`config_mismatch`).
+    """
+    from readback.train.preemption import requeued
+
+    ckpt_dir = checkpoint_dir(run_dir)
+    found = list_checkpoints(ckpt_dir)
+    if not found:
+        return None
+    resume = bool(OmegaConf.select(cfg, "trainer.resume", default=False))
+    if not resume and requeued():
+        log.warning("requeued job (SLURM_RESTART_COUNT=%s): resuming from %s",
+                    os.environ["SLURM_RESTART_COUNT"], ckpt_dir)
+        resume = True
+    if not resume:
+        raise ConfigError("trainer.resume", False, f"true to continue the run in {run_dir} (it holds {len(found)} "
+                                                   f"checkpoint(s), up to step {found[-1][0]}), or a new hydra.run.dir")
+    latest = load_latest_checkpoint(ckpt_dir, mmap=mmap, quiet=mmap)
+    if latest is None:
+        raise ConfigError("trainer.resume", True, f"a run directory with a readable checkpoint: none of the "
+                                                  f"{len(found)} in {ckpt_dir} loads (remove them to start afresh)")
+    path, state = latest
+    mismatch = config_mismatch(state.get("config"), cfg)
+    if mismatch is not None:
+        key, now, was = mismatch
+        raise ConfigError(key, now, f"{was!r}, the value {path} was trained with (or a new hydra.run.dir)")
+    return path, state
 
 
 def rng_state() -> dict[str, Any]:

@@ -5,8 +5,12 @@
 * A logged loss above ``factor`` x the running minimum of the earlier logged losses, for
   ``patience`` consecutive logged steps, marks ``diverged_at_step`` as the first step of that
   streak; :meth:`DivergenceDetector.observe_logged` returns ``True`` (stop) only when ``stop``.
-* Steps with non-finite gradients are recorded (step and parameter names); the trainer skips
-  their update.
+* A step with non-finite gradients (and a finite loss) is not applied either. With
+  ``nonfinite_grads: stop`` (the default) it is a divergence like a NaN loss: the run stops,
+  ``diverged_at_step`` is that step. With ``skip`` the update is skipped, the step and parameter
+  names are recorded in ``skipped``, and training continues.
+* ``nonfinite_tensors`` names what was not finite at the step that stopped the run: ``loss``
+  and/or ``<parameter>.grad``.
 
 All ranks feed the detector the same all-reduced numbers, so they reach the same verdicts.
 """
@@ -17,11 +21,18 @@ import math
 from typing import Any
 
 
+NONFINITE_GRADS = ("stop", "skip")
+
+
 class DivergenceDetector:
-    def __init__(self, factor: float = 2.0, patience: int = 3, stop: bool = False):
+    def __init__(self, factor: float = 2.0, patience: int = 3, stop: bool = False, nonfinite_grads: str = "stop"):
         self.factor = float(factor)
         self.patience = max(int(patience), 1)
         self.stop = bool(stop)
+        if nonfinite_grads not in NONFINITE_GRADS:
+            raise ValueError(f"nonfinite_grads={nonfinite_grads!r}; valid: {list(NONFINITE_GRADS)}")
+        self.nonfinite_grads = nonfinite_grads
+        self.nonfinite_tensors: list[str] = []
         self.running_min = math.inf
         self.streak_start: int | None = None
         self.streak_len = 0
@@ -32,7 +43,8 @@ class DivergenceDetector:
 
     @classmethod
     def from_config(cls, cfg: Any) -> DivergenceDetector:
-        return cls(factor=cfg.factor, patience=cfg.patience, stop=cfg.stop)
+        return cls(factor=cfg.factor, patience=cfg.patience, stop=cfg.stop,
+                   nonfinite_grads=str(cfg.get("nonfinite_grads", "stop")))
 
     @property
     def diverged(self) -> bool:
@@ -47,6 +59,22 @@ class DivergenceDetector:
             self.diverged_at_step = step
         self.reason = f"non-finite loss ({loss}) at step {step}"
         return True
+
+    def check_grads(self, step: int, names: list[str]) -> bool:
+        """Non-finite gradients of parameters ``names`` at ``step`` (a finite loss): ``True`` when
+        the run stops (``nonfinite_grads: stop``); with ``skip`` the step is recorded in ``skipped``."""
+        if self.nonfinite_grads == "skip":
+            self.record_nonfinite_grads(step, names)
+            return False
+        if self.diverged_at_step is None:
+            self.diverged_at_step = step
+        self.nonfinite_tensors = [f"{n}.grad" for n in names]
+        self.reason = f"non-finite gradients at step {step}: {', '.join(names) or '?'}"
+        return True
+
+    def record_nonfinite_tensors(self, names: list[str]) -> None:
+        """What was not finite at the step that stopped the run (``loss``, ``<param>.grad``)."""
+        self.nonfinite_tensors = list(names)
 
     def observe_logged(self, step: int, loss: float) -> bool:
         """Check a logged loss against ``factor`` x running minimum; ``True`` means stop."""
@@ -80,6 +108,7 @@ class DivergenceDetector:
             "reason": self.reason,
             "nonfinite_loss": self.nonfinite_loss,
             "skipped": [dict(s) for s in self.skipped],
+            "nonfinite_tensors": list(self.nonfinite_tensors),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -90,3 +119,4 @@ class DivergenceDetector:
         self.reason = state["reason"]
         self.nonfinite_loss = bool(state["nonfinite_loss"])
         self.skipped = [dict(s) for s in state["skipped"]]
+        self.nonfinite_tensors = list(state.get("nonfinite_tensors", []))

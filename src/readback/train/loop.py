@@ -5,18 +5,31 @@ Order of one optimizer step ``t`` (counted from 1):
 
 1. ``lr = schedule(t)``; ``accum`` micro-steps of forward + ``(loss / accum).backward()``, DDP
    ``no_sync`` on all but the last;
-2. the step's loss is averaged over ranks; a NaN/Inf loss stops the run, the update not applied;
-3. pre-clip gradient norm; non-finite gradients skip the update (parameter names recorded),
+2. the step's loss is averaged over ranks (with it travels the preemption flag); a NaN/Inf loss
+   stops the run (``status: diverged``), the update not applied;
+3. pre-clip gradient norm; non-finite gradients are not applied either: they stop the run like a
+   NaN loss (``trainer.divergence.nonfinite_grads: stop``) or skip the update (``skip``);
    otherwise clip to ``grad_clip`` and ``optimizer.step()``;
 4. ``model.numerics.end_step()`` (also after a skipped update);
 5. on log steps (multiples of ``log_every`` or ``eval_every``, and the last step): one record in
-   ``metrics.jsonl``/wandb, ``val_loss`` on eval steps; then a checkpoint on checkpoint steps.
+   ``metrics.jsonl``/wandb, ``val_loss`` on eval steps; then a checkpoint on checkpoint steps;
+6. after a preemption signal (:mod:`readback.train.preemption`): a checkpoint, then
+   :class:`~readback.train.preemption.Preempted` (no ``summary.json``: the run is not over).
+
+Reproducibility: a run is a function of its config. The seed fixes the initialisation, the data
+order (the stream's state is its position) and every random stream of the numerics (seeded from
+(seed, site, stream, step): nothing to save but the step; probe repeats use salted streams). A
+checkpoint holds everything else: model, optimizer, schedule, step, data position, scaling
+states (amax histories, scales) and the counts and moments not yet logged, the global RNG
+states, the divergence detector, the loss window and the wandb run id. Resuming from it
+reproduces the uninterrupted run bit for bit (same world size and device).
 """
 
 from __future__ import annotations
 
 import logging
 import math
+import signal
 import time
 from contextlib import nullcontext
 from pathlib import Path
@@ -30,9 +43,9 @@ from readback.probe import GradientProbe
 from readback.train.checkpoint import (
     atomic_write_text,
     checkpoint_dir,
-    list_checkpoints,
     load_checkpoint,
-    load_latest_checkpoint,
+    remove_stale_temp_files,
+    resume_plan,
     rng_state,
     save_checkpoint,
     set_rng_state,
@@ -51,6 +64,7 @@ from readback.train.distributed import (
 from readback.train.divergence import DivergenceDetector
 from readback.train.metrics import MetricsLogger, build_metrics_logger, json_safe, peak_bf16_flops
 from readback.train.optim import build_optimizer, clip_grads_, grad_norm, nonfinite_grad_names, set_lr
+from readback.train.preemption import DEFAULT_SIGNALS, Preempted, PreemptionGuard
 from readback.train.schedule import WSDSchedule
 
 log = logging.getLogger(__name__)
@@ -63,7 +77,9 @@ def run(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
 
     Rank 0 writes ``run_dir/metrics.jsonl``, ``run_dir/checkpoints/`` and ``run_dir/summary.json``.
     Raises :class:`~readback.errors.ConfigError` for trainer-level runtime misconfiguration
-    (before anything is written); any other exception writes ``status: "failed"`` and re-raises.
+    (before anything is written, except for an error the data raises mid-run, which also writes
+    ``status: "failed"``); any other exception writes ``status: "failed"`` and re-raises. A
+    preemption signal raises :class:`~readback.train.preemption.Preempted` after a checkpoint.
     """
     run_dir = Path(run_dir)
     experiment = str(OmegaConf.select(cfg, "experiment", default=None) or "custom")
@@ -77,8 +93,10 @@ def run(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
     warn_before = torch.is_deterministic_algorithms_warn_only_enabled()
     if env.device.type == "cpu":
         torch.use_deterministic_algorithms(True, warn_only=True)
+    signals = OmegaConf.select(cfg, "trainer.preempt_signals", default=None)
     try:
-        return _Trainer(cfg, run_dir, env, accum, experiment).train()
+        with PreemptionGuard(DEFAULT_SIGNALS if signals is None else signals) as guard:
+            return _Trainer(cfg, run_dir, env, accum, experiment, guard).train()
     finally:
         torch.use_deterministic_algorithms(det_before, warn_only=warn_before)
         cleanup(env)
@@ -210,9 +228,39 @@ class _Window:
         vars(self).update(state)
 
 
+def _numerics_pending(numerics: Any) -> dict[str, Any]:
+    """What the numerics accumulated since the last record and its ``state_dict`` leaves out:
+    per-site saturation counts and observed moments (a checkpoint between two log steps keeps them,
+    so the next record after a resume is the uninterrupted run's)."""
+    pending: dict[str, Any] = {}
+    sites = getattr(numerics, "sites", None)
+    if isinstance(sites, dict):
+        pending["saturated"] = {n: s.saturated for n, s in sites.items() if hasattr(s, "saturated")}
+    observations = getattr(numerics, "observations", None)
+    if isinstance(observations, dict):
+        pending["observations"] = dict(observations)
+    return pending
+
+
+def _load_numerics_pending(numerics: Any, pending: dict[str, Any], device: torch.device) -> None:
+    def to_device(v: Any) -> Any:
+        return v.to(device) if isinstance(v, torch.Tensor) else v
+
+    sites = getattr(numerics, "sites", None)
+    for name, count in (pending.get("saturated") or {}).items():
+        if isinstance(sites, dict) and name in sites:
+            sites[name].saturated = to_device(count)
+    if "observations" in pending and isinstance(getattr(numerics, "observations", None), dict):
+        numerics.observations = {k: to_device(v) for k, v in pending["observations"].items()}
+
+
 class _Trainer:
-    def __init__(self, cfg: DictConfig, run_dir: Path, env: DistEnv, accum: int, experiment: str):
+    def __init__(self, cfg: DictConfig, run_dir: Path, env: DistEnv, accum: int, experiment: str,
+                 guard: PreemptionGuard | None = None):
         self.cfg, self.run_dir, self.env, self.accum, self.experiment = cfg, run_dir, env, accum, experiment
+        self.guard = guard if guard is not None else PreemptionGuard(())
+        self.preempt = False  # a preemption signal reached some rank: checkpoint and stop after this step
+        self.loop_started = False
         t = cfg.trainer
         self.steps = int(t.steps)
         self.seq_len = int(cfg.model.seq_len)
@@ -257,19 +305,37 @@ class _Trainer:
             self.peak_flops = peak_bf16_flops(torch.cuda.get_device_name(env.device))
 
     def _resume(self) -> tuple[int, str | None]:
-        """Load the newest readable checkpoint (if asked and present); ``(step, wandb id)``."""
+        """Load the checkpoint :func:`resume_plan` picks; ``(step, wandb id)``. Rank 0 decides
+        and tells the others (a ``ConfigError`` is raised on every rank)."""
         env = self.env
-        if not bool(self.cfg.trainer.resume):
-            if env.is_main and list_checkpoints(self.ckpt_dir):
-                log.warning("%s holds checkpoints but trainer.resume=false; starting from step 0", self.ckpt_dir)
-            return 0, None
-        found = load_latest_checkpoint(self.ckpt_dir) if env.is_main else None
-        path = broadcast_object(str(found[0]) if found else None, env)
-        if path is None:
-            if env.is_main:
+        found, decision = None, None
+        if env.is_main:
+            try:
+                found = resume_plan(self.run_dir, self.cfg)
+                decision = ("load", str(found[0])) if found else ("fresh", None)
+            except ConfigError as e:
+                decision = ("error", (e.key, e.value, e.valid))
+        decision = broadcast_object(decision, env)
+        if decision[0] == "error":
+            raise ConfigError(*decision[1])
+        if decision[0] == "fresh":
+            if env.is_main and bool(self.cfg.trainer.resume):
                 log.info("trainer.resume=true but no checkpoint in %s; starting from step 0", self.ckpt_dir)
             return 0, None
+        path = decision[1]
         state = found[1] if found is not None else load_checkpoint(Path(path))
+        try:
+            return self._load_state(path, state)
+        except ConfigError:
+            raise
+        except Exception as e:  # noqa: BLE001 - a checkpoint of another model, recipe or data
+            first = " ".join(str(e).split())[:300]
+            raise ConfigError("trainer.resume", True, f"a checkpoint this config can load; {path} does not "
+                                                      f"({type(e).__name__}: {first}); resume it with the config "
+                                                      f"it was trained with, or use a new hydra.run.dir") from e
+
+    def _load_state(self, path: str, state: dict[str, Any]) -> tuple[int, str | None]:
+        env = self.env
         saved_world = int(state["world_size"])
         if saved_world != env.world_size and env.is_main:
             log.warning(
@@ -284,6 +350,7 @@ class _Trainer:
         mine = state["ranks"][env.rank if env.rank < len(state["ranks"]) else 0]
         self.stream.load_state_dict(mine["data"])
         self.model.numerics.load_state_dict(mine["numerics"])
+        _load_numerics_pending(self.model.numerics, mine.get("numerics_pending") or {}, env.device)
         set_rng_state(mine["rng"])
         if env.is_main:
             log.info("resumed from %s (step %d)", path, state["step"])
@@ -291,9 +358,13 @@ class _Trainer:
 
     def _save_checkpoint(self) -> None:
         env = self.env
-        mine = _to_cpu(
-            {"data": self.stream.state_dict(), "numerics": self.model.numerics.state_dict(), "rng": rng_state()}
-        )
+        numerics = self.model.numerics
+        mine = _to_cpu({
+            "data": self.stream.state_dict(),
+            "numerics": numerics.state_dict(),
+            "numerics_pending": _numerics_pending(numerics),
+            "rng": rng_state(),
+        })
         ranks = gather_objects(mine, env)
         if env.is_main:
             window = self.window.state_dict()
@@ -311,7 +382,7 @@ class _Trainer:
                 "wandb_run_id": self.logger.wandb_run_id,
                 "config": plain_config(self.cfg),
             }
-            save_checkpoint(state, self.ckpt_dir, self.step, self.keep_last)
+            self.last_checkpoint = str(save_checkpoint(state, self.ckpt_dir, self.step, self.keep_last))
         barrier(env)
 
     # ------------------------------------------------------------------ steps
@@ -342,9 +413,11 @@ class _Trainer:
             loss_sum += loss.detach().float()
         if has_switch:
             self.model.track_stats = False
-        mean_loss = all_reduce_mean(loss_sum / self.accum, self.env)
+        signalled = torch.tensor(float(self.guard.requested is not None), device=dev)
+        mean_loss, preempt = all_reduce_mean(torch.stack([loss_sum / self.accum, signalled]), self.env)
         gnorm = grad_norm(self.params).to(dev)
-        loss_v, gnorm_v = torch.stack([mean_loss, gnorm]).tolist()
+        loss_v, gnorm_v, preempt_v = torch.stack([mean_loss, gnorm, preempt]).tolist()
+        self.preempt = self.preempt or preempt_v > 0
         return loss_v, gnorm_v, gnorm
 
     @torch.no_grad()
@@ -406,12 +479,18 @@ class _Trainer:
     # ------------------------------------------------------------------ main
     def train(self) -> dict[str, Any]:
         env = self.env
+        self.last_checkpoint: str | None = None
         if env.is_main:
             self.run_dir.mkdir(parents=True, exist_ok=True)
         try:
             self._build()
             start, wandb_id = self._resume()
             self.step = start
+            if env.is_main:  # the run is not over until it says so again; a killed save left a temp file
+                _summary_path(self.run_dir).unlink(missing_ok=True)
+                for directory in (self.run_dir, self.ckpt_dir):
+                    for p in remove_stale_temp_files(directory):
+                        log.info("removed %s, left by an interrupted write", p)
             self.logger = build_metrics_logger(
                 OmegaConf.select(self.cfg, "logger", default=None),
                 self.run_dir,
@@ -435,17 +514,19 @@ class _Trainer:
                     self.tokens_per_step, self.accum, env.world_size, env.device,
                 )
             status = self._loop(start)
-        except ConfigError:
+        except Preempted as p:
+            if env.is_main:
+                log.warning("%s; no summary.json: the requeued job resumes and writes it", p)
+            self.logger.mark_preempting()
+            self.logger.close(exit_code=1)
+            raise
+        except ConfigError as e:
+            if self.loop_started:  # e.g. the data ran out mid-run: the run failed
+                self._write_failed_summary(e)
             self.logger.close(exit_code=1)
             raise
         except (Exception, KeyboardInterrupt) as e:
-            summary = self._summary("failed")
-            summary["error"] = f"{type(e).__name__}: {e}"
-            if env.is_main:
-                try:
-                    write_summary(self.run_dir, summary)
-                except Exception as write_error:  # noqa: BLE001
-                    log.error("could not write summary.json: %s", write_error)
+            self._write_failed_summary(e)
             self.logger.close(exit_code=1)
             raise
         finally:
@@ -458,6 +539,27 @@ class _Trainer:
         self.logger.close(exit_code=0)
         return summary
 
+    def _write_failed_summary(self, error: BaseException) -> None:
+        if not self.env.is_main:
+            return
+        summary = self._summary("failed")
+        summary["error"] = f"{type(error).__name__}: {error}"
+        try:
+            write_summary(self.run_dir, summary)
+        except Exception as write_error:  # noqa: BLE001
+            log.error("could not write summary.json: %s", write_error)
+
+    def _stop_nonfinite(self, step: int, t0: float, loss: float, lr: float, gnorm: float) -> None:
+        """The step's loss or gradients are not finite: drop its update, log it, stop."""
+        self.optimizer.zero_grad(set_to_none=True)
+        self.window.add(loss, self.tokens_per_step, time.perf_counter() - t0)
+        self.window.last_loss = loss if math.isfinite(loss) else None
+        rec = self._record(step, loss, lr, gnorm)
+        rec["diverged"] = True
+        self.logger.log(rec)
+        if self.env.is_main:
+            log.error("stopping: %s; non-finite: %s", self.detector.reason, ", ".join(self.detector.nonfinite_tensors))
+
     def _loop(self, start: int) -> str:
         env, model = self.env, self.model
         if env.is_main and bool(self.cfg.trainer.progress):
@@ -467,6 +569,7 @@ class _Trainer:
         last_saved = start
         nonfinite_stop = stopped = False
         model.train()
+        self.loop_started = True
         for step in range(start + 1, self.steps + 1):
             t0 = time.perf_counter()
             is_eval = (self.eval_every > 0 and step % self.eval_every == 0) or step == self.steps
@@ -475,14 +578,9 @@ class _Trainer:
             lr = self.schedule(step)
             self.step = step
             if self.detector.check_loss(step, loss):
-                self.optimizer.zero_grad(set_to_none=True)
-                self.window.add(loss, self.tokens_per_step, time.perf_counter() - t0)
-                self.window.last_loss = loss
-                rec = self._record(step, loss, lr, gnorm)
-                rec["diverged"] = True
-                self.logger.log(rec)
-                if env.is_main:
-                    log.error("stopping: %s", self.detector.reason)
+                grads = nonfinite_grad_names(self.named_params) if not math.isfinite(gnorm) else []
+                self.detector.record_nonfinite_tensors(["loss"] + [f"{n}.grad" for n in grads])
+                self._stop_nonfinite(step, t0, loss, lr, gnorm)
                 nonfinite_stop = True
                 break
             if math.isfinite(gnorm):
@@ -490,7 +588,10 @@ class _Trainer:
                 self.optimizer.step()
             else:
                 names = nonfinite_grad_names(self.named_params)
-                self.detector.record_nonfinite_grads(step, names)
+                if self.detector.check_grads(step, names):
+                    self._stop_nonfinite(step, t0, loss, lr, gnorm)
+                    nonfinite_stop = True
+                    break
                 if env.is_main:
                     log.warning("step %d: non-finite gradients in %s; update skipped", step, ", ".join(names))
             self.optimizer.zero_grad(set_to_none=True)
@@ -520,6 +621,13 @@ class _Trainer:
                 last_saved = step
             if stopped:
                 break
+            if self.preempt or (not env.distributed and self.guard.requested is not None):
+                if step == self.steps:  # the run is over anyway
+                    break
+                if last_saved != step:
+                    self._save_checkpoint()
+                signum = self.guard.requested or int(signal.SIGTERM)  # the signal reached another rank
+                raise Preempted(signum, step, self.last_checkpoint if env.is_main else None)
         if not nonfinite_stop and last_saved != self.step:
             self._save_checkpoint()
         return "diverged" if self.detector.diverged else "completed"
@@ -534,6 +642,7 @@ class _Trainer:
             "diverged_at_step": self.detector.diverged_at_step,
             "divergence_reason": self.detector.reason,
             "skipped_updates": self.detector.skipped,
+            "nonfinite_tensors": self.detector.nonfinite_tensors,
             "wall_time_s": self._wall_time(),
             "n_params": self.n_params,
             "flops_per_token": self.flops_per_token,

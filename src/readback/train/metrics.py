@@ -197,6 +197,10 @@ class WandbLogger:
             except Exception as e:  # noqa: BLE001 - any wandb failure must not stop training
                 log.warning("wandb.init in %s mode failed (%s: %s)", attempt, type(e).__name__, e)
                 self._run = None
+                try:  # a failed init keeps the run id taken in this process: release it for the next try
+                    wandb.teardown()
+                except Exception:  # noqa: BLE001
+                    pass
         if self._run is None:
             log.warning("wandb disabled for this run; metrics go to metrics.jsonl only")
 
@@ -216,6 +220,15 @@ class WandbLogger:
                 self._run.summary[k] = v
         except Exception as e:  # noqa: BLE001
             self._fail("summary", e)
+
+    def mark_preempting(self) -> None:
+        """Tell wandb the run stops for a preemption (it is resumed later under the same id)."""
+        if self._run is None:
+            return
+        try:
+            self._run.mark_preempting()
+        except Exception as e:  # noqa: BLE001
+            log.debug("wandb mark_preempting failed: %s", e)
 
     def _fail(self, what: str, e: Exception) -> None:
         if not self._warned:
@@ -257,6 +270,10 @@ class MetricsLogger:
     def summary(self, values: Mapping[str, Any]) -> None:
         if self.wandb is not None:
             self.wandb.summary(json_safe(dict(values)))
+
+    def mark_preempting(self) -> None:
+        if self.wandb is not None:
+            self.wandb.mark_preempting()
 
     def close(self, exit_code: int = 0) -> None:
         if self.jsonl is not None:
