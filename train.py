@@ -3,34 +3,74 @@
     python train.py +experiment=reuse_rounded                 # the tiny default, on a CPU
     python train.py +experiment=fresh_reround model=fog_390m data=fineweb_edu
     python train.py -m +experiment=reuse_rounded,fresh_reround seed=0,1,2
+    python train.py ... hydra.run.dir=DIR trainer.resume=true  # continue the run in DIR
+
+Exit codes: 0 for a finished run, completed or diverged (a sweep goes on with its next job);
+2 for a bad configuration or input (one line on stderr, and no run directory left behind unless
+it held a run before); ``128 + signal`` after a preemption signal, once the checkpoint is written
+(under submitit the job is requeued instead, see ``readback.train.preemption``).
 """
 
+import os
 import shutil
 import sys
 from pathlib import Path
 
 import hydra
 from hydra.core.hydra_config import HydraConfig
+from hydra.types import RunMode
 from omegaconf import DictConfig
 
-from readback.config import exit_on_bad_config, validate
+from readback.config import PREEXISTING_RUN_DIRS, exit_on_bad_config, print_error, restore_hydra_files, validate
 from readback.errors import ConfigError
+
+_SWEEP_CONFIG_ERRORS: list[str] = []
+
+
+def _made_by_this_job(run_dir: Path) -> bool:
+    """Whether ``run_dir`` holds nothing but what Hydra wrote for this job (its config folder and
+    log file) and did not exist, with content, before: then an error may remove it."""
+    if not run_dir.is_dir() or str(run_dir.resolve()) in PREEXISTING_RUN_DIRS:
+        return False
+    hc = HydraConfig.get()
+    hydra_files = {str(hc.output_subdir), f"{hc.job.name}.log"}
+    return all(p.name in hydra_files for p in run_dir.iterdir())
+
+
+def _config_error(error: ConfigError, run_dir: Path) -> None:
+    """One line on stderr; the run directory removed if this job made it; exit 2 (in a sweep the
+    sweep goes on, and the process exits 2 at its end)."""
+    if _made_by_this_job(run_dir):
+        shutil.rmtree(run_dir, ignore_errors=True)
+    else:
+        restore_hydra_files(run_dir)
+    print_error(error)
+    if HydraConfig.get().mode == RunMode.MULTIRUN and "SUBMITIT_FOLDER" not in os.environ:
+        _SWEEP_CONFIG_ERRORS.append(str(error))
+        return
+    sys.exit(2)
 
 
 @hydra.main(config_path="conf", config_name="train", version_base="1.3")
 def main(cfg: DictConfig) -> None:
     run_dir = Path(HydraConfig.get().runtime.output_dir)
     try:
-        validate(cfg)
-    except ConfigError as error:  # a sweep job with a bad value: leave nothing behind
-        shutil.rmtree(run_dir, ignore_errors=True)
-        print(f"error: {error}", file=sys.stderr)
-        sys.exit(2)
-    from readback.train import run
+        validate(cfg)  # a sweep's jobs are checked here, one by one
+        from readback.train import run
 
-    run(cfg, run_dir)
+        run(cfg, run_dir)
+    except ConfigError as error:
+        _config_error(error, run_dir)
+    except BaseException as error:
+        from readback.train.preemption import Preempted, exit_for_requeue
+
+        if isinstance(error, Preempted):
+            exit_for_requeue(error)  # checkpoint written, no summary.json: requeue, or exit 128 + signal
+        raise
 
 
 if __name__ == "__main__":
     exit_on_bad_config(sys.argv[1:])
     main()
+    if _SWEEP_CONFIG_ERRORS:
+        sys.exit(2)
