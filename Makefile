@@ -4,7 +4,7 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: env test train clean
+.PHONY: env test train sweep-cpu clean
 
 env: $(STAMP)
 
@@ -23,6 +23,10 @@ test: $(STAMP)
 # The study's diverging setting on the embedded default: tiny FOG, local text, wandb offline.
 train: $(STAMP)
 	WANDB_MODE=$${WANDB_MODE:-offline} $(PY) train.py +experiment=reuse_rounded
+
+# The CPU mini-study (sweeps/cpu_mini.sh): 5 experiments x 3 seeds of the small FOG, about an hour.
+sweep-cpu: $(STAMP)
+	WANDB_MODE=$${WANDB_MODE:-offline} PYTHON=$(PY) bash sweeps/cpu_mini.sh
 
 clean:
 	rm -rf $(VENV) outputs multirun .pytest_cache

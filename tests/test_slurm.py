@@ -1,0 +1,204 @@
+"""Sweeps through a real single-node Slurm cluster (``hydra/launcher=slurm``).
+
+The cluster (munged, slurmctld, slurmd; ``scripts/slurm/start.sh``) lives in a temporary
+directory for this module and is stopped by PID at the end, also when a test fails. One multirun
+of the tiny model on synthetic data submits two experiments as a Slurm job array; every job runs
+two tasks, i.e. a two-rank torch.distributed (gloo) run set up from the Slurm environment. Job 0
+is preempted (USR2, what Slurm sends before a time limit or preemption) after its first
+checkpoint: submitit requeues it, and the requeued job resumes from that checkpoint. With no
+accounting daemon, submitit reads job states through ``scripts/slurm/bin/sacct``.
+
+Skipped when the Slurm daemons are not installed (Debian: ``slurmctld slurmd slurm-client
+munge``), unless ``READBACK_REQUIRE_SLURM=1`` (CI), which turns the skip into a failure.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPTS = ROOT / "scripts" / "slurm"
+SBIN = os.pathsep.join(["/usr/sbin", "/sbin"])
+COMMANDS = ("munged", "slurmctld", "slurmd", "sbatch", "srun", "scontrol", "squeue", "scancel")
+
+STEPS = 20  # steps of each run
+CKPT_EVERY = 2  # job 0 is preempted once its first checkpoint exists
+EXPERIMENTS = ("reuse_rounded", "no_saved_copy")
+TASKS = 2  # ranks per job
+SWEEP_TIMEOUT_S = 150
+
+
+def _launcher(*overrides: str) -> dict:
+    from hydra import compose, initialize_config_dir
+    from omegaconf import OmegaConf
+
+    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
+        cfg = compose("train", overrides=["+experiment=reuse_rounded", *overrides], return_hydra_config=True)
+    return OmegaConf.to_container(cfg.hydra.launcher, resolve=True)
+
+
+def test_slurm_launcher_config():
+    launcher = _launcher("hydra/launcher=slurm")
+    assert launcher["_target_"].endswith("SlurmLauncher")
+    assert launcher["gpus_per_node"] == launcher["tasks_per_node"] == 8  # one rank per GPU
+    assert launcher["nodes"] == 1 and launcher["max_num_timeout"] > 0
+    assert launcher["submitit_folder"].endswith("/.submitit/%j")
+    four = _launcher("hydra/launcher=slurm", "hydra.launcher.gpus_per_node=4", "hydra.launcher.partition=gpu")
+    assert four["gpus_per_node"] == four["tasks_per_node"] == 4 and four["partition"] == "gpu"
+    local = _launcher("hydra/launcher=local")
+    assert local["_target_"].endswith("LocalLauncher") and local["tasks_per_node"] == 1
+
+
+def test_sweeps_have_own_dirs_and_resume():
+    """Every sweep file writes into its own hydra.sweep.dir and resumes requeued or rerun jobs."""
+    dirs = {}
+    for script in sorted((ROOT / "sweeps").glob("*.sh")):
+        text = script.read_text()
+        found = re.findall(r"hydra\.sweep\.dir=(\S+)", text)
+        assert len(found) == 1, script
+        dirs[script.name] = found[0]
+        assert "trainer.resume=true" in text, script
+        assert "--multirun" in text, script
+    assert len(dirs) >= 4 and len(set(dirs.values())) == len(dirs), dirs
+
+
+def _missing() -> list[str]:
+    path = os.environ.get("PATH", "") + os.pathsep + SBIN
+    return [name for name in COMMANDS if shutil.which(name, path=path) is None]
+
+
+def _tails(directory: Path, pattern: str = "*.log", lines: int = 15) -> str:
+    out = []
+    for log in sorted(directory.rglob(pattern)):
+        text = log.read_text(errors="replace").splitlines()[-lines:]
+        out.append(f"--- {log}\n" + "\n".join(text))
+    return "\n".join(out)
+
+
+@pytest.fixture(scope="module")
+def slurm_env():
+    """A running single-node cluster; yields the environment for its client commands."""
+    missing = _missing()
+    if missing:
+        reason = f"Slurm is not installed (missing: {', '.join(missing)}; Debian: slurmctld slurmd slurm-client munge)"
+        if os.environ.get("READBACK_REQUIRE_SLURM") == "1":
+            pytest.fail(reason)
+        pytest.skip(reason)
+    # A short path: the munge socket's name must fit a Unix socket address (108 bytes).
+    cluster = Path(tempfile.mkdtemp(prefix="readback-slurm-", dir="/tmp" if os.path.isdir("/tmp") else None))
+    env = dict(os.environ)
+    env["PATH"] = f"{SCRIPTS / 'bin'}{os.pathsep}{env.get('PATH', '')}{os.pathsep}{SBIN}"
+    env["SLURM_CONF"] = str(cluster / "etc" / "slurm.conf")
+    # Two jobs of TASKS ranks at once, however few CPUs this machine has; one thread per rank.
+    cpus = max(len(EXPERIMENTS) * TASKS, os.cpu_count() or 1)
+    failed = True
+    try:
+        start = subprocess.run(
+            ["bash", str(SCRIPTS / "start.sh"), str(cluster), str(cpus)],
+            env=env, capture_output=True, text=True, timeout=60,
+        )
+        if start.returncode != 0:
+            pytest.fail(f"the Slurm test cluster did not start:\n{start.stdout}\n{start.stderr}")
+        yield env
+        failed = False
+    finally:
+        subprocess.run(["bash", str(SCRIPTS / "stop.sh"), str(cluster)], env=env, timeout=60, check=False)
+        if failed:
+            print(_tails(cluster / "log"), file=sys.stderr)
+        shutil.rmtree(cluster, ignore_errors=True)
+
+
+def _scontrol(env: dict, *args: str) -> None:
+    subprocess.run(["scontrol", *args], env=env, check=True, timeout=20, capture_output=True)
+
+
+def _preempt_after_first_checkpoint(sweep: Path, run_dir: Path, env: dict, events: dict) -> None:
+    """Signal job 0 like a preemption once it has a checkpoint; then let its requeue start now."""
+    deadline = time.monotonic() + SWEEP_TIMEOUT_S
+    job_id = None
+    while time.monotonic() < deadline and not events["stop"].is_set():
+        if job_id is None:
+            found = [m.group(1) for p in sweep.glob(".submitit/*_0") if (m := re.fullmatch(r"(\d+)_0", p.name))]
+            job_id = f"{found[0]}_0" if found else None
+        if job_id and any((run_dir / "checkpoints").glob("step_*.pt")):
+            break
+        time.sleep(0.05)
+    else:
+        return
+    # submitit's own preemption test: USR2 to the job's tasks (Slurm's --signal before the limit)
+    subprocess.run(["scancel", "--signal=USR2", job_id], env=env, check=True, timeout=20)
+    events["signalled"] = job_id
+    # Slurm holds a requeued job back for ~2 minutes (BeginTime); release it as soon as it waits.
+    while time.monotonic() < deadline and not events["stop"].is_set():
+        state = subprocess.run(
+            ["scontrol", "-o", "show", "job", job_id], env=env, capture_output=True, text=True, timeout=20
+        ).stdout
+        if "JobState=PENDING" in state and "Restarts=0" not in state:
+            _scontrol(env, "update", f"JobId={job_id}", "StartTime=now")
+            events["released"] = True
+            return
+        time.sleep(0.2)
+
+
+@pytest.mark.slow
+def test_sweep_on_slurm_ddp_and_requeue_resume(slurm_env, tmp_path):
+    sweep = tmp_path / "multirun"
+    env = dict(slurm_env, WANDB_MODE="disabled", OMP_NUM_THREADS="1", HYDRA_FULL_ERROR="1")
+    cmd = [
+        sys.executable, "train.py", "-m",
+        "hydra/launcher=slurm",
+        f"+experiment={','.join(EXPERIMENTS)}", "seed=0",
+        "model=tiny", "data=synthetic", "logger=none",
+        f"trainer.steps={STEPS}", f"trainer.ckpt_every={CKPT_EVERY}", "trainer.log_every=2",
+        "trainer.eval_batches=2", "trainer.progress=false", "trainer.resume=true",
+        f"hydra.sweep.dir={sweep}",
+        "hydra.launcher.partition=debug",
+        "hydra.launcher.gpus_per_node=null",
+        f"hydra.launcher.tasks_per_node={TASKS}",
+        "hydra.launcher.cpus_per_task=1",
+        "hydra.launcher.mem_gb=null",
+        "hydra.launcher.timeout_min=10",
+        "hydra.launcher.signal_delay_s=30",
+    ]
+    first_run = sweep / EXPERIMENTS[0] / "seed0" / "0"
+    events: dict = {"stop": threading.Event()}
+    watcher = threading.Thread(
+        target=_preempt_after_first_checkpoint, args=(sweep, first_run, env, events), daemon=True
+    )
+    watcher.start()
+    try:
+        proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=SWEEP_TIMEOUT_S)
+    except subprocess.TimeoutExpired as e:
+        pytest.fail(f"the sweep did not finish in {SWEEP_TIMEOUT_S} s\n{e.stderr}\n{_tails(sweep, '*_log.*')}")
+    finally:
+        events["stop"].set()
+        watcher.join(timeout=30)
+    job_logs = _tails(sweep, "*_log.*", 30)
+    assert proc.returncode == 0, f"{proc.stdout}\n{proc.stderr}\n{job_logs}"
+
+    for num, experiment in enumerate(EXPERIMENTS):
+        run_dir = sweep / experiment / "seed0" / str(num)
+        summary = json.loads((run_dir / "summary.json").read_text())
+        assert summary["status"] == "completed", (summary, job_logs)
+        assert summary["steps"] == STEPS
+        assert summary["experiment"] == experiment
+        assert summary["world_size"] == TASKS  # torch.distributed from the Slurm environment
+        steps = [json.loads(line)["step"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+        assert steps == sorted(set(steps)) and steps[-1] == STEPS  # a resume leaves no duplicates
+
+    # Job 0 was preempted after a checkpoint, requeued by submitit, and resumed from it.
+    assert events.get("signalled"), f"job 0 was never preempted\n{job_logs}"
+    log0 = "\n".join(p.read_text() for p in sweep.glob(f".submitit/{events['signalled']}/*_0_log.out"))
+    assert "Requeued job" in log0, job_logs
+    assert re.search(r"resumed from \S+step_\d+\.pt \(step [1-9]\d*\)", log0), log0
