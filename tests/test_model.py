@@ -122,11 +122,13 @@ def test_softmax_scale_is_0_125():
 
 
 def test_model_gradcheck_with_rounding_off():
-    model = _tiny()
+    """Every custom backward together, in float64: the norm gains, the xIELU scalars and one
+    attention projection (each element perturbed, so the tensors are kept small)."""
+    model = _tiny().double()
     idx = torch.randint(0, 64, (1, 8))
-    model.double()
-    params = [p for p in model.parameters() if p.requires_grad][:4]
-    torch.autograd.gradcheck(lambda *_: model(idx, idx), params, eps=1e-6, atol=1e-5)
+    block = model.layers[1]
+    params = [block.attn_norm.gain, block.mlp.act.p, block.mlp.act.n, block.attn.proj.weight]
+    torch.autograd.gradcheck(lambda *_: model(idx, idx), params, eps=1e-6, atol=1e-5, fast_mode=True)
 
 
 def test_kurtosis_of_gaussian_and_outliers():
