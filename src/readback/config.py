@@ -196,7 +196,8 @@ def _validate_precision(cfg: DictConfig) -> None:
     choose("precision.name", p.name, ("fp8", "bf16"))
     if p.name != "fp8":
         return
-    choose("precision.recipe", p.recipe, RECIPES)
+    te_only = ("mxfp8",) if cfg.backend.name == "te" else ()  # MXFP8 block scaling: Transformer Engine only
+    choose("precision.recipe", p.recipe, RECIPES + te_only)
     choose("precision.fp8_format", str(p.fp8_format).upper(), [f.name for f in Format])
     choose("precision.amax_compute_algo", p.amax_compute_algo, AMAX_COMPUTE_ALGOS)
     choose("precision.rounding", p.rounding, ROUNDINGS)

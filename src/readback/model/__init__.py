@@ -35,7 +35,15 @@ def build_numerics(cfg: DictConfig) -> Numerics:
 
 
 def build_model(cfg: DictConfig, device: str | torch.device = "cpu") -> FOG:
-    """FOG of size ``cfg.model`` on ``device`` (``meta`` builds shapes only), with its Numerics."""
+    """FOG of size ``cfg.model`` on ``device`` (``meta`` builds shapes only), with its Numerics.
+
+    ``backend=te`` builds Transformer Engine modules (CUDA only); on ``meta`` (dry runs) the
+    emulated FOG stands in: it has the same parameters and FLOPs.
+    """
+    if cfg.backend.name == "te" and torch.device(device).type != "meta":
+        from readback.backends.te import build_te_model
+
+        return build_te_model(cfg, device)
     m = cfg.model
     fog_cfg = FOGConfig(
         n_layers=m.n_layers, d_model=m.d_model, n_heads=m.n_heads, n_kv_groups=m.n_kv_groups,

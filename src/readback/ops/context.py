@@ -154,15 +154,17 @@ class Numerics:
         """Run extra executions (probes) without moving the run: scaling states, sites,
         random streams and observations are restored on exit. ``stream_salt`` gives the
         executions inside their own random streams (an empty salt reuses the step's own)."""
-        state, names = self.state_dict(), set(self.sites)
+        state, saturated = self.state_dict(), {name: site.saturated for name, site in self.sites.items()}
         observations, salt = dict(self.observations), self.stream_salt
         self.stream_salt, self._generators = stream_salt, {}
         try:
             yield
         finally:
-            for name in set(self.sites) - names:
+            for name in set(self.sites) - set(saturated):
                 del self.sites[name]
             self.load_state_dict(state)
+            for name, count in saturated.items():
+                self.sites[name].saturated = count
             self.observations, self.stream_salt = observations, salt
 
     def linear_precision(self, gemm: str) -> str:

@@ -38,6 +38,7 @@ from typing import Any
 import torch
 from omegaconf import DictConfig, OmegaConf, open_dict
 
+from readback.backends import site_implementations
 from readback.errors import ConfigError
 from readback.probe import GradientProbe
 from readback.train.checkpoint import (
@@ -645,6 +646,7 @@ class _Trainer:
             "nonfinite_tensors": self.detector.nonfinite_tensors,
             "wall_time_s": self._wall_time(),
             "n_params": self.n_params,
+            "site_implementations": site_implementations(self.cfg),
             "flops_per_token": self.flops_per_token,
             "world_size": self.env.world_size,
             "experiment": self.experiment,
