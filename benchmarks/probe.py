@@ -7,25 +7,15 @@ A probe with K repeats runs K executed forward/backward passes and K reference r
 """
 
 import argparse
-import statistics
-import time
 
 import torch
+from timing import median_ms
 from hydra import compose, initialize_config_dir
 
 from readback.config import CONF_DIR
 from readback.model import build_model
 from readback.probe import GradientProbe
 
-
-def median_ms(fn, steps: int) -> float:
-    fn()  # warm-up
-    times = []
-    for _ in range(steps):
-        start = time.perf_counter()
-        fn()
-        times.append((time.perf_counter() - start) * 1e3)
-    return statistics.median(times)
 
 
 def main() -> None:

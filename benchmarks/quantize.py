@@ -9,22 +9,12 @@ to the plain cast of an FP32 ``size x size`` tensor to ``float8_e4m3fn``.
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
 
 import torch
+from timing import median_ms
 
 from readback.numerics import E4M3, quantize
 
-
-def median_ms(fn, repeats: int) -> float:
-    fn()  # warm-up
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append((time.perf_counter() - start) * 1e3)
-    return statistics.median(times)
 
 
 def main() -> None:

@@ -13,8 +13,8 @@ cd "$(dirname "$0")/.."
 PY=${PYTHON:-$(test -x .venv/bin/python && echo .venv/bin/python || echo python3)}
 
 exec "$PY" train.py --multirun \
-    hydra.sweep.dir=multirun/cpu_mini \
-    +experiment=reuse_rounded,fresh_reround,no_saved_copy,reuse_rounded_bf16_bwd,bf16_baseline \
+    hydra.sweep.dir="${SWEEP_DIR:-multirun/cpu_mini}" \
+    +experiment="${EXPERIMENTS:-reuse_rounded,fresh_reround,no_saved_copy,reuse_rounded_bf16_bwd,bf16_baseline}" \
     seed=0,1,2 \
     model=small model.seq_len=128 model.global_batch=16 data=shakespeare \
     trainer.steps=80 trainer.micro_batch=16 trainer.optim.warmup_steps=8 \

@@ -8,16 +8,5 @@
 # Runs land in multirun/cpu_mini_stochastic/<experiment>/seed<N>/<job>/.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-PY=${PYTHON:-$(test -x .venv/bin/python && echo .venv/bin/python || echo python3)}
-
-exec "$PY" train.py --multirun \
-    hydra.sweep.dir=multirun/cpu_mini_stochastic \
-    +experiment=reuse_rounded,fresh_reround,no_saved_copy,reuse_rounded_bf16_bwd \
-    precision.rounding=stochastic \
-    seed=0,1,2 \
-    model=small data=shakespeare \
-    trainer.steps=40 trainer.optim.warmup_steps=4 \
-    trainer.log_every=2 trainer.eval_every=10 trainer.eval_batches=4 trainer.ckpt_every=20 \
-    probe.every=10 \
-    trainer.resume=true trainer.progress=false \
-    "$@"
+SWEEP_DIR=multirun/cpu_mini_stochastic EXPERIMENTS=reuse_rounded,fresh_reround,no_saved_copy,reuse_rounded_bf16_bwd \
+    exec sweeps/cpu_mini.sh precision.rounding=stochastic "$@"

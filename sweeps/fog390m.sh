@@ -16,8 +16,8 @@ LOCAL=; test -f conf/local/cluster.yaml && LOCAL=+local@hydra.launcher=cluster
 
 exec "$PY" train.py --multirun \
     hydra/launcher=slurm $LOCAL \
-    hydra.sweep.dir=multirun/fog390m \
-    +experiment=reuse_rounded,fresh_reround,no_saved_copy,reuse_rounded_bf16_bwd,bf16_baseline \
+    hydra.sweep.dir="${SWEEP_DIR:-multirun/fog390m}" \
+    +experiment="${EXPERIMENTS:-reuse_rounded,fresh_reround,no_saved_copy,reuse_rounded_bf16_bwd,bf16_baseline}" \
     seed=0,1,2 \
     model=fog_390m data=fineweb_edu \
     trainer.steps=15000 \

@@ -7,20 +7,8 @@
 #   sweeps/fog390m_stochastic.sh [OVERRIDES...]
 #
 # Runs land in multirun/fog390m_stochastic/<experiment>/seed<N>/<job>/; it can run alongside
-# fog390m.sh. Cluster settings: sweeps/README.md.
+# fog390m.sh. Cluster settings: sweeps/README.md. Everything else is as in fog390m.sh.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-PY=${PYTHON:-$(test -x .venv/bin/python && echo .venv/bin/python || echo python3)}
-LOCAL=; test -f conf/local/cluster.yaml && LOCAL=+local@hydra.launcher=cluster
-
-exec "$PY" train.py --multirun \
-    hydra/launcher=slurm $LOCAL \
-    hydra.sweep.dir=multirun/fog390m_stochastic \
-    +experiment=reuse_rounded,fresh_reround,no_saved_copy,reuse_rounded_bf16_bwd \
-    precision.rounding=stochastic \
-    seed=0,1,2 \
-    model=fog_390m data=fineweb_edu \
-    trainer.steps=15000 \
-    probe.every=100 \
-    trainer.resume=true trainer.progress=false \
-    "$@"
+SWEEP_DIR=multirun/fog390m_stochastic EXPERIMENTS=reuse_rounded,fresh_reround,no_saved_copy,reuse_rounded_bf16_bwd \
+    exec sweeps/fog390m.sh precision.rounding=stochastic "$@"

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import math
 import multiprocessing as mp
-import os
 import socket
 from pathlib import Path
 

@@ -60,16 +60,20 @@ def test_slurm_launcher_config():
     assert local["_target_"].endswith("LocalLauncher") and local["tasks_per_node"] == 1
 
 
-def test_sweeps_have_own_dirs_and_resume():
-    """Every sweep file writes into its own hydra.sweep.dir and resumes requeued or rerun jobs."""
+def test_sweeps_have_own_dirs_and_resume(tmp_path):
+    """Every sweep file writes into its own hydra.sweep.dir and resumes requeued or rerun jobs
+    (read from the arguments each script really passes to train.py)."""
+    echo = tmp_path / "echo_args"
+    echo.write_text('#!/bin/sh\nprintf "%s\\n" "$@"\n')
+    echo.chmod(0o755)
     dirs = {}
     for script in sorted((ROOT / "sweeps").glob("*.sh")):
-        text = script.read_text()
-        found = re.findall(r"hydra\.sweep\.dir=(\S+)", text)
-        assert len(found) == 1, script
+        args = subprocess.run(["bash", str(script)], env={**os.environ, "PYTHON": str(echo)},
+                              capture_output=True, text=True, check=True).stdout.splitlines()
+        found = [a.split("=", 1)[1] for a in args if a.startswith("hydra.sweep.dir=")]
+        assert len(found) == 1, (script, args)
         dirs[script.name] = found[0]
-        assert "trainer.resume=true" in text, script
-        assert "--multirun" in text, script
+        assert "trainer.resume=true" in args and "--multirun" in args, (script, args)
     assert len(dirs) >= 4 and len(set(dirs.values())) == len(dirs), dirs
 
 

@@ -41,6 +41,17 @@ class Setup:
     def randn(generator: torch.Generator, *shape: int, std: float = 1.0) -> torch.Tensor:
         return torch.randn(*shape, generator=generator) * std
 
+    def attention_inputs(self, generator: torch.Generator) -> dict[str, torch.Tensor]:
+        """q (B, H, T, hd), k and v (B, G, T, hd), an output projection and its upstream gradient."""
+        b, h, grp, t, hd, d = self.batch, self.heads, self.groups, self.seq, self.head_dim, self.width
+        return {
+            "q": self.randn(generator, b, h, t, hd, std=2.0),
+            "k": self.randn(generator, b, grp, t, hd, std=2.0),
+            "v": self.randn(generator, b, grp, t, hd),
+            "w_proj": self.randn(generator, d, d, std=d**-0.5),
+            "upstream": self.randn(generator, b, t, d),
+        }
+
 
 def backprop(
     forward: Callable[..., tuple[torch.Tensor, dict[str, torch.Tensor]]],

@@ -135,12 +135,9 @@ def rb_attention(setup: Setup, policy: str, rounding: str = "nearest") -> list[R
     projection's wgrad reads O. ``rounding="stochastic"`` rounds the forward stochastically too:
     then ``rounded`` and ``fresh`` are two draws of one distribution, from different streams."""
     g = setup.generator("readback.attention")
-    b, h, grp, t, hd, d, c = setup.batch, setup.heads, setup.groups, setup.seq, setup.head_dim, setup.width, \
+    b, h, grp, t, d, c = setup.batch, setup.heads, setup.groups, setup.seq, setup.width, \
         setup.softmax_scale
-    q = Setup.randn(g, b, h, t, hd, std=2.0)
-    k, v = Setup.randn(g, b, grp, t, hd, std=2.0), Setup.randn(g, b, grp, t, hd)
-    w_proj = Setup.randn(g, d, d, std=d**-0.5)
-    upstream = Setup.randn(g, b, t, d)
+    q, k, v, w_proj, upstream = setup.attention_inputs(g).values()
     numerics = numerics_for(policy, setup.seed, rounding)
     op = "readback.attention" if rounding == "nearest" else f"readback.attention ({rounding} fwd)"
 

@@ -149,12 +149,9 @@ def torch_sdpa(setup: Setup) -> list[Row]:
     projection. The D-term reads SDPA's own (original) O, which equals rowsum(P * dP) because
     SDPA does not round P inside: original and none cannot be told apart."""
     g = setup.generator("torch.sdpa")
-    b, h, grp, t, hd, d, c = setup.batch, setup.heads, setup.groups, setup.seq, setup.head_dim, setup.width, \
+    b, h, grp, t, d, c = setup.batch, setup.heads, setup.groups, setup.seq, setup.width, \
         setup.softmax_scale
-    q = Setup.randn(g, b, h, t, hd, std=2.0)
-    k, v = Setup.randn(g, b, grp, t, hd, std=2.0), Setup.randn(g, b, grp, t, hd)
-    w_proj = Setup.randn(g, d, d, std=d**-0.5)
-    upstream = Setup.randn(g, b, t, d)
+    q, k, v, w_proj, upstream = setup.attention_inputs(g).values()
     q8, k8, v8, w8 = (round_fp8(x) for x in (q, k, v, w_proj))
 
     def core(q, k, v):
