@@ -95,7 +95,7 @@ WANDB_CASES = {
     "bad_key": ({"WANDB_API_KEY": "bad"}, ["logger.mode=online"]),
     # a well-formed key but no server to reach: online times out, offline under the same run id
     "no_network": ({"WANDB_API_KEY": "0123456789" * 4, "WANDB_BASE_URL": "http://127.0.0.1:9"},
-                   ["logger.mode=online", "+logger.init_timeout=3"]),
+                   ["logger.mode=online", "logger.init_timeout=3"]),
 }
 
 

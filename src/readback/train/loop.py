@@ -646,7 +646,7 @@ class _Trainer:
             "nonfinite_tensors": self.detector.nonfinite_tensors,
             "wall_time_s": self._wall_time(),
             "n_params": self.n_params,
-            "site_implementations": site_implementations(self.cfg),
+            "site_implementations": site_implementations(self.cfg) if "backend" in self.cfg else None,
             "flops_per_token": self.flops_per_token,
             "world_size": self.env.world_size,
             "experiment": self.experiment,
