@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The CPU mini-study with stochastic forward rounding: the 4 FP8 experiments x 3 seeds = 12 runs
 # of cpu_mini.sh's settings with precision.rounding=stochastic (bf16_baseline, which rounds
-# nothing to FP8, is in multirun/cpu_mini). About 50 minutes on a laptop.
+# nothing to FP8, is in multirun/cpu_mini). About 25 minutes on 2 cores.
 #
 #   sweeps/cpu_mini_stochastic.sh [OVERRIDES...]
 #
