@@ -154,18 +154,15 @@ class Numerics:
         """Run extra executions (probes) without moving the run: scaling states, sites,
         random streams and observations are restored on exit. ``stream_salt`` gives the
         executions inside their own random streams (an empty salt reuses the step's own)."""
-        state, saturated = self.state_dict(), {name: site.saturated for name, site in self.sites.items()}
-        observations, salt = dict(self.observations), self.stream_salt
+        state, names, salt = self.state_dict(), set(self.sites), self.stream_salt
         self.stream_salt, self._generators = stream_salt, {}
         try:
             yield
         finally:
-            for name in set(self.sites) - set(saturated):
+            for name in set(self.sites) - names:
                 del self.sites[name]
             self.load_state_dict(state)
-            for name, count in saturated.items():
-                self.sites[name].saturated = count
-            self.observations, self.stream_salt = observations, salt
+            self.stream_salt = salt
 
     def linear_precision(self, gemm: str) -> str:
         """GEMM precision of a linear's ``fprop``, ``dgrad`` or ``wgrad``."""
@@ -225,7 +222,9 @@ class Numerics:
         """Accumulate count, sum and sum of squares of ``values`` under ``key`` (in FP64)."""
         v = values.detach().to(torch.float64).flatten()
         moments = torch.stack([torch.tensor(float(v.numel()), dtype=torch.float64, device=v.device), v.sum(), v.square().sum()])
-        self.observations[key] = self.observations[key] + moments if key in self.observations else moments
+        if key in self.observations:  # (a resumed run's moments come back on the CPU)
+            moments = moments + self.observations[key].to(moments.device)
+        self.observations[key] = moments
 
     def pop_observations(self) -> dict[str, float]:
         """``{"<kind>/mean/<site>": mean, "<kind>/z/<site>": mean / standard error}`` of everything
@@ -248,11 +247,17 @@ class Numerics:
         self._generators.clear()
 
     def state_dict(self) -> dict:
-        sites = {name: {"direction": s.direction, "state": s.state.state_dict()} for name, s in self.sites.items()}
-        return {"step": self.step, "sites": sites}
+        """Step, scaling states, and what was counted or observed since the last log record
+        (so a resume between two records logs what the uninterrupted run would have)."""
+        sites = {name: {"direction": s.direction, "state": s.state.state_dict(), "saturated": s.saturated}
+                 for name, s in self.sites.items()}
+        return {"step": self.step, "sites": sites, "observations": dict(self.observations)}
 
     def load_state_dict(self, state: dict) -> None:
         self.step = state["step"]
         self._generators.clear()
         for name, saved in state["sites"].items():
-            self.site(name, saved["direction"]).state.load_state_dict(saved["state"])
+            site = self.site(name, saved["direction"])
+            site.state.load_state_dict(saved["state"])
+            site.saturated = saved.get("saturated", 0)
+        self.observations = dict(state.get("observations", {}))

@@ -229,32 +229,6 @@ class _Window:
         vars(self).update(state)
 
 
-def _numerics_pending(numerics: Any) -> dict[str, Any]:
-    """What the numerics accumulated since the last record and its ``state_dict`` leaves out:
-    per-site saturation counts and observed moments (a checkpoint between two log steps keeps them,
-    so the next record after a resume is the uninterrupted run's)."""
-    pending: dict[str, Any] = {}
-    sites = getattr(numerics, "sites", None)
-    if isinstance(sites, dict):
-        pending["saturated"] = {n: s.saturated for n, s in sites.items() if hasattr(s, "saturated")}
-    observations = getattr(numerics, "observations", None)
-    if isinstance(observations, dict):
-        pending["observations"] = dict(observations)
-    return pending
-
-
-def _load_numerics_pending(numerics: Any, pending: dict[str, Any], device: torch.device) -> None:
-    def to_device(v: Any) -> Any:
-        return v.to(device) if isinstance(v, torch.Tensor) else v
-
-    sites = getattr(numerics, "sites", None)
-    for name, count in (pending.get("saturated") or {}).items():
-        if isinstance(sites, dict) and name in sites:
-            sites[name].saturated = to_device(count)
-    if "observations" in pending and isinstance(getattr(numerics, "observations", None), dict):
-        numerics.observations = {k: to_device(v) for k, v in pending["observations"].items()}
-
-
 class _Trainer:
     def __init__(self, cfg: DictConfig, run_dir: Path, env: DistEnv, accum: int, experiment: str,
                  guard: PreemptionGuard | None = None):
@@ -351,7 +325,6 @@ class _Trainer:
         mine = state["ranks"][env.rank if env.rank < len(state["ranks"]) else 0]
         self.stream.load_state_dict(mine["data"])
         self.model.numerics.load_state_dict(mine["numerics"])
-        _load_numerics_pending(self.model.numerics, mine.get("numerics_pending") or {}, env.device)
         set_rng_state(mine["rng"])
         if env.is_main:
             log.info("resumed from %s (step %d)", path, state["step"])
@@ -363,7 +336,6 @@ class _Trainer:
         mine = _to_cpu({
             "data": self.stream.state_dict(),
             "numerics": numerics.state_dict(),
-            "numerics_pending": _numerics_pending(numerics),
             "rng": rng_state(),
         })
         ranks = gather_objects(mine, env)
