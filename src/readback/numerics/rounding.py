@@ -51,12 +51,11 @@ class QTensor:
 def _grid_spacing(y: torch.Tensor, fmt: FP8Format) -> torch.Tensor:
     """Distance between the two FP8 grid points around each ``y`` (already scaled, fp32).
 
-    Read straight from the fp32 exponent bits: in the binade ``[2**e, 2**(e+1))`` the FP8 grid
-    spacing is ``2**(e - mantissa_bits)``, and below the smallest normal it is constant.
+    Masking the fp32 exponent bits of ``y`` gives ``2**e`` of its binade ``[2**e, 2**(e+1))``,
+    where the FP8 spacing is ``2**(e - mantissa_bits)``; below the smallest normal it is constant.
     """
-    exponent = ((y.view(torch.int32) >> 23) & 0xFF) - 127
-    exponent = exponent.clamp(min=fmt.min_exponent, max=127 + fmt.mantissa_bits)
-    return ((exponent - fmt.mantissa_bits + 127) << 23).view(torch.float32)
+    binade = (y.view(torch.int32) & 0x7F800000).view(torch.float32)
+    return binade.clamp_min(2.0**fmt.min_exponent) * 2.0**-fmt.mantissa_bits
 
 
 def round_stochastic(y: torch.Tensor, fmt: FP8Format, generator: torch.Generator | None) -> torch.Tensor:
