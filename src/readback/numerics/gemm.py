@@ -33,7 +33,7 @@ def use_scaled_mm(a: QTensor, b: QTensor) -> bool:
 
 
 def fp8_mm(a: QTensor, b: QTensor) -> torch.Tensor:
-    """``a @ b`` of two quantized tensors in real units, as FP32 holding a BF16 product.
+    """``a @ b`` of two quantized tensors in real units: the BF16-rounded product, scaled, in FP32.
 
     Batched operands (``..., m, k``) are allowed. On Hopper the real FP8 kernel applies the
     scales before its single BF16 rounding; the emulation rounds the unscaled product to BF16
