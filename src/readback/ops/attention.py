@@ -21,8 +21,9 @@ import torch
 from readback.numerics import QTensor, matmul, pinned
 
 # gradient -> which value it reads:
-#   dV reads P (the PV GEMM's operand), dS reads P (the softmax's output), D reads O.
-_CORRECT = {"dV": "rounded", "dS": "original"}
+#   dV reads P (the PV GEMM's operand), dS reads P (the softmax's output), D reads O,
+#   dP = dO V^T reads V, dQ = c dS K reads K, dK = c dS^T Q reads Q (the QK^T and PV operands).
+_CORRECT = {"dV": "rounded", "dS": "original", "dP": "rounded", "dQ": "rounded", "dK": "rounded"}
 READS = {
     "reuse_rounded": {**_CORRECT, "D": "rounded"},  # the O8 saved for the projection's wgrad
     "fresh_reround": {**_CORRECT, "D": "fresh"},  # a new stochastic rounding of the saved O
@@ -60,13 +61,16 @@ class _Attention(torch.autograd.Function):
 
         reads = READS[numerics.policy]
         fctx.numerics, fctx.name, fctx.scale = numerics, name, softmax_scale
-        fctx.qq, fctx.k_groups, fctx.v_groups, fctx.oq = qq, k_groups, v_groups, oq
+        fctx.oq = oq
+        fctx.q_for_dk = {"rounded": qq}[reads["dK"]]
+        fctx.k_for_dq = {"rounded": k_groups}[reads["dQ"]]
+        fctx.v_for_dp = {"rounded": v_groups}[reads["dP"]]
         fctx.p_for_dv = pq if reads["dV"] == "rounded" else probs
         fctx.p_for_ds = probs if reads["dS"] == "original" else pq
         fctx.out = out if reads["D"] in ("original", "fresh") else None
         # output_fp8 is the O8 copy shared with the projection (which does not count it again).
-        numerics.account("attention", q=qq, k=k_groups, v=v_groups, probs=fctx.p_for_ds, probs_fp8=fctx.p_for_dv,
-                         output_fp8=oq, out=fctx.out)
+        numerics.account("attention", q=fctx.q_for_dk, k=fctx.k_for_dq, v=fctx.v_for_dp, probs=fctx.p_for_ds,
+                         probs_fp8=fctx.p_for_dv, output_fp8=oq, out=fctx.out)
         fctx.mark_non_differentiable(oq.data, oq.scale)
         return oq.dequantize(dtype), oq.data, oq.scale
 
@@ -74,7 +78,7 @@ class _Attention(torch.autograd.Function):
     def backward(fctx, d_out, _data, _scale):
         numerics, name = fctx.numerics, fctx.name
         precision, dtype = numerics.attention_bwd, numerics.dtype
-        batch, heads, seq, dim = fctx.qq.data.shape
+        batch, heads, seq, dim = fctx.q_for_dk.data.shape
         as_heads = lambda t: t.reshape(batch, seq, heads, dim).transpose(1, 2)  # noqa: E731
         d_out = as_heads(d_out.to(dtype))
         if precision == "fp8":
@@ -83,7 +87,7 @@ class _Attention(torch.autograd.Function):
         else:
             d_out_operand = d_out
 
-        kq, vq = _expand_groups(fctx.k_groups, heads), _expand_groups(fctx.v_groups, heads)
+        kq, vq = _expand_groups(fctx.k_for_dq, heads), _expand_groups(fctx.v_for_dp, heads)
         d_v = matmul(fctx.p_for_dv.mT, d_out_operand, precision)
         d_p = matmul(d_out_operand, vq.mT, precision)
         o_read = _o_read(fctx)
@@ -94,8 +98,8 @@ class _Attention(torch.autograd.Function):
         d_s_operand = numerics.site(f"{name}.grad_scores", "bwd").quantize(d_s) if precision == "fp8" else d_s
 
         d_q = matmul(d_s_operand, kq, precision) * fctx.scale
-        d_k = matmul(d_s_operand.mT, fctx.qq, precision) * fctx.scale
-        groups = fctx.k_groups.data.shape[1]
+        d_k = matmul(d_s_operand.mT, fctx.q_for_dk, precision) * fctx.scale
+        groups = fctx.k_for_dq.data.shape[1]
         d_k = d_k.reshape(batch, groups, heads // groups, seq, dim).sum(2)
         d_v = d_v.reshape(batch, groups, heads // groups, seq, dim).sum(2)
         return d_q, d_k, d_v, None, None, None
@@ -108,7 +112,7 @@ def _value(t: torch.Tensor | QTensor, dtype: torch.dtype) -> torch.Tensor:
 def _o_read(fctx) -> torch.Tensor | None:
     """The O that the D-term reads under the policy, in (B, H, T, hd); None for ``rowsum(P*dP)``."""
     mode = READS[fctx.numerics.policy]["D"]
-    batch, heads, seq, dim = fctx.qq.data.shape
+    batch, heads, seq, dim = fctx.q_for_dk.data.shape
     dtype = fctx.numerics.dtype
     if mode == "none":
         return None
