@@ -90,18 +90,18 @@ class DelayedScalingState:
         self.history = torch.zeros(recipe.amax_history_len)
         self.scale = torch.ones(())
         self.steps = 0  # steps recorded so far; the newest amax sits at (steps - 1) % len
-        self._amax = torch.zeros(())
+        self.pending_amax = torch.zeros(())  # this step's amax so far, written at end_step
 
     def scale_for(self, x: torch.Tensor) -> torch.Tensor:
         if self.scale.device != x.device:  # follow the model to its device, once
-            self.history, self.scale, self._amax = (t.to(x.device) for t in (self.history, self.scale, self._amax))
-        self._amax = torch.maximum(self._amax, x.detach().abs().amax().float())
+            self.history, self.scale, self.pending_amax = (t.to(x.device) for t in (self.history, self.scale, self.pending_amax))
+        self.pending_amax = torch.maximum(self.pending_amax, x.detach().abs().amax().float())
         return self.scale
 
     def end_step(self) -> None:
-        self.history[self.steps % len(self.history)] = self._amax
+        self.history[self.steps % len(self.history)] = self.pending_amax
         self.steps += 1
-        self._amax = torch.zeros_like(self._amax)
+        self.pending_amax = torch.zeros_like(self.pending_amax)
         if self.steps % self.recipe.interval == 0:
             if self.recipe.amax_compute_algo == "max":
                 amax = self.history.max()
@@ -120,7 +120,7 @@ class DelayedScalingState:
         self.history = state["history"].clone()
         self.scale = state["scale"].clone()
         self.steps = int(state["steps"])
-        self._amax = torch.zeros((), device=self.scale.device)
+        self.pending_amax = torch.zeros((), device=self.scale.device)
 
 
 class CurrentScalingState:

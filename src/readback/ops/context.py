@@ -18,6 +18,7 @@ from readback.numerics import (
     ROUNDINGS,
     CurrentScaling,
     DelayedScaling,
+    DelayedScalingState,
     FP8Format,
     QTensor,
     quantize,
@@ -240,7 +241,17 @@ class Numerics:
         return stats
 
     def end_step(self) -> None:
-        """After the optimizer step: update every scaling state, start the next step's streams."""
+        """After the optimizer step: update every scaling state, start the next step's streams.
+
+        With several processes the step's amaxes are first reduced (max) over all of them, as
+        Transformer Engine does, so every rank keeps the same scales as one process would.
+        """
+        delayed = [site.state for site in self.sites.values() if isinstance(site.state, DelayedScalingState)]
+        if delayed and torch.distributed.is_available() and torch.distributed.is_initialized():
+            amaxes = torch.stack([state.pending_amax for state in delayed])
+            torch.distributed.all_reduce(amaxes, op=torch.distributed.ReduceOp.MAX)
+            for state, amax in zip(delayed, amaxes):
+                state.pending_amax = amax
         for site in self.sites.values():
             site.state.end_step()
         self.step += 1
