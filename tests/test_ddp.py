@@ -55,9 +55,9 @@ WORKER = textwrap.dedent(
 )
 
 
-def _torchrun(tmp_path: Path, run_dir: Path, overrides: dict) -> subprocess.CompletedProcess:
+def _torchrun(tmp_path: Path, run_dir: Path, overrides: dict, worker: str = WORKER) -> subprocess.CompletedProcess:
     script = tmp_path / "worker.py"
-    script.write_text(WORKER.format(tests=str(TESTS)))
+    script.write_text(worker.format(tests=str(TESTS)))
     env = dict(os.environ, OMP_NUM_THREADS="1", WANDB_MODE="disabled")
     env.pop("WORLD_SIZE", None)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(script),
@@ -151,13 +151,7 @@ def test_a_signal_to_one_rank_stops_every_rank_after_the_same_step(tmp_path, mon
     toys = _install_toys(monkeypatch)
     one, two = tmp_path / "one", tmp_path / "two"
     run(toys.make_cfg(**OVERRIDES), one)
-    script = tmp_path / "worker.py"
-    script.write_text(PREEMPT_WORKER.format(tests=str(TESTS)))
-    env = dict(os.environ, OMP_NUM_THREADS="1", WANDB_MODE="disabled")
-    env.pop("WORLD_SIZE", None)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(script),
-           str(two), json.dumps(OVERRIDES)]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=180, cwd=tmp_path)
+    proc = _torchrun(tmp_path, two, OVERRIDES, worker=PREEMPT_WORKER)
     assert proc.returncode != 0  # the workers exit 143: torchrun reports the failure for requeueing
     stops = sorted(json.loads(line)["rank"] for line in proc.stdout.splitlines() if line.startswith('{"rank"'))
     steps = {json.loads(line)["step"] for line in proc.stdout.splitlines() if line.startswith('{"rank"')}

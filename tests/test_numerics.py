@@ -116,18 +116,23 @@ def test_nearest_exhaustive_grid_and_ties(fmt):
     assert torch.equal(got.scale, torch.tensor(1.0))
 
 
-@pytest.mark.parametrize("fmt", FORMATS, ids=str)
-@given(data=st.data())
-def test_nearest_equals_torch_cast(fmt, data):
+def _draw_in_range(fmt, data):
+    """A drawn scale and inputs whose scaled values are finite and within the format: (x, x * scale, scale)."""
     scale = data.draw(_SCALES)
     x = _inputs_for(data.draw(st.lists(_scaled_values(fmt), min_size=1, max_size=64)), scale)
     scale_t = torch.tensor(scale, dtype=torch.float32)
     y = x * scale_t
     in_range = torch.isfinite(y) & (y.abs() <= fmt.max)
     assume(bool(in_range.any()))
-    x = x[in_range]
+    return x[in_range], y[in_range], scale_t
+
+
+@pytest.mark.parametrize("fmt", FORMATS, ids=str)
+@given(data=st.data())
+def test_nearest_equals_torch_cast(fmt, data):
+    x, y, scale_t = _draw_in_range(fmt, data)
     got = quantize(x, fmt, scale_t, "nearest")
-    _same_bits(got.data, (x * scale_t).to(fmt.dtype))
+    _same_bits(got.data, y.to(fmt.dtype))
 
 
 @pytest.mark.parametrize("fmt", FORMATS, ids=str)
@@ -173,13 +178,7 @@ def test_unknown_rounding_raises():
 @pytest.mark.parametrize("fmt", FORMATS, ids=str)
 @given(data=st.data(), seed=st.integers(0, 2**32))
 def test_stochastic_lands_on_a_neighbour(fmt, data, seed):
-    scale = data.draw(_SCALES)
-    x = _inputs_for(data.draw(st.lists(_scaled_values(fmt), min_size=1, max_size=64)), scale)
-    scale_t = torch.tensor(scale, dtype=torch.float32)
-    y = x * scale_t
-    in_range = torch.isfinite(y) & (y.abs() <= fmt.max)
-    assume(bool(in_range.any()))
-    x, y = x[in_range], y[in_range]
+    x, y, scale_t = _draw_in_range(fmt, data)
     x = x.repeat(8)  # several draws per value
     y = y.repeat(8)
     got = quantize(x, fmt, scale_t, "stochastic", torch.Generator().manual_seed(seed)).data.float()
