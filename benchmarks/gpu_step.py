@@ -66,7 +66,7 @@ def _build(cfg, device: str):
         from readback.backends.te import build_te_model
 
         return build_te_model(cfg, device)
-    from readback.model import build_model
+    from readback.backends import build_model
 
     return build_model(cfg, device)
 

@@ -54,7 +54,7 @@ def _config(experiment: str, *overrides: str):
 
 @pytest.mark.parametrize("experiment", ["reuse_rounded", "fresh_reround", "no_saved_copy", "bf16_baseline"])
 def test_tiny_fog_step_on_cuda_matches_cpu(monkeypatch, experiment):
-    from readback.model import build_model
+    from readback.backends import build_model
 
     calls = []
     scaled_mm = torch._scaled_mm

@@ -226,7 +226,7 @@ def test_apply_te_env_sets_variables_and_guards_import_time_ones(monkeypatch):
 
 
 def test_meta_build_needs_no_te_and_has_the_shapes():
-    from readback.model import build_model
+    from readback.backends import build_model
 
     cfg = config("reuse_rounded", "model.vocab_size=256")
     meta = te_backend.build_te_model(cfg, "meta")
@@ -300,7 +300,7 @@ def _stand_in_model(cfg):
 
 @pytest.mark.parametrize("experiment", ["reuse_rounded", "fresh_reround", "bf16_baseline"])
 def test_te_model_interface_on_stand_in(stand_in, experiment):
-    from readback.model import build_model
+    from readback.backends import build_model
 
     cfg = config(experiment, "model.vocab_size=64", "model.seq_len=16")
     model = _stand_in_model(cfg)
@@ -393,7 +393,7 @@ def test_te_model_trains_a_step(experiment):
 @pytest.mark.gpu
 @pytest.mark.parametrize("experiment", ["reuse_rounded", "no_saved_copy", "bf16_baseline"])
 def test_te_model_matches_emulated_loss_with_the_same_weights(experiment):
-    from readback.model import build_model
+    from readback.backends import build_model
 
     torch.manual_seed(0)
     emulated = build_model(config(experiment, *GPU_MODEL, backend="emulated"), "cuda")

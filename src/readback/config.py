@@ -24,7 +24,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from readback.errors import ConfigError, choose, require
 from readback.numerics import AMAX_COMPUTE_ALGOS, ROUNDINGS, Format
-from readback.ops.context import ATTENTION_BWD
+from readback.ops.numerics import ATTENTION_BWD
 from readback.policy import POLICIES
 from readback.probe.gradient_error import DTYPES
 
