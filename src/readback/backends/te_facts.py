@@ -40,7 +40,7 @@ class Hardware:
     cudnn: Version | None = None
 
     def describe(self) -> str:
-        sm = f"sm{self.capability[0]}{self.capability[1]}" if self.capability else "GPU unknown"
+        sm = f"sm{self.capability[0]}{self.capability[1]}" if self.capability else "an unknown GPU"
         return sm + (f", cuDNN {'.'.join(map(str, self.cudnn))}" if self.cudnn else "")
 
 
@@ -134,5 +134,6 @@ def fp8_attention_refusal(te: Version | None, hw: Hardware, recipe: str, head_di
         return None
     if cap < (10, 0) and widest == 128:
         return "model.n_heads", f"FP8 attention training on {sm} needs head dim 128 (this model's is {head_dim})"
-    return "model.n_heads", (f"FP8 attention of head dim {head_dim}, sequence {seq_len} on {sm} needs head dim "
-                             f"128 and sequence % 128 == 0, or cuDNN >= 9.7 and head dim % 16 == 0")
+    setting = "model.seq_len" if head_dim == 128 else "model.n_heads"
+    return setting, (f"FP8 attention of head dim {head_dim}, sequence {seq_len} on {sm} needs head dim 128 and "
+                     f"sequence % 128 == 0, or cuDNN >= 9.7 and head dim % 16 == 0")

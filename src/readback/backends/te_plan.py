@@ -171,9 +171,11 @@ def _check_fp8_attention(cfg, recipe_key: str, vt, hw: Hardware, where: str) -> 
     if refusal is None:
         return
     key, reason = refusal
-    value = {"backend.attention_core": "auto", "precision.recipe": recipe_key, "model.n_heads": m.n_heads}[key]
+    value = {"backend.attention_core": "auto", "precision.recipe": recipe_key, "model.n_heads": m.n_heads,
+             "model.seq_len": m.seq_len}[key]
     fix = {"backend.attention_core": "readback", "precision.recipe": "delayed, or backend.attention_core=readback",
-           "model.n_heads": f"{m.d_model // 128} (head dim 128), or backend.attention_core=readback"}[key]
+           "model.n_heads": "d_model / 128 (head dim 128), or backend.attention_core=readback",
+           "model.seq_len": "a multiple of 128, or backend.attention_core=readback"}[key]
     raise ConfigError(key, value, f"{fix} ({where}: {reason})")
 
 
