@@ -512,3 +512,18 @@ def test_te_model_matches_emulated_loss_with_the_same_weights(experiment):
     with torch.no_grad():
         te_loss, emulated_loss = model(idx, idx.roll(-1, 1)).item(), emulated(idx, idx.roll(-1, 1)).item()
     assert abs(te_loss - emulated_loss) < 0.05 * emulated_loss
+
+
+@pytest.mark.parametrize("document", ["README.md", "docs/te_backend.md"])
+def test_documented_te_table_is_the_plan(document):
+    from pathlib import Path
+
+    from readback.backends import te_table
+
+    def compose_te(overrides):
+        with initialize_config_dir(str(CONF_DIR), version_base="1.3"):
+            return compose("train", overrides=overrides)
+
+    text = (Path(__file__).resolve().parents[1] / document).read_text()
+    documented = text.split(te_table.START, 1)[1].split(te_table.END, 1)[0].strip()
+    assert documented == te_table.render(compose_te), "regenerate with: python -m readback.backends.te_table"
