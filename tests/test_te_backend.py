@@ -163,7 +163,8 @@ def test_mxfp8_is_te_only_with_readback_attention_on_per_tensor_scaling():
     plan = te_plan(config("reuse_rounded", "precision.recipe=mxfp8"), TE2, B200)
     assert plan.recipe == "MXFP8BlockScaling" and plan.recipe_kwargs == dict(fp8_format="HYBRID")
     assert plan.attention_core == "readback" and plan.readback_recipe == "current"
-    assert te_plan(config("reuse_rounded", "precision.recipe=mxfp8", "precision.margin=2"), TE2).recipe_kwargs["margin"] == 2
+    margin = te_plan(config("reuse_rounded", "precision.recipe=mxfp8", "precision.margin=2"), TE2).recipe_kwargs["margin"]
+    assert margin == 2
 
 
 def test_head_dim_128_trains_fp8_attention_on_sm90_and_te_2_7_allowed_other_head_dims():
@@ -290,13 +291,15 @@ def test_site_implementations_for_both_backends():
     emulated = backends.site_implementations(config("reuse_rounded", backend="emulated"))
     assert emulated["attention_core"] == "readback.ops.attention" and emulated["linear"] == "readback.ops.linear"
     assert emulated["lm_head"] == "readback.ops.linear (tied embedding) in BF16"
+    assert (emulated["attention_core.D"], emulated["attention_core.dK"]) == ("rounded O", "rounded Q")
     te = backends.site_implementations(config("reuse_rounded"))
     assert te == te_plan(config("reuse_rounded")).sites and set(te) == set(emulated)
 
 
 @pytest.mark.skipif(HAS_TE, reason="this machine has CUDA and transformer_engine")
 def test_check_available_refuses_in_one_line_without_cuda_or_te():
-    expected = ("backend='te' is not valid; valid: needs CUDA and transformer_engine (pip install -e .[gpu]); "
+    expected = ("backend='te' is not valid; valid: needs CUDA and transformer_engine (container/, or pip install "
+                "--no-build-isolation -e .[gpu]); "
                 "use backend=emulated on this machine")
     with pytest.raises(ConfigError) as error:
         te_backend.check_available()

@@ -64,7 +64,7 @@ def check_available(cfg: DictConfig | Mapping) -> None:
         from readback.backends.te import check_available as te_check
         from readback.backends.te_plan import te_plan
 
-        te_check(cfg)
+        te_check()
         te_plan(cfg)
 
 

@@ -38,7 +38,8 @@ from readback.model.fog import XIELU, AttentionCore, FOGConfig, Linear, Parts
 from readback.ops.linear import linear
 from readback.ops.numerics import Numerics, build_numerics
 
-UNAVAILABLE = "needs CUDA and transformer_engine (pip install -e .[gpu]); use backend=emulated on this machine"
+UNAVAILABLE = ("needs CUDA and transformer_engine (container/, or pip install --no-build-isolation -e .[gpu]); "
+               "use backend=emulated on this machine")
 # What Transformer Engine assumes when an import-time variable is unset.
 _IMPORT_TIME_DEFAULTS = {"NVTE_DPA_FP8CS_O_in_F16": "1"}
 
@@ -49,7 +50,7 @@ def _as_config(cfg: DictConfig | Mapping) -> DictConfig:
     return cfg if isinstance(cfg, DictConfig) else OmegaConf.create(dict(cfg))
 
 
-def check_available(cfg: DictConfig | Mapping | None = None) -> None:
+def check_available() -> None:
     """Raise the one-line ``ConfigError`` unless this machine has CUDA and Transformer Engine.
     Imports nothing from TE; what this TE cannot run on this GPU is ``te_plan``'s to refuse."""
     if not torch.cuda.is_available() or importlib.util.find_spec("transformer_engine") is None:
@@ -235,7 +236,7 @@ def build_te_model(cfg: DictConfig | Mapping, device: str | torch.device = "cuda
     """The FOG of ``cfg.model`` on Transformer Engine's parts, on a CUDA ``device``.
     Raises ``ConfigError`` (one line) when TE or CUDA is missing or cannot run ``cfg`` here."""
     cfg = _as_config(cfg)
-    check_available(cfg)
+    check_available()
     plan = te_plan(cfg)
     apply_te_env(plan.env)
     _te()

@@ -137,3 +137,14 @@ def fp8_attention_refusal(te: Version | None, hw: Hardware, recipe: str, head_di
     setting = "model.seq_len" if head_dim == 128 else "model.n_heads"
     return setting, (f"FP8 attention of head dim {head_dim}, sequence {seq_len} on {sm} needs head dim 128 and "
                      f"sequence % 128 == 0, or cuDNN >= 9.7 and head dim % 16 == 0")
+
+
+def te_attention_reads(o_read: str, qkv: str) -> dict[str, str]:
+    """What TE's attention backward reads (backends.py ``FusedAttnFunc.forward``, v2.8 and 2.20):
+    O as given; Q, K, V rounded (``qkv="8"``, FP8 backward) or the original BF16 ones (BF16
+    backward); P recomputed by cuDNN from them and the saved softmax statistics."""
+    qkv_read = "rounded {}8" if qkv else "original {} (BF16)"
+    p_read = f"P recomputed from Q{qkv}, K{qkv} (cuDNN)"
+    return {"attention_core.D": o_read, "attention_core.dQ": qkv_read.format("K"),
+            "attention_core.dK": qkv_read.format("Q"),
+            "attention_core.dV": p_read, "attention_core.dP": qkv_read.format("V"), "attention_core.dS": p_read}

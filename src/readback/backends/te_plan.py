@@ -38,6 +38,7 @@ from readback.backends.te_facts import (
     installed_hardware,
     installed_te_version,
     mxfp8_refusal,
+    te_attention_reads,
     version_tuple,
 )
 from readback.errors import ConfigError, choose, require
@@ -186,7 +187,8 @@ def _refuse_unsupported_fields(p, recipe_key: str, vt: tuple[int, int, int] | No
     if recipe_key == "delayed" and interval != 1:
         state = "has no DelayedScaling.interval" if vt is None or vt[:2] >= INTERVAL_REMOVED else \
             "ignores DelayedScaling.interval (deprecated and unused; removed in 2.2)"
-        raise ConfigError("precision.interval", interval, f"1 ({where} {state}; use backend=emulated to study interval)")
+        raise ConfigError("precision.interval", interval,
+                          f"1 ({where} {state}; use backend=emulated to study interval)")
     override = [bool(b) for b in p.get("override_linear_precision", (False,) * 3)]
     if any(override):
         removed = vt is None or vt[:2] >= OVERRIDE_LINEAR_PRECISION_REMOVED
@@ -250,7 +252,7 @@ def _te_attention(fp8: bool, recipe: str | None, policy: str, bwd: str):
         # BF16 kernels compute D = rowsum(dO * O) from the BF16 O the projection multiplied.
         if policy not in ("exact", "reuse_rounded"):
             return None
-        return {}, "te.DotProductAttention(bf16)", _te_reads("O (BF16, as the projection multiplied it)", "")
+        return {}, "te.DotProductAttention(bf16)", te_attention_reads("O (BF16, as the projection multiplied it)", "")
     dpa_bwd = "1" if bwd == "fp8" else "0"
     if recipe == "delayed" and policy == "reuse_rounded":
         o_read = "O8 (the core's output_fp8)" if bwd == "fp8" else "O8 dequantised to BF16"
@@ -264,16 +266,7 @@ def _te_attention(fp8: bool, recipe: str | None, policy: str, bwd: str):
     else:
         return None
     label = f"te.DotProductAttention(fp8_dpa; {RECIPES[recipe]}; " + "; ".join(f"{k}={v}" for k, v in env.items()) + ")"
-    return env, label, _te_reads(o_read, "8" if bwd == "fp8" else "")
-
-
-def _te_reads(o_read: str, qkv: str) -> dict[str, str]:
-    """Reads of TE's attention backward: O as given; Q, K, V rounded (``qkv="8"``, FP8 backward)
-    or the original BF16 ones; P recomputed by cuDNN from them and the saved softmax statistics."""
-    qkv_read = "rounded {}8" if qkv else "original {} (BF16)"
-    p_read = f"P recomputed from Q{qkv}, K{qkv} (cuDNN)"
-    return {"attention_core.D": o_read, "attention_core.dQ": qkv_read.format("K"), "attention_core.dK": qkv_read.format("Q"),
-            "attention_core.dV": p_read, "attention_core.dP": qkv_read.format("V"), "attention_core.dS": p_read}
+    return env, label, te_attention_reads(o_read, "8" if bwd == "fp8" else "")
 
 
 def _projection_label(te_attention: bool, recipe_key: str | None, fp8_mha: bool) -> str:
@@ -286,7 +279,8 @@ def _projection_label(te_attention: bool, recipe_key: str | None, fp8_mha: bool)
     return "te.Linear" + (" (quantises the core's F16 O itself)" if recipe_key == "current" else "")
 
 
-def _sites(cfg, attention_label: str, proj: str, fp8: bool, bf16_layers: tuple[str, ...], linear: str) -> dict[str, str]:
+def _sites(cfg, attention_label: str, proj: str, fp8: bool, bf16_layers: tuple[str, ...],
+           linear: str) -> dict[str, str]:
     tied = bool(cfg.model.get("tied", True))
     head_bf16 = _lm_head_bf16(fp8, bf16_layers)
     if tied:
