@@ -9,7 +9,7 @@ from hydra import compose, initialize_config_dir
 from readback.config import CONF_DIR
 from readback.backends import build_model
 from readback.model import ActivationStats, kurtosis
-from readback.model.fog import FOG, FOGConfig, rope
+from readback.model.fog import FOG, FOGConfig, Parts, rope
 from readback.ops.activation import BETA, EPS
 from readback.ops.numerics import Numerics
 
@@ -139,6 +139,31 @@ def test_kurtosis_of_gaussian_and_outliers():
     spiky = torch.randn(64, 4096)
     spiky[:, 0] = 100
     assert kurtosis(spiky) > 100
+
+
+def test_fog_takes_every_linear_norm_core_and_activation_from_its_parts():
+    made = []
+
+    class Recording(Parts):  # a backend that hands out readback's modules and says which it made
+        def linear(self, d_in, d_out, name, std):
+            made.append(name)
+            return super().linear(d_in, d_out, name, std)
+
+        def norm(self, dim, gain, name, eps, frozen=False):
+            made.append(name + (" (frozen)" if frozen else ""))
+            return super().norm(dim, gain, name, eps, frozen)
+
+        def attention_core(self, cfg, name, index):
+            made.append(name)
+            return super().attention_core(cfg, name, index)
+
+    cfg = FOGConfig(n_layers=1, d_model=32, n_heads=4, n_kv_groups=2, ffn_dim=48, vocab_size=64, seq_len=8, tied=False)
+    numerics = Numerics("off")
+    model = FOG(cfg, numerics, Recording(numerics))
+    names = ["qkv", "q_norm (frozen)", "k_norm (frozen)", "core", "proj"]
+    assert made == [*(f"layers.0.attn.{n}" for n in names), "layers.0.attn_norm", "layers.0.mlp.up",
+                    "layers.0.mlp.down", "layers.0.mlp_norm", "lm_head"]
+    assert model.numerics is numerics and model.parts.numerics is numerics
 
 
 def test_activation_stats_hooks_measure_every_layer_only_when_active():
