@@ -163,8 +163,8 @@ def test_mxfp8_is_te_only_with_readback_attention_on_per_tensor_scaling():
     plan = te_plan(config("reuse_rounded", "precision.recipe=mxfp8"), TE2, B200)
     assert plan.recipe == "MXFP8BlockScaling" and plan.recipe_kwargs == dict(fp8_format="HYBRID")
     assert plan.attention_core == "readback" and plan.readback_recipe == "current"
-    margin = te_plan(config("reuse_rounded", "precision.recipe=mxfp8", "precision.margin=2"), TE2).recipe_kwargs["margin"]
-    assert margin == 2
+    with_margin = te_plan(config("reuse_rounded", "precision.recipe=mxfp8", "precision.margin=2"), TE2)
+    assert with_margin.recipe_kwargs["margin"] == 2
 
 
 def test_head_dim_128_trains_fp8_attention_on_sm90_and_te_2_7_allowed_other_head_dims():
@@ -201,6 +201,8 @@ REFUSALS = [
     (HD128, TE2, Hardware((9, 0), (9, 10, 0)), "backend.attention_core='auto'", "cuDNN >= 9.2.1 and not 9.10.0"),
     (HD128, TE2, Hardware((9, 0), (9, 1, 0)), "backend.attention_core='auto'", "cuDNN >= 9.2.1 and not 9.10.0"),
     (("backend.fp8_mha=true",), "2.7.0", Hardware(), "backend.fp8_mha=True", "fp8_output=True"),
+    (HD128, TE2, Hardware((10, 0), (9, 5, 0)), "backend.attention_core='auto'", "on sm100 needs cuDNN >= 9.7"),
+    (("model.d_model=1024", "model.n_heads=4"), TE2, B200, "model.n_heads=4", "head dim % 16 == 0, <= 128"),
 ]
 
 

@@ -134,6 +134,9 @@ def fp8_attention_refusal(te: Version | None, hw: Hardware, recipe: str, head_di
         return None
     if cap < (10, 0) and widest == 128:
         return "model.n_heads", f"FP8 attention training on {sm} needs head dim 128 (this model's is {head_dim})"
+    if cap >= (10, 0):
+        setting = "backend.attention_core" if any_d else "model.n_heads"
+        return setting, f"FP8 attention on {sm} needs cuDNN >= 9.7 and head dim % 16 == 0, <= 128 (head dim {head_dim})"
     setting = "model.seq_len" if head_dim == 128 else "model.n_heads"
     return setting, (f"FP8 attention of head dim {head_dim}, sequence {seq_len} on {sm} needs head dim 128 and "
                      f"sequence % 128 == 0, or cuDNN >= 9.7 and head dim % 16 == 0")
