@@ -125,7 +125,7 @@ def test_srun_of_a_job_runs_the_image_python_with_the_checkout(tmp_path, image_e
     script = (f"export READBACK_IMAGE={image} READBACK_SRC=/repo/src\n"
               f"source {ROOT / 'scripts/slurm/apptainer_srun.sh'}\n"
               f"srun --unbuffered --output /o/%j.out --error /o/%j.err /host/bin/python3 -c "
-              f"\"import os; print('ran', os.environ['PYTHONPATH'].split(':')[0])\"\n")
+              f"\"import os; print('ran', os.environ['PYTHONPATH'])\"\n")
     env = {**os.environ, "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}"}
     result = subprocess.run(["bash", "-c", script], capture_output=True, text=True, env=env, timeout=60)
     if not image_exists:

@@ -16,5 +16,5 @@ srun() {
   done
   shift  # the submitting machine's python: the image's own runs instead
   command srun "${options[@]}" apptainer exec --nv "$READBACK_IMAGE" \
-    env PYTHONPATH="$READBACK_SRC${PYTHONPATH:+:$PYTHONPATH}" python "$@"
+    env PYTHONPATH="$READBACK_SRC" python "$@"  # not the host's PYTHONPATH: its packages are not the image's
 }
