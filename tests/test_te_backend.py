@@ -159,6 +159,14 @@ def test_te_2_15_pins_backward_override_so_the_environment_cannot_change_linear_
         "te.Linear (backward reads the forward's W8 and X8: save_original_input=False, backward_override=None)")
 
 
+def test_a_linear_read_rule_te_has_no_switch_for_is_refused(monkeypatch):
+    from readback.backends import te_plan as plan_module
+
+    monkeypatch.setitem(plan_module.LINEAR_READS, "exact", {"dgrad": "rounded", "wgrad": "original"})
+    with pytest.raises(ConfigError, match=r"^policy='exact' is not valid; valid: a policy whose linears read"):
+        te_plan(config("reuse_rounded", "policy=exact"), TE2)
+
+
 def test_mxfp8_is_te_only_with_readback_attention_on_per_tensor_scaling():
     plan = te_plan(config("reuse_rounded", "precision.recipe=mxfp8"), TE2, B200)
     assert plan.recipe == "MXFP8BlockScaling" and plan.recipe_kwargs == dict(fp8_format="HYBRID")
