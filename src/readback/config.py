@@ -23,7 +23,7 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 
 from readback.errors import ConfigError, choose, require
-from readback.numerics import AMAX_COMPUTE_ALGOS, ROUNDINGS, Format
+from readback.numerics.scaling import check_recipe
 from readback.ops.numerics import ATTENTION_BWD
 from readback.policy import POLICIES
 from readback.probe.gradient_error import DTYPES
@@ -197,16 +197,7 @@ def _validate_precision(cfg: DictConfig) -> None:
     if p.name != "fp8":
         return
     te_only = ("mxfp8",) if cfg.backend.name == "te" else ()  # MXFP8 block scaling: Transformer Engine only
-    choose("precision.recipe", p.recipe, RECIPES + te_only)
-    choose("precision.fp8_format", str(p.fp8_format).upper(), [f.name for f in Format])
-    choose("precision.amax_compute_algo", p.amax_compute_algo, AMAX_COMPUTE_ALGOS)
-    choose("precision.rounding", p.rounding, ROUNDINGS)
-    _positive_int(cfg, "precision.margin", minimum=0)
-    _positive_int(cfg, "precision.interval")
-    _positive_int(cfg, "precision.amax_history_len")
-    override = list(p.override_linear_precision)
-    require(len(override) == 3 and all(isinstance(b, bool) for b in override),
-            "precision.override_linear_precision", override, "three booleans [fprop, dgrad, wgrad]")
+    check_recipe(p, RECIPES + te_only)
 
 
 def _validate_model(cfg: DictConfig) -> None:

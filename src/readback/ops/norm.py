@@ -1,8 +1,10 @@
-"""RMSNorm ``y = g * x / rms(x)``, optionally rounded (E4M3) for the GEMM that consumes it.
+"""RMSNorm ``y = g * x / rms(x)`` and LayerNorm ``y = g * (x - mean) / std + b``, optionally
+rounded (E4M3) for the GEMM that consumes them.
 
 When the output is rounded, the value has two readers with different rules: the consumer's
 weight gradient reads the rounded copy (what it multiplied), while the gain gradient here must
-read the original normalised value (what the gain multiplied).
+read the original normalised value (what the gain multiplied). LayerNorm's bias gradient is the
+row sum of the output gradient: it reads no forward value.
 """
 
 from __future__ import annotations
@@ -12,22 +14,30 @@ import torch
 from readback.numerics import QTensor, pinned
 from readback.policy import POLICIES
 
-# gradient -> which normalised value x/rms(x) it reads.
+# gradient -> which normalised value (x - mean) / std, or x / rms(x), it reads.
 READS = {policy: {"gain": "original"} for policy in POLICIES}
 
 
-class _RMSNorm(torch.autograd.Function):
+def _normalize(x: torch.Tensor, eps: float, center: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(normalized, 1 / std)``: RMS normalisation, or LayerNorm's with ``center``."""
+    if center:
+        x = x - x.mean(-1, keepdim=True)
+    inv_std = torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+    return x * inv_std, inv_std
+
+
+class _Norm(torch.autograd.Function):
     @staticmethod
-    def forward(fctx, x, gain, numerics, name, eps, round_output):
+    def forward(fctx, x, gain, bias, numerics, name, eps, round_output, center):
         x = x.to(numerics.dtype)
-        inv_rms = torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
-        normalized = x * inv_rms
-        y = normalized * gain
+        normalized, inv_std = _normalize(x, eps, center)
+        y = normalized * gain if bias is None else normalized * gain + bias
         yq = numerics.site(f"{name}.output").quantize(y, numerics.rounding) if round_output else None
         numerics.record(name, output=yq)
-        # "rounded" reads the output's FP8 copy (divided by the gain in backward): the naive rule.
+        # "rounded" reads the output's FP8 copy (less the bias, divided by the gain): the naive rule.
         fctx.gain_reads = normalized if READS[numerics.policy]["gain"] == "original" else yq
-        fctx.save_for_backward(normalized, inv_rms, gain)
+        fctx.center = center
+        fctx.save_for_backward(normalized, inv_std, gain, bias)
         numerics.account("rms_norm", normalized=normalized)
         if yq is None:
             return y, None, None
@@ -36,23 +46,40 @@ class _RMSNorm(torch.autograd.Function):
 
     @staticmethod
     def backward(fctx, dy, _data, _scale):
-        normalized, inv_rms, gain = fctx.saved_tensors
+        normalized, inv_std, gain, bias = fctx.saved_tensors
         dy = dy.to(normalized.dtype)
-        d_gain = None
+        rows = lambda t: t.reshape(-1, dy.shape[-1]).sum(0)  # noqa: E731
+        d_gain = d_bias = None
         if fctx.needs_input_grad[1]:
             read = fctx.gain_reads
-            value = read if isinstance(read, torch.Tensor) else read.dequantize(normalized.dtype) / gain
-            d_gain = (dy * value).reshape(-1, dy.shape[-1]).sum(0)
+            if not isinstance(read, torch.Tensor):
+                read = read.dequantize(normalized.dtype)
+                read = (read if bias is None else read - bias) / gain
+            d_gain = rows(dy * read)
+        if fctx.needs_input_grad[2]:
+            d_bias = rows(dy)
         g = dy * gain
-        dx = inv_rms * (g - normalized * (g * normalized).mean(-1, keepdim=True))
-        return dx, d_gain, None, None, None, None
+        centered_g = g - g.mean(-1, keepdim=True) if fctx.center else g
+        dx = inv_std * (centered_g - normalized * (g * normalized).mean(-1, keepdim=True))
+        return dx, d_gain, d_bias, None, None, None, None, None
 
 
-def replay(x, gain, record: dict, eps: float = 1e-6, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+def replay(x, gain, record: dict, eps: float = 1e-6, dtype: torch.dtype = torch.float32, bias=None,
+           center: bool = False) -> torch.Tensor:
     """Reference: plain autograd over the executed forward (the rounded output pinned)."""
-    x = x.to(dtype)
-    y = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * gain.to(dtype)
+    y = _normalize(x.to(dtype), eps, center)[0] * gain.to(dtype)
+    y = y if bias is None else y + bias.to(dtype)
     return y if record["output"] is None else pinned(y, record["output"].dequantize(dtype))
+
+
+def _norm(x, gain, bias, numerics, name, eps, round_output, center):
+    if numerics.replaying:
+        y = replay(x, gain, numerics.next_record(name), eps, numerics.dtype, bias, center)
+        return (y, None) if round_output else y
+    y, data, scale = _Norm.apply(x, gain, bias, numerics, name, eps, round_output, center)
+    if not round_output:
+        return y
+    return y, QTensor(data, scale, numerics.site(f"{name}.output").fmt)
 
 
 def rms_norm(x, gain, numerics, name: str, eps: float = 1e-6, round_output: bool = False):
@@ -61,10 +88,9 @@ def rms_norm(x, gain, numerics, name: str, eps: float = 1e-6, round_output: bool
     With ``round_output`` returns ``(y, yq)``: ``y`` holds the rounded values (site
     ``{name}.output``) and ``yq`` is the copy to hand to the consuming linear as ``x_q``.
     """
-    if numerics.replaying:
-        y = replay(x, gain, numerics.next_record(name), eps, numerics.dtype)
-        return (y, None) if round_output else y
-    y, data, scale = _RMSNorm.apply(x, gain, numerics, name, eps, round_output)
-    if not round_output:
-        return y
-    return y, QTensor(data, scale, numerics.site(f"{name}.output").fmt)
+    return _norm(x, gain, None, numerics, name, eps, round_output, center=False)
+
+
+def layer_norm(x, gain, bias, numerics, name: str, eps: float = 1e-5, round_output: bool = False):
+    """LayerNorm over the last dimension (``bias`` may be None); rounding as ``rms_norm``."""
+    return _norm(x, gain, bias, numerics, name, eps, round_output, center=True)
