@@ -17,7 +17,6 @@ from __future__ import annotations
 import fnmatch
 import functools
 import inspect
-import weakref
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
@@ -25,11 +24,9 @@ import torch
 import torch.nn as nn
 from omegaconf import OmegaConf
 
+from readback.backends.converted import ConvertParts, SDPARouter, eps_of
 from readback.errors import ConfigError, choose
-from readback.model.fog import Linear, Parts
 from readback.numerics.scaling import RECIPE_KEYS, check_recipe
-from readback.ops.attention import attention
-from readback.ops.norm import layer_norm, rms_norm
 from readback.ops.numerics import ATTENTION_BWD, Numerics, build_numerics
 from readback.policy import POLICIES
 
@@ -38,7 +35,6 @@ FP8_ALIGNMENT = 16
 DEFAULT_RECIPE = {"recipe": "delayed", "fp8_format": "HYBRID", "margin": 0, "interval": 1, "amax_history_len": 1024,
                   "amax_compute_algo": "max", "override_linear_precision": [False, False, False],
                   "rounding": "nearest", "bf16_layers": []}
-_SDPA = torch.nn.functional.scaled_dot_product_attention
 
 
 @dataclass
@@ -61,107 +57,6 @@ class ConvertReport:
         return "\n".join(lines)
 
 
-class Handoff:
-    """Rounded copies of a producer's output (an attention core's O8, a norm's output) for the
-    linears that consume it: a linear whose input is that output, in the same memory (a view of
-    it), multiplies the copy as is, so its weight gradient reads the very bits the producer
-    saved. A norm's copy is made at its site ``{norm}.output`` when the first linear asks for it:
-    other consumers (a residual add, a layer left in high precision) read the norm's unrounded
-    output. Emptied when the converted model's forward starts and ends."""
-
-    def __init__(self, numerics: Numerics):
-        self.numerics = numerics
-        self._copies: dict[tuple, list] = {}
-
-    @staticmethod
-    def _key(t: torch.Tensor) -> tuple:
-        return t.data_ptr(), tuple(t.shape), t.stride(), t.dtype
-
-    def put(self, y: torch.Tensor, y_q=None, site: str | None = None) -> torch.Tensor:
-        """Offer ``y``'s rounded copy ``y_q``, or (``site``) the copy to make on demand."""
-        if not self.numerics.replaying:
-            self._copies[self._key(y)] = [weakref.ref(y), y._version, y_q, site]
-        return y
-
-    def take(self, x: torch.Tensor, fmt):
-        """The rounded copy of ``x`` in format ``fmt`` if a producer offered one and ``x`` was not
-        changed since; None otherwise (the linear rounds ``x`` itself)."""
-        entry = self._copies.get(self._key(x))
-        if entry is None or entry[0]() is None or x._version != entry[1] or self.numerics.replaying:
-            return None
-        producer, site = entry[0](), entry[3]
-        if entry[2] is None:
-            entry[2] = self.numerics.site(site).quantize(producer.detach(), self.numerics.rounding)
-            self.numerics.account("rms_norm", output_fp8=entry[2])
-        return entry[2] if entry[2].fmt is fmt else None
-
-    def clear(self, *_args, **_kwargs) -> None:
-        self._copies.clear()
-
-
-class ConvertedLinear(Linear):
-    """FOG's linear (readback's FP8 GEMM) on an existing weight, and bias, added in high precision."""
-
-    def __init__(self, module: nn.Linear, name: str, numerics: Numerics, handoff: Handoff):
-        with torch.device("meta"):  # the new weight is replaced at once: allocate nothing
-            super().__init__(module.in_features, module.out_features, name, numerics, std=1.0)
-        self.weight, self.bias, self.handoff = module.weight, module.bias, handoff
-
-    def forward(self, x, x_q=None):
-        if x_q is None:
-            x_q = self.handoff.take(x, self.numerics.site(f"{self.name}.input").fmt)
-        y = super().forward(x, x_q).to(x.dtype)
-        return y if self.bias is None else y + self.bias
-
-
-class ConvertedNorm(nn.Module):
-    """readback's RMSNorm or LayerNorm (``center``) on the Parameters of ``module``; its output's
-    rounded copy is handed to the linears that consume it."""
-
-    def __init__(self, module: nn.Module, name: str, numerics: Numerics, center: bool, handoff: Handoff):
-        super().__init__()
-        weight = getattr(module, "weight", None)
-        if weight is None:  # no elementwise affine: a constant unit gain
-            self.register_buffer("weight", torch.ones(module.normalized_shape[-1]), persistent=False)
-        else:
-            self.weight = weight
-        self.bias = getattr(module, "bias", None) if center else None
-        self.numerics, self.name, self.eps, self.center, self.handoff = numerics, name, _eps(module), center, handoff
-
-    def forward(self, x):
-        if self.center:
-            y = layer_norm(x, self.weight, self.bias, self.numerics, self.name, self.eps)
-        else:
-            y = rms_norm(x, self.weight, self.numerics, self.name, self.eps)
-        return self.handoff.put(y.to(x.dtype), site=f"{self.name}.output")
-
-
-class ConvertParts(Parts):
-    """FOG's parts (readback's ops), made around the Parameters of the modules they replace."""
-
-    def __init__(self, numerics: Numerics):
-        super().__init__(numerics)
-        self.handoff = Handoff(numerics)
-
-    def linear_from(self, module: nn.Linear, name: str) -> nn.Module:
-        return ConvertedLinear(module, name, self.numerics, self.handoff)
-
-    def norm_from(self, module: nn.Module, name: str, center: bool) -> nn.Module:
-        return ConvertedNorm(module, name, self.numerics, center, self.handoff)
-
-    def describe(self, kind: str) -> str:
-        return {"linear": "readback.ops.linear", "layer_norm": "readback.ops.norm.layer_norm",
-                "rms_norm": "readback.ops.norm.rms_norm"}[kind]
-
-
-def _eps(module: nn.Module) -> float:
-    for attr in ("eps", "variance_epsilon", "epsilon"):
-        value = getattr(module, attr, None)
-        if isinstance(value, (int, float)):
-            return float(value)
-    return torch.finfo(torch.float32).eps  # torch.nn.RMSNorm(eps=None)
-
-
 def _is_rms_norm(module: nn.Module) -> str | None:
     """Why ``module`` is not an RMSNorm readback can take over (None when it is): torch's, or a
     class named ``*RMSNorm`` with a 1-D ``weight`` whose output is ``weight * x / rms(x)``."""
@@ -174,7 +69,7 @@ def _is_rms_norm(module: nn.Module) -> str | None:
         return None
     x = torch.randn(3, weight.shape[0], generator=torch.Generator().manual_seed(0)).to(weight)  # global RNG untouched
     with torch.no_grad():
-        expected = weight * (x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + _eps(module))).to(x.dtype)
+        expected = weight * (x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + eps_of(module))).to(x.dtype)
         if not torch.allclose(module(x), expected, rtol=1e-3, atol=1e-5):
             return "output is not weight * x / rms(x)"
     return None
@@ -189,61 +84,6 @@ def _calls_sdpa(cls: type) -> bool:
     except (OSError, TypeError):
         return False
     return "scaled_dot_product_attention" in source or "ALL_ATTENTION_FUNCTIONS" in source
-
-
-class SDPARouter:
-    """While a marked module runs, ``F.scaled_dot_product_attention`` is readback's attention op
-    (site ``{module}.core``) where that op can express the call, torch's SDPA elsewhere."""
-
-    def __init__(self, numerics: Numerics, handoff: Handoff, report: ConvertReport):
-        self.numerics, self.handoff, self.report = numerics, handoff, report
-        self.names: list[str] = []
-
-    def attach(self, module: nn.Module, name: str) -> None:
-        module.register_forward_pre_hook(lambda *_: self._enter(name))
-        module.register_forward_hook(lambda *_: self._exit(), always_call=True)
-
-    def _enter(self, name: str) -> None:
-        if not self.names:
-            torch.nn.functional.scaled_dot_product_attention = self
-        self.names.append(name)
-
-    def _exit(self) -> None:
-        self.names.pop()
-        if not self.names:
-            torch.nn.functional.scaled_dot_product_attention = _SDPA
-
-    def __call__(self, query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
-                 enable_gqa=False, **kwargs):
-        name = self.names[-1]
-        why = self._unsupported(query, key, value, attn_mask, dropout_p, is_causal, enable_gqa, kwargs)
-        if why is not None:
-            self.report.attention_left[name] = why
-            return _SDPA(query, key, value, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal,
-                         scale=scale, enable_gqa=enable_gqa, **kwargs)
-        batch, heads, seq, dim = query.shape
-        scale = dim**-0.5 if scale is None else scale
-        o, o_q = attention(query, key, value, self.numerics, f"{name}.core", scale)
-        o = o.to(query.dtype)
-        self.report.attention[name] = self.report.attention.get(name, 0) + 1
-        # (B, T, H*hd) -> (B, H, T, hd): the caller's transpose and reshape give back o's memory.
-        return self.handoff.put(o, o_q).view(batch, seq, heads, dim).transpose(1, 2)
-
-    @staticmethod
-    def _unsupported(q, k, v, attn_mask, dropout_p, is_causal, enable_gqa, kwargs) -> str | None:
-        if kwargs:
-            return f"arguments {sorted(kwargs)}"
-        if attn_mask is not None:
-            return "an attn_mask (readback's op is causal, mask-free)"
-        if not is_causal:
-            return "is_causal=False"
-        if dropout_p:
-            return f"dropout_p={dropout_p}"
-        if q.dim() != 4 or q.shape[-2] != k.shape[-2] or k.shape != v.shape or q.shape[-1] != k.shape[-1]:
-            return f"shapes q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}"
-        if k.shape[1] != q.shape[1] and not (enable_gqa and q.shape[1] % k.shape[1] == 0):
-            return f"{q.shape[1]} query heads over {k.shape[1]} key heads without enable_gqa"
-        return None
 
 
 def _numerics(precision, policy: str, attention_bwd: str, seed: int) -> Numerics:
