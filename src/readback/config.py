@@ -210,6 +210,11 @@ def _validate_model(cfg: DictConfig) -> None:
     require(m.d_model % m.n_heads == 0, "model.n_heads", m.n_heads, f"a divisor of model.d_model={m.d_model}")
     require(m.n_heads % m.n_kv_groups == 0, "model.n_kv_groups", m.n_kv_groups,
             f"a divisor of model.n_heads={m.n_heads}")
+    if m.get("name") == "hf":
+        from readback.backends.hf import ARCHITECTURES, check_available
+
+        check_available()
+        choose("model.architecture", m.architecture, ARCHITECTURES)
     if cfg.precision.name == "fp8":
         head_dim = m.d_model // m.n_heads
         for key, value in (("model.d_model", m.d_model), ("model.ffn_dim", m.ffn_dim), ("model head_dim", head_dim)):

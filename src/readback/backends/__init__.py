@@ -26,13 +26,18 @@ def _as_config(cfg: DictConfig | Mapping) -> DictConfig:
 
 
 def build_model(cfg: DictConfig | Mapping, device: str | torch.device = "cpu") -> FOG:
-    """FOG of size ``cfg.model`` on ``device`` with the parts of ``cfg.backend.name``.
+    """FOG of size ``cfg.model`` on ``device`` with the parts of ``cfg.backend.name``
+    (``model=hf``: a transformers model converted to those parts).
 
     ``device="meta"`` (shapes only, for dry runs) always builds readback's parts: they have the
     same trainable parameters and FLOPs as Transformer Engine's and need no GPU or TE.
     Raises ``ConfigError`` (one line) when ``backend=te`` cannot run ``cfg`` here.
     """
     cfg = _as_config(cfg)
+    if cfg.model.get("name") == "hf":  # a transformers model, converted (readback.backends.hf)
+        from readback.backends.hf import build_hf_model
+
+        return build_hf_model(cfg, device)
     if cfg.backend.name == "te" and torch.device(device).type != "meta":
         from readback.backends.te import build_te_model
 
@@ -47,6 +52,10 @@ def site_implementations(cfg: DictConfig | Mapping) -> dict[str, str]:
     ``embedding``, ``lm_head``) under ``cfg.backend.name``, and which value each attention
     gradient read (``attention_core.<gradient>``)."""
     cfg = _as_config(cfg)
+    if cfg.model.get("name") == "hf":
+        from readback.backends.hf import site_implementations as hf_sites
+
+        return hf_sites(cfg)
     if cfg.backend.name == "te":
         from readback.backends.te_plan import site_implementations as te_sites
 

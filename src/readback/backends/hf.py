@@ -1,0 +1,88 @@
+"""``model=hf``: a Hugging Face ``transformers`` causal LM, built from a small config (nothing is
+downloaded), converted by ``readback.convert`` and trained by readback's trainer.
+
+``HFCausalLM`` gives the trainer and the probe what they use of FOG: ``model(idx, targets)``
+returns the mean next-token loss, ``model.numerics`` holds the run's rounding sites,
+``n_params`` and ``flops_per_token`` size the run. transformers is an optional extra (``.[hf]``).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from omegaconf import DictConfig, OmegaConf
+
+from readback.backends.convert import ConvertReport, convert
+from readback.errors import ConfigError
+from readback.ops.numerics import build_numerics
+
+ARCHITECTURES = ("llama",)
+UNAVAILABLE = "needs transformers (pip install -e .[hf]); use model=tiny for readback's FOG"
+
+
+def check_available() -> None:
+    """Raise the one-line ``ConfigError`` unless transformers can be imported."""
+    if importlib.util.find_spec("transformers") is None:
+        raise ConfigError("model", "hf", UNAVAILABLE)
+
+
+class HFCausalLM(nn.Module):
+    """A converted transformers causal LM with FOG's interface; ``report`` says what was swapped."""
+
+    def __init__(self, lm: nn.Module, report: ConvertReport, seq_len: int):
+        super().__init__()
+        self.lm, self.report, self.numerics, self.seq_len = lm, report, report.numerics, seq_len
+
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """Mean next-token cross-entropy (FP32) of ``idx`` against ``targets``, both (B, T)."""
+        logits = self.lm(input_ids=idx).logits
+        return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
+
+    def n_params(self) -> int:
+        return sum(p.numel() for p in self.parameters() if p.requires_grad)
+
+    def flops_per_token(self) -> float:
+        """6 per GEMM weight (every linear, the LM head included) plus the causal attention
+        products, as FOG counts them."""
+        c = self.lm.config
+        gemm_weights = sum(m.weight.numel() for m in self.lm.modules() if hasattr(m, "in_features"))
+        return 6 * gemm_weights + 6 * c.num_hidden_layers * self.seq_len * c.hidden_size
+
+
+def llama(m: DictConfig) -> nn.Module:
+    """A Llama-style causal LM of the ``model`` group's sizes, randomly initialised."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(vocab_size=m.vocab_size, hidden_size=m.d_model, intermediate_size=m.ffn_dim,
+                         num_hidden_layers=m.n_layers, num_attention_heads=m.n_heads,
+                         num_key_value_heads=m.n_kv_groups, max_position_embeddings=m.seq_len,
+                         tie_word_embeddings=m.tied, attn_implementation="sdpa", use_cache=False)
+    return LlamaForCausalLM(config)
+
+
+def build_hf_model(cfg: DictConfig, device: str | torch.device = "cpu") -> HFCausalLM:
+    """The ``cfg.model`` transformers LM on ``device``, converted with the run's precision,
+    policy and backend; ``cfg.model.filter`` names the modules left in high precision."""
+    check_available()
+    with torch.device(device):
+        lm = llama(cfg.model)
+    numerics = build_numerics(cfg)
+    report = convert(lm, numerics, backend=cfg.backend.name, filter=tuple(cfg.model.get("filter") or ()))
+    return HFCausalLM(lm, report, int(cfg.model.seq_len))
+
+
+def site_implementations(cfg: DictConfig) -> dict[str, str]:
+    """``{site: implementation}`` of a ``model=hf`` run, for the run's summary."""
+    from readback.backends.emulated import attention_reads
+
+    filtered = ", ".join(OmegaConf.to_container(cfg.model.get("filter") or OmegaConf.create([])))
+    if cfg.backend.name == "te":
+        return {"model": f"transformers {cfg.model.architecture}", "linear": "transformer_engine.pytorch.Linear",
+                "norm": "transformer_engine.pytorch.RMSNorm", "attention_core": "torch SDPA",
+                "left_in_high_precision": filtered}
+    return {"model": f"transformers {cfg.model.architecture}", "linear": "readback.ops.linear",
+            "norm": "readback.ops.norm", "attention_core": "readback.ops.attention (routed SDPA)",
+            "embedding": "torch.nn.Embedding", "left_in_high_precision": filtered, **attention_reads(cfg.policy.name)}
