@@ -16,7 +16,7 @@ from readback.ops import norm as norm_mod
 from readback.ops.activation import BETA, EPS, xielu
 from readback.ops.attention import attention
 from readback.ops.linear import linear
-from readback.ops.norm import rms_norm
+from readback.ops.norm import layer_norm, rms_norm
 from readback.policy import POLICIES, READ_MODES, read_rules
 
 SOFTMAX_SCALE = 0.125
@@ -82,6 +82,26 @@ def test_gradcheck_rms_norm(policy, variant):
         _gradcheck(lambda x: rms_norm(x, gain, numerics, "norm"), x)
     else:
         _gradcheck(lambda x, gain: rms_norm(x, gain, numerics, "norm"), x, gain)
+
+
+@pytest.mark.parametrize("variant", ["affine", "no_bias", "round_output"])
+def test_layer_norm_gradients_equal_autograd_of_torch_layer_norm(variant):
+    """gradcheck, and every gradient equal to autograd through ``F.layer_norm`` (float64)."""
+    numerics = Numerics("off")
+    g = _gen(11)
+    x = (torch.randn(2, 3, 6, dtype=torch.float64, generator=g) * 2 + 1).requires_grad_()
+    gain = (torch.rand(6, dtype=torch.float64, generator=g) + 0.5).requires_grad_()
+    bias = None if variant == "no_bias" else torch.randn(6, dtype=torch.float64, generator=g).requires_grad_()
+    rounded = variant == "round_output"
+    ours = lambda x, gain, *b: layer_norm(x, gain, b[0] if b else None, numerics, "ln", 1e-5, rounded)  # noqa: E731
+    out = lambda *a: ours(*a)[0] if rounded else ours(*a)  # noqa: E731
+    leaves = (x, gain) if bias is None else (x, gain, bias)
+    _gradcheck(out, *leaves)
+    upstream = torch.randn(2, 3, 6, dtype=torch.float64, generator=g)
+    got = torch.autograd.grad(out(*leaves), leaves, upstream)
+    expected = torch.autograd.grad(torch.nn.functional.layer_norm(x, (6,), gain, bias, 1e-5), leaves, upstream)
+    for a, b in zip(got, expected):
+        assert torch.allclose(a, b, rtol=1e-10, atol=1e-12)
 
 
 @pytest.mark.parametrize("policy", list(POLICIES))

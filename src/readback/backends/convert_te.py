@@ -1,0 +1,75 @@
+"""``readback.convert(..., backend="te")``: Transformer Engine's modules for a model's linears and
+norms (CUDA and transformer_engine only), with the recipe built from readback's precision.
+
+``te.Linear``, ``te.LayerNorm`` and ``te.RMSNorm`` are created with the shapes of the modules
+they replace and the same values copied in (exactly: same dtype). Each linear enters TE's FP8
+autocast for its own forward, so the rest of the model runs as before. The attention core is not
+swapped (TE's ``DotProductAttention`` takes other layouts); the policy applies to readback's ops
+only, and TE's linears read what TE reads (the FP8 copies they saved).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+
+from readback.backends.converted import eps_of
+from readback.backends.te import check_available, fp8_autocast
+from readback.backends.te import _te as te_modules
+from readback.numerics import CurrentScaling
+from readback.ops.numerics import Numerics
+
+
+def te_recipe(numerics: Numerics):
+    """TE's recipe object for readback's FP8 recipe (None without FP8)."""
+    if numerics.precision != "fp8":
+        return None
+    _, recipes = te_modules()
+    r = numerics.recipe
+    fmt = getattr(recipes.Format, r.fp8_format.name)
+    if isinstance(r, CurrentScaling):
+        return recipes.Float8CurrentScaling(fp8_format=fmt)
+    return recipes.DelayedScaling(margin=r.margin, fp8_format=fmt, amax_history_len=r.amax_history_len,
+                                  amax_compute_algo=r.amax_compute_algo)
+
+
+class TEConverter:
+    """Makes TE modules from torch ones, for ``convert``."""
+
+    def __init__(self, numerics: Numerics, device: torch.device):
+        check_available()
+        self.te, _ = te_modules()
+        self.recipe, self.device = te_recipe(numerics), torch.device(device)
+        recipe = self.recipe
+
+        class FP8Linear(self.te.Linear):
+            """``te.Linear`` that enters TE's FP8 autocast around its own forward."""
+
+            def forward(self, x):
+                with fp8_autocast(enabled=recipe is not None, recipe=recipe):
+                    return super().forward(x)
+
+        self.linear_class = FP8Linear
+
+    def linear_from(self, module: nn.Linear, name: str) -> nn.Module:
+        new = self.linear_class(module.in_features, module.out_features, bias=module.bias is not None,
+                                params_dtype=module.weight.dtype, device=self.device)
+        return _copied(module, new)
+
+    def norm_from(self, module: nn.Module, name: str, center: bool) -> nn.Module:
+        cls = self.te.LayerNorm if center else self.te.RMSNorm
+        new = cls(module.weight.shape[0], eps=eps_of(module), params_dtype=module.weight.dtype, device=self.device)
+        return _copied(module, new)
+
+    def describe(self, kind: str) -> str:
+        return {"linear": "transformer_engine.pytorch.Linear (FP8 autocast)", "layer_norm":
+                "transformer_engine.pytorch.LayerNorm", "rms_norm": "transformer_engine.pytorch.RMSNorm"}[kind]
+
+
+def _copied(old: nn.Module, new: nn.Module) -> nn.Module:
+    """``new`` holding ``old``'s weight and bias values (a missing bias stays TE's zeros)."""
+    with torch.no_grad():
+        new.weight.copy_(old.weight)
+        if getattr(old, "bias", None) is not None:
+            new.bias.copy_(old.bias)
+    return new
