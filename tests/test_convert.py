@@ -20,6 +20,7 @@ import readback
 from readback.audit.core import audit
 from readback.backends.converted import SDPARouter
 from readback.errors import ConfigError
+from readback.ops.numerics import Site
 from readback.ops import linear as linear_op
 from readback.ops import norm as norm_op
 from readback.probe import GradientProbe
@@ -288,3 +289,52 @@ def test_a_bad_policy_or_backend_is_refused():
 def test_te_backend_without_cuda_is_refused_in_one_line():
     with pytest.raises(ConfigError, match="needs CUDA and transformer_engine"):
         readback.convert(sequential(), backend="te")
+
+
+# ---------------------------------------------------------------------------------------------
+# torchao
+
+
+def test_converted_linear_multiplies_torchaos_fp8_operands_bit_for_bit(monkeypatch):
+    """Current (tensorwise, dynamic) scaling and nearest rounding: the FP8 codes and scales of
+    input, weight (forward) and output gradient (backward) that readback's converted Linear
+    multiplies are those of torchao's emulated Float8Linear."""
+    pytest.importorskip("torchao", reason="torchao not installed (extra dev)")
+    import torchao.float8.float8_linear as ao_linear
+    from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+
+    torch.manual_seed(7)
+    reference = nn.Sequential(nn.Linear(64, 32, bias=False))
+    ao, ours = copy.deepcopy(reference), copy.deepcopy(reference)
+    convert_to_float8_training(ao, config=Float8LinearConfig(emulate=True))
+    readback.convert(ours, precision={"recipe": "current", "fp8_format": "HYBRID"})
+    casts = {}
+    original_cast = ao_linear.hp_tensor_to_float8_dynamic
+
+    def spy(tensor, *args, **kwargs):
+        out = original_cast(tensor, *args, **kwargs)
+        casts.setdefault(kwargs["gemm_input_role"].name, out)  # the first cast of each role
+        return out
+
+    monkeypatch.setattr(ao_linear, "hp_tensor_to_float8_dynamic", spy)
+    rounded = {}  # readback's: every QTensor its sites produced, by site
+    site_quantize = Site.quantize
+
+    def record_site(site, tensor, *args, **kwargs):
+        rounded[site.name] = site_quantize(site, tensor, *args, **kwargs)
+        return rounded[site.name]
+
+    monkeypatch.setattr(Site, "quantize", record_site)
+    g = torch.Generator().manual_seed(8)
+    x, upstream = torch.randn(8, 16, 64, generator=g) * 3, torch.randn(8, 16, 32, generator=g)
+    ao(x).backward(upstream)
+    ours(x).backward(upstream)
+    mine = {role: (rounded[f"0.{site}"].data, rounded[f"0.{site}"].scale)
+            for role, site in (("INPUT", "input"), ("WEIGHT", "weight"), ("GRAD_OUTPUT", "grad_output"))}
+    mine["WEIGHT"] = (mine["WEIGHT"][0].t(), mine["WEIGHT"][1])  # torchao casts the transposed weight
+    assert set(casts) >= set(mine)
+    for role, (codes, scale) in mine.items():
+        theirs = casts[role]
+        assert theirs._data.dtype == codes.dtype, role
+        assert torch.equal(theirs._data.reshape(codes.shape).view(torch.uint8), codes.contiguous().view(torch.uint8)), role
+        assert theirs._scale.item() == scale.item(), role
