@@ -2,9 +2,10 @@
 
 As Accelerate's FP8 support and torchao's ``convert_to_float8_training`` do, the converter walks
 the model and swaps modules in place, keeping their Parameters: ``nn.Linear`` for readback's FP8
-linear, ``nn.LayerNorm`` and RMSNorm modules (``torch.nn.RMSNorm``, and classes named
-``*RMSNorm`` whose output is ``weight * x / rms(x)``) for readback's norms, all built by FOG's
-``Parts``, so a converted model and FOG get their modules from one place. A norm's rounded output
+linear (FOG's ``Linear``, made by a subclass of FOG's ``Parts``, so a converted model and FOG
+multiply through one module), ``nn.LayerNorm`` and RMSNorm modules (``torch.nn.RMSNorm``, and
+classes named ``*RMSNorm`` whose output is ``weight * x / rms(x)``) for readback's norm ops
+(``readback.backends.converted``). A norm's rounded output
 is handed to the converted linears that consume it (``x_q``), as readback's norm does; so is the
 attention core's O8 to the output projection: inside a module that calls
 ``torch.nn.functional.scaled_dot_product_attention`` (HF's ``*Attention`` with
