@@ -9,8 +9,9 @@ loaded; the wandb run path for wandb runs). Columns:
 * ``experiment``, ``seed``, ``model``, ``precision``, ``rounding`` (``precision.rounding``),
   ``policy``, ``bwd_precision`` (``attention.bwd_precision``): from the run's config;
 * ``group``: what curves and tables aggregate over seeds: the experiment, followed by
-  ``[axis=value, ...]`` for each of the axes above (but the seed) that takes more than one
-  value among the loaded runs of that experiment (e.g. ``reuse_rounded [rounding=stochastic]``);
+  ``[key=value, ...]`` for every override and study axis (but the seed) that takes more than
+  one value among the loaded runs of that experiment (:mod:`readback.analysis.groups`; the keys
+  are ``Runs.group_keys``), e.g. ``reuse_rounded [trainer.optim.lr=0.03]``;
 * ``status``: ``completed`` | ``diverged`` | ``failed`` from ``summary.json``; a run without
   one is ``running`` when a file of it changed within ``running_within_s`` seconds, else
   ``failed`` (killed without a word: out of memory, time limit, preemption);
@@ -19,7 +20,8 @@ loaded; the wandb run path for wandb runs). Columns:
   ``val_loss``, ``steps`` and ``tokens`` come from the last logged records;
 * ``diverged``: ``status == "diverged"`` or a ``diverged_at_step``;
 * ``last_step``: the last step in ``metrics.jsonl``; ``bad_lines``: unreadable lines in it;
-  ``path``: the run directory (``None`` for wandb runs).
+  ``overrides``: the run's Hydra overrides (``k=v,...``); ``command`` and ``machine``: what
+  started it and where (``launch.json``); ``path``: the run directory (``None`` for wandb runs).
 
 ``runs.metrics``: the long table of every logged number, one row per (run, step, key):
 columns ``run``, ``experiment``, ``group``, ``seed``, ``step``, ``tokens`` (of that record),
@@ -44,27 +46,17 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-log = logging.getLogger(__name__)
+from readback.analysis.groups import CONFIG_AXES, assign_groups, config_value, override_map
 
-#: Config axes read from each run (column name -> dotted config key).
-CONFIG_AXES: dict[str, str] = {
-    "experiment": "experiment",
-    "seed": "seed",
-    "model": "model.name",
-    "precision": "precision.name",
-    "rounding": "precision.rounding",
-    "policy": "policy.name",
-    "bwd_precision": "attention.bwd_precision",
-}
-#: Axes that split an experiment into several groups when they vary within it.
-GROUP_AXES = ("model", "precision", "rounding", "policy", "bwd_precision")
+log = logging.getLogger(__name__)
 
 SUMMARY_FIELDS = (
     "status", "final_loss", "val_loss", "steps", "tokens", "diverged_at_step",
     "wall_time_s", "n_params", "error",
 )
 SUMMARY_COLUMNS = (
-    *CONFIG_AXES, "group", *SUMMARY_FIELDS, "diverged", "last_step", "bad_lines", "path",
+    *CONFIG_AXES, "group", *SUMMARY_FIELDS, "diverged", "last_step", "bad_lines", "overrides", "command",
+    "machine", "path",
 )
 METRIC_COLUMNS = ("run", "experiment", "group", "seed", "step", "tokens", "key", "value")
 # Record fields that are not metrics.
@@ -77,6 +69,8 @@ class Runs:
 
     summary: pd.DataFrame = field(default_factory=lambda: _empty_summary())
     metrics: pd.DataFrame = field(default_factory=lambda: _empty_metrics())
+    #: The settings that split experiments into groups (:mod:`readback.analysis.groups`).
+    group_keys: list[str] = field(default_factory=list)
 
     def __len__(self) -> int:
         return len(self.summary)
@@ -138,7 +132,7 @@ class Runs:
             keep &= s["status"].isin(list(status))
         ids = set(s.index[keep])
         m = self.metrics
-        return Runs(s[keep].copy(), m[m["run"].astype(str).isin(ids)].reset_index(drop=True))
+        return Runs(s[keep].copy(), m[m["run"].astype(str).isin(ids)].reset_index(drop=True), list(self.group_keys))
 
 
 #: The study's experiments, in the order tables and legends list them.
@@ -223,17 +217,20 @@ def _read_json(path: Path) -> dict[str, Any] | None:
     return obj if isinstance(obj, dict) else None
 
 
-def _read_config(run_dir: Path) -> dict[str, Any]:
-    path = run_dir / ".hydra" / "config.yaml"
+def _read_yaml(path: Path) -> Any:
     if not path.is_file():
-        return {}
+        return None
     import yaml
 
     try:
-        cfg = yaml.safe_load(path.read_text(encoding="utf-8"))
+        return yaml.safe_load(path.read_text(encoding="utf-8"))
     except (yaml.YAMLError, UnicodeDecodeError) as e:
-        log.warning("unreadable %s (%s); config axes taken from the path", path, e)
-        return {}
+        log.warning("unreadable %s (%s); treated as missing", path, e)
+        return None
+
+
+def _read_config(run_dir: Path) -> dict[str, Any]:
+    cfg = _read_yaml(run_dir / ".hydra" / "config.yaml")
     return cfg if isinstance(cfg, dict) else {}
 
 
@@ -276,7 +273,8 @@ def load_runs(*sweep_dirs: str | os.PathLike, keys: Sequence[str] | None = None,
             entries.append(dict(
                 run_id=run_id, config=_read_config(run_dir), summary=summary, records=records,
                 path=str(run_dir), bad_lines=bad, status_without_summary=fallback,
-                path_parts=rel.split("/"),
+                path_parts=rel.split("/"), overrides=_read_yaml(run_dir / ".hydra" / "overrides.yaml"),
+                launch=_read_json(run_dir / "launch.json"),
             ))
     seen: dict[str, int] = {}
     for e in entries:  # the same run id twice (two sweep dirs of the same name): make unique
@@ -290,20 +288,29 @@ def load_runs(*sweep_dirs: str | os.PathLike, keys: Sequence[str] | None = None,
 def runs_from_records(entries: Iterable[Mapping[str, Any]], keys: Sequence[str] | None = None) -> Runs:
     """Build :class:`Runs` from per-run dicts with ``run_id``, ``config`` (nested dict),
     ``summary`` (dict or ``None``), ``records`` (list of metric dicts) and optionally ``path``,
-    ``bad_lines``, ``status_without_summary`` (default ``failed``) and ``path_parts`` (used to
-    guess experiment and seed when the config lacks them). Shared by the local and wandb loaders.
+    ``bad_lines``, ``status_without_summary`` (default ``failed``), ``path_parts`` (used to
+    guess experiment and seed when the config lacks them), ``overrides`` (the run's Hydra
+    overrides; default ``config["launch"]["overrides"]``) and ``launch`` (``launch.json``; default
+    ``config["launch"]``). Shared by the local and wandb loaders.
     """
     rows: list[dict[str, Any]] = []
     frames: list[pd.DataFrame] = []
+    overrides, configs = {}, {}
     for e in entries:
         row, long = _one_run(e, keys)
         rows.append(row)
+        launch = e.get("launch") or (e.get("config") or {}).get("launch") or {}
+        overrides[row["run"]] = override_map(e.get("overrides") or launch.get("overrides"))
+        configs[row["run"]] = e.get("config") or {}
+        row["overrides"] = ",".join(f"{k}={v}" for k, v in sorted(overrides[row["run"]].items()))
+        row["command"] = _command(launch)
+        row["machine"] = _machine(launch)
         if len(long):
             frames.append(long)
     if not rows:
         return Runs()
     summary = pd.DataFrame(rows).set_index("run")
-    summary["group"] = _groups(summary)
+    summary["group"], group_keys = assign_groups(summary, overrides, configs)
     summary = summary[[c for c in SUMMARY_COLUMNS if c in summary.columns]]
     for col in ("final_loss", "val_loss", "wall_time_s"):
         summary[col] = pd.to_numeric(summary[col], errors="coerce").astype(float)
@@ -320,16 +327,24 @@ def runs_from_records(entries: Iterable[Mapping[str, Any]], keys: Sequence[str] 
         metrics["seed"] = pd.to_numeric(metrics["seed"], errors="coerce").astype("Int64")
     else:
         metrics = _empty_metrics()
-    return Runs(summary, metrics)
+    return Runs(summary, metrics, group_keys)
 
 
-def _get(cfg: Mapping[str, Any], dotted: str) -> Any:
-    node: Any = cfg
-    for part in dotted.split("."):
-        if not isinstance(node, Mapping) or part not in node:
-            return None
-        node = node[part]
-    return node
+def _command(launch: Mapping[str, Any]) -> str | None:
+    """The command that started the run (its sweep's, for a sweep), as one shell line."""
+    import shlex
+
+    argv = launch.get("argv")
+    return "python " + shlex.join(["train.py" if str(a).endswith("train.py") else str(a) for a in argv]) if argv else None
+
+
+def _machine(launch: Mapping[str, Any]) -> str | None:
+    """Where the run ran, in one line: host, CPUs, GPUs, platform, torch and Python versions."""
+    if not launch.get("host"):
+        return None
+    gpus = ", ".join(launch.get("gpus") or []) or "no GPU"
+    return (f"{launch['host']}: {launch.get('cpus')} CPUs, {gpus}; {launch.get('platform')}; "
+            f"torch {launch.get('torch')}, Python {launch.get('python')}")
 
 
 def _number(value: Any) -> float:
@@ -349,12 +364,12 @@ def _one_run(e: Mapping[str, Any], keys: Sequence[str] | None) -> tuple[dict[str
     parts = list(e.get("path_parts") or [])
     row: dict[str, Any] = {"run": run_id}
     for col, dotted in CONFIG_AXES.items():
-        row[col] = _get(cfg, dotted)
+        row[col] = config_value(cfg, dotted)
     if row["experiment"] is None and summary is not None:
         row["experiment"] = summary.get("experiment")
-    if row["seed"] is None:  # the sweep's subdir pattern: <experiment>/seed<seed>/<job>
+    if row["seed"] is None:  # the sweep's subdir: <experiment>/<overrides with seed=N> (or seed<N>)
         for i, part in enumerate(parts):
-            m = re.fullmatch(r"seed(\d+)", part)
+            m = re.search(r"(?:^|,)seed=?(\d+)(?:,|$)", part)
             if m:
                 row["seed"] = int(m.group(1))
                 if row["experiment"] is None and i > 0:
@@ -415,18 +430,6 @@ def _one_run(e: Mapping[str, Any], keys: Sequence[str] | None) -> tuple[dict[str
     row["bad_lines"] = int(e.get("bad_lines", 0) or 0)
     row["path"] = e.get("path")
     return row, long
-
-
-def _groups(summary: pd.DataFrame) -> pd.Series:
-    """experiment, plus ``[axis=value, ...]`` for the axes that take more than one value within
-    the experiment (a run that lacks the axis, e.g. without a config, gets no tag for it)."""
-    out = pd.Series(index=summary.index, dtype=object)
-    for exp, sub in summary.groupby("experiment", sort=False):
-        varying = [a for a in GROUP_AXES if sub[a].dropna().astype(str).nunique() > 1]
-        for run, r in sub.iterrows():
-            tags = ", ".join(f"{a}={r[a]}" for a in varying if r[a] is not None and not pd.isna(r[a]))
-            out[run] = f"{exp} [{tags}]" if tags else str(exp)
-    return out
 
 
 # ---------------------------------------------------------------------------------------------
