@@ -196,3 +196,13 @@ def test_html_report_renders_its_images_and_tables_in_a_browser(tmp_path_factory
     subprocess.run([browser, "--headless", "--no-sandbox", "--disable-gpu", "--window-size=1200,1600",
                     f"--screenshot={shot}", (out / "report.html").as_uri()], capture_output=True, timeout=120)
     assert _png_size(shot.read_bytes()) == (1200, 1600)
+
+
+def test_page_elsewhere_links_its_figures_relative_to_itself(lr_sweep, tmp_path):
+    out, page = tmp_path / "docs" / "results" / "study", tmp_path / "docs" / "results" / "study.md"
+    assert cli_main([str(lr_sweep), "--out", str(out), "--page", str(page), "--title", "A study"]) == 0
+    text = page.read_text()
+    assert text.startswith("# A study\n") and "## Final loss" in text and "## Runs" in text
+    links = re.findall(r"!\[[^]]*\]\(([^)]+)\)", text)
+    assert links and all(not os.path.isabs(x) and (page.parent / x).is_file() for x in links), links
+    assert "study/loss.png" in links and not (out / "report.md").exists()
