@@ -1,4 +1,6 @@
-"""Loading runs: local sweep directories (``load_runs``) or a wandb project (``load_wandb``).
+"""The tables of a set of runs (:class:`Runs`), built by :func:`runs_from_records` from per-run
+records that :func:`readback.analysis.files.load_runs` (sweep directories) and
+:func:`readback.analysis.remote.load_wandb` (a wandb project) read.
 
 Both return a :class:`Runs` with two pandas DataFrames:
 
@@ -32,23 +34,22 @@ columns ``run``, ``experiment``, ``group``, ``seed``, ``step``, ``tokens`` (of t
 from __future__ import annotations
 
 import fnmatch
-import json
-import logging
 import math
-import os
 import re
-import time
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pandas as pd
 
-from readback.analysis.groups import CONFIG_AXES, assign_groups, config_value, override_map
+from readback.analysis.groups import (
+    CONFIG_AXES,
+    assign_groups,
+    config_value,
+    override_map,
+)
 
-log = logging.getLogger(__name__)
 
 SUMMARY_FIELDS = (
     "status", "final_loss", "val_loss", "steps", "tokens", "diverged_at_step",
@@ -159,130 +160,6 @@ def _empty_summary() -> pd.DataFrame:
 def _empty_metrics() -> pd.DataFrame:
     dtypes = {"step": "int64", "tokens": float, "value": float}
     return pd.DataFrame({c: pd.Series(dtype=dtypes.get(c, object)) for c in METRIC_COLUMNS})
-
-
-# ---------------------------------------------------------------------------------------------
-# finding and reading run directories
-
-
-def find_run_dirs(*roots: str | os.PathLike) -> list[Path]:
-    """Every directory under ``roots`` (a root itself included) holding ``summary.json`` or
-    ``metrics.jsonl``; what lies below a run directory (checkpoints, wandb) is not searched."""
-    found: list[Path] = []
-    for root in roots:
-        root = Path(root)
-        if not root.is_dir():
-            raise FileNotFoundError(f"no such sweep directory: {root}")
-        for here, dirs, files in os.walk(root):
-            if "summary.json" in files or "metrics.jsonl" in files:
-                found.append(Path(here))
-                dirs[:] = []
-            else:
-                dirs[:] = sorted(d for d in dirs if not d.startswith("."))
-    return sorted(dict.fromkeys(found), key=lambda p: natural_key(str(p)))
-
-
-def read_jsonl(path: Path) -> tuple[list[dict[str, Any]], int]:
-    """The JSON objects of a ``.jsonl`` file and how many lines could not be read (a run killed
-    mid-write leaves a truncated last line)."""
-    records, bad = [], 0
-    try:
-        text = path.read_text(encoding="utf-8", errors="replace")
-    except FileNotFoundError:
-        return [], 0
-    for line in text.splitlines():
-        line = line.strip()
-        if not line:
-            continue
-        try:
-            obj = json.loads(line)
-        except json.JSONDecodeError:
-            bad += 1
-            continue
-        if isinstance(obj, dict):
-            records.append(obj)
-        else:
-            bad += 1
-    return records, bad
-
-
-def _read_json(path: Path) -> dict[str, Any] | None:
-    try:
-        obj = json.loads(path.read_text(encoding="utf-8"))
-    except FileNotFoundError:
-        return None
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        log.warning("unreadable %s (%s); treated as missing", path, e)
-        return None
-    return obj if isinstance(obj, dict) else None
-
-
-def _read_yaml(path: Path) -> Any:
-    if not path.is_file():
-        return None
-    import yaml
-
-    try:
-        return yaml.safe_load(path.read_text(encoding="utf-8"))
-    except (yaml.YAMLError, UnicodeDecodeError) as e:
-        log.warning("unreadable %s (%s); treated as missing", path, e)
-        return None
-
-
-def _read_config(run_dir: Path) -> dict[str, Any]:
-    cfg = _read_yaml(run_dir / ".hydra" / "config.yaml")
-    return cfg if isinstance(cfg, dict) else {}
-
-
-def _newest_mtime(run_dir: Path) -> float:
-    times = [run_dir.stat().st_mtime]
-    for name in ("metrics.jsonl", "summary.json", "train.log"):
-        p = run_dir / name
-        if p.exists():
-            times.append(p.stat().st_mtime)
-    ckpt = run_dir / "checkpoints"
-    if ckpt.is_dir():
-        times.append(ckpt.stat().st_mtime)
-    return max(times)
-
-
-def load_runs(*sweep_dirs: str | os.PathLike, keys: Sequence[str] | None = None,
-              running_within_s: float = 900.0) -> Runs:
-    """Every run under ``sweep_dirs`` (see the module docstring for the tables).
-
-    ``keys``: glob patterns of the metric keys to keep (default all; e.g.
-    ``["loss", "val_loss", "grad_error/*/total"]`` keeps a large sweep small).
-    ``running_within_s``: a run without ``summary.json`` whose files changed this recently is
-    ``running``, otherwise ``failed``.
-    """
-    if not sweep_dirs:
-        raise ValueError("load_runs needs at least one sweep directory")
-    roots = [Path(d) for d in sweep_dirs]
-    prefix = len(roots) > 1
-    entries = []
-    now = time.time()
-    for root in roots:
-        for run_dir in find_run_dirs(root):
-            rel = run_dir.relative_to(root).as_posix()
-            run_id = rel if rel != "." else run_dir.name
-            if prefix:
-                run_id = f"{root.name}/{run_id}" if rel != "." else run_dir.name
-            records, bad = read_jsonl(run_dir / "metrics.jsonl")
-            summary = _read_json(run_dir / "summary.json")
-            fallback = "running" if now - _newest_mtime(run_dir) < running_within_s else "failed"
-            entries.append(dict(
-                run_id=run_id, config=_read_config(run_dir), summary=summary, records=records,
-                path=str(run_dir), bad_lines=bad, status_without_summary=fallback,
-                path_parts=rel.split("/"), overrides=_read_yaml(run_dir / ".hydra" / "overrides.yaml"),
-                launch=_read_json(run_dir / "launch.json"),
-            ))
-    seen: dict[str, int] = {}
-    for e in entries:  # the same run id twice (two sweep dirs of the same name): make unique
-        n = seen.get(e["run_id"], 0)
-        seen[e["run_id"]] = n + 1
-        if n:
-            e["run_id"] = f"{e['run_id']}#{n}"
-    return runs_from_records(entries, keys=keys)
 
 
 def runs_from_records(entries: Iterable[Mapping[str, Any]], keys: Sequence[str] | None = None) -> Runs:
@@ -430,57 +307,3 @@ def _one_run(e: Mapping[str, Any], keys: Sequence[str] | None) -> tuple[dict[str
     row["bad_lines"] = int(e.get("bad_lines", 0) or 0)
     row["path"] = e.get("path")
     return row, long
-
-
-# ---------------------------------------------------------------------------------------------
-# wandb
-
-
-def load_wandb(project: str, entity: str | None = None, filters: dict[str, Any] | None = None,
-               *, keys: Sequence[str] | None = None, timeout: int = 60) -> Runs:
-    """The runs of a wandb project as :class:`Runs` (the same tables as :func:`load_runs`).
-
-    ``filters`` is wandb's MongoDB-style run filter, e.g.
-    ``{"config.experiment": {"$in": ["reuse_rounded", "no_saved_copy"]}}``; ``keys`` globs
-    select metric keys. Needs the ``wandb`` package, network access and a login (``wandb login``
-    or ``WANDB_API_KEY``). Full-resolution history is read with ``run.scan_history()``.
-    Runs still going are ``running``; crashed or killed ones ``failed``.
-    """
-    try:
-        import wandb
-    except ImportError as e:
-        raise RuntimeError("load_wandb needs the wandb package (pip install wandb)") from e
-    path = f"{entity}/{project}" if entity else project
-    try:
-        api = wandb.Api(timeout=timeout)
-        wruns = list(api.runs(path, filters=filters or {}))
-    except Exception as e:  # noqa: BLE001 - network, auth and lookup errors all end here
-        raise RuntimeError(
-            f"could not list the wandb runs of {path!r} ({type(e).__name__}: {e}); "
-            "this needs network access and a wandb login (wandb login, or WANDB_API_KEY)"
-        ) from e
-    states = {"running": "running", "crashed": "failed", "failed": "failed", "killed": "failed"}
-    entries = []
-    for r in wruns:
-        try:
-            cfg = _unwrap_config(dict(r.config))
-            summ = {k: v for k, v in dict(r.summary).items() if not str(k).startswith("_")}
-            records = [dict(h) for h in r.scan_history()]
-        except Exception as e:  # noqa: BLE001
-            raise RuntimeError(f"could not read wandb run {r.path} ({type(e).__name__}: {e})") from e
-        finished = "status" in summ and r.state == "finished"
-        entries.append(dict(
-            run_id="/".join(r.path), config=cfg, summary=summ if finished else None,
-            records=records, path=None, status_without_summary=states.get(r.state, "failed"),
-        ))
-    return runs_from_records(entries, keys=keys)
-
-
-def _unwrap_config(cfg: dict[str, Any]) -> dict[str, Any]:
-    """wandb may store config values as ``{"value": ..., "desc": ...}``; return plain values."""
-    out = {}
-    for k, v in cfg.items():
-        if isinstance(v, dict) and set(v) <= {"value", "desc"} and "value" in v:
-            v = v["value"]
-        out[k] = v
-    return out

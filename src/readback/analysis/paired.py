@@ -22,6 +22,7 @@ import pandas as pd
 from readback.analysis.groups import group_experiment, group_settings
 from readback.analysis.load import Runs
 from readback.analysis.tables import FINISHED
+
 #: Per-run values compared: the summary's final train loss and final validation loss.
 PAIRED_METRICS = ("final_loss", "val_loss")
 PAIRED_COLUMNS = (

@@ -9,7 +9,7 @@ overrides, sweep directory, Slurm job), and a wrapper that never stops training.
 * ``config`` = the resolved run config plus ``launch``: the job's overrides, the sweep's
   command-line overrides, sweep and run directory, job number, Slurm job id, host;
 * curves are plotted against ``tokens`` (``define_metric``) and the summary keeps the last and
-  the minimum of ``loss`` and ``val_loss``.
+  the minimum of ``loss``.
 
 A requeued job resumes the run id stored in its checkpoint (``resume="allow"``): online it is
 one run; offline each start writes another ``wandb/offline-run-<time>-<id>`` folder, and
@@ -47,8 +47,8 @@ TOKEN_AXIS_KEYS = (
     "loss", "val_loss", "lr", "grad_norm", "tokens_per_s", "grad_error/*", "grad_error_se/*",
     "attn_rowsum/*", "kurtosis/*", "fp8_saturation/*", "fp8_underflow/*", "grad_bias/*",
 )
-#: Keys whose summary keeps both the last and the smallest value.
-MIN_LAST_KEYS = ("loss", "val_loss")
+#: Keys whose summary keeps both the last and the smallest value (val_loss: the summary.json value).
+MIN_LAST_KEYS = ("loss",)
 _MAX_TAG = 64  # wandb rejects longer tags
 
 
