@@ -13,12 +13,20 @@ import subprocess
 import sys
 
 import pytest
-
-from helpers_sweep import EXPERIMENTS, SEEDS, STEPS, real_sweep, real_sweep_conf, run_train, sweep_args
+from helpers_sweep import (
+    EXPERIMENTS,
+    SEEDS,
+    STEPS,
+    real_sweep,
+    real_sweep_conf,
+    run_train,
+    sweep_args,
+)
 
 from readback.analysis import load_runs
+from readback.overrides import swept_keys
 from readback.sync import OFFLINE_FOLDER, offline_folders, read_offline_run
-from readback.train.tracking import run_identity, swept_keys
+from readback.train.tracking import run_identity
 
 
 def _runs_by_name(sweep):

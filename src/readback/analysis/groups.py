@@ -10,10 +10,12 @@ never one row pooling a healthy and a diverged learning rate.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from typing import Any
 
 import pandas as pd
+
+from readback.overrides import is_setting
 
 #: Config axes read from each run (column name -> dotted config key).
 CONFIG_AXES: dict[str, str] = {
@@ -27,26 +29,6 @@ CONFIG_AXES: dict[str, str] = {
 }
 #: Axes that split an experiment into several groups when they vary within it.
 GROUP_AXES = ("model", "precision", "rounding", "policy", "bwd_precision")
-#: Overrides that never split a group: the seed (what a group averages over), the experiment
-#: (a group's name already), the sweep preset, and keys of how a run resumes, reports and logs.
-NOT_A_GROUP_KEY = ("seed", "experiment", "sweep", "trainer.resume", "trainer.progress", "trainer.device")
-NOT_A_GROUP_PREFIX = ("logger", "hydra")
-
-
-def override_map(overrides: Sequence[str] | None) -> dict[str, str]:
-    """``key -> value`` of a run's overrides, ``+``/``~`` dropped (``+experiment=x`` -> ``experiment``)."""
-    out = {}
-    for o in overrides or []:
-        key, sep, value = str(o).partition("=")
-        if sep:
-            out[key.lstrip("+~")] = value
-    return out
-
-
-def _is_group_key(key: str) -> bool:
-    return key not in NOT_A_GROUP_KEY and key.split(".", 1)[0] not in NOT_A_GROUP_PREFIX
-
-
 def config_value(cfg: Mapping[str, Any], dotted: str) -> Any:
     node: Any = cfg
     for part in dotted.split("."):
@@ -78,7 +60,7 @@ def assign_groups(summary: pd.DataFrame, overrides: Mapping[str, Mapping[str, st
     used: list[str] = []
     for exp, sub in summary.groupby("experiment", sort=False):
         runs = list(sub.index)
-        keys = sorted({k for r in runs for k in overrides.get(r, {}) if _is_group_key(k)})
+        keys = sorted({k for r in runs for k in overrides.get(r, {}) if is_setting(k)})
         varying = [k for k in keys if len({setting(overrides.get(r, {}), configs.get(r, {}), k) for r in runs}) > 1]
         covered = set(varying)
         axes = [a for a in GROUP_AXES if CONFIG_AXES[a] not in covered and sub[a].dropna().astype(str).nunique() > 1]

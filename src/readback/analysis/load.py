@@ -47,9 +47,8 @@ from readback.analysis.groups import (
     CONFIG_AXES,
     assign_groups,
     config_value,
-    override_map,
 )
-
+from readback.overrides import override_map
 
 SUMMARY_FIELDS = (
     "status", "final_loss", "val_loss", "steps", "tokens", "diverged_at_step",

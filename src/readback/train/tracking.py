@@ -32,10 +32,10 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlparse
 
+from readback.overrides import is_setting, override_map, swept_keys
+
 log = logging.getLogger(__name__)
 
-#: Keys that never name a configuration: they change how a run is executed, not what it is.
-NOT_AN_AXIS = ("seed", "experiment", "trainer.resume", "trainer.progress")
 #: The study's axes, as tags: tag name -> dotted config key.
 TAG_AXES = {
     "model": "model.name", "precision": "precision.name", "rounding": "precision.rounding",
@@ -123,36 +123,13 @@ def sweep_overrides(sweep_dir: Path) -> list[str]:
     return [str(o) for o in (((doc.get("hydra") or {}).get("overrides") or {}).get("task") or [])]
 
 
-def swept_keys(overrides: list[str]) -> list[str]:
-    """The keys a sweep varies (``k=a,b``, ``k=range(...)``, ...), in command-line order."""
-    if not overrides:
-        return []
-    from hydra.core.override_parser.overrides_parser import OverridesParser
-
-    try:
-        parsed = OverridesParser.create().parse_overrides(overrides)
-    except Exception:  # noqa: BLE001 - an unparsable record names no axes
-        return []
-    return [o.key_or_group for o in parsed if o.is_sweep_override()]
-
-
-def override_values(overrides: list[str]) -> dict[str, str]:
-    """``key -> value`` of a job's own overrides (``+experiment=x`` -> ``experiment: x``)."""
-    out = {}
-    for o in overrides:
-        key, sep, value = o.partition("=")
-        if sep:
-            out[key.lstrip("+~")] = value
-    return out
-
-
 def run_identity(config: Mapping[str, Any], launch: Mapping[str, Any], *, user_tags: list[str] | None = None,
                  group: str | None = None, job_type: str = "train") -> RunIdentity:
     """Name, group and tags of a run from its config and :func:`launch_context`."""
     experiment = str(config.get("experiment") or "custom")
     seed = config.get("seed")
-    values = override_values(list(launch.get("overrides") or []))
-    axes = [k for k in swept_keys(list(launch.get("sweep_overrides") or [])) if k not in NOT_AN_AXIS]
+    values = override_map(launch.get("overrides"))
+    axes = [k for k in swept_keys(launch.get("sweep_overrides") or []) if is_setting(k)]
     swept = [f"{k}={values[k]}" for k in axes if k in values]
     label = " ".join([experiment, *swept])
     sweep = launch.get("sweep")
