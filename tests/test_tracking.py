@@ -123,3 +123,16 @@ def test_sync_refuses_a_directory_without_offline_runs(tmp_path, capsys):
     assert main([str(tmp_path)]) == 2
     assert "no offline wandb runs" in capsys.readouterr().err
     assert main([str(tmp_path / "missing")]) == 2
+
+
+def test_slurm_job_id_names_the_array_task(monkeypatch):
+    from readback.train.tracking import slurm_job_id
+
+    for key in ("SLURM_JOB_ID", "SLURM_ARRAY_JOB_ID", "SLURM_ARRAY_TASK_ID"):
+        monkeypatch.delenv(key, raising=False)
+    assert slurm_job_id() is None
+    monkeypatch.setenv("SLURM_JOB_ID", "4711")
+    assert slurm_job_id() == "4711"
+    monkeypatch.setenv("SLURM_ARRAY_JOB_ID", "4700")
+    monkeypatch.setenv("SLURM_ARRAY_TASK_ID", "11")
+    assert slurm_job_id() == "4700_11"
