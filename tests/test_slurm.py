@@ -236,7 +236,8 @@ def test_sweep_on_slurm_runs_every_job_in_the_apptainer_image(slurm_env, tmp_pat
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=SWEEP_TIMEOUT_S)
     job_logs = _tails(sweep, "*_log.*", 30)
     assert proc.returncode == 0, f"{proc.stdout}\n{proc.stderr}\n{job_logs}"
-    summary = json.loads((sweep / "reuse_rounded" / "seed0" / "0" / "summary.json").read_text())
+    (summary_file,) = sweep.glob("reuse_rounded/*/summary.json")  # the run's folder is named by its overrides
+    summary = json.loads(summary_file.read_text())
     assert summary["status"] == "completed" and summary["steps"] == 4, job_logs
     (call,) = calls.read_text().splitlines()
     assert call.startswith(f"exec --nv {image} env PYTHONPATH={ROOT}/src python -u -m submitit.core._submit ")
