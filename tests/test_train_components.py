@@ -213,6 +213,7 @@ def make_cfg(**trainer):
         "data": {"vocab": 24},
         "trainer": base,
         "logger": OmegaConf.load(CONF / "logger" / "none.yaml"),
+        "probe": OmegaConf.load(CONF / "probe" / "default.yaml"),
     })
     for key, value in trainer.items():
         OmegaConf.update(cfg, key, value, force_add=True)
