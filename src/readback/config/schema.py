@@ -152,6 +152,8 @@ class WandbLogger(Logger):
     mode: str = one_of(WANDB_MODES)
     tags: list[str] = MISSING
     init_timeout: float = number(0, low_open=True)
+    group: Optional[str] = MISSING  # null: named by readback.train.tracking
+    job_type: str = MISSING
 
 
 @dataclass
