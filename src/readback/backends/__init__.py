@@ -22,7 +22,7 @@ BACKENDS = ("emulated", "te")
 
 
 def _as_config(cfg: DictConfig | Mapping) -> DictConfig:
-    return cfg if isinstance(cfg, DictConfig) else OmegaConf.create(dict(cfg))
+    return OmegaConf.structured(cfg)  # a typed Config, a DictConfig or a mapping
 
 
 def build_model(cfg: DictConfig | Mapping, device: str | torch.device = "cpu") -> FOG:

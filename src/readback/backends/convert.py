@@ -15,6 +15,7 @@ D-term policies apply. ``backend="te"`` swaps in Transformer Engine's modules in
 
 from __future__ import annotations
 
+import dataclasses
 import fnmatch
 import functools
 import inspect
@@ -24,11 +25,11 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn as nn
 from omegaconf import OmegaConf
+from omegaconf.errors import ValidationError
 
 from readback.backends.converted import ConvertParts, SDPARouter, eps_of
 from readback.errors import ConfigError, choose
-from readback.numerics.scaling import RECIPE_KEYS, check_recipe
-from readback.ops.numerics import ATTENTION_BWD, Numerics, build_numerics
+from readback.ops.numerics import ATTENTION_BWD, PRECISIONS, Numerics, build_numerics
 from readback.policy import POLICIES
 
 FP8_ALIGNMENT = 16
@@ -89,21 +90,29 @@ def _calls_sdpa(cls: type) -> bool:
 
 def _numerics(precision, policy: str, attention_bwd: str, seed: int) -> Numerics:
     """The ``Numerics`` of ``precision``: ``"fp8"``, ``"bf16"``, ``"off"``, or a mapping of recipe
-    keys (Transformer Engine's names, checked as the ``precision`` config group is)."""
+    keys (Transformer Engine's names), checked by the ``precision`` group's own schema."""
+    from readback.config.fields import valid_text
+    from readback.config.schema import Fp8Precision, Precision  # the config's checks, one line each
+
     choose("policy", policy, POLICIES)
     choose("attention_bwd", attention_bwd, ATTENTION_BWD)
     if isinstance(precision, str):
         precision = {"name": precision}
     precision = dict(OmegaConf.to_container(precision) if OmegaConf.is_config(precision) else precision)
-    name = choose("precision.name", precision.pop("name", "fp8"), ("fp8", "bf16", "off"))
-    for key in precision:
-        choose("precision", key, RECIPE_KEYS)
+    name = choose("precision.name", precision.pop("name", "fp8"), PRECISIONS)
     if name == "off":
         return Numerics("off", policy=policy, attention_bwd=attention_bwd, seed=seed)
-    recipe = {**DEFAULT_RECIPE, **precision}
-    if name == "fp8":
-        check_recipe(recipe)
-    return build_numerics(OmegaConf.create({"precision": {"name": name, **recipe}, "policy": {"name": policy},
+    schema = Fp8Precision if name == "fp8" else Precision
+    keys = [f.name for f in dataclasses.fields(schema) if f.name != "name"]
+    for key in precision:
+        choose("precision", key, keys)
+    values = {"name": name, **{k: v for k, v in DEFAULT_RECIPE.items() if k in keys}, **precision}
+    try:
+        node = OmegaConf.merge(OmegaConf.structured(schema), values)  # types
+    except ValidationError as error:
+        raise ConfigError(f"precision.{error.key}", values.get(error.key), valid_text(schema, error.key)) from None
+    OmegaConf.to_object(node)  # ranges and choices
+    return build_numerics(OmegaConf.create({"precision": values, "policy": {"name": policy},
                                             "attention": {"bwd_precision": attention_bwd}, "seed": seed}))
 
 

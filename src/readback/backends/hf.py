@@ -19,7 +19,6 @@ from readback.backends.convert import ConvertReport, convert
 from readback.errors import ConfigError
 from readback.ops.numerics import build_numerics
 
-ARCHITECTURES = ("llama",)
 UNAVAILABLE = "needs transformers (pip install -e .[hf]); use model=tiny for readback's FOG"
 
 

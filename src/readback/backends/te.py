@@ -47,7 +47,7 @@ __all__ = ["TEParts", "apply_te_env", "build_te_model", "check_available", "site
 
 
 def _as_config(cfg: DictConfig | Mapping) -> DictConfig:
-    return cfg if isinstance(cfg, DictConfig) else OmegaConf.create(dict(cfg))
+    return OmegaConf.structured(cfg)  # a typed Config, a DictConfig or a mapping
 
 
 def check_available() -> None:

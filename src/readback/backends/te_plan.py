@@ -103,7 +103,7 @@ def te_plan(cfg: DictConfig | Mapping, te_version: str | None | object = _INSTAL
     has; no TE means 2.x, no GPU means the checks that need one are not made). Raises
     ``ConfigError`` (one line naming the TE version, the GPU and the setting) for what this TE
     cannot run on this GPU as configured, instead of failing inside TE."""
-    cfg = cfg if isinstance(cfg, DictConfig) else OmegaConf.create(dict(cfg))
+    cfg = OmegaConf.structured(cfg)  # a typed Config, a DictConfig or a mapping
     version = installed_te_version() if te_version is _INSTALLED else te_version
     hw = installed_hardware() if hardware is _INSTALLED else hardware
     vt = version_tuple(version)

@@ -143,31 +143,3 @@ class CurrentScalingState:
 
     def load_state_dict(self, state: dict) -> None:
         self.scale = state["scale"].clone()
-
-
-# The recipe's keys, with Transformer Engine's / Accelerate's names, and readback's rounding.
-RECIPE_KEYS = ("recipe", "fp8_format", "margin", "interval", "amax_history_len", "amax_compute_algo",
-               "override_linear_precision", "rounding", "bf16_layers")
-
-
-def check_recipe(p, recipes=("delayed", "current"), key: str = "precision") -> None:
-    """Raise the one-line ``ConfigError`` for the first bad value of an FP8 recipe ``p`` (a
-    mapping with ``RECIPE_KEYS``), as the ``precision`` config group and ``readback.convert`` do."""
-    from readback.errors import choose, require
-    from readback.numerics.rounding import ROUNDINGS
-
-    def whole(name: str, minimum: int) -> None:
-        value = p[name]
-        ok = isinstance(value, int) and not isinstance(value, bool) and value >= minimum
-        require(ok, f"{key}.{name}", value, f"an integer >= {minimum}")
-
-    choose(f"{key}.recipe", p["recipe"], recipes)
-    choose(f"{key}.fp8_format", str(p["fp8_format"]).upper(), [f.name for f in Format])
-    choose(f"{key}.amax_compute_algo", p["amax_compute_algo"], AMAX_COMPUTE_ALGOS)
-    choose(f"{key}.rounding", p["rounding"], ROUNDINGS)
-    whole("margin", 0)
-    whole("interval", 1)
-    whole("amax_history_len", 1)
-    override = list(p["override_linear_precision"])
-    require(len(override) == 3 and all(isinstance(b, bool) for b in override),
-            f"{key}.override_linear_precision", override, "three booleans [fprop, dgrad, wgrad]")
