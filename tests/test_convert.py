@@ -375,3 +375,20 @@ def test_model_hf_with_an_unknown_architecture_is_one_line_exit_2(tmp_path):
                           env={**os.environ, "PYTHONPATH": str(ROOT / "src")}, timeout=120)
     assert proc.returncode == 2 and not (tmp_path / "run").exists()
     assert proc.stderr.strip().splitlines()[-1] == "error: model.architecture='gpt9' is not valid; valid: llama"
+
+
+def test_readbacks_own_modules_are_not_converted_again():
+    """FOG is built from the parts the converter swaps in, and a converted model has them: both
+    are refused; a FOG inside another model is left as it is."""
+    from readback.model import FOG, FOGConfig
+    from readback.ops import Numerics
+
+    fog = FOG(FOGConfig(n_layers=1, d_model=32, n_heads=2, n_kv_groups=1, ffn_dim=48, vocab_size=64, seq_len=8),
+              Numerics("off"))
+    model = sequential()
+    readback.convert(model)
+    for converted in (fog, model):
+        with pytest.raises(ConfigError, match="converted, or built from readback's parts"):
+            readback.convert(converted)
+    report = readback.convert(nn.ModuleDict({"fog": fog, "head": nn.Linear(32, 16)}), precision="off")
+    assert report.swapped == {"head": "Linear -> readback.ops.linear"} and report.left == {}

@@ -163,6 +163,9 @@ def convert(model: nn.Module, precision: str | Mapping | Numerics = "fp8", polic
     Raises ``ConfigError`` (one line) for a bad key or value.
     """
     choose("backend", backend, ("emulated", "te"))
+    if isinstance(getattr(model, "numerics", None), Numerics):
+        raise ConfigError("model", type(model).__name__, "a model that has no readback numerics yet (this one was "
+                                                         "converted, or built from readback's parts, already)")
     numerics = precision if isinstance(precision, Numerics) else _numerics(precision, policy, attention_bwd, seed)
     report = ConvertReport(numerics)
     filter = tuple(filter)
@@ -174,6 +177,8 @@ def convert(model: nn.Module, precision: str | Mapping | Numerics = "fp8", polic
         parts = ConvertParts(numerics)
     swaps = []
     for name, module in [(name, m) for name, m in model.named_modules() if name]:
+        if type(module).__module__.startswith("readback."):
+            continue  # already readback's (FOG's parts, an earlier conversion)
         kind = _kind(module)
         if kind is None and attention and backend == "emulated" and _calls_sdpa(type(module)):
             kind = "attention"

@@ -116,6 +116,7 @@ class ConvertParts(Parts):
 
 
 def eps_of(module: nn.Module) -> float:
+    """A norm module's epsilon, by the names torch and transformers give it."""
     for attr in ("eps", "variance_epsilon", "epsilon"):
         value = getattr(module, attr, None)
         if isinstance(value, (int, float)):
