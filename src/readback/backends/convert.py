@@ -71,7 +71,8 @@ def _is_rms_norm(module: nn.Module) -> str | None:
         return None
     x = torch.randn(3, weight.shape[0], generator=torch.Generator().manual_seed(0)).to(weight)  # global RNG untouched
     with torch.no_grad():
-        expected = weight * (x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + eps_of(module))).to(x.dtype)
+        rms = torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + eps_of(module))
+        expected = weight * (x.float() * rms).to(x.dtype)
         if not torch.allclose(module(x), expected, rtol=1e-3, atol=1e-5):
             return "output is not weight * x / rms(x)"
     return None
@@ -194,7 +195,10 @@ def convert(model: nn.Module, precision: str | Mapping | Numerics = "fp8", polic
         else:
             swaps.append((name, module, kind))
     for name, module, kind in swaps:
-        new = parts.linear_from(module, name) if kind == "linear" else parts.norm_from(module, name, kind == "layer_norm")
+        if kind == "linear":
+            new = parts.linear_from(module, name)
+        else:
+            new = parts.norm_from(module, name, center=kind == "layer_norm")
         parent_name, _, child = name.rpartition(".")
         setattr(model.get_submodule(parent_name), child, new)
         report.swapped[name] = f"{type(module).__name__} -> {parts.describe(kind)}"

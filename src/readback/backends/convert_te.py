@@ -14,8 +14,8 @@ import torch
 import torch.nn as nn
 
 from readback.backends.converted import eps_of
-from readback.backends.te import check_available, fp8_autocast
 from readback.backends.te import _te as te_modules
+from readback.backends.te import check_available, fp8_autocast
 from readback.numerics import CurrentScaling
 from readback.ops.numerics import Numerics
 
