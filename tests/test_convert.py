@@ -336,7 +336,8 @@ def test_converted_linear_multiplies_torchaos_fp8_operands_bit_for_bit(monkeypat
     for role, (codes, scale) in mine.items():
         theirs = casts[role]
         assert theirs._data.dtype == codes.dtype, role
-        assert torch.equal(theirs._data.reshape(codes.shape).view(torch.uint8), codes.contiguous().view(torch.uint8)), role
+        their_codes = theirs._data.reshape(codes.shape).view(torch.uint8)
+        assert torch.equal(their_codes, codes.contiguous().view(torch.uint8)), role
         assert theirs._scale.item() == scale.item(), role
 
 
