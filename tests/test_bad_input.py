@@ -37,7 +37,7 @@ WORKERS = 2 * (os.cpu_count() or 2)  # the processes wait on imports and disk as
 CASES = [
     ("unknown_policy", ["policy=foo"], {}, "policy='foo' is not valid; valid: exact, fresh_reround"),
     ("unknown_model", ["model=huge"], {},
-     "model='huge' is not valid; valid: fog_1p5b, fog_390m, fog_8b, small, tiny"),
+     "model='huge' is not valid; valid: fog_1p5b, fog_390m, fog_8b, hf, small, tiny"),
     ("unknown_experiment", ["+experiment=nope"], {}, "experiment='nope' is not valid; valid: bf16_baseline"),
     ("typo_group", ["polcy=exact"], {}, "polcy='exact' is not a config key; did you mean policy?"),
     ("typo_key", ["trainer.stepz=5"], {}, "trainer.stepz='5' is not a config key; did you mean trainer.steps?"),
