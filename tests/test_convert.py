@@ -393,3 +393,11 @@ def test_readbacks_own_modules_are_not_converted_again():
             readback.convert(converted)
     report = readback.convert(nn.ModuleDict({"fog": fog, "head": nn.Linear(32, 16)}), precision="off")
     assert report.swapped == {"head": "Linear -> readback.ops.linear"} and report.left == {}
+
+
+def test_hf_model_counts_the_flops_of_every_linear():
+    model, _ = converted_llama()
+    c = model.lm.config
+    per_layer = 64 * 64 * 2 + 64 * 32 * 2 + 3 * 64 * 128  # q, o; k, v (2 KV heads of 16); gate, up, down
+    expected = 6 * (2 * per_layer + 64 * 64) + 6 * c.num_hidden_layers * 16 * 64
+    assert model.flops_per_token() == expected

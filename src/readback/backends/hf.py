@@ -17,6 +17,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from readback.backends.convert import ConvertReport, convert
 from readback.errors import ConfigError
+from readback.model.fog import Linear
 from readback.ops.numerics import build_numerics
 
 UNAVAILABLE = "needs transformers (pip install -e .[hf]); use model=tiny for readback's FOG"
@@ -47,7 +48,8 @@ class HFCausalLM(nn.Module):
         """6 per GEMM weight (every linear, the LM head included) plus the causal attention
         products, as FOG counts them."""
         c = self.lm.config
-        gemm_weights = sum(m.weight.numel() for m in self.lm.modules() if hasattr(m, "in_features"))
+        linears = [m for m in self.lm.modules() if isinstance(m, Linear) or hasattr(m, "in_features")]  # TE's too
+        gemm_weights = sum(m.weight.numel() for m in linears)
         return 6 * gemm_weights + 6 * c.num_hidden_layers * self.seq_len * c.hidden_size
 
 
