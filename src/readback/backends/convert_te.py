@@ -16,6 +16,7 @@ import torch.nn as nn
 from readback.backends.converted import eps_of
 from readback.backends.te import _te as te_modules
 from readback.backends.te import check_available, fp8_autocast
+from readback.errors import ConfigError
 from readback.numerics import CurrentScaling
 from readback.ops.numerics import Numerics
 
@@ -26,6 +27,9 @@ def te_recipe(numerics: Numerics):
         return None
     _, recipes = te_modules()
     r = numerics.recipe
+    if any(r.override_linear_precision) or getattr(r, "interval", 1) != 1:  # not passed on to TE here
+        raise ConfigError("precision", "override_linear_precision/interval",
+                          "their defaults with backend='te' (Transformer Engine >= 2.2 has neither)")
     fmt = getattr(recipes.Format, r.fp8_format.name)
     if isinstance(r, CurrentScaling):
         return recipes.Float8CurrentScaling(fp8_format=fmt)
@@ -38,6 +42,8 @@ class TEConverter:
 
     def __init__(self, numerics: Numerics, device: torch.device):
         check_available()
+        if torch.device(device).type != "cuda":
+            raise ConfigError("backend", "te", "a model on a CUDA device (model.cuda() before converting)")
         self.te, _ = te_modules()
         self.recipe, self.device = te_recipe(numerics), torch.device(device)
         recipe = self.recipe
