@@ -526,6 +526,21 @@ def _block(numerics: Numerics, x, params) -> torch.Tensor:
     return linear(o, w_o, numerics, "proj", x_q=oq)
 
 
+@pytest.mark.parametrize("recipe", [DelayedScaling(), CurrentScaling()], ids=["delayed", "current"])
+def test_saturation_counts_the_elements_clipped(recipe):
+    """Counted exactly when some element overflows once scaled, and 0 (the pass skipped) when none does."""
+    numerics = Numerics("fp8", recipe)
+    site = numerics.site("x")
+    x = torch.linspace(-1.0, 1.0, 101)
+    site.quantize(x, scale=torch.tensor(E4M3.max))  # the ends land exactly on max: not beyond
+    assert numerics.saturation_counts() == {}
+    site.quantize(x, scale=torch.tensor(E4M3.max / 0.5))  # |x| > 0.5 is beyond max
+    site.quantize(x * 2, scale=torch.tensor(E4M3.max))
+    expected = 2 * int((x.abs() > 0.5).sum())
+    assert numerics.saturation_counts() == {"x": expected}
+    assert numerics.saturation_counts() == {}
+
+
 def test_numerics_state_dict_restores_scales_and_streams():
     g = _gen(7)
     d = 32

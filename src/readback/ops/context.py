@@ -21,6 +21,7 @@ from readback.numerics import (
     DelayedScalingState,
     FP8Format,
     QTensor,
+    abs_max,
     quantize,
 )
 from readback.policy import POLICIES
@@ -34,7 +35,7 @@ class _UnitScale:
 
     scale = torch.ones(())
 
-    def scale_for(self, x: torch.Tensor) -> torch.Tensor:
+    def scale_for(self, x: torch.Tensor, amax: torch.Tensor | None = None) -> torch.Tensor:
         return torch.ones((), device=x.device)
 
     def end_step(self) -> None:
@@ -63,12 +64,22 @@ class Site:
             return QTensor(x, torch.ones((), dtype=x.dtype, device=x.device), None)
         if self.fmt is BF16:  # BF16 sites round to nearest, as BF16 GEMM inputs do
             rounding = "nearest"
+        amax = abs_max(x) if self.fmt is not BF16 else None
         if scale is None:
-            scale = self.state.scale_for(x)
+            scale = self.state.scale_for(x, amax)
         generator = self.numerics.generator(self.name, stream, x.device) if rounding == "stochastic" else None
-        if self.fmt is not BF16:
-            self.saturated = self.saturated + (x.detach().abs() * scale > self.fmt.max).sum()
+        if amax is not None:
+            self.saturated = self.saturated + _count_saturated(x, amax, scale, self.fmt)
         return quantize(x, self.fmt, scale, rounding, generator)
+
+
+def _count_saturated(x: torch.Tensor, amax: torch.Tensor, scale: torch.Tensor, fmt: FP8Format) -> torch.Tensor | int:
+    """Elements of ``x`` beyond ``+-fmt.max`` once scaled. On the CPU the counting pass is
+    skipped when ``amax * scale`` shows that none is (the usual case); on a GPU, or while
+    compiling, reading that flag would stall the device, so the count is always taken."""
+    if x.device.type == "cpu" and not torch.compiler.is_compiling() and not amax * scale > fmt.max:
+        return 0
+    return (x.detach().abs() * scale > fmt.max).sum()
 
 
 class Numerics:
