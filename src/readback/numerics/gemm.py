@@ -1,9 +1,10 @@
 """Emulated FP8 GEMM: the one place where FP8 operands are multiplied.
 
-Operands are exact FP8-grid values, so multiplying them as BF16 is exact; the BF16 matmul
-accumulates in FP32 and writes BF16, like Transformer Engine's FP8 GEMMs, and the inverse scales
-are applied afterwards. On Hopper GPUs ``torch._scaled_mm`` runs the same product as a real FP8
-GEMM (never on CPU, where it is correct but about 10,000x slower).
+The semantics are those of the real kernel (``torch._scaled_mm``, cuBLASLt, Transformer Engine):
+the FP8 codes' values are multiplied and accumulated in FP32 (each product of two FP8 values is
+exact in FP32), the accumulator is multiplied by both inverse scales in FP32, and the result is
+rounded once, to BF16. On FP8 GPUs ``torch._scaled_mm`` runs it as a real FP8 GEMM; on the CPU
+the emulation is an FP32 GEMM of the decoded codes (``_scaled_mm`` runs there too, only slower).
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ import functools
 
 import torch
 
-from readback.numerics.rounding import QTensor
+from readback.numerics.rounding import QTensor, decode
 
 
 @functools.cache
@@ -33,11 +34,11 @@ def use_scaled_mm(a: QTensor, b: QTensor) -> bool:
 
 
 def fp8_mm(a: QTensor, b: QTensor) -> torch.Tensor:
-    """``a @ b`` of two quantized tensors in real units: the BF16-rounded product, scaled, in FP32.
+    """``a @ b`` of two quantized tensors in real units, rounded once to BF16, returned in FP32.
 
-    Batched operands (``..., m, k``) are allowed. On Hopper the real FP8 kernel applies the
-    scales before its single BF16 rounding; the emulation rounds the unscaled product to BF16
-    first, so the two can differ by one BF16 ulp.
+    Batched operands (``..., m, k``) are allowed. BF16 operands (the no-FP8 baseline and BF16
+    sites) take torch's BF16 GEMM, which accumulates in FP32 and rounds once; their scale is 1,
+    so multiplying by it afterwards changes nothing.
     """
     if use_scaled_mm(a, b):
         out = torch._scaled_mm(
@@ -48,8 +49,10 @@ def fp8_mm(a: QTensor, b: QTensor) -> torch.Tensor:
             out_dtype=torch.bfloat16,
         )
         return out.float()
-    product = torch.matmul(a.data.to(torch.bfloat16), b.data.to(torch.bfloat16))
-    return product.float() * (a.scale_inv * b.scale_inv)
+    if a.data.dtype == b.data.dtype == torch.bfloat16:
+        return torch.matmul(a.data, b.data).float() * (a.scale_inv * b.scale_inv)
+    accumulator = torch.matmul(decode(a.data, torch.float32), decode(b.data, torch.float32))
+    return (accumulator * (a.scale_inv * b.scale_inv)).to(torch.bfloat16).float()
 
 
 GEMM_PRECISIONS = ("fp8", "bf16", "fp32", "fp64")
