@@ -49,10 +49,30 @@ def fp8_mm(a: QTensor, b: QTensor) -> torch.Tensor:
             out_dtype=torch.bfloat16,
         )
         return out.float()
+    scale = a.scale_inv * b.scale_inv
     if a.data.dtype == b.data.dtype == torch.bfloat16:
-        return torch.matmul(a.data, b.data).float() * (a.scale_inv * b.scale_inv)
-    accumulator = torch.matmul(decode(a.data, torch.float32), decode(b.data, torch.float32))
-    return (accumulator * (a.scale_inv * b.scale_inv)).to(torch.bfloat16).float()
+        return torch.matmul(a.data, b.data).float() * scale
+    if a.data.dim() == 2 or a.data.shape[:-2] != b.data.shape[:-2]:
+        return _decoded_product(a.data, b.data, scale)
+    # A batch of products runs a block of matrices at a time (the same products, bit for bit),
+    # so that the FP32 copies of the operands stay within DECODED_BLOCK elements.
+    x, y = a.data.flatten(0, -3), b.data.flatten(0, -3)
+    step = max(1, DECODED_BLOCK // (x[0].numel() + y[0].numel()))
+    if step >= len(x):
+        return _decoded_product(a.data, b.data, scale)
+    out = torch.empty(len(x), x.shape[-2], y.shape[-1], device=x.device)
+    for i in range(0, len(x), step):
+        out[i : i + step] = _decoded_product(x[i : i + step], y[i : i + step], scale)
+    return out.reshape(*a.data.shape[:-1], y.shape[-1])
+
+
+DECODED_BLOCK = 1 << 20  # FP32 elements (4 MiB) of decoded operands per block of a batched product
+
+
+def _decoded_product(a: torch.Tensor, b: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """FP32 GEMM of the codes' values (exact products, FP32 sums), scaled, rounded once to BF16."""
+    accumulator = torch.matmul(decode(a, torch.float32), decode(b, torch.float32))
+    return (accumulator * scale).to(torch.bfloat16).float()
 
 
 GEMM_PRECISIONS = ("fp8", "bf16", "fp32", "fp64")

@@ -17,6 +17,7 @@ from readback.numerics import (
     GEMM_PRECISIONS,
     ROUNDINGS,
     CurrentScaling,
+    CurrentScalingState,
     DelayedScaling,
     DelayedScalingState,
     FP8Format,
@@ -56,20 +57,26 @@ class Site:
         self.fmt, self.state = fmt, state
         self.saturated = 0  # elements clipped to +-fmt.max since the last saturation_counts()
 
+    @property
+    def reads_amax_first(self) -> bool:
+        """Whether the scale depends on the tensor being rounded (current scaling): a tensor
+        rounded block by block then needs its whole amax before the first block."""
+        return isinstance(self.state, CurrentScalingState)
+
     def quantize(self, x: torch.Tensor, rounding: str = "nearest", scale: torch.Tensor | None = None,
-                 stream: str = "forward") -> QTensor:
+                 stream: str = "forward", amax: torch.Tensor | None = None) -> QTensor:
         """Round ``x`` at this site. ``scale`` reuses an earlier scale (a re-rounding) instead
-        of the site's own; ``stream`` names the random stream of a stochastic rounding."""
+        of the site's own; ``stream`` names the random stream of a stochastic rounding;
+        ``amax`` is that of the whole tensor when ``x`` is one block of it."""
         if self.fmt is None:  # rounding switched off: the identity, in x's own precision
             return QTensor(x, torch.ones((), dtype=x.dtype, device=x.device), None)
-        if self.fmt is BF16:  # BF16 sites round to nearest, as BF16 GEMM inputs do
-            rounding = "nearest"
-        amax = abs_max(x) if self.fmt is not BF16 else None
+        if self.fmt is BF16:  # BF16 sites round to nearest, as BF16 GEMM inputs do, unscaled
+            return quantize(x, BF16, self.state.scale_for(x) if scale is None else scale)
+        amax = abs_max(x) if amax is None else amax
         if scale is None:
             scale = self.state.scale_for(x, amax)
         generator = self.numerics.generator(self.name, stream, x.device) if rounding == "stochastic" else None
-        if amax is not None:
-            self.saturated = self.saturated + _count_saturated(x, amax, scale, self.fmt)
+        self.saturated = self.saturated + _count_saturated(x, amax, scale, self.fmt)
         return quantize(x, self.fmt, scale, rounding, generator)
 
 
