@@ -10,14 +10,18 @@ table gives the median, min and max over the rounds. GFLOP/s use one formula for
 like tokens/s. The plain GPT has FOG's dimensions (width, depth, heads, KV groups, FFN width,
 sequence, tied vocabulary) and none of its numerics: pre-norm LayerNorm, GELU MLP, torch's
 ``scaled_dot_product_attention``, learned positions; it runs in FP32 and under BF16 autocast.
-``probe`` is the gradient probe with one repeat on the reuse_rounded model. Peak memory is each
-variant's peak RSS over a few steps, measured in its own process.
+``probe`` is the gradient probe with one repeat on the reuse_rounded model. Memory is each
+variant's peak RSS over a few steps, measured in its own process, as its rise over the RSS
+after building the model: once with glibc's default malloc (whose heap keeps freed blocks, so
+the figure includes fragmentation) and once with ``MALLOC_MMAP_THRESHOLD_=65536`` (large
+tensors are mapped and unmapped, so the RSS follows the live tensors).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import resource
 import statistics
 import subprocess
@@ -136,12 +140,12 @@ def time_table(size: str, threads: int, batch: int, rounds: int, variants: list[
 def print_table(size: str, threads: int, batch: int, rounds: int, rows: dict, memory: dict) -> None:
     print(f"\n{size}, batch {batch}, {threads} thread(s), {rounds} interleaved rounds, torch {torch.__version__}")
     print(f"  {'variant':<15}{'median ms':>10}{'min':>9}{'max':>9}{'tok/s':>9}{'GFLOP/s':>9}"
-          f"{'x bf16':>8}{'peak MiB':>10}{'rise MiB':>10}")
+          f"{'x bf16':>8}{'rise MiB':>10}{'live MiB':>10}")
     for v, r in rows.items():
         mem = memory.get(v, {})
         print(f"  {v:<15}{r['median_ms']:10.1f}{r['min_ms']:9.1f}{r['max_ms']:9.1f}{r['tokens_per_s']:9.0f}"
               f"{r['gflops']:9.2f}{r['median_ms'] / rows['bf16']['median_ms']:8.2f}"
-              f"{mem.get('peak_mib', float('nan')):10.0f}{mem.get('rise_mib', float('nan')):10.0f}")
+              f"{mem.get('rise_mib', float('nan')):10.0f}{mem.get('live_rise_mib', float('nan')):10.0f}")
     bf16 = rows["bf16"]["gflops"]
     print("  readback bf16 / plain GFLOP/s: " + ", ".join(f"{p} {bf16 / rows[p]['gflops']:.2f}" for p in PLAIN if p in rows))
     if "probe" in rows:
@@ -153,7 +157,7 @@ def main() -> None:
     parser.add_argument("--sizes", nargs="+", default=["tiny", "small"])
     parser.add_argument("--threads", type=int, nargs="+", default=[1, 2])
     parser.add_argument("--batch", type=int, nargs="+", default=[8, 4], help="micro-batch per size")
-    parser.add_argument("--rounds", type=int, default=7)
+    parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--variants", nargs="+", default=[*READBACK, *PLAIN, "probe"])
     parser.add_argument("--no-memory", action="store_true", help="skip the peak-RSS processes")
     parser.add_argument("--memory-of", nargs=3, metavar=("VARIANT", "SIZE", "BATCH"), help=argparse.SUPPRESS)
@@ -168,9 +172,11 @@ def main() -> None:
         memory = {}
         if not args.no_memory:
             for v in args.variants:
-                out = subprocess.run([sys.executable, __file__, "--memory-of", v, size, str(batch)],
-                                     capture_output=True, text=True, check=True).stdout
-                memory[v] = json.loads(out.splitlines()[-1])
+                memory[v] = {}
+                for prefix, malloc in (("", {}), ("live_", {"MALLOC_MMAP_THRESHOLD_": "65536"})):
+                    out = subprocess.run([sys.executable, __file__, "--memory-of", v, size, str(batch)], check=True,
+                                         capture_output=True, text=True, env={**os.environ, **malloc}).stdout
+                    memory[v].update({prefix + k: n for k, n in json.loads(out.splitlines()[-1]).items()})
         for threads in args.threads:
             rows = time_table(size, threads, batch, args.rounds, args.variants)
             print_table(size, threads, batch, args.rounds, rows, memory)

@@ -72,7 +72,7 @@ DECODED_BLOCK = 1 << 20  # FP32 elements (4 MiB) of decoded operands per block o
 def _decoded_product(a: torch.Tensor, b: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     """FP32 GEMM of the codes' values (exact products, FP32 sums), scaled, rounded once to BF16."""
     accumulator = torch.matmul(decode(a, torch.float32), decode(b, torch.float32))
-    return (accumulator * scale).to(torch.bfloat16).float()
+    return accumulator.mul_(scale).to(torch.bfloat16).float()
 
 
 GEMM_PRECISIONS = ("fp8", "bf16", "fp32", "fp64")

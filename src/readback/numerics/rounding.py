@@ -101,7 +101,7 @@ def quantize(
     """Scale ``x``, saturate to ``+-fmt.max`` (as Transformer Engine does, for both formats;
     infinities saturate too, NaN stays NaN) and round to ``fmt``."""
     scale = torch.as_tensor(scale, dtype=torch.float32, device=x.device)
-    y = (x.to(torch.float32) * scale).clamp(-fmt.max, fmt.max)
+    y = (x.to(torch.float32) * scale).clamp_(-fmt.max, fmt.max)
     if rounding == "stochastic":
         y = round_stochastic(y, fmt, generator)
     elif rounding != "nearest":
