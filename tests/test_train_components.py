@@ -24,6 +24,7 @@ import torch.nn.functional as F
 from omegaconf import OmegaConf
 from torch import nn
 
+from readback.config.schema import Optim
 from readback.errors import ConfigError
 from readback.train import run
 from readback.train.checkpoint import (
@@ -35,7 +36,8 @@ from readback.train.checkpoint import (
     save_checkpoint,
 )
 from readback.train.divergence import DivergenceDetector
-from readback.train.metrics import JsonlWriter, MetricsLogger, WandbLogger, read_jsonl, resolve_wandb_mode
+from readback.train.metrics import JsonlWriter, MetricsLogger, read_jsonl
+from readback.train.tracking import RunIdentity, WandbLogger, resolve_wandb_mode
 from readback.train.optim import build_optimizer, clip_grads_, grad_norm, nonfinite_grad_names, param_groups
 from readback.train.schedule import WSDSchedule
 
@@ -212,6 +214,7 @@ def make_cfg(**trainer):
         "data": {"vocab": 24},
         "trainer": base,
         "logger": OmegaConf.load(CONF / "logger" / "none.yaml"),
+        "probe": OmegaConf.load(CONF / "probe" / "default.yaml"),
     })
     for key, value in trainer.items():
         OmegaConf.update(cfg, key, value, force_add=True)
@@ -241,8 +244,8 @@ def test_schedule_from_config_and_overlap():
     assert (s.warmup_steps, s.cooldown_frac, s.min_lr) == (cfg.optim.warmup_steps, 0.2, 1e-8)
     short = WSDSchedule(peak=1.0, steps=4, warmup_steps=4, cooldown_frac=0.5, min_lr=0.0)
     assert short(3) == pytest.approx(min(0.75, 1 - math.sqrt(0.5)))
-    with pytest.raises(ConfigError):
-        WSDSchedule(peak=1.0, steps=10, cooldown_frac=1.5)
+    with pytest.raises(ConfigError):  # the schema refuses it before any schedule is built
+        Optim(**{**OmegaConf.to_container(cfg.optim), "cooldown_frac": 1.5})
 
 
 # --------------------------------------------------------------------------- optimizer
@@ -375,6 +378,9 @@ def test_jsonl_writer_and_resume_truncation(tmp_path):
     assert [r["step"] for r in read_jsonl(path)] == [2, 4, 6]
 
 
+TOY_RUN = RunIdentity(name="toy s0", group="toy", config={"a": 1})
+
+
 def test_wandb_mode_resolution(monkeypatch):
     monkeypatch.delenv("WANDB_MODE", raising=False)
     monkeypatch.delenv("WANDB_DISABLED", raising=False)
@@ -391,7 +397,7 @@ def test_wandb_mode_resolution(monkeypatch):
 
 def test_wandb_disabled_is_a_noop(tmp_path, monkeypatch):
     monkeypatch.delenv("WANDB_MODE", raising=False)
-    wb = WandbLogger(run_dir=tmp_path, mode="disabled")
+    wb = WandbLogger(run_dir=tmp_path, identity=TOY_RUN, mode="disabled")
     assert wb.mode == "noop" and wb.run_id
     logger = MetricsLogger(JsonlWriter(tmp_path / "metrics.jsonl"), wb)
     logger.log({"step": 1, "loss": 2.0})
@@ -403,7 +409,7 @@ def test_wandb_disabled_is_a_noop(tmp_path, monkeypatch):
 def test_wandb_offline_writes_into_run_dir(tmp_path, monkeypatch):
     monkeypatch.delenv("WANDB_MODE", raising=False)
     monkeypatch.setenv("WANDB_SILENT", "true")
-    wb = WandbLogger(run_dir=tmp_path, mode="offline", name="toy", config={"a": 1}, run_id="abc123xy")
+    wb = WandbLogger(run_dir=tmp_path, identity=TOY_RUN, mode="offline", run_id="abc123xy")
     assert wb.mode == "offline"
     logger = MetricsLogger(JsonlWriter(tmp_path / "metrics.jsonl"), wb)
     logger.log({"step": 1, "loss": 2.0})
@@ -424,7 +430,7 @@ def test_wandb_init_and_log_failures_never_raise(tmp_path, monkeypatch):
         raise RuntimeError("no network / bad key")
 
     monkeypatch.setattr(wandb, "init", broken_init)
-    wb = WandbLogger(run_dir=tmp_path, mode="online")
+    wb = WandbLogger(run_dir=tmp_path, identity=TOY_RUN, mode="online")
     assert calls == ["online", "offline"] and wb.mode == "noop"
     wb.log({"loss": 1.0}, step=1)
     wb.finish()
@@ -439,7 +445,7 @@ def test_wandb_init_and_log_failures_never_raise(tmp_path, monkeypatch):
             raise OSError("still dead")
 
     monkeypatch.setattr(wandb, "init", lambda **kwargs: CrashingRun())
-    wb = WandbLogger(run_dir=tmp_path, mode="offline")
+    wb = WandbLogger(run_dir=tmp_path, identity=TOY_RUN, mode="offline")
     logger = MetricsLogger(JsonlWriter(tmp_path / "m.jsonl"), wb)
     logger.log({"step": 1, "loss": 1.0})
     logger.log({"step": 2, "loss": 0.5})
