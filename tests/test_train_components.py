@@ -86,6 +86,7 @@ class ToyModel(nn.Module):
         self.numerics = ToyNumerics()
         self.nan_loss_at, self.nan_grad_at = nan_loss_at, nan_grad_at
         self.track_stats = False
+        self.layers = nn.ModuleList()  # no blocks: FSDP shards the root alone
         self._stats: dict[str, float] = {}
 
     def _this_step(self) -> int:
@@ -203,7 +204,8 @@ def make_cfg(**trainer):
     cfg = OmegaConf.create({
         "seed": 3,
         "experiment": "toy",
-        "model": {"seq_len": 8, "global_batch": 8, "lr": 3e-2, "vocab_size": None, "d_model": 16},
+        "model": {"seq_len": 8, "global_batch": 8, "lr": 3e-2, "vocab_size": None, "d_model": 16,
+                  "n_layers": 1, "n_heads": 1, "ffn_dim": 16},  # the last three size its activations
         "data": {"vocab": 24},
         "trainer": base,
         "logger": OmegaConf.load(CONF / "logger" / "none.yaml"),

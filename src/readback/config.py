@@ -84,11 +84,14 @@ def validate(cfg: DictConfig) -> None:
 
 
 def _validate_trainer(cfg: DictConfig) -> None:
+    from readback.train.parallel import PARALLEL
     from readback.train.preemption import parse_signals
 
     for key in ("resume", "dry_run", "progress", "divergence.stop"):
         _boolean(cfg, f"trainer.{key}")
     choose("trainer.device", str(cfg.trainer.device), DEVICES)
+    choose("trainer.parallel", str(OmegaConf.select(cfg, "trainer.parallel", default="ddp")), PARALLEL)
+    _number(cfg, "trainer.gpu_memory_gb", 0.0, low_open=True)
     o = "trainer.optim"
     _positive_int(cfg, f"{o}.warmup_steps", minimum=0)
     _number(cfg, f"{o}.cooldown_frac", 0.0, 1.0)

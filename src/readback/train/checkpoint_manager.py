@@ -8,7 +8,9 @@ written by rank 0 after gathering every rank's part::
     ranks: [{<per rank>: data, numerics, rng}, ...]               (one entry per rank)
 
 The components are ``Stateful`` (``state_dict``/``load_state_dict``): the manager knows their
-names, not their insides. Rank 0 decides whether and from where to resume and tells the others,
+names, not their insides. Model and optimizer states are full (unsharded) and keyed by parameter
+name (``torch.distributed.checkpoint.state_dict``): the same file for DDP, FSDP and one process,
+loadable at any world size; every rank joins the gathering, rank 0 writes. Rank 0 decides whether and from where to resume and tells the others,
 so every rank raises the same ``ConfigError``.
 """
 
@@ -21,6 +23,14 @@ from typing import Any, Protocol
 
 import torch
 from omegaconf import DictConfig, OmegaConf
+from torch import nn
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
 
 from readback.errors import ConfigError
 from readback.train.checkpoint import (
@@ -39,6 +49,35 @@ log = logging.getLogger(__name__)
 class Stateful(Protocol):
     def state_dict(self) -> Any: ...
     def load_state_dict(self, state: Any) -> Any: ...
+
+
+_FULL = StateDictOptions(full_state_dict=True, cpu_offload=True)
+
+
+class ModelState:
+    """The model's full state dict on rank 0 (FSDP shards gathered), loaded into any sharding."""
+
+    def __init__(self, model: nn.Module) -> None:
+        self.model = model
+
+    def state_dict(self) -> dict[str, Any]:
+        return get_model_state_dict(self.model, options=_FULL)
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        set_model_state_dict(self.model, state, options=StateDictOptions(full_state_dict=True))
+
+
+class OptimizerState:
+    """The optimizer's full state, keyed by parameter name."""
+
+    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+        self.model, self.optimizer = model, optimizer
+
+    def state_dict(self) -> dict[str, Any]:
+        return get_optimizer_state_dict(self.model, self.optimizer, options=_FULL)
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        set_optimizer_state_dict(self.model, self.optimizer, state, options=StateDictOptions(full_state_dict=True))
 
 
 def plain_config(cfg: DictConfig) -> dict[str, Any]:
@@ -78,10 +117,10 @@ class CheckpointManager:
     def save(self, step: int, *, wandb_run_id: str | None) -> None:
         env = self.env
         ranks = gather_objects(to_cpu({k: c.state_dict() for k, c in self.per_rank.items()}), env)
+        shared = {k: c.state_dict() for k, c in self.shared.items()}  # every rank: FSDP gathers
         if env.is_main:
             state = {"format": CHECKPOINT_FORMAT, "step": step, "world_size": env.world_size,
-                     "config": plain_config(self.cfg), "wandb_run_id": wandb_run_id,
-                     **{k: c.state_dict() for k, c in self.shared.items()}, "ranks": ranks}
+                     "config": plain_config(self.cfg), "wandb_run_id": wandb_run_id, **shared, "ranks": ranks}
             self.last_path = str(save_checkpoint(state, self.dir, step, self.keep_last))
         barrier(env)
 

@@ -31,10 +31,12 @@ class RunNumerics(Protocol):
 @runtime_checkable
 class TrainableModel(Protocol):
     """An ``nn.Module`` whose ``model(idx, targets)`` is the mean loss, with its numerics, an
-    activation-statistics switch (read in the last micro-batch of log steps) and its size."""
+    activation-statistics switch (read in the last micro-batch of log steps), its size, and its
+    blocks (FSDP shards each one)."""
 
     numerics: RunNumerics
     track_stats: bool
+    layers: torch.nn.ModuleList
 
     def __call__(self, idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor: ...
     def activation_stats(self) -> dict[str, float]: ...

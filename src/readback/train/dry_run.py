@@ -1,4 +1,6 @@
-"""``trainer.dry_run=true``: the model built on the meta device, its size, no weights allocated."""
+"""``trainer.dry_run=true``: the model built on the meta device, its size and its per-GPU memory
+under DDP and FSDP (:mod:`~readback.train.memory`), no weights allocated; and the same memory
+check before a real run on GPUs allocates anything."""
 
 from __future__ import annotations
 
@@ -9,22 +11,40 @@ from typing import Any
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from readback.train.contract import Builders
+from readback.train.contract import Builders, TrainableModel
+from readback.train.memory import GB, estimate, refuse_unless_fits, table
+from readback.train.parallel import PARALLEL, parallel_of
 from readback.train.summary import write_summary
+
+
+def _meta_model(cfg: DictConfig, builders: Builders) -> TrainableModel:
+    torch.manual_seed(int(cfg.seed))
+    return builders.model(cfg, "meta")
+
+
+def check_memory(cfg: DictConfig, builders: Builders, world_size: int) -> None:
+    """Refuse (one-line ``ConfigError``) a run whose per-GPU estimate exceeds ``trainer.gpu_memory_gb``."""
+    e = estimate(_meta_model(cfg, builders), cfg, parallel_of(cfg), world_size)
+    refuse_unless_fits(e, OmegaConf.select(cfg, "trainer.gpu_memory_gb", default=80))
 
 
 def dry_run(cfg: DictConfig, run_dir: Path, experiment: str, builders: Builders, *, rank: int,
             world_size: int) -> dict[str, Any]:
-    """Print the model's size and write ``status: dry_run`` (rank 0); reads data only for a
-    vocabulary the config leaves unset."""
+    """Print the model's size and memory table, refuse it if it does not fit, else write
+    ``status: dry_run`` (rank 0); reads data only for a vocabulary the config leaves unset."""
     from readback.train.trainer import build_stream
 
     t0 = time.time()
     if OmegaConf.select(cfg, "model.vocab_size", default=None) is None:
         build_stream(cfg, builders, rank=0, world_size=1)
-    torch.manual_seed(int(cfg.seed))
-    model = builders.model(cfg, "meta")
+    model = _meta_model(cfg, builders)
     n_params, fpt = int(model.n_params()), float(model.flops_per_token())
+    estimates = {p: estimate(model, cfg, p, world_size) for p in PARALLEL}
+    chosen = estimates[parallel_of(cfg)]
+    if rank == 0:
+        print(f"{experiment}: {n_params:,} parameters, {fpt:.4g} FLOPs per token (dry run, no weights allocated)")
+        print(table(list(estimates.values())))
+    refuse_unless_fits(chosen, OmegaConf.select(cfg, "trainer.gpu_memory_gb", default=80))
     summary = {
         "status": "dry_run",
         "experiment": experiment,
@@ -36,8 +56,9 @@ def dry_run(cfg: DictConfig, run_dir: Path, experiment: str, builders: Builders,
         "tokens": 0,
         "diverged_at_step": None,
         "wall_time_s": time.time() - t0,
+        "memory_gb": {p: {**{k: getattr(e, k) / GB for k in ("params", "grads", "optimizer", "activations")},
+                          "total": e.total / GB, "world_size": e.world_size} for p, e in estimates.items()},
     }
     if rank == 0:
-        print(f"{experiment}: {n_params:,} parameters, {fpt:.4g} FLOPs per token (dry run, no weights allocated)")
         write_summary(run_dir, summary)
     return summary

@@ -39,13 +39,15 @@ from readback.backends import site_implementations
 from readback.errors import ConfigError
 from readback.probe import GradientProbe
 from readback.train.checkpoint import RNGState
-from readback.train.checkpoint_manager import CheckpointManager, plain_config
+from readback.train.checkpoint_manager import CheckpointManager, ModelState, OptimizerState, plain_config
 from readback.train.contract import Builders, DataStream, check_model
 from readback.train.distributed import DistEnv, all_reduce_mean
 from readback.train.divergence import DivergenceDetector
+from readback.train.dry_run import check_memory
 from readback.train.metrics import build_metrics_logger
 from readback.train.metrics_processor import MetricsProcessor
 from readback.train.optim import build_optimizer, clip_gradients, nonfinite_grad_names
+from readback.train.parallel import apply_parallelism, no_gradient_sync, parallel_of, whole_parameters
 from readback.train.preemption import Preempted, PreemptionGuard
 from readback.train.schedule import WSDSchedule, build_scheduler
 from readback.train.summary import SummaryWriter
@@ -87,9 +89,12 @@ class Trainer:
     def _build(self) -> None:
         cfg, env = self.cfg, self.env
         self.stream = build_stream(cfg, self.builders, rank=env.rank, world_size=env.world_size)
+        if env.device.type == "cuda":
+            check_memory(cfg, self.builders, env.world_size)
         torch.manual_seed(int(cfg.seed))
         self.model = check_model(self.builders.model(cfg, str(env.device)))
         self.n_params = int(self.model.n_params())
+        self.forward = apply_parallelism(self.model, env, parallel_of(cfg))  # before the optimizer: FSDP shards
         self.named_params = [(n, p) for n, p in self.model.named_parameters() if p.requires_grad]
         self.params = [p for _, p in self.named_params]
         self.optimizer = build_optimizer(self.model, cfg.trainer.optim)
@@ -97,21 +102,15 @@ class Trainer:
         self.scheduler = build_scheduler(self.optimizer, schedule)
         self.metrics = MetricsProcessor(env, tokens_per_step=self.tokens_per_step, t_start=self.t_start,
                                         flops_per_token=float(self.model.flops_per_token()))
-        self.validator = Validator(self.stream, int(cfg.trainer.eval_batches or 0), env)
+        self.validator = Validator(self.stream, int(cfg.trainer.eval_batches or 0), env,
+                                   lockstep=parallel_of(cfg) == "fsdp")
         self.checkpoints = CheckpointManager(
             self.run_dir, cfg, env,
-            shared={"model": self.model, "optimizer": self.optimizer, "schedule": self.scheduler,
+            shared={"model": ModelState(self.model), "optimizer": OptimizerState(self.model, self.optimizer),
+                    "schedule": self.scheduler,
                     "divergence": self.detector, "progress": self.metrics},
             per_rank={"data": self.stream, "numerics": self.model.numerics, "rng": RNGState()},
         )
-
-    def _wrap(self) -> None:
-        """``self.forward``: what the micro-steps call (the DDP wrapper in a process group)."""
-        self.forward: Any = self.model
-        if self.env.distributed:
-            from torch.nn.parallel import DistributedDataParallel as DDP
-
-            self.forward = DDP(self.model, device_ids=[self.env.device] if self.env.device.type == "cuda" else None)
 
     def train(self) -> dict[str, Any]:
         env = self.env
@@ -126,7 +125,6 @@ class Trainer:
                 OmegaConf.select(self.cfg, "logger", default=None), self.run_dir, is_main=env.is_main,
                 resume_step=start, run_name=self.experiment, config=plain_config(self.cfg), wandb_run_id=wandb_id,
             )
-            self._wrap()
             if env.is_main:
                 log.info("%s: %s params, %.4g FLOPs/token, %d steps x %d tokens, accum %d, world %d, %s",
                          self.experiment, f"{self.n_params:,}", self.metrics.flops_per_token, self.steps,
@@ -168,11 +166,11 @@ class Trainer:
             x, y = self.stream.next_batch()
             x, y = x.to(dev, non_blocking=True), y.to(dev, non_blocking=True)
             if micro == 0 and self.probe.due(step):
-                self.probe_metrics = self.probe.measure(self.model, x, y)
+                with whole_parameters(self.forward):
+                    self.probe_metrics = self.probe.measure(self.model, x, y)
             last = micro == self.accum - 1
             self.model.track_stats = track_stats and last
-            sync = self.forward.no_sync() if self.env.distributed and not last else nullcontext()
-            with sync:
+            with nullcontext() if last else no_gradient_sync(self.forward, self.env):
                 loss = self.forward(x, y)
                 (loss / self.accum).backward()
             loss_sum += loss.detach().float()
