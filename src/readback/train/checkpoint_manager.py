@@ -41,7 +41,12 @@ from readback.train.checkpoint import (
     resume_plan,
     save_checkpoint,
 )
-from readback.train.distributed import DistEnv, barrier, broadcast_object, gather_objects
+from readback.train.distributed import (
+    DistEnv,
+    barrier,
+    broadcast_object,
+    gather_objects,
+)
 
 log = logging.getLogger(__name__)
 

@@ -32,11 +32,9 @@ def dry_run(cfg: DictConfig, run_dir: Path, experiment: str, builders: Builders,
             world_size: int) -> dict[str, Any]:
     """Print the model's size and memory table, refuse it if it does not fit, else write
     ``status: dry_run`` (rank 0); reads data only for a vocabulary the config leaves unset."""
-    from readback.train.trainer import build_stream
-
     t0 = time.time()
     if OmegaConf.select(cfg, "model.vocab_size", default=None) is None:
-        build_stream(cfg, builders, rank=0, world_size=1)
+        builders.stream(cfg, rank=0, world_size=1)
     model = _meta_model(cfg, builders)
     n_params, fpt = int(model.n_params()), float(model.flops_per_token())
     estimates = {p: estimate(model, cfg, p, world_size) for p in PARALLEL}

@@ -11,7 +11,12 @@ from omegaconf import DictConfig, OmegaConf
 
 from readback.errors import ConfigError
 from readback.train.contract import Builders
-from readback.train.distributed import cleanup, init_distributed, resolve_device, world_from_env
+from readback.train.distributed import (
+    cleanup,
+    init_distributed,
+    resolve_device,
+    world_from_env,
+)
 from readback.train.dry_run import dry_run
 from readback.train.preemption import DEFAULT_SIGNALS, PreemptionGuard
 from readback.train.trainer import Trainer

@@ -23,6 +23,29 @@ def write_summary(run_dir: Path, summary: dict[str, Any]) -> None:
     atomic_write_text(summary_path(run_dir), json.dumps(json_safe(summary), indent=2, allow_nan=False) + "\n")
 
 
+def run_summary(status: str, *, step: int, tokens_per_step: int, final_loss: float | None, val_loss: float | None,
+                detector: Any, wall_time_s: float, n_params: int | None, flops_per_token: float | None,
+                site_implementations: dict[str, str] | None, world_size: int, experiment: str) -> dict[str, Any]:
+    """The keys of ``summary.json`` (``status``: completed, diverged or failed)."""
+    return {
+        "status": status,
+        "final_loss": final_loss,
+        "val_loss": val_loss,
+        "steps": step,
+        "tokens": step * tokens_per_step,
+        "diverged_at_step": detector.diverged_at_step,
+        "divergence_reason": detector.reason,
+        "skipped_updates": detector.skipped,
+        "nonfinite_tensors": detector.nonfinite_tensors,
+        "wall_time_s": wall_time_s,
+        "n_params": n_params,
+        "site_implementations": site_implementations,
+        "flops_per_token": flops_per_token,
+        "world_size": world_size,
+        "experiment": experiment,
+    }
+
+
 class SummaryWriter:
     """Rank 0's summary of a run; the other ranks' calls do nothing."""
 

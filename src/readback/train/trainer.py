@@ -33,37 +33,37 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from omegaconf import DictConfig, OmegaConf, open_dict
+from omegaconf import DictConfig, OmegaConf
 
 from readback.backends import site_implementations
 from readback.errors import ConfigError
 from readback.probe import GradientProbe
 from readback.train.checkpoint import RNGState
-from readback.train.checkpoint_manager import CheckpointManager, ModelState, OptimizerState, plain_config
-from readback.train.contract import Builders, DataStream, check_model
+from readback.train.checkpoint_manager import (
+    CheckpointManager,
+    ModelState,
+    OptimizerState,
+    plain_config,
+)
+from readback.train.contract import Builders, check_model
 from readback.train.distributed import DistEnv, all_reduce_mean
 from readback.train.divergence import DivergenceDetector
 from readback.train.dry_run import check_memory
 from readback.train.metrics import build_metrics_logger
 from readback.train.metrics_processor import MetricsProcessor
 from readback.train.optim import build_optimizer, clip_gradients, nonfinite_grad_names
-from readback.train.parallel import apply_parallelism, no_gradient_sync, parallel_of, whole_parameters
+from readback.train.parallel import (
+    apply_parallelism,
+    no_gradient_sync,
+    parallel_of,
+    whole_parameters,
+)
 from readback.train.preemption import Preempted, PreemptionGuard
 from readback.train.schedule import WSDSchedule, build_scheduler
-from readback.train.summary import SummaryWriter
+from readback.train.summary import SummaryWriter, run_summary
 from readback.train.validator import Validator
 
 log = logging.getLogger(__name__)
-
-
-def build_stream(cfg: DictConfig, builders: Builders, *, rank: int, world_size: int) -> DataStream:
-    """This rank's data stream; ``model.vocab_size: null`` takes the stream's vocabulary."""
-    stream = builders.data(cfg.data, seq_len=int(cfg.model.seq_len), micro_batch=int(cfg.trainer.micro_batch),
-                           seed=int(cfg.seed), rank=rank, world_size=world_size)
-    if OmegaConf.select(cfg, "model.vocab_size", default=None) is None:
-        with open_dict(cfg):
-            cfg.model.vocab_size = int(stream.vocab_size)
-    return stream
 
 
 class Trainer:
@@ -88,7 +88,7 @@ class Trainer:
 
     def _build(self) -> None:
         cfg, env = self.cfg, self.env
-        self.stream = build_stream(cfg, self.builders, rank=env.rank, world_size=env.world_size)
+        self.stream = self.builders.stream(cfg, rank=env.rank, world_size=env.world_size)
         if env.device.type == "cuda":
             check_memory(cfg, self.builders, env.world_size)
         torch.manual_seed(int(cfg.seed))
@@ -264,21 +264,12 @@ class Trainer:
         self.checkpoints.save(self.step, wandb_run_id=self.metrics.logger.wandb_run_id)
 
     def _summary(self, status: str) -> dict[str, Any]:
-        m, built = self.metrics, self.metrics is not None
-        return {
-            "status": status,
-            "final_loss": m.window.last_loss if built else None,
-            "val_loss": m.window.last_val_loss if built else None,
-            "steps": self.step,
-            "tokens": self.step * self.tokens_per_step,
-            "diverged_at_step": self.detector.diverged_at_step,
-            "divergence_reason": self.detector.reason,
-            "skipped_updates": self.detector.skipped,
-            "nonfinite_tensors": self.detector.nonfinite_tensors,
-            "wall_time_s": m.wall_time() if built else time.time() - self.t_start,
-            "n_params": self.n_params,
-            "site_implementations": site_implementations(self.cfg) if "backend" in self.cfg else None,
-            "flops_per_token": m.flops_per_token if built else None,
-            "world_size": self.env.world_size,
-            "experiment": self.experiment,
-        }
+        m = self.metrics
+        return run_summary(
+            status, step=self.step, tokens_per_step=self.tokens_per_step, detector=self.detector,
+            final_loss=m.window.last_loss if m else None, val_loss=m.window.last_val_loss if m else None,
+            wall_time_s=m.wall_time() if m else time.time() - self.t_start, n_params=self.n_params,
+            flops_per_token=m.flops_per_token if m else None, world_size=self.env.world_size,
+            site_implementations=site_implementations(self.cfg) if "backend" in self.cfg else None,
+            experiment=self.experiment,
+        )

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import torch
+
 from readback.train.contract import DataStream, TrainableModel
 from readback.train.distributed import DistEnv, all_reduce_mean
 
