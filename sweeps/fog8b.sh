@@ -1,12 +1,12 @@
 #!/usr/bin/env bash
-# FOG 8B on FineWeb-Edu: 8B does not fit one GPU replicated (16 bytes a parameter: ~129 GB before
+# FOG 8B on FineWeb-Edu (conf/sweep/fog8b.yaml): 8B does not fit one GPU replicated (16 bytes a parameter: ~129 GB before
 # activations), so every run shards it with FSDP2 over several nodes: by default 4 nodes x 8 GPUs
 # = 32 ranks a job (NODES=... to change). Check the per-GPU memory first:
 #
 #   WORLD_SIZE=32 python train.py model=fog_8b backend=te trainer.parallel=fsdp trainer.dry_run=true
 #   sweeps/fog8b.sh [OVERRIDES...]        e.g. hydra.launcher.partition=gpu hydra.launcher.account=abc
 #
-# Runs land in multirun/fog8b/<experiment>/seed<N>/<job>/; requeued jobs resume from their newest
+# Runs land in multirun/fog8b/<experiment>/<overrides>/; requeued jobs resume from their newest
 # checkpoint, at any world size (checkpoints hold full, unsharded states). Cluster settings:
 # sweeps/README.md.
 set -euo pipefail
@@ -20,9 +20,6 @@ exec "$PY" train.py --multirun \
     hydra.sweep.dir="${SWEEP_DIR:-multirun/fog8b}" \
     +experiment="${EXPERIMENTS:-reuse_rounded,fresh_reround,bf16_baseline}" \
     seed=0 \
-    model=fog_8b data=fineweb_edu backend=te \
-    trainer.parallel=fsdp trainer.micro_batch=1 \
-    trainer.steps=15000 \
-    probe.every=0 \
+    +sweep=fog8b \
     trainer.resume=true trainer.progress=false \
     "$@"

@@ -77,7 +77,12 @@ def test_sweeps_have_own_dirs_and_resume(tmp_path):
         dirs[script.name] = found[0]
         assert "trainer.resume=true" in args and "--multirun" in args, (script, args)
         if script.name == "fog8b.sh":  # does not fit one GPU: sharded over several nodes
-            assert "trainer.parallel=fsdp" in args and "hydra.launcher.nodes=4" in args, args
+            assert "+sweep=fog8b" in args and "hydra.launcher.nodes=4" in args, args
+            from hydra import compose, initialize_config_dir
+
+            with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
+                cfg = compose("train", overrides=["+experiment=reuse_rounded", "+sweep=fog8b"])
+            assert (cfg.model.name, cfg.trainer.parallel, cfg.backend.name) == ("fog_8b", "fsdp", "te")
     assert "fog8b.sh" in dirs and len(dirs) >= 5 and len(set(dirs.values())) == len(dirs), dirs
 
 
@@ -179,7 +184,12 @@ def test_sweep_on_slurm_fsdp_and_requeue_resume(slurm_env, tmp_path):
         "hydra.launcher.timeout_min=10",
         "hydra.launcher.signal_delay_s=30",
     ]
-    first_run = sweep / EXPERIMENTS[0] / "seed0" / "0"
+    # a run's folder is named by its overrides (conf/train.yaml: hydra.job.override_dirname, sorted,
+    # without the experiment, logger and resume/progress keys)
+    named = sorted(a for a in cmd[3:] if "=" in a and not a.startswith(("hydra", "+experiment", "logger", "trainer.resume",
+                                                                         "trainer.progress")))
+    subdir = ",".join(named)
+    first_run = sweep / EXPERIMENTS[0] / subdir
     events: dict = {"stop": threading.Event()}
     watcher = threading.Thread(
         target=_preempt_after_first_checkpoint, args=(sweep, first_run, env, events), daemon=True
@@ -195,8 +205,8 @@ def test_sweep_on_slurm_fsdp_and_requeue_resume(slurm_env, tmp_path):
     job_logs = _tails(sweep, "*_log.*", 30)
     assert proc.returncode == 0, f"{proc.stdout}\n{proc.stderr}\n{job_logs}"
 
-    for num, experiment in enumerate(EXPERIMENTS):
-        run_dir = sweep / experiment / "seed0" / str(num)
+    for experiment in EXPERIMENTS:
+        run_dir = sweep / experiment / subdir
         summary = json.loads((run_dir / "summary.json").read_text())
         assert summary["status"] == "completed", (summary, job_logs)
         assert summary["steps"] == STEPS
@@ -219,8 +229,9 @@ def test_a_multi_node_task_takes_rank_world_and_master_from_slurm(monkeypatch, s
     from readback.train.distributed import first_host, world_from_env
 
     for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
-                "SUBMITIT_EXECUTOR"):
-        monkeypatch.delenv(key, raising=False)
+                "SUBMITIT_EXECUTOR", "CUDA_VISIBLE_DEVICES"):
+        monkeypatch.setenv(key, "")  # recorded, so what the export sets is undone after the test
+        monkeypatch.delenv(key)
     slurm = {"SLURM_JOB_ID": "4242", "SLURM_JOB_NODELIST": "gpu[07-08]", "SLURM_JOB_NUM_NODES": "2",
              "SLURM_NTASKS": "16", "SLURM_PROCID": "9", "SLURM_LOCALID": "1", "SLURM_NODEID": "1"}
     if submitit_job:

@@ -123,7 +123,7 @@ class Trainer:
             self.summary.clear()
             self.metrics.logger = build_metrics_logger(
                 OmegaConf.select(self.cfg, "logger", default=None), self.run_dir, is_main=env.is_main,
-                resume_step=start, run_name=self.experiment, config=plain_config(self.cfg), wandb_run_id=wandb_id,
+                resume_step=start, config=plain_config(self.cfg), wandb_run_id=wandb_id,
             )
             if env.is_main:
                 log.info("%s: %s params, %.4g FLOPs/token, %d steps x %d tokens, accum %d, world %d, %s",
