@@ -22,13 +22,13 @@ import pytest
 import torch
 from hydra import compose, initialize_config_dir
 
+from readback.config import CONF_DIR
 from readback.errors import ConfigError
 from readback.train import run
 from readback.train.checkpoint import list_checkpoints, load_checkpoint
 from readback.train.metrics import read_jsonl
 
-ROOT = Path(__file__).resolve().parents[1]
-CONF = str(ROOT / "conf")
+CONF = str(CONF_DIR)
 LOSS_RTOL = 3e-3  # FSDP vs DDP, and a 2-process checkpoint resumed by 1 process, over 20 steps
 TINY = [
     "data=synthetic", "data.n_tokens=32768", "logger=none", "trainer.progress=false", "seed=5",
@@ -47,6 +47,7 @@ WORKER = textwrap.dedent(
     import torch.distributed as dist
     from hydra import compose, initialize_config_dir
 
+    import readback.config  # registers the schema
     from readback.train import run
     from readback.train.checkpoint import list_checkpoints
 
@@ -148,7 +149,7 @@ def test_dry_run_refuses_fog_8b_under_ddp_and_sizes_it_under_fsdp(tmp_path, monk
     with pytest.raises(ConfigError) as refused:
         run(cfg, tmp_path / "ddp")
     line = str(refused.value)
-    assert "\n" not in line and line.startswith("trainer.gpu_memory_gb=80 is not valid")
+    assert "\n" not in line and line.startswith("trainer.gpu_memory_gb=80.0 is not valid")
     assert "GB per GPU of trainer.parallel=ddp" in line and "try trainer.parallel=fsdp" in line
     assert not (tmp_path / "ddp").exists()
     table = capsys.readouterr().out

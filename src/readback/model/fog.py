@@ -22,6 +22,16 @@ from readback.ops.linear import linear
 from readback.ops.norm import rms_norm
 
 
+# The ops of a block that round (their sites are ``{owner}.input``, ``.weight``, ``.q``, ...).
+BLOCK_ROUNDING_OPS = ("attn.qkv", "attn.core", "attn.proj", "mlp.up", "mlp.down")
+
+
+def rounding_owners(n_layers: int) -> list[str]:
+    """Names of the ops that own the model's rounding sites, the names ``precision.bf16_layers``
+    entries match (as name prefixes, the rule ``Numerics`` uses)."""
+    return [f"layers.{i}.{op}" for i in range(n_layers) for op in BLOCK_ROUNDING_OPS] + ["lm_head"]
+
+
 @dataclass(frozen=True)
 class FOGConfig:
     n_layers: int

@@ -87,6 +87,7 @@ class OptimizerState:
 
 def plain_config(cfg: DictConfig) -> dict[str, Any]:
     """``cfg`` as plain containers for wandb and checkpoints (unresolved if it cannot resolve)."""
+    cfg = OmegaConf.structured(cfg)  # the typed Config, or a DictConfig in tests
     try:
         return OmegaConf.to_container(cfg, resolve=True)  # type: ignore[return-value]
     except Exception:  # noqa: BLE001 - e.g. an interpolation that needs Hydra's runtime
@@ -111,13 +112,12 @@ class CheckpointManager:
         t = cfg.trainer
         self.run_dir, self.cfg, self.env = Path(run_dir), cfg, env
         self.dir = checkpoint_dir(run_dir)
-        self.every = int(t.ckpt_every or 0)
-        self.keep_last = None if t.keep_last is None else int(t.keep_last)
+        self.every, self.keep_last = t.ckpt_every, t.keep_last
         self.shared, self.per_rank = dict(shared), dict(per_rank)
         self.last_path: str | None = None
 
     def due(self, step: int, last_step: int) -> bool:
-        return (self.every > 0 and step % self.every == 0) or step == last_step
+        return step % self.every == 0 or step == last_step
 
     def save(self, step: int, *, wandb_run_id: str | None) -> None:
         env = self.env
@@ -148,7 +148,7 @@ class CheckpointManager:
                 for p in remove_stale_temp_files(directory):
                     log.info("removed %s, left by an interrupted write", p)
         if decision[0] == "fresh":
-            if env.is_main and bool(self.cfg.trainer.resume):
+            if env.is_main and self.cfg.trainer.resume:
                 log.info("trainer.resume=true but no checkpoint in %s; starting from step 0", self.dir)
             return 0, None
         path = decision[1]

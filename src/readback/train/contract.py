@@ -14,7 +14,6 @@ from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
 import torch
-from omegaconf import OmegaConf, open_dict
 
 
 @runtime_checkable
@@ -78,11 +77,10 @@ class Builders:
 
     def stream(self, cfg: Any, *, rank: int, world_size: int) -> DataStream:
         """This rank's data stream; ``model.vocab_size: null`` takes the stream's vocabulary."""
-        stream = self.data(cfg.data, seq_len=int(cfg.model.seq_len), micro_batch=int(cfg.trainer.micro_batch),
-                           seed=int(cfg.seed), rank=rank, world_size=world_size)
-        if OmegaConf.select(cfg, "model.vocab_size", default=None) is None:
-            with open_dict(cfg):
-                cfg.model.vocab_size = int(stream.vocab_size)
+        stream = self.data(cfg.data, seq_len=cfg.model.seq_len, micro_batch=cfg.trainer.micro_batch, seed=cfg.seed,
+                           rank=rank, world_size=world_size)
+        if cfg.model.vocab_size is None:
+            cfg.model.vocab_size = stream.vocab_size
         return stream
 
 

@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 
 from readback.train.contract import Builders, TrainableModel
 from readback.train.memory import GB, estimate, refuse_unless_fits, table
@@ -18,14 +18,14 @@ from readback.train.summary import write_summary
 
 
 def _meta_model(cfg: DictConfig, builders: Builders) -> TrainableModel:
-    torch.manual_seed(int(cfg.seed))
+    torch.manual_seed(cfg.seed)
     return builders.model(cfg, "meta")
 
 
 def check_memory(cfg: DictConfig, builders: Builders, world_size: int) -> None:
     """Refuse (one-line ``ConfigError``) a run whose per-GPU estimate exceeds ``trainer.gpu_memory_gb``."""
     e = estimate(_meta_model(cfg, builders), cfg, parallel_of(cfg), world_size)
-    refuse_unless_fits(e, OmegaConf.select(cfg, "trainer.gpu_memory_gb", default=80))
+    refuse_unless_fits(e, cfg.trainer.gpu_memory_gb)
 
 
 def dry_run(cfg: DictConfig, run_dir: Path, experiment: str, builders: Builders, *, rank: int,
@@ -33,7 +33,7 @@ def dry_run(cfg: DictConfig, run_dir: Path, experiment: str, builders: Builders,
     """Print the model's size and memory table, refuse it if it does not fit, else write
     ``status: dry_run`` (rank 0); reads data only for a vocabulary the config leaves unset."""
     t0 = time.time()
-    if OmegaConf.select(cfg, "model.vocab_size", default=None) is None:
+    if cfg.model.vocab_size is None:
         builders.stream(cfg, rank=0, world_size=1)
     model = _meta_model(cfg, builders)
     n_params, fpt = int(model.n_params()), float(model.flops_per_token())
@@ -42,7 +42,7 @@ def dry_run(cfg: DictConfig, run_dir: Path, experiment: str, builders: Builders,
     if rank == 0:
         print(f"{experiment}: {n_params:,} parameters, {fpt:.4g} FLOPs per token (dry run, no weights allocated)")
         print(table(list(estimates.values())))
-    refuse_unless_fits(chosen, OmegaConf.select(cfg, "trainer.gpu_memory_gb", default=80))
+    refuse_unless_fits(chosen, cfg.trainer.gpu_memory_gb)
     summary = {
         "status": "dry_run",
         "experiment": experiment,

@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 
 from readback.errors import ConfigError
 from readback.train.contract import Builders
@@ -18,7 +18,7 @@ from readback.train.distributed import (
     world_from_env,
 )
 from readback.train.dry_run import dry_run
-from readback.train.preemption import DEFAULT_SIGNALS, PreemptionGuard
+from readback.train.preemption import PreemptionGuard
 from readback.train.trainer import Trainer
 
 
@@ -35,20 +35,19 @@ def run(cfg: DictConfig, run_dir: Path, builders: Builders | None = None) -> dic
     """
     builders = builders or Builders()
     run_dir = Path(run_dir)
-    experiment = str(OmegaConf.select(cfg, "experiment", default=None) or "custom")
+    experiment = cfg.experiment
     rank, world, local = world_from_env()
     accum = accumulation_steps(cfg, world)
-    if bool(cfg.trainer.dry_run):
+    if cfg.trainer.dry_run:
         return dry_run(cfg, run_dir, experiment, builders, rank=rank, world_size=world)
-    resolve_device(str(cfg.trainer.device), local)  # a bad device is a config error, raised early
-    env = init_distributed(str(cfg.trainer.device))
+    resolve_device(cfg.trainer.device, local)  # a bad device is a config error, raised early
+    env = init_distributed(cfg.trainer.device)
     det_before = torch.are_deterministic_algorithms_enabled()
     warn_before = torch.is_deterministic_algorithms_warn_only_enabled()
     if env.device.type == "cpu":
         torch.use_deterministic_algorithms(True, warn_only=True)
-    signals = OmegaConf.select(cfg, "trainer.preempt_signals", default=None)
     try:
-        with PreemptionGuard(DEFAULT_SIGNALS if signals is None else signals) as guard:
+        with PreemptionGuard(cfg.trainer.preempt_signals) as guard:
             return Trainer(cfg, run_dir, env, accum, experiment, builders, guard).train()
     finally:
         torch.use_deterministic_algorithms(det_before, warn_only=warn_before)
@@ -57,11 +56,9 @@ def run(cfg: DictConfig, run_dir: Path, builders: Builders | None = None) -> dic
 
 def accumulation_steps(cfg: DictConfig, world_size: int) -> int:
     """``global_batch / (micro_batch * world_size)``; a ``ConfigError`` unless it divides."""
-    gb, mb = int(cfg.model.global_batch), int(cfg.trainer.micro_batch)
-    if mb < 1:
-        raise ConfigError("trainer.micro_batch", mb, "an integer >= 1")
+    gb, mb = cfg.model.global_batch, cfg.trainer.micro_batch
     per_step = mb * world_size
-    if gb < 1 or gb % per_step:
+    if gb % per_step:
         raise ConfigError(
             "model.global_batch",
             gb,

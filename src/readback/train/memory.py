@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 
 from readback.errors import ConfigError
 from readback.train.contract import TrainableModel
@@ -44,10 +44,11 @@ class MemoryEstimate:
 
 def activation_bytes(cfg: DictConfig) -> float:
     """Saved-for-backward bytes of one micro-batch (see the module docstring)."""
-    m, b = cfg.model, int(cfg.trainer.micro_batch)
-    s, d, f, h, v = int(m.seq_len), int(m.d_model), int(m.ffn_dim), int(m.n_heads), int(m.vocab_size)
-    scores = 0 if OmegaConf.select(cfg, "backend.name", default="emulated") == "te" else 4 * b * h * s * s
-    return int(m.n_layers) * (b * s * (14 * d + 4 * f) + scores) + 8 * b * s * v
+    m, b = cfg.model, cfg.trainer.micro_batch
+    s, d, f, h, v = m.seq_len, m.d_model, m.ffn_dim, m.n_heads, m.vocab_size
+    fused = hasattr(cfg, "backend") and cfg.backend.name == "te"  # a toy config has no backend group
+    scores = 0 if fused else 4 * b * h * s * s
+    return m.n_layers * (b * s * (14 * d + 4 * f) + scores) + 8 * b * s * v
 
 
 def estimate(model: TrainableModel, cfg: DictConfig, parallel: str, world_size: int) -> MemoryEstimate:

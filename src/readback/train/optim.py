@@ -36,12 +36,11 @@ def build_optimizer(model: nn.Module, optim_cfg: Any) -> torch.optim.AdamW:
     gives absolute learning rates as the ``LambdaLR`` factor, so ``lr = 1.0 * schedule(t)``
     holds exactly.
     """
-    betas = tuple(float(b) for b in optim_cfg.betas)
     return torch.optim.AdamW(
-        param_groups(model, float(optim_cfg.weight_decay)),
+        param_groups(model, optim_cfg.weight_decay),
         lr=1.0,
-        betas=betas,  # type: ignore[arg-type]
-        eps=float(optim_cfg.eps),
+        betas=tuple(optim_cfg.betas),  # type: ignore[arg-type]
+        eps=optim_cfg.eps,
     )
 
 

@@ -16,7 +16,7 @@ from contextlib import contextmanager, nullcontext
 from typing import Any
 
 import torch
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 from torch import nn
 
 from readback.train.contract import TrainableModel
@@ -26,7 +26,7 @@ PARALLEL = ("ddp", "fsdp")
 
 
 def parallel_of(cfg: DictConfig) -> str:
-    return str(OmegaConf.select(cfg, "trainer.parallel", default="ddp"))
+    return cfg.trainer.parallel
 
 
 def apply_parallelism(model: TrainableModel, env: DistEnv, parallel: str) -> nn.Module:

@@ -33,7 +33,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 
 from readback.backends import site_implementations
 from readback.errors import ConfigError
@@ -72,12 +72,12 @@ class Trainer:
         self.cfg, self.run_dir, self.env, self.accum, self.experiment = cfg, Path(run_dir), env, accum, experiment
         self.builders, self.guard = builders, guard
         t = cfg.trainer
-        self.steps = int(t.steps)
-        self.tokens_per_step = int(cfg.model.global_batch) * int(cfg.model.seq_len)
-        self.log_every, self.eval_every = int(t.log_every or 0), int(t.eval_every or 0)
-        self.grad_clip = float(t.optim.grad_clip or 0.0)
+        self.steps = t.steps
+        self.tokens_per_step = cfg.model.global_batch * cfg.model.seq_len
+        self.log_every, self.eval_every = t.log_every, t.eval_every
+        self.grad_clip = t.optim.grad_clip
         self.detector = DivergenceDetector.from_config(t.divergence)
-        self.probe = GradientProbe.from_config(OmegaConf.select(cfg, "probe"))
+        self.probe = GradientProbe.from_config(cfg.probe)
         self.summary = SummaryWriter(self.run_dir, is_main=env.is_main)
         self.metrics: MetricsProcessor | None = None
         self.n_params: int | None = None
@@ -91,18 +91,18 @@ class Trainer:
         self.stream = self.builders.stream(cfg, rank=env.rank, world_size=env.world_size)
         if env.device.type == "cuda":
             check_memory(cfg, self.builders, env.world_size)
-        torch.manual_seed(int(cfg.seed))
+        torch.manual_seed(cfg.seed)
         self.model = check_model(self.builders.model(cfg, str(env.device)))
         self.n_params = int(self.model.n_params())
         self.forward = apply_parallelism(self.model, env, parallel_of(cfg))  # before the optimizer: FSDP shards
         self.named_params = [(n, p) for n, p in self.model.named_parameters() if p.requires_grad]
         self.params = [p for _, p in self.named_params]
         self.optimizer = build_optimizer(self.model, cfg.trainer.optim)
-        schedule = WSDSchedule.from_config(cfg.trainer.optim, peak=float(cfg.model.lr), steps=self.steps)
+        schedule = WSDSchedule.from_config(cfg.trainer.optim, peak=cfg.model.lr, steps=self.steps)
         self.scheduler = build_scheduler(self.optimizer, schedule)
         self.metrics = MetricsProcessor(env, tokens_per_step=self.tokens_per_step, t_start=self.t_start,
                                         flops_per_token=float(self.model.flops_per_token()))
-        self.validator = Validator(self.stream, int(cfg.trainer.eval_batches or 0), env,
+        self.validator = Validator(self.stream, cfg.trainer.eval_batches, env,
                                    lockstep=parallel_of(cfg) == "fsdp")
         self.checkpoints = CheckpointManager(
             self.run_dir, cfg, env,
@@ -122,7 +122,7 @@ class Trainer:
             self.step = start
             self.summary.clear()
             self.metrics.logger = build_metrics_logger(
-                OmegaConf.select(self.cfg, "logger", default=None), self.run_dir, is_main=env.is_main,
+                self.cfg.logger, self.run_dir, is_main=env.is_main,
                 resume_step=start, config=plain_config(self.cfg), wandb_run_id=wandb_id,
             )
             if env.is_main:
@@ -218,15 +218,15 @@ class Trainer:
 
     def _loop(self, start: int) -> str:
         env, m = self.env, self.metrics
-        if bool(self.cfg.trainer.progress):
+        if self.cfg.trainer.progress:
             m.open_progress_bar(self.steps, start, self.experiment)
         last_saved, stopped, self.probe_metrics = start, False, {}
         self.model.train()
         self.loop_started = True
         for step in range(start + 1, self.steps + 1):
             t0 = time.perf_counter()
-            is_eval = (self.eval_every > 0 and step % self.eval_every == 0) or step == self.steps
-            is_log = (self.log_every > 0 and step % self.log_every == 0) or is_eval or self.probe.due(step)
+            is_eval = step % self.eval_every == 0 or step == self.steps
+            is_log = step % self.log_every == 0 or is_eval or self.probe.due(step)
             lr = self.scheduler.get_last_lr()[0]
             loss, gnorm = self._train_step(step, track_stats=is_log)
             self.step = step
@@ -241,8 +241,8 @@ class Trainer:
                     if env.is_main:
                         log.error("stopping: %s", self.detector.reason)
                 rec = m.record(step, window_loss, lr, gnorm, self.model, len(self.detector.skipped), self._pop_probe())
-                if is_eval and (val := self.validator.evaluate(self.model)) is not None:
-                    rec["val_loss"] = m.window.last_val_loss = val
+                if is_eval:
+                    rec["val_loss"] = m.window.last_val_loss = self.validator.evaluate(self.model)
                 m.log(rec, window_loss=window_loss)
             if self.checkpoints.due(step, self.steps) or stopped:
                 self._save()
@@ -270,6 +270,6 @@ class Trainer:
             final_loss=m.window.last_loss if m else None, val_loss=m.window.last_val_loss if m else None,
             wall_time_s=m.wall_time() if m else time.time() - self.t_start, n_params=self.n_params,
             flops_per_token=m.flops_per_token if m else None, world_size=self.env.world_size,
-            site_implementations=site_implementations(self.cfg) if "backend" in self.cfg else None,
+            site_implementations=site_implementations(self.cfg) if hasattr(self.cfg, "backend") else None,
             experiment=self.experiment,
         )

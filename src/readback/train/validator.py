@@ -23,9 +23,7 @@ class Validator:
         self.stream, self.batches, self.env, self.lockstep = stream, batches, env, lockstep
 
     @torch.no_grad()
-    def evaluate(self, model: TrainableModel) -> float | None:
-        if self.batches <= 0:
-            return None
+    def evaluate(self, model: TrainableModel) -> float:
         env, dev = self.env, self.env.device
         batches = list(self.stream.val_batches(self.batches))
         rounds = -(-len(batches) // env.world_size) if self.lockstep else len(range(env.rank, len(batches), env.world_size))
