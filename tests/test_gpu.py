@@ -1,5 +1,6 @@
 """The emulated backend's GPU path: ``fp8_mm`` through ``torch._scaled_mm`` (a real FP8 GEMM)
-against the BF16-upcast emulation, and a tiny FOG training step on CUDA against the CPU."""
+against the emulation (FP32 GEMM of the decoded codes, scaled, one BF16 rounding), and a tiny FOG
+training step on CUDA against the CPU."""
 
 from __future__ import annotations
 
@@ -36,10 +37,9 @@ def test_scaled_mm_agrees_with_bf16_emulation(monkeypatch, fmt_a, fmt_b, m, k, n
     real = fp8_mm(a, b)
     monkeypatch.setattr(gemm, "use_scaled_mm", lambda *_: False)
     emulated = fp8_mm(a, b)
-    # Both round the same exact product of FP8-grid operands to BF16 once: the kernel after
-    # applying the scales (error <= 1/2 ulp), the emulation before (<= 1/2 ulp of the unscaled
-    # product, up to 1 ulp after scaling), so they differ by at most 1.5 BF16 ulp. The floor
-    # covers sums that cancel to near zero (accumulation order, FP32 partial sums).
+    # Both apply the scales to an FP32 accumulation of the exact products and round once to
+    # BF16 (error <= 1/2 ulp each); only the accumulation order differs, so 1.5 BF16 ulp bounds
+    # them with room. The floor covers sums that cancel to near zero (FP32 partial sums).
     magnitude = a.dequantize().abs() @ b.dequantize().abs()
     tolerance = 1.5 * _bf16_ulp(torch.maximum(real.abs(), emulated.abs())) + 2.0**-14 * magnitude
     excess = ((real - emulated).abs() - tolerance).max().item()

@@ -17,10 +17,12 @@ from readback.numerics import (
     GEMM_PRECISIONS,
     ROUNDINGS,
     CurrentScaling,
+    CurrentScalingState,
     DelayedScaling,
     DelayedScalingState,
     FP8Format,
     QTensor,
+    abs_max,
     quantize,
 )
 from readback.policy import POLICIES
@@ -34,7 +36,7 @@ class _UnitScale:
 
     scale = torch.ones(())
 
-    def scale_for(self, x: torch.Tensor) -> torch.Tensor:
+    def scale_for(self, x: torch.Tensor, amax: torch.Tensor | None = None) -> torch.Tensor:
         return torch.ones((), device=x.device)
 
     def end_step(self) -> None:
@@ -55,20 +57,36 @@ class Site:
         self.fmt, self.state = fmt, state
         self.saturated = 0  # elements clipped to +-fmt.max since the last saturation_counts()
 
+    @property
+    def reads_amax_first(self) -> bool:
+        """Whether the scale depends on the tensor being rounded (current scaling): a tensor
+        rounded block by block then needs its whole amax before the first block."""
+        return isinstance(self.state, CurrentScalingState)
+
     def quantize(self, x: torch.Tensor, rounding: str = "nearest", scale: torch.Tensor | None = None,
-                 stream: str = "forward") -> QTensor:
+                 stream: str = "forward", amax: torch.Tensor | None = None) -> QTensor:
         """Round ``x`` at this site. ``scale`` reuses an earlier scale (a re-rounding) instead
-        of the site's own; ``stream`` names the random stream of a stochastic rounding."""
+        of the site's own; ``stream`` names the random stream of a stochastic rounding;
+        ``amax`` is that of the whole tensor when ``x`` is one block of it."""
         if self.fmt is None:  # rounding switched off: the identity, in x's own precision
             return QTensor(x, torch.ones((), dtype=x.dtype, device=x.device), None)
-        if self.fmt is BF16:  # BF16 sites round to nearest, as BF16 GEMM inputs do
-            rounding = "nearest"
+        if self.fmt is BF16:  # BF16 sites round to nearest, as BF16 GEMM inputs do, unscaled
+            return quantize(x, BF16, self.state.scale_for(x) if scale is None else scale)
+        amax = abs_max(x) if amax is None else amax
         if scale is None:
-            scale = self.state.scale_for(x)
+            scale = self.state.scale_for(x, amax)
         generator = self.numerics.generator(self.name, stream, x.device) if rounding == "stochastic" else None
-        if self.fmt is not BF16:
-            self.saturated = self.saturated + (x.detach().abs() * scale > self.fmt.max).sum()
+        self.saturated = self.saturated + _count_saturated(x, amax, scale, self.fmt)
         return quantize(x, self.fmt, scale, rounding, generator)
+
+
+def _count_saturated(x: torch.Tensor, amax: torch.Tensor, scale: torch.Tensor, fmt: FP8Format) -> torch.Tensor | int:
+    """Elements of ``x`` beyond ``+-fmt.max`` once scaled. On the CPU the counting pass is
+    skipped when ``amax * scale`` shows that none is (the usual case); on a GPU, or while
+    compiling, reading that flag would stall the device, so the count is always taken."""
+    if x.device.type == "cpu" and not torch.compiler.is_compiling() and not amax * scale > fmt.max:
+        return 0
+    return (x.detach().abs() * scale > fmt.max).sum()
 
 
 class Numerics:
