@@ -74,8 +74,8 @@ CASES = [
     ("dry_run_too_big", ["trainer.dry_run=true", "model.n_layers=32", "model.d_model=4096", "model.n_heads=32",
                          "model.n_kv_groups=8", "model.ffn_dim=21504", "model.vocab_size=131072", "model.seq_len=4096",
                          "trainer.micro_batch=1"], {},
-     "trainer.gpu_memory_gb=80.0 is not valid; valid: at least the estimated 212.1 GB per GPU of trainer.parallel=ddp on "
-     "1 GPU(s) (30.1 params, 30.1 grads, 60.1 AdamW, 91.8 activations); try trainer.parallel=fsdp"),  # 8B, tied
+     "trainer.gpu_memory_gb=80.0 is not valid; valid: at least the estimated 160.5 GB per GPU of trainer.parallel=ddp on "
+     "1 GPU(s) (30.1 params, 30.1 grads, 60.1 AdamW, 40.3 activations); try trainer.parallel=fsdp"),  # 8B, tied
     ("signal_name", ["trainer.preempt_signals=[SIGFOO]"], {}, "trainer.preempt_signals=['SIGFOO'] is not valid"),
     ("unwritable_dir", ["hydra.run.dir=/proc/x"], {}, "hydra.run.dir='/proc/x' is not valid; valid: a directory path"),
     ("data_vocab", ["data.vocab_size=1"], {}, "data.vocab_size=1 is not valid; valid: an integer >= 2"),

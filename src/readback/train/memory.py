@@ -9,9 +9,8 @@ block's unsharded gradient before its reduce-scatter.
 
 Activations (the tensors saved for backward, no recomputation) follow Korthikanti et al. 2022
 ("Reducing activation recomputation"), with 2-byte activations and no dropout: per layer
-``b s (14 d + 4 f)`` bytes, plus ``4 b h s^2`` for the attention probabilities the emulated
-attention keeps (a BF16 and an FP8 copy, and the causal mask; fused attention, ``backend=te``,
-keeps none), plus the FP32 logits and their
+``b s (14 d + 4 f)`` bytes, plus ``b h s^2`` for the FP8 copy of the attention probabilities
+the emulated attention keeps for its backward (fused attention, ``backend=te``, keeps none), plus the FP32 logits and their
 gradient, ``8 b s V``. FP8 copies (1 byte) replace BF16 ones under ``precision=fp8`` on the GPU,
 so the estimate is an upper bound there. Allocator fragmentation and workspaces are not counted.
 """
@@ -47,7 +46,7 @@ def activation_bytes(cfg: DictConfig) -> float:
     m, b = cfg.model, cfg.trainer.micro_batch
     s, d, f, h, v = m.seq_len, m.d_model, m.ffn_dim, m.n_heads, m.vocab_size
     fused = hasattr(cfg, "backend") and cfg.backend.name == "te"  # a toy config has no backend group
-    scores = 0 if fused else 4 * b * h * s * s
+    scores = 0 if fused else b * h * s * s
     return m.n_layers * (b * s * (14 * d + 4 * f) + scores) + 8 * b * s * v
 
 
