@@ -47,6 +47,10 @@ def test_scaled_mm_agrees_with_bf16_emulation(monkeypatch, fmt_a, fmt_b, m, k, n
     assert (real - emulated).norm() < 2.0**-7 * emulated.norm()  # about half a BF16 ulp on average
 
 
+# Head dim 128, as fog_390m's and as Transformer Engine's FP8 attention needs on sm90.
+HEAD_DIM_128 = ("model.d_model=256", "model.n_heads=2", "model.n_kv_groups=1", "model.ffn_dim=384")
+
+
 def _config(experiment: str, *overrides: str):
     with initialize_config_dir(str(CONF_DIR), version_base="1.3"):
         return compose("train", overrides=[f"+experiment={experiment}", *overrides])
@@ -54,12 +58,13 @@ def _config(experiment: str, *overrides: str):
 
 @pytest.mark.parametrize("experiment", ["reuse_rounded", "fresh_reround", "no_saved_copy", "bf16_baseline"])
 def test_tiny_fog_step_on_cuda_matches_cpu(monkeypatch, experiment):
-    from readback.model import build_model
+    from readback.backends import build_model
 
     calls = []
     scaled_mm = torch._scaled_mm
     monkeypatch.setattr(torch, "_scaled_mm", lambda *a, **k: calls.append(1) or scaled_mm(*a, **k))
-    cfg = _config(experiment, "model.vocab_size=256")
+    cfg = _config(experiment, "model.vocab_size=256", *HEAD_DIM_128)
+    assert cfg.model.d_model // cfg.model.n_heads == 128
     torch.manual_seed(0)
     cpu = build_model(cfg, "cpu")
     model = build_model(cfg, "cuda")

@@ -30,16 +30,13 @@ class RunNumerics(Protocol):
 
 @runtime_checkable
 class TrainableModel(Protocol):
-    """An ``nn.Module`` whose ``model(idx, targets)`` is the mean loss, with its numerics, an
-    activation-statistics switch (read in the last micro-batch of log steps), its size, and its
-    blocks (FSDP shards each one)."""
+    """An ``nn.Module`` whose ``model(idx, targets)`` is the mean loss, with its numerics, its
+    size, and its blocks (FSDP shards each one; ``readback.model.ActivationStats`` hooks them)."""
 
     numerics: RunNumerics
-    track_stats: bool
     layers: torch.nn.ModuleList
 
     def __call__(self, idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor: ...
-    def activation_stats(self) -> dict[str, float]: ...
     def n_params(self) -> int: ...
     def flops_per_token(self) -> float: ...
 
@@ -57,7 +54,7 @@ class DataStream(Protocol):
 
 
 def _default_model(cfg: Any, device: str) -> TrainableModel:
-    from readback.model import build_model
+    from readback.backends import build_model
 
     return build_model(cfg, device)
 

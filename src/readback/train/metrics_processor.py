@@ -67,7 +67,8 @@ class MetricsProcessor:
 
     def record(self, step: int, loss: float, lr: float, gnorm: float, model: TrainableModel, skipped: int,
                extra: dict[str, float]) -> dict[str, Any]:
-        """The record of ``step``: the window's loss, the model's statistics, and ``extra`` (probe)."""
+        """The record of ``step``: the window's loss, the numerics' counts, and ``extra`` (activation
+        statistics, probe)."""
         tps = self.window.tokens_per_s()
         rec: dict[str, Any] = {
             "step": step,
@@ -81,7 +82,6 @@ class MetricsProcessor:
         if self.peak_flops:
             rec["mfu"] = self.flops_per_token * tps / (self.peak_flops * self.env.world_size)
             rec["mem_gib"] = torch.cuda.max_memory_allocated(self.env.device) / 2**30
-        rec.update({k: float(v) for k, v in model.activation_stats().items()})
         rec.update({f"fp8_saturation/{site}": int(n) for site, n in model.numerics.saturation_counts().items()})
         rec.update({k: float(v) for k, v in model.numerics.pop_observations().items()})  # e.g. attn_rowsum/z/<layer>
         rec.update(extra)

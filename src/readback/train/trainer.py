@@ -37,6 +37,7 @@ from omegaconf import DictConfig
 
 from readback.backends import site_implementations
 from readback.errors import ConfigError
+from readback.model import ActivationStats
 from readback.probe import GradientProbe
 from readback.train.checkpoint import RNGState
 from readback.train.checkpoint_manager import (
@@ -95,6 +96,7 @@ class Trainer:
         self.model = check_model(self.builders.model(cfg, str(env.device)))
         self.n_params = int(self.model.n_params())
         self.forward = apply_parallelism(self.model, env, parallel_of(cfg))  # before the optimizer: FSDP shards
+        self.activation_stats = ActivationStats(self.model)  # forward hooks: FSDP keeps the modules
         self.named_params = [(n, p) for n, p in self.model.named_parameters() if p.requires_grad]
         self.params = [p for _, p in self.named_params]
         self.optimizer = build_optimizer(self.model, cfg.trainer.optim)
@@ -169,12 +171,12 @@ class Trainer:
                 with whole_parameters(self.forward):
                     self.probe_metrics = self.probe.measure(self.model, x, y)
             last = micro == self.accum - 1
-            self.model.track_stats = track_stats and last
+            self.activation_stats.active = track_stats and last
             with nullcontext() if last else no_gradient_sync(self.forward, self.env):
                 loss = self.forward(x, y)
                 (loss / self.accum).backward()
             loss_sum += loss.detach().float()
-        self.model.track_stats = False
+        self.activation_stats.active = False
         signalled = torch.tensor(float(self.guard.requested is not None), device=dev)
         mean_loss, preempt = all_reduce_mean(torch.stack([loss_sum / self.accum, signalled]), self.env)
         gnorm = clip_gradients(self.params, self.grad_clip).to(dev)
@@ -213,8 +215,9 @@ class Trainer:
             log.error("stopping: %s; non-finite: %s", self.detector.reason, ", ".join(self.detector.nonfinite_tensors))
 
     def _pop_probe(self) -> dict[str, float]:
+        """This record's activation statistics and probe results (each measured once)."""
         found, self.probe_metrics = self.probe_metrics, {}
-        return found
+        return {**self.activation_stats.pop(), **found}
 
     def _loop(self, start: int) -> str:
         env, m = self.env, self.metrics

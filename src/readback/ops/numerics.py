@@ -2,7 +2,11 @@
 
 A ``Site`` is one named tensor the run rounds (``layer0.attn.output``, ``layer0.mlp.up.weight``,
 ...): it owns the tensor's format, its scaling state and its random streams. ``Numerics`` creates
-sites on first use and advances them together at the end of each optimizer step.
+sites on first use and advances them together at the end of each optimizer step;
+``build_numerics`` makes the run's ``Numerics`` from its config.
+
+It lives with the ops, not in ``readback.numerics``: it checks the policy names of
+``readback.policy``, and the layers import downward only (numerics -> policy -> ops).
 """
 
 from __future__ import annotations
@@ -290,3 +294,25 @@ class Numerics:
             site.state.load_state_dict(saved["state"])
             site.saturated = saved.get("saturated", 0)
         self.observations = dict(state.get("observations", {}))
+
+
+def build_numerics(cfg) -> Numerics:
+    """The run's ``Numerics`` from the ``precision``, ``policy`` and ``attention`` groups."""
+    p = cfg.precision
+    recipe = None
+    if p.name == "fp8":
+        common = dict(margin=p.margin, fp8_format=p.fp8_format, override_linear_precision=tuple(p.override_linear_precision))
+        if p.recipe == "delayed":
+            recipe = DelayedScaling(interval=p.interval, amax_history_len=p.amax_history_len,
+                                    amax_compute_algo=p.amax_compute_algo, **common)
+        else:
+            recipe = CurrentScaling(**common)
+    return Numerics(
+        precision=p.name,
+        recipe=recipe,
+        policy=cfg.policy.name,
+        attention_bwd=cfg.attention.bwd_precision,
+        rounding=p.rounding if p.name == "fp8" else "nearest",
+        seed=cfg.seed,
+        bf16_sites=tuple(p.bf16_layers) if p.name == "fp8" else (),
+    )
