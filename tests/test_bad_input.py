@@ -69,6 +69,13 @@ CASES = [
      "precision.override_linear_precision=[True] is not valid; valid: three booleans [fprop, dgrad, wgrad]"),
     ("cooldown", ["trainer.optim.cooldown_frac=2"], {},
      "trainer.optim.cooldown_frac=2.0 is not valid; valid: a number in [0, 1]"),
+    ("parallel", ["trainer.parallel=zero3"], {}, "trainer.parallel='zero3' is not valid; valid: ddp, fsdp"),
+    ("gpu_memory", ["trainer.gpu_memory_gb=0"], {}, "trainer.gpu_memory_gb=0.0 is not valid; valid: a positive number"),
+    ("dry_run_too_big", ["trainer.dry_run=true", "model.n_layers=32", "model.d_model=4096", "model.n_heads=32",
+                         "model.n_kv_groups=8", "model.ffn_dim=21504", "model.vocab_size=131072", "model.seq_len=4096",
+                         "trainer.micro_batch=1"], {},
+     "trainer.gpu_memory_gb=80.0 is not valid; valid: at least the estimated 160.5 GB per GPU of trainer.parallel=ddp on "
+     "1 GPU(s) (30.1 params, 30.1 grads, 60.1 AdamW, 40.3 activations); try trainer.parallel=fsdp"),  # 8B, tied
     ("signal_name", ["trainer.preempt_signals=[SIGFOO]"], {}, "trainer.preempt_signals=['SIGFOO'] is not valid"),
     ("unwritable_dir", ["hydra.run.dir=/proc/x"], {}, "hydra.run.dir='/proc/x' is not valid; valid: a directory path"),
     ("data_vocab", ["data.vocab_size=1"], {}, "data.vocab_size=1 is not valid; valid: an integer >= 2"),
@@ -109,6 +116,9 @@ EXISTING = [
     ("resume_other_recipe", ["trainer.resume=true", "precision.amax_history_len=16"], {},
      "precision.amax_history_len=16 is not valid; valid: 1024, the value"),
     ("resume_corrupt", ["trainer.resume=true"], {"CORRUPT": "1"}, "none of the 2 in"),
+    ("resume_malicious", ["trainer.resume=true"], {"TAMPER": "malicious"},
+     "was refused unread (Trying to load unsupported GLOBAL posix.mkdir"),
+    ("resume_old_format", ["trainer.resume=true"], {"TAMPER": "format"}, "valid: a checkpoint of format 2;"),
     ("resume_world_size", ["trainer.resume=true"], {"WORLD_SIZE": "3"}, "x world size = 2 x 3 = 6"),
 ]
 
@@ -117,13 +127,34 @@ def _env(extra: dict[str, str]) -> dict[str, str]:
     env = dict(os.environ, OMP_NUM_THREADS="1", WANDB_MODE="disabled")
     for key in ("WORLD_SIZE", "SLURM_RESTART_COUNT", "HYDRA_FULL_ERROR"):
         env.pop(key, None)
-    env.update({k: v for k, v in extra.items() if k != "CORRUPT"})
+    env.update({k: v for k, v in extra.items() if k not in ("CORRUPT", "TAMPER")})
     return env
 
 
 def _run(args: list[str], env: dict[str, str]) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "train.py", *TINY, *args], cwd=ROOT, env=env, capture_output=True,
                           text=True, timeout=180)
+
+
+class _Mkdir:
+    """Pickles as a call of ``os.mkdir(path)``: what a crafted checkpoint could run on load."""
+
+    def __init__(self, path: Path):
+        self.path = str(path)
+
+    def __reduce__(self):
+        return os.mkdir, (self.path,)
+
+
+def _tamper(run_dir: Path, how: str, marker: Path) -> None:
+    """The newest checkpoint of ``run_dir`` with a pickled call inside, or an old format number."""
+    path = list_checkpoints(run_dir / "checkpoints")[-1][1]
+    state = torch.load(path, weights_only=True)
+    if how == "malicious":
+        state["progress"]["note"] = _Mkdir(marker)
+    else:
+        state["format"] = 1
+    torch.save(state, path)
 
 
 def _snapshot(run_dir: Path) -> dict[str, str]:
@@ -165,6 +196,8 @@ def test_bad_input_table(tmp_path, existing_run):
             run_dir = corrupt if env.get("CORRUPT") else tmp_path / f"existing_{name}"
             if not env.get("CORRUPT"):
                 shutil.copytree(existing_run, run_dir)
+            if env.get("TAMPER"):
+                _tamper(run_dir, env["TAMPER"], tmp_path / "pwned")
             before = _snapshot(run_dir)
             proc = _run([*args, f"hydra.run.dir={run_dir}"], _env(env))
             return name, proc, expected, run_dir, before
@@ -188,6 +221,7 @@ def test_bad_input_table(tmp_path, existing_run):
     assert not failures, "\n".join(failures)
     assert len(CASES + EXISTING) >= 20
     assert not Path("/proc/x").exists()
+    assert not (tmp_path / "pwned").exists()  # the crafted checkpoint ran nothing
 
 
 def test_full_error_shows_the_traceback_too(tmp_path):

@@ -15,7 +15,6 @@ from pathlib import Path
 import pytest
 import torch
 
-from readback.train import run
 from readback.train.checkpoint import checkpoint_path, list_checkpoints, load_checkpoint
 from readback.train.metrics import read_jsonl
 
@@ -34,23 +33,14 @@ def _toys():
 
 WORKER = textwrap.dedent(
     """
-    import importlib, json, sys, types
+    import json, sys
     from pathlib import Path
 
     sys.path.insert(0, {tests!r})
     import test_ddp
 
     toys = test_ddp._toys()
-    for name, attr, fn in (("readback.backends", "build_model", toys.toy_build_model),
-                           ("readback.data", "build_data", toys.toy_build_data)):
-        try:
-            module = importlib.import_module(name)
-        except Exception:
-            module = sys.modules[name] = types.ModuleType(name)
-        setattr(module, attr, fn)
-    from readback.train import run
-
-    run(toys.make_cfg(**json.loads(sys.argv[2])), Path(sys.argv[1]))
+    toys.train(toys.make_cfg(**json.loads(sys.argv[2])), Path(sys.argv[1]))
     """
 )
 
@@ -73,19 +63,16 @@ def single_thread():
     torch.set_num_threads(before)
 
 
-def _install_toys(monkeypatch):
+def _load_toys(monkeypatch):
     toys = _toys()
-    for name, attr, fn in (("readback.backends", "build_model", toys.toy_build_model),
-                           ("readback.data", "build_data", toys.toy_build_data)):
-        toys._install(monkeypatch, name, attr, fn)
     monkeypatch.delenv("WORLD_SIZE", raising=False)
     return toys
 
 
 def test_two_processes_match_one(tmp_path, monkeypatch, single_thread):
-    toys = _install_toys(monkeypatch)
+    toys = _load_toys(monkeypatch)
     one, two = tmp_path / "one", tmp_path / "two"
-    run(toys.make_cfg(**OVERRIDES), one)  # 1 process: 4 micro-batches of 2 per step
+    toys.train(toys.make_cfg(**OVERRIDES), one)  # 1 process: 4 micro-batches of 2 per step
     proc = _torchrun(tmp_path, two, OVERRIDES)  # 2 processes: 2 micro-batches of 2 each
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
 
@@ -113,7 +100,7 @@ def test_two_processes_match_one(tmp_path, monkeypatch, single_thread):
     shutil.copytree(two, resumed)
     checkpoint_path(resumed / "checkpoints", 8).unlink()
     assert [s for s, _ in list_checkpoints(resumed / "checkpoints")] == [4]
-    run(toys.make_cfg(**OVERRIDES, **{"trainer.resume": True}), resumed)
+    toys.train(toys.make_cfg(**OVERRIDES, **{"trainer.resume": True}), resumed)
     c = read_jsonl(resumed / "metrics.jsonl")
     assert [r["step"] for r in c] == list(range(1, 9))
     for rb, rc in zip(b, c, strict=True):
@@ -121,11 +108,10 @@ def test_two_processes_match_one(tmp_path, monkeypatch, single_thread):
 
 
 PREEMPT_WORKER = WORKER.replace(
-    "from readback.train import run\n\nrun(toys.make_cfg(**json.loads(sys.argv[2])), Path(sys.argv[1]))\n",
+    "toys.train(toys.make_cfg(**json.loads(sys.argv[2])), Path(sys.argv[1]))\n",
     textwrap.dedent(
         """
         import os, signal
-        from readback.train import run
         from readback.train.preemption import Preempted
 
         real_next = toys.ToyStream.next_batch
@@ -137,7 +123,7 @@ PREEMPT_WORKER = WORKER.replace(
 
         toys.ToyStream.next_batch = next_batch
         try:
-            run(toys.make_cfg(**json.loads(sys.argv[2])), Path(sys.argv[1]))
+            toys.train(toys.make_cfg(**json.loads(sys.argv[2])), Path(sys.argv[1]))
         except Preempted as p:
             print(json.dumps(dict(rank=int(os.environ["RANK"]), step=p.step)), flush=True)
             sys.exit(p.exit_code)
@@ -148,9 +134,9 @@ assert PREEMPT_WORKER != WORKER
 
 
 def test_a_signal_to_one_rank_stops_every_rank_after_the_same_step(tmp_path, monkeypatch, single_thread):
-    toys = _install_toys(monkeypatch)
+    toys = _load_toys(monkeypatch)
     one, two = tmp_path / "one", tmp_path / "two"
-    run(toys.make_cfg(**OVERRIDES), one)
+    toys.train(toys.make_cfg(**OVERRIDES), one)
     proc = _torchrun(tmp_path, two, OVERRIDES, worker=PREEMPT_WORKER)
     assert proc.returncode != 0  # the workers exit 143: torchrun reports the failure for requeueing
     stops = sorted(json.loads(line)["rank"] for line in proc.stdout.splitlines() if line.startswith('{"rank"'))
@@ -160,7 +146,7 @@ def test_a_signal_to_one_rank_stops_every_rank_after_the_same_step(tmp_path, mon
     state = load_checkpoint(checkpoint_path(two / "checkpoints", 3))
     assert state["world_size"] == 2 and [r["data"] for r in state["ranks"]] == [{"consumed": 24}, {"consumed": 24}]
     assert not (two / "summary.json").exists()
-    run(toys.make_cfg(**OVERRIDES, **{"trainer.resume": True}), two)  # resumed in one process
+    toys.train(toys.make_cfg(**OVERRIDES, **{"trainer.resume": True}), two)  # resumed in one process
     a, b = read_jsonl(one / "metrics.jsonl"), read_jsonl(two / "metrics.jsonl")
     assert [r["step"] for r in b] == list(range(1, 9))
     for ra, rb in zip(a, b, strict=True):

@@ -20,7 +20,6 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from readback.train import run
 from readback.train.checkpoint import list_checkpoints, load_checkpoint
 from readback.train.metrics import read_jsonl
 from readback.train.preemption import Preempted, PreemptionGuard, exit_for_requeue, parse_signals
@@ -129,9 +128,6 @@ def _toys():
 @pytest.fixture
 def toys(monkeypatch):
     module = _toys()
-    for name, attr, fn in (("readback.backends", "build_model", module.toy_build_model),
-                           ("readback.data", "build_data", module.toy_build_data)):
-        module._install(monkeypatch, name, attr, fn)
     monkeypatch.delenv("WANDB_MODE", raising=False)
     monkeypatch.delenv("WORLD_SIZE", raising=False)
     monkeypatch.delenv("SLURM_RESTART_COUNT", raising=False)
@@ -160,7 +156,7 @@ def test_wandb_crash_mid_run_keeps_training_and_local_metrics(tmp_path, toys, mo
     monkeypatch.setattr(wandb, "init", lambda **kwargs: runs.append(CrashingRun()) or runs[-1])
     cfg = toys.make_cfg()
     cfg.logger = OmegaConf.create({"name": "wandb", "mode": "offline", "project": "t", "entity": None, "tags": []})
-    summary = run(cfg, tmp_path)
+    summary = toys.train(cfg, tmp_path)
     assert summary["status"] == "completed" and summary["steps"] == 12
     assert runs[0].logged == [2, 4]
     assert [r["step"] for r in read_jsonl(tmp_path / "metrics.jsonl")] == [2, 4, 6, 8, 10, 12]
@@ -170,7 +166,7 @@ def test_preemption_signal_in_process_checkpoints_and_resumes(tmp_path, toys, mo
     """SIGUSR1 arrives during step 6 (between checkpoints): step 6 finishes, a checkpoint of step
     6 is written, no summary; resuming gives the uninterrupted curve."""
     straight, preempted = tmp_path / "straight", tmp_path / "preempted"
-    run(toys.make_cfg(), straight)
+    toys.train(toys.make_cfg(), straight)
     toys.BUILT.clear()
     real_next = toys.ToyStream.next_batch
 
@@ -182,14 +178,14 @@ def test_preemption_signal_in_process_checkpoints_and_resumes(tmp_path, toys, mo
     monkeypatch.setattr(toys.ToyStream, "next_batch", next_batch)
     before = signal.getsignal(signal.SIGUSR1)
     with pytest.raises(Preempted) as info:
-        run(toys.make_cfg(), preempted)
+        toys.train(toys.make_cfg(), preempted)
     assert signal.getsignal(signal.SIGUSR1) == before  # handlers restored
     assert info.value.signum == signal.SIGUSR1 and info.value.step == 6 and info.value.exit_code == 138
     assert [s for s, _ in list_checkpoints(preempted / "checkpoints")] == [4, 6]
     assert not (preempted / "summary.json").exists()
     assert read_jsonl(preempted / "metrics.jsonl")[-1]["step"] == 6
     monkeypatch.setattr(toys.ToyStream, "next_batch", real_next)
-    summary = run(toys.make_cfg(**{"trainer.resume": True}), preempted)
+    summary = toys.train(toys.make_cfg(**{"trainer.resume": True}), preempted)
     assert summary["status"] == "completed"
     assert read_jsonl(preempted / "metrics.jsonl") == [
         {**r, "tokens_per_s": read_jsonl(preempted / "metrics.jsonl")[i]["tokens_per_s"]}
@@ -206,15 +202,15 @@ def test_signal_on_the_last_step_just_completes(tmp_path, toys, monkeypatch):
         return real_next(self)
 
     monkeypatch.setattr(toys.ToyStream, "next_batch", next_batch)
-    assert run(toys.make_cfg(), tmp_path)["status"] == "completed"
+    assert toys.train(toys.make_cfg(), tmp_path)["status"] == "completed"
     assert json.loads((tmp_path / "summary.json").read_text())["status"] == "completed"
 
 
 def test_requeued_slurm_job_resumes_even_without_resume_flag(tmp_path, toys, monkeypatch):
     with pytest.raises(RuntimeError, match="simulated crash"):
-        run(toys.make_cfg(**{"data.crash_at_call": 40}), tmp_path)
+        toys.train(toys.make_cfg(**{"data.crash_at_call": 40}), tmp_path)
     monkeypatch.setenv("SLURM_RESTART_COUNT", "1")
-    summary = run(toys.make_cfg(), tmp_path)  # trainer.resume=false, but a requeued job
+    summary = toys.train(toys.make_cfg(), tmp_path)  # trainer.resume=false, but a requeued job
     assert summary["status"] == "completed"
     assert [r["step"] for r in read_jsonl(tmp_path / "metrics.jsonl")] == [2, 4, 6, 8, 10, 12]
 
@@ -255,12 +251,12 @@ def test_guard_parses_signals_and_restores_handlers():
 
 
 def test_checkpoint_holds_every_state_a_resume_needs(tmp_path, toys):
-    run(toys.make_cfg(), tmp_path)
+    toys.train(toys.make_cfg(), tmp_path)
     state = load_checkpoint(list_checkpoints(tmp_path / "checkpoints")[-1][1])
     assert {"model", "optimizer", "schedule", "step", "ranks", "divergence", "progress", "wandb_run_id",
             "config", "world_size"} <= state.keys()
     rank = state["ranks"][0]
     assert {"data", "numerics", "rng"} <= rank.keys()
     assert {"torch", "python", "numpy"} <= rank["rng"].keys()
-    assert state["schedule"]["step"] == state["step"] == 12
+    assert state["schedule"]["last_epoch"] == state["step"] == 12 and state["format"] == 2
     assert torch.is_tensor(rank["rng"]["torch"])

@@ -3,7 +3,7 @@
 The cluster (munged, slurmctld, slurmd; ``scripts/slurm/start.sh``) lives in a temporary
 directory for this module and is stopped by PID at the end, also when a test fails. One multirun
 of the tiny model on synthetic data submits two experiments as a Slurm job array; every job runs
-two tasks, i.e. a two-rank torch.distributed (gloo) run set up from the Slurm environment. Job 0
+two tasks, i.e. a two-rank torch.distributed (gloo) FSDP2 run set up from the Slurm environment. Job 0
 is preempted (USR2, what Slurm sends before a time limit or preemption) after its first
 checkpoint: submitit requeues it, and the requeued job resumes from that checkpoint. With no
 accounting daemon, submitit reads job states through ``scripts/slurm/bin/sacct``.
@@ -55,6 +55,8 @@ def test_slurm_launcher_config():
     assert launcher["_target_"].endswith("SlurmLauncher")
     assert launcher["gpus_per_node"] == launcher["tasks_per_node"] == 8  # one rank per GPU
     assert launcher["nodes"] == 1 and launcher["max_num_timeout"] > 0
+    four_nodes = _launcher("hydra/launcher=slurm", "hydra.launcher.nodes=4")
+    assert four_nodes["nodes"] * four_nodes["tasks_per_node"] == 32  # ranks of the job
     assert launcher["submitit_folder"].endswith("/.submitit/%j")
     four = _launcher("hydra/launcher=slurm", "hydra.launcher.gpus_per_node=4", "hydra.launcher.partition=gpu")
     assert four["gpus_per_node"] == four["tasks_per_node"] == 4 and four["partition"] == "gpu"
@@ -76,7 +78,14 @@ def test_sweeps_have_own_dirs_and_resume(tmp_path):
         assert len(found) == 1, (script, args)
         dirs[script.name] = found[0]
         assert "trainer.resume=true" in args and "--multirun" in args, (script, args)
-    assert len(dirs) >= 4 and len(set(dirs.values())) == len(dirs), dirs
+        if script.name == "fog8b.sh":  # does not fit one GPU: sharded over several nodes
+            assert "+sweep=fog8b" in args and "hydra.launcher.nodes=4" in args, args
+            from hydra import compose, initialize_config_dir
+
+            with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
+                cfg = compose("train", overrides=["+experiment=reuse_rounded", "+sweep=fog8b"])
+            assert (cfg.model.name, cfg.trainer.parallel, cfg.backend.name) == ("fog_8b", "fsdp", "te")
+    assert "fog8b.sh" in dirs and len(dirs) >= 5 and len(set(dirs.values())) == len(dirs), dirs
 
 
 def _missing() -> list[str]:
@@ -158,7 +167,7 @@ def _preempt_after_first_checkpoint(sweep: Path, run_dir: Path, env: dict, event
 
 
 @pytest.mark.slow
-def test_sweep_on_slurm_ddp_and_requeue_resume(slurm_env, tmp_path):
+def test_sweep_on_slurm_fsdp_and_requeue_resume(slurm_env, tmp_path):
     sweep = tmp_path / "multirun"
     env = dict(slurm_env, WANDB_MODE="disabled", OMP_NUM_THREADS="1", HYDRA_FULL_ERROR="1")
     cmd = [
@@ -167,7 +176,7 @@ def test_sweep_on_slurm_ddp_and_requeue_resume(slurm_env, tmp_path):
         f"+experiment={','.join(EXPERIMENTS)}", "seed=0",
         "model=tiny", "data=synthetic", "logger=none",
         f"trainer.steps={STEPS}", f"trainer.ckpt_every={CKPT_EVERY}", "trainer.log_every=2",
-        "trainer.eval_batches=2", "trainer.progress=false", "trainer.resume=true",
+        "trainer.eval_batches=2", "trainer.progress=false", "trainer.resume=true", "trainer.parallel=fsdp",
         f"hydra.sweep.dir={sweep}",
         "hydra.launcher.partition=debug",
         "hydra.launcher.gpus_per_node=null",
@@ -213,6 +222,33 @@ def test_sweep_on_slurm_ddp_and_requeue_resume(slurm_env, tmp_path):
     log0 = "\n".join(p.read_text() for p in sweep.glob(f".submitit/{events['signalled']}/*_0_log.out"))
     assert "Requeued job" in log0, job_logs
     assert re.search(r"resumed from \S+step_\d+\.pt \(step [1-9]\d*\)", log0), log0
+
+
+@pytest.mark.parametrize("submitit_job", [True, False])
+def test_a_multi_node_task_takes_rank_world_and_master_from_slurm(monkeypatch, submitit_job):
+    """Task 9 of a 2-node, 8-tasks-per-node job, started by submitit or by a plain ``srun``:
+    global rank 9 of 16, local rank 1, and the job's first node as master (every task agrees)."""
+    from readback.train.distributed import first_host, world_from_env
+
+    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
+                "SUBMITIT_EXECUTOR", "CUDA_VISIBLE_DEVICES"):
+        monkeypatch.setenv(key, "")  # recorded, so what the export sets is undone after the test
+        monkeypatch.delenv(key)
+    slurm = {"SLURM_JOB_ID": "4242", "SLURM_JOB_NODELIST": "gpu[07-08]", "SLURM_JOB_NUM_NODES": "2",
+             "SLURM_NTASKS": "16", "SLURM_PROCID": "9", "SLURM_LOCALID": "1", "SLURM_NODEID": "1"}
+    if submitit_job:
+        slurm["SUBMITIT_EXECUTOR"] = "slurm"
+    for key, value in slurm.items():
+        monkeypatch.setenv(key, value)
+    assert world_from_env() == (9, 16, 1)
+    assert os.environ["MASTER_ADDR"] == "gpu07" and os.environ["LOCAL_WORLD_SIZE"] == "8"
+    port = os.environ["MASTER_PORT"]
+    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(key)
+    for key in ("SLURM_PROCID", "SLURM_LOCALID", "SLURM_NODEID"):
+        monkeypatch.setenv(key, "0")
+    assert world_from_env() == (0, 16, 0) and os.environ["MASTER_PORT"] == port  # the same port on every node
+    assert first_host("node1") == "node1" and first_host("a[003-009,12],b7") == "a003"
 
 
 @pytest.mark.slow

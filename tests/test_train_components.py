@@ -1,21 +1,15 @@
 """The trainer's parts one by one, then end-to-end runs of ``readback.train.run`` on a toy model.
 
-The toy model and data stream implement the interfaces the trainer relies on (loss from
-``model(idx, targets)``, ``model.numerics``, a ``layers.0.attn.core`` for the stats hooks;
-``next_batch``, ``val_batches``, ``state_dict``) and are installed in place of ``readback.backends.build_model`` /
-``readback.data.build_data``.
+The toy model and data stream satisfy the trainer's contract (``readback.train.contract``:
+``TrainableModel``, ``RunNumerics``, ``DataStream``) and are handed to ``run`` as its builders.
 """
 
 from __future__ import annotations
 
 import contextlib
-
-import importlib
 import json
 import logging
 import math
-import sys
-import types
 from pathlib import Path
 
 import pytest
@@ -26,7 +20,7 @@ from torch import nn
 
 from readback.config.schema import Optim
 from readback.errors import ConfigError
-from readback.train import run
+from readback.train import Builders, run
 from readback.train.checkpoint import (
     atomic_torch_save,
     checkpoint_path,
@@ -37,8 +31,8 @@ from readback.train.checkpoint import (
 )
 from readback.train.divergence import DivergenceDetector
 from readback.train.metrics import JsonlWriter, MetricsLogger, read_jsonl
+from readback.train.optim import build_optimizer, clip_gradients, nonfinite_grad_names, param_groups
 from readback.train.tracking import RunIdentity, WandbLogger, resolve_wandb_mode
-from readback.train.optim import build_optimizer, clip_grads_, grad_norm, nonfinite_grad_names, param_groups
 from readback.train.schedule import WSDSchedule
 
 CONF = Path(__file__).resolve().parents[1] / "conf"
@@ -65,6 +59,9 @@ class ToyNumerics:
 
     def saturation_counts(self) -> dict[str, int]:
         return {"toy.out": self.step % 3}
+
+    def pop_observations(self) -> dict[str, float]:
+        return {}
 
     @contextlib.contextmanager
     def isolated(self):
@@ -181,19 +178,16 @@ def toy_build_data(cfg_data, *, seq_len, micro_batch, seed, rank=0, world_size=1
                      world_size=world_size, crash_at_call=cfg_data.get("crash_at_call"))
 
 
-def _install(monkeypatch, module: str, attr: str, fn) -> None:
-    try:
-        mod = importlib.import_module(module)
-    except Exception:  # not written yet, or broken mid-edit: a stand-in module
-        mod = types.ModuleType(module)
-        monkeypatch.setitem(sys.modules, module, mod)
-    monkeypatch.setattr(mod, attr, fn, raising=False)
+TOYS = Builders(model=toy_build_model, data=toy_build_data)
+
+
+def train(cfg, run_dir):
+    """``readback.train.run`` with the toy builders."""
+    return run(cfg, run_dir, TOYS)
 
 
 @pytest.fixture
 def toys(monkeypatch):
-    _install(monkeypatch, "readback.backends", "build_model", toy_build_model)
-    _install(monkeypatch, "readback.data", "build_data", toy_build_data)
     monkeypatch.delenv("WANDB_MODE", raising=False)
     BUILT.clear()
     yield BUILT
@@ -208,7 +202,8 @@ def make_cfg(**trainer):
     cfg = OmegaConf.create({
         "seed": 3,
         "experiment": "toy",
-        "model": {"seq_len": 8, "global_batch": 8, "lr": 3e-2, "vocab_size": None, "d_model": 16},
+        "model": {"seq_len": 8, "global_batch": 8, "lr": 3e-2, "vocab_size": None, "d_model": 16,
+                  "n_layers": 1, "n_heads": 1, "ffn_dim": 16},  # the last three size its activations
         "data": {"vocab": 24},
         "trainer": base,
         "logger": OmegaConf.load(CONF / "logger" / "none.yaml"),
@@ -258,12 +253,12 @@ def test_param_groups_no_decay_on_1d():
     assert id(model.frozen) not in ids and id(model.gain) in {id(p) for p in no_decay["params"]}
     assert id(model.fc.bias) in {id(p) for p in no_decay["params"]}
     assert len(ids) == sum(1 for p in model.parameters() if p.requires_grad)
-    opt = build_optimizer(model, OmegaConf.load(CONF / "trainer" / "default.yaml").optim, lr=1e-3)
+    opt = build_optimizer(model, OmegaConf.load(CONF / "trainer" / "default.yaml").optim)
     assert isinstance(opt, torch.optim.AdamW)
     assert opt.defaults["betas"] == (0.9, 0.95) and opt.defaults["eps"] == 1e-8
 
 
-def test_grad_norm_clip_and_nonfinite_names():
+def test_clip_gradients_is_torchs_clip_and_names_nonfinite_grads():
     torch.manual_seed(0)
     a, b = nn.Linear(3, 4), nn.Linear(3, 4)
     b.load_state_dict(a.state_dict())
@@ -271,13 +266,15 @@ def test_grad_norm_clip_and_nonfinite_names():
     for m in (a, b):
         m(x).square().sum().backward()
     expected = torch.nn.utils.clip_grad_norm_(list(b.parameters()), 1.0)
-    norm = grad_norm(list(a.parameters()))
-    assert torch.allclose(norm, expected)
-    clip_grads_(list(a.parameters()), 1.0, norm)
+    norm = clip_gradients(list(a.parameters()), 1.0)
+    assert norm > 1.0 and torch.equal(norm, expected)
     for pa, pb in zip(a.parameters(), b.parameters()):
-        assert torch.allclose(pa.grad, pb.grad)
+        assert torch.equal(pa.grad, pb.grad)
+    assert torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in a.parameters()])) <= 1.0 + 1e-6
     a.bias.grad[0] = math.inf
-    assert not math.isfinite(grad_norm(list(a.parameters())))
+    kept = a.weight.grad.clone()
+    assert not math.isfinite(clip_gradients(list(a.parameters()), 1.0))
+    assert torch.equal(a.weight.grad, kept)  # a non-finite norm leaves the gradients alone
     assert nonfinite_grad_names(a.named_parameters()) == ["bias"]
 
 
@@ -464,7 +461,7 @@ def _curve(run_dir: Path) -> list[tuple]:
 
 def test_run_end_to_end_contracts(tmp_path, toys):
     cfg = make_cfg()
-    summary = run(cfg, tmp_path)
+    summary = train(cfg, tmp_path)
     records = read_jsonl(tmp_path / "metrics.jsonl")
     assert [r["step"] for r in records] == [2, 4, 6, 8, 10, 12]
     for r in records:
@@ -491,15 +488,15 @@ def test_run_end_to_end_contracts(tmp_path, toys):
 
 def test_resume_reproduces_the_uninterrupted_curve_bit_exactly(tmp_path, toys):
     straight, crashed = tmp_path / "straight", tmp_path / "crashed"
-    run(make_cfg(), straight)
+    train(make_cfg(), straight)
     # 4 micro-batches per step: call 40 is the first of step 11, after step 10 was logged
     with pytest.raises(RuntimeError, match="simulated crash"):
-        run(make_cfg(**{"data.crash_at_call": 40}), crashed)
+        train(make_cfg(**{"data.crash_at_call": 40}), crashed)
     failed = json.loads((crashed / "summary.json").read_text())
     assert failed["status"] == "failed" and "simulated crash" in failed["error"] and failed["steps"] == 10
     assert [r["step"] for r in read_jsonl(crashed / "metrics.jsonl")][-1] == 10
     assert [s for s, _ in list_checkpoints(crashed / "checkpoints")] == [4, 8]
-    summary = run(make_cfg(**{"trainer.resume": True}), crashed)
+    summary = train(make_cfg(**{"trainer.resume": True}), crashed)
     assert summary["status"] == "completed"
     assert [r["step"] for r in read_jsonl(crashed / "metrics.jsonl")] == [2, 4, 6, 8, 10, 12]
     assert _curve(crashed) == _curve(straight)  # exact equality, floats included
@@ -509,15 +506,15 @@ def test_resume_reproduces_the_uninterrupted_curve_bit_exactly(tmp_path, toys):
 
 
 def test_evaluation_leaves_training_untouched(tmp_path, toys):
-    run(make_cfg(**{"trainer.eval_every": 2}), tmp_path / "often")
-    run(make_cfg(**{"trainer.eval_every": 12}), tmp_path / "once")
+    train(make_cfg(**{"trainer.eval_every": 2}), tmp_path / "often")
+    train(make_cfg(**{"trainer.eval_every": 12}), tmp_path / "once")
     train_curve = [(s, loss, lr, g) for s, loss, lr, _, g, _ in _curve(tmp_path / "often")]
     assert train_curve == [(s, loss, lr, g) for s, loss, lr, _, g, _ in _curve(tmp_path / "once")]
 
 
 def test_nan_loss_stops_without_applying_the_update(tmp_path, toys):
     cfg = make_cfg(**{"model.nan_loss_at": 6, "trainer.log_every": 1, "trainer.ckpt_every": 5})
-    summary = run(cfg, tmp_path)
+    summary = train(cfg, tmp_path)
     assert summary["status"] == "diverged" and summary["diverged_at_step"] == 6 and summary["steps"] == 6
     assert "non-finite loss" in summary["divergence_reason"]
     records = read_jsonl(tmp_path / "metrics.jsonl")
@@ -533,7 +530,7 @@ def test_nan_loss_stops_without_applying_the_update(tmp_path, toys):
 
 
 def test_nonfinite_gradients_skip_the_update(tmp_path, toys):
-    summary = run(make_cfg(**{"model.nan_grad_at": 3, "trainer.divergence.nonfinite_grads": "skip"}), tmp_path)
+    summary = train(make_cfg(**{"model.nan_grad_at": 3, "trainer.divergence.nonfinite_grads": "skip"}), tmp_path)
     assert summary["status"] == "completed"
     assert summary["skipped_updates"] == [{"step": 3, "params": ["gain"]}]
     assert all(torch.isfinite(v).all() for v in toys[0].state_dict().values())
@@ -542,7 +539,7 @@ def test_nonfinite_gradients_skip_the_update(tmp_path, toys):
 
 def test_nonfinite_gradients_stop_as_divergence_by_default(tmp_path, toys):
     cfg = make_cfg(**{"model.nan_grad_at": 3, "trainer.log_every": 1, "trainer.ckpt_every": 2})
-    summary = run(cfg, tmp_path)
+    summary = train(cfg, tmp_path)
     assert summary["status"] == "diverged" and summary["diverged_at_step"] == 3 and summary["steps"] == 3
     assert summary["nonfinite_tensors"] == ["gain.grad"] and "gain" in summary["divergence_reason"]
     on_disk = json.loads((tmp_path / "summary.json").read_text())
@@ -559,7 +556,7 @@ def test_nonfinite_gradients_stop_as_divergence_by_default(tmp_path, toys):
 def test_patience_divergence_can_stop(tmp_path, toys):
     cfg = make_cfg(**{"trainer.divergence.factor": 0.5, "trainer.divergence.patience": 2,
                       "trainer.divergence.stop": True, "trainer.log_every": 1})
-    summary = run(cfg, tmp_path)
+    summary = train(cfg, tmp_path)
     # every loss is above 0.5 x the running minimum: marked at step 2, stopped at step 3
     assert summary["status"] == "diverged" and summary["diverged_at_step"] == 2 and summary["steps"] == 3
     assert "val_loss" in read_jsonl(tmp_path / "metrics.jsonl")[-1]
@@ -574,7 +571,7 @@ def test_wandb_failure_does_not_stop_training(tmp_path, toys, monkeypatch, capsy
     monkeypatch.setattr(wandb, "init", broken_init)
     cfg = make_cfg(**{"trainer.steps": 4, "trainer.progress": True})
     cfg.logger = OmegaConf.load(CONF / "logger" / "wandb.yaml")
-    summary = run(cfg, tmp_path)
+    summary = train(cfg, tmp_path)
     assert summary["status"] == "completed"
     bar = capsys.readouterr().err
     assert "4/4" in bar and "loss=" in bar and "tok_s=" in bar
@@ -585,7 +582,7 @@ def test_wandb_failure_does_not_stop_training(tmp_path, toys, monkeypatch, capsy
 
 def test_dry_run_builds_on_meta_and_skips_data(tmp_path, toys, capsys):
     cfg = make_cfg(**{"trainer.dry_run": True, "model.vocab_size": 24, "data.forbid_build": True})
-    summary = run(cfg, tmp_path)
+    summary = train(cfg, tmp_path)
     assert summary["status"] == "dry_run" and summary["n_params"] == toys[0].n_params()
     assert summary["flops_per_token"] == 6.0 * summary["n_params"]
     assert all(p.is_meta for p in toys[0].parameters())
@@ -596,5 +593,5 @@ def test_dry_run_builds_on_meta_and_skips_data(tmp_path, toys, capsys):
 
 def test_indivisible_global_batch_is_a_config_error(tmp_path, toys):
     with pytest.raises(ConfigError, match="model.global_batch"):
-        run(make_cfg(**{"trainer.micro_batch": 3}), tmp_path / "run")
+        train(make_cfg(**{"trainer.micro_batch": 3}), tmp_path / "run")
     assert not (tmp_path / "run").exists()

@@ -29,6 +29,7 @@ from readback.numerics import AMAX_COMPUTE_ALGOS, ROUNDINGS, Format
 from readback.ops.numerics import ATTENTION_BWD, PRECISIONS
 from readback.policy import POLICIES
 from readback.probe.gradient_error import DTYPES
+from readback.train.parallel import PARALLEL
 
 FP8_ALIGNMENT = 16  # FP8 GEMMs need every dimension divisible by 16
 DEVICES = ("auto", "cpu", "cuda")
@@ -205,6 +206,8 @@ class Trainer(Checked):
     preempt_signals: list[str] = MISSING
     dry_run: bool = MISSING
     device: str = one_of(DEVICES)
+    parallel: str = one_of(PARALLEL)
+    gpu_memory_gb: float = number(0, low_open=True)
     progress: bool = MISSING
     optim: Optim = MISSING
     divergence: Divergence = MISSING

@@ -88,13 +88,14 @@ class RMSNorm(nn.Module):
 
 
 class XIELU(nn.Module):
-    """xIELU with learnable ``alpha_p = softplus(p)`` and ``alpha_n = beta + softplus(n)``, both 0.8 at init."""
+    """xIELU with learnable ``alpha_p = softplus(p)`` and ``alpha_n = beta + softplus(n)``, both 0.8 at init.
+    ``p`` and ``n`` have shape ``(1,)``, not ``()``: FSDP2 shards no 0-dimensional parameter."""
 
     def __init__(self, numerics: Numerics):
         super().__init__()
         inverse_softplus = lambda y: math.log(math.expm1(y))  # noqa: E731
-        self.p = nn.Parameter(torch.tensor(inverse_softplus(0.8)))
-        self.n = nn.Parameter(torch.tensor(inverse_softplus(0.8 - BETA)))
+        self.p = nn.Parameter(torch.tensor([inverse_softplus(0.8)]))
+        self.n = nn.Parameter(torch.tensor([inverse_softplus(0.8 - BETA)]))
         self.numerics = numerics
 
     def forward(self, x):

@@ -1,15 +1,24 @@
-"""The trainer: one module per concern, wired by :mod:`readback.train.loop`.
+"""The trainer: components wired by :class:`~readback.train.trainer.Trainer`.
 
-* :mod:`~readback.train.schedule` -- warmup-stable-decay LR with 1-sqrt cooldown
+* :mod:`~readback.train.contract` -- what the trainer needs from a model and a data stream; the builders
+* :mod:`~readback.train.launch` -- ``run(cfg, run_dir)``: process group, determinism, preemption guard
+* :mod:`~readback.train.trainer` -- builds the components and runs the steps
+* :mod:`~readback.train.schedule` -- warmup-stable-decay LR with 1-sqrt cooldown (a ``LambdaLR``)
 * :mod:`~readback.train.optim` -- AdamW param groups, gradient norm/clip, non-finite check
-* :mod:`~readback.train.checkpoint` -- atomic checkpoints, resume, pruning, RNG state
+* :mod:`~readback.train.checkpoint_manager` -- checkpoint schema, resume decision
+* :mod:`~readback.train.checkpoint` -- atomic files, safe loading, format check, pruning, RNG state
+* :mod:`~readback.train.metrics_processor` -- loss/throughput windows, MFU, records, progress bar
 * :mod:`~readback.train.metrics` -- ``metrics.jsonl`` and a wandb wrapper that never stops a run
+* :mod:`~readback.train.validator` -- validation loss split over the ranks
+* :mod:`~readback.train.summary` -- ``summary.json``
+* :mod:`~readback.train.dry_run` -- the model's size without weights
 * :mod:`~readback.train.divergence` -- NaN stop, loss blow-up marking, skipped updates
 * :mod:`~readback.train.distributed` -- torchrun/Slurm process groups (gloo on CPU, NCCL on CUDA)
 
 Entry point: ``summary = run(cfg, run_dir)``.
 """
 
-from readback.train.loop import accumulation_steps, run
+from readback.train.contract import Builders
+from readback.train.launch import accumulation_steps, run
 
-__all__ = ["accumulation_steps", "run"]
+__all__ = ["Builders", "accumulation_steps", "run"]

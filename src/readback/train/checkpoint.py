@@ -10,12 +10,17 @@ file of a save that a ``SIGKILL`` interrupted is removed when the run resumes
 readable checkpoint (``trainer.resume=true``), step 0 (an empty run directory), or a
 ``ConfigError`` (checkpoints that cannot be resumed, or would be overwritten). ``train.py`` asks it
 before Hydra touches the run directory, the trainer again when it starts.
+
+Loading runs no code: a checkpoint holds tensors and plain containers only (the RNG states
+included), and is read with ``torch.load(weights_only=True)``. A file that needs more -- a
+pickled object, say from a checkpoint someone else crafted -- is refused with one line.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import pickle
 import random
 import re
 import tempfile
@@ -33,6 +38,7 @@ log = logging.getLogger(__name__)
 _UMASK = os.umask(0o022)
 os.umask(_UMASK)
 
+CHECKPOINT_FORMAT = 2  # 2: loads with weights_only=True and carries the LR scheduler's state
 _NAME = re.compile(r"^step_(\d+)\.pt$")
 _TEMP = re.compile(r"^\.(step_\d+\.pt|summary\.json|metrics\.jsonl)\..+\.tmp$")  # atomic_write_bytes' temp files
 # Keys a checkpoint can only be resumed under with the value it was trained with.
@@ -143,10 +149,17 @@ def remove_stale_temp_files(directory: Path) -> list[Path]:
 
 
 def load_checkpoint(path: Path, map_location: Any = "cpu", mmap: bool = False) -> dict[str, Any]:
-    """A checkpoint file's state. ``mmap``: map the tensors instead of reading them (a quick look
-    at a large checkpoint)."""
-    # The trainer wrote these files itself (RNG tuples, data-stream states), hence full unpickling.
-    state = torch.load(path, map_location=map_location, weights_only=False, mmap=mmap)
+    """A checkpoint file's state, read without running code. ``mmap``: map the tensors instead
+    of reading them (a quick look at a large checkpoint). A file that would need to unpickle
+    anything but tensors and plain containers raises a one-line ``ConfigError``."""
+    try:
+        state = torch.load(path, map_location=map_location, weights_only=True, mmap=mmap)
+    except pickle.UnpicklingError as e:
+        refused = next((line.strip() for line in str(e).splitlines() if "GLOBAL" in line), None)
+        if refused is None:  # not a pickled callable: an unreadable file, which resume skips
+            raise
+        raise ConfigError("trainer.resume", str(path), f"a checkpoint of tensors and plain containers; this file "
+                                                       f"was refused unread ({refused}), as loading it could run code") from e
     if not isinstance(state, dict) or "step" not in state:
         raise ValueError(f"{path} is not a readback checkpoint")
     return state
@@ -159,6 +172,8 @@ def load_latest_checkpoint(
     for step, path in reversed(list_checkpoints(ckpt_dir)):
         try:
             return path, load_checkpoint(path, map_location, mmap)
+        except ConfigError:  # refused as unsafe: never skipped for an older one
+            raise
         except Exception as e:  # noqa: BLE001 - any unreadable file is skipped
             if not quiet:
                 log.warning("skipping unreadable checkpoint %s (step %d): %s", path, step, e)
@@ -189,7 +204,8 @@ def resume_plan(run_dir: Path, cfg: Any, *, mmap: bool = False) -> tuple[Path, d
     * the run directory holds checkpoints but ``trainer.resume`` is false (they would be
       overwritten) -- unless this is a requeued Slurm job, which resumes;
     * ``trainer.resume`` is true and none of its checkpoints loads;
-    * the newest readable checkpoint was trained with another model (:func:`config_mismatch`).
+    * the newest readable checkpoint has another format than :data:`CHECKPOINT_FORMAT`, or was
+      trained with another model (:func:`config_mismatch`).
     """
     from readback.train.preemption import requeued
 
@@ -210,6 +226,9 @@ def resume_plan(run_dir: Path, cfg: Any, *, mmap: bool = False) -> tuple[Path, d
         raise ConfigError("trainer.resume", True, f"a run directory with a readable checkpoint: none of the "
                                                   f"{len(found)} in {ckpt_dir} loads (remove them to start afresh)")
     path, state = latest
+    if state.get("format") != CHECKPOINT_FORMAT:
+        raise ConfigError("trainer.resume", True, f"a checkpoint of format {CHECKPOINT_FORMAT}; {path} has format "
+                                                  f"{state.get('format')!r} (resume it with the readback that wrote it)")
     mismatch = config_mismatch(state.get("config"), cfg)
     if mismatch is not None:
         key, now, was = mismatch
@@ -217,29 +236,26 @@ def resume_plan(run_dir: Path, cfg: Any, *, mmap: bool = False) -> tuple[Path, d
     return path, state
 
 
-def rng_state() -> dict[str, Any]:
-    """This process's torch (CPU and CUDA), Python and NumPy RNG states."""
-    state: dict[str, Any] = {"torch": torch.get_rng_state(), "python": random.getstate()}
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        state["cuda"] = torch.cuda.get_rng_state_all()
-    try:
+class RNGState:
+    """This process's torch (CPU and CUDA), Python and NumPy RNG states as tensors, ints and
+    tuples (what ``weights_only`` loading accepts); a ``Stateful`` for the checkpoint manager."""
+
+    def state_dict(self) -> dict[str, Any]:
         import numpy as np
 
-        state["numpy"] = np.random.get_state()
-    except ImportError:  # pragma: no cover
-        pass
-    return state
+        name, keys, pos, has_gauss, gauss = np.random.get_state()
+        state: dict[str, Any] = {"torch": torch.get_rng_state(), "python": random.getstate(),
+                                 "numpy": (name, torch.from_numpy(keys.astype(np.int64)), pos, has_gauss, gauss)}
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            state["cuda"] = torch.cuda.get_rng_state_all()
+        return state
 
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        import numpy as np
 
-def set_rng_state(state: dict[str, Any]) -> None:
-    torch.set_rng_state(state["torch"].cpu() if hasattr(state["torch"], "cpu") else state["torch"])
-    random.setstate(state["python"])
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all([s.cpu() for s in state["cuda"]])
-    if "numpy" in state:
-        try:
-            import numpy as np
-
-            np.random.set_state(state["numpy"])
-        except ImportError:  # pragma: no cover
-            pass
+        torch.set_rng_state(state["torch"].cpu())
+        random.setstate(state["python"])
+        name, keys, pos, has_gauss, gauss = state["numpy"]
+        np.random.set_state((name, keys.numpy().astype(np.uint32), pos, has_gauss, gauss))
+        if "cuda" in state and torch.cuda.is_available():
+            torch.cuda.set_rng_state_all([s.cpu() for s in state["cuda"]])

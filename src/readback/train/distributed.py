@@ -1,8 +1,11 @@
 """Process-group setup for ``torchrun`` and Slurm (submitit), and the few collectives the loop needs.
 
 * ``torchrun --nproc_per_node=N train.py ...`` sets ``RANK``/``WORLD_SIZE``/``LOCAL_RANK``.
-* Under Slurm (``SLURM_JOB_ID`` set, no ``RANK`` yet) and with submitit importable,
-  ``submitit.helpers.TorchDistributedEnvironment().export()`` derives and exports them.
+* Under Slurm (``SLURM_JOB_ID`` set, no ``RANK`` yet), on any number of nodes: in a submitit job
+  ``submitit.helpers.TorchDistributedEnvironment().export()`` derives and exports them; in a
+  task ``srun`` started otherwise they come from ``SLURM_PROCID``/``SLURM_NTASKS``/``SLURM_LOCALID``.
+  Either way ``MASTER_ADDR`` is the job's first node and ``MASTER_PORT`` follows the job id, so
+  every task of the job agrees on them.
 * Without ``WORLD_SIZE`` (or with ``WORLD_SIZE=1``) the run is a single process, no process group.
 
 DDP runs over gloo on CPU and NCCL on CUDA; rank 0 alone writes files and logs.
@@ -40,16 +43,31 @@ class DistEnv:
         return self.world_size > 1
 
 
+def first_host(nodelist: str) -> str:
+    """The first host of a Slurm node list: ``gpu[07-08,11],cpu1`` -> ``gpu07``."""
+    head = nodelist.split(",")[0] if "[" not in nodelist.split(",")[0] else nodelist.split("]")[0]
+    prefix, _, ranges = head.partition("[")
+    return prefix + ranges.split(",")[0].split("-")[0]
+
+
 def maybe_export_slurm_env() -> None:
     """Export torch.distributed variables from the Slurm environment when launched by Slurm."""
     if "RANK" in os.environ or "SLURM_JOB_ID" not in os.environ:
         return
-    try:
+    if os.environ.get("SUBMITIT_EXECUTOR") == "slurm":
         import submitit
 
         submitit.helpers.TorchDistributedEnvironment().export()
-    except Exception as e:  # noqa: BLE001 - not a submitit job, or submitit missing
-        log.debug("no Slurm distributed environment exported: %s", e)
+        return
+    if "SLURM_PROCID" not in os.environ or "SLURM_NTASKS" not in os.environ:
+        return  # the batch script itself, not a task
+    ntasks, nodes = int(os.environ["SLURM_NTASKS"]), int(os.environ.get("SLURM_JOB_NUM_NODES", "1"))
+    os.environ.update({
+        "RANK": os.environ["SLURM_PROCID"], "WORLD_SIZE": str(ntasks),
+        "LOCAL_RANK": os.environ.get("SLURM_LOCALID", "0"), "LOCAL_WORLD_SIZE": str(ntasks // nodes),
+        "MASTER_ADDR": os.environ.get("MASTER_ADDR") or first_host(os.environ.get("SLURM_JOB_NODELIST", "localhost")),
+        "MASTER_PORT": os.environ.get("MASTER_PORT") or str(20000 + int(os.environ["SLURM_JOB_ID"]) % 40000),
+    })
 
 
 def world_from_env() -> tuple[int, int, int]:

@@ -7,6 +7,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 
 def param_groups(model: nn.Module, weight_decay: float) -> list[dict[str, Any]]:
@@ -28,53 +29,43 @@ def param_groups(model: nn.Module, weight_decay: float) -> list[dict[str, Any]]:
     return groups
 
 
-def build_optimizer(model: nn.Module, optim_cfg: Any, lr: float) -> torch.optim.AdamW:
+def build_optimizer(model: nn.Module, optim_cfg: Any) -> torch.optim.AdamW:
     """AdamW over :func:`param_groups` with ``trainer.optim`` betas, eps and weight decay.
 
-    The learning rate is set by the trainer before every step from the schedule; ``lr`` is only
-    the initial value.
+    Its base learning rate is 1: the schedule (:func:`readback.train.schedule.build_scheduler`)
+    gives absolute learning rates as the ``LambdaLR`` factor, so ``lr = 1.0 * schedule(t)``
+    holds exactly.
     """
     return torch.optim.AdamW(
         param_groups(model, optim_cfg.weight_decay),
-        lr=lr,
+        lr=1.0,
         betas=tuple(optim_cfg.betas),  # type: ignore[arg-type]
         eps=optim_cfg.eps,
     )
 
 
-def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
-    for group in optimizer.param_groups:
-        group["lr"] = lr
+def _full(grad: torch.Tensor) -> torch.Tensor:
+    """A gradient whole: FSDP's are ``DTensor`` shards (``full_tensor`` gathers: every rank calls it)."""
+    return grad.full_tensor() if isinstance(grad, DTensor) else grad
 
 
-def grad_norm(params: Iterable[torch.Tensor]) -> torch.Tensor:
-    """Global L2 norm of all gradients (fp32 scalar); ``inf``/``nan`` if any gradient is."""
+def clip_gradients(params: list[torch.Tensor], max_norm: float) -> torch.Tensor:
+    """The pre-clip global L2 norm of all gradients (a plain fp32 scalar on every rank, ``inf`` or
+    ``nan`` if any gradient is); when it is finite and ``max_norm > 0``, the gradients are scaled by
+    ``min(1, max_norm / (norm + 1e-6))`` (``torch.nn.utils.clip_grads_with_norm_``)."""
     grads = [p.grad for p in params if p.grad is not None]
     if not grads:
         return torch.zeros(())
-    norms = [torch.linalg.vector_norm(g.detach(), dtype=torch.float32) for g in grads]
-    device = norms[0].device
-    return torch.linalg.vector_norm(torch.stack([n.to(device) for n in norms]))
-
-
-def clip_grads_(params: Iterable[torch.Tensor], max_norm: float, total_norm: torch.Tensor) -> None:
-    """Scale gradients in place so that their global norm is at most ``max_norm``.
-
-    Same rule as ``torch.nn.utils.clip_grad_norm_`` (``coef = max_norm / (norm + 1e-6)``,
-    clamped to 1), given the already computed pre-clip ``total_norm``. ``max_norm <= 0`` disables.
-    """
-    if max_norm is None or max_norm <= 0:
-        return
-    coef = torch.clamp(float(max_norm) / (total_norm + 1e-6), max=1.0)
-    for p in params:
-        if p.grad is not None:
-            p.grad.detach().mul_(coef.to(p.grad.device, p.grad.dtype))
+    norm = _full(torch.nn.utils.get_total_norm(grads, norm_type=2.0))
+    if max_norm > 0 and bool(torch.isfinite(norm)):
+        torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm)
+    return norm
 
 
 def nonfinite_grad_names(named_params: Iterable[tuple[str, torch.Tensor]]) -> list[str]:
-    """Names of the parameters whose gradient holds a NaN or an Inf."""
+    """Names of the parameters whose gradient holds a NaN or an Inf (the same on every rank)."""
     return [
         name
         for name, p in named_params
-        if p.grad is not None and not bool(torch.isfinite(p.grad).all())
+        if p.grad is not None and not bool(torch.isfinite(_full(p.grad)).all())
     ]

@@ -17,6 +17,8 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
+import torch
+
 
 @dataclass(frozen=True)
 class WSDSchedule:
@@ -49,3 +51,10 @@ class WSDSchedule:
         """Build from ``trainer.optim`` (``warmup_steps``, ``cooldown_frac``, ``min_lr``)."""
         return cls(peak=peak, steps=steps, warmup_steps=optim_cfg.warmup_steps, cooldown_frac=optim_cfg.cooldown_frac,
                    min_lr=optim_cfg.min_lr)
+
+
+def build_scheduler(optimizer: torch.optim.Optimizer, schedule: WSDSchedule) -> torch.optim.lr_scheduler.LambdaLR:
+    """``LambdaLR`` whose factor is ``schedule``'s absolute learning rate (the optimizer's base lr
+    is 1). Its epoch counts finished updates, so update ``t`` runs at ``schedule(t)``; the
+    trainer steps it after every optimizer step (a skipped update too)."""
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda updates_done: schedule(updates_done + 1))

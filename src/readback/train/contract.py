@@ -1,0 +1,90 @@
+"""What the trainer needs from a model, its numerics and its data, and the builders that make them.
+
+The contract is structural (``typing.Protocol``): the FOG of :mod:`readback.model`, the
+Transformer Engine FOG of :mod:`readback.backends.te` and a test's toy model all satisfy it
+without inheriting from anything. :func:`check_model` checks a built model once, so a missing
+member is one clear error at build time instead of a silent skip in the loop.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager
+from dataclasses import dataclass
+from typing import Any, Protocol, runtime_checkable
+
+import torch
+
+
+@runtime_checkable
+class RunNumerics(Protocol):
+    """The model's rounding state: scaling states, random streams, counters not yet logged."""
+
+    def end_step(self) -> None: ...
+    def state_dict(self) -> dict[str, Any]: ...
+    def load_state_dict(self, state: dict[str, Any]) -> None: ...
+    def isolated(self) -> AbstractContextManager[Any]: ...
+    def saturation_counts(self) -> dict[str, int]: ...
+    def pop_observations(self) -> dict[str, float]: ...
+
+
+@runtime_checkable
+class TrainableModel(Protocol):
+    """An ``nn.Module`` whose ``model(idx, targets)`` is the mean loss, with its numerics, its
+    size, and its blocks (FSDP shards each one; ``readback.model.ActivationStats`` hooks them)."""
+
+    numerics: RunNumerics
+    layers: torch.nn.ModuleList
+
+    def __call__(self, idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor: ...
+    def n_params(self) -> int: ...
+    def flops_per_token(self) -> float: ...
+
+
+@runtime_checkable
+class DataStream(Protocol):
+    """Training batches of this rank, the validation batches (the same on every rank), a position."""
+
+    vocab_size: int
+
+    def next_batch(self) -> tuple[torch.Tensor, torch.Tensor]: ...
+    def val_batches(self, n: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]: ...
+    def state_dict(self) -> dict[str, Any]: ...
+    def load_state_dict(self, state: dict[str, Any]) -> None: ...
+
+
+def _default_model(cfg: Any, device: str) -> TrainableModel:
+    from readback.backends import build_model
+
+    return build_model(cfg, device)
+
+
+def _default_data(cfg_data: Any, **layout: Any) -> DataStream:
+    from readback.data import build_data
+
+    return build_data(cfg_data, **layout)
+
+
+@dataclass(frozen=True)
+class Builders:
+    """``model(cfg, device)`` and ``data(cfg.data, seq_len=, micro_batch=, seed=, rank=, world_size=)``."""
+
+    model: Callable[[Any, str], TrainableModel] = _default_model
+    data: Callable[..., DataStream] = _default_data
+
+    def stream(self, cfg: Any, *, rank: int, world_size: int) -> DataStream:
+        """This rank's data stream; ``model.vocab_size: null`` takes the stream's vocabulary."""
+        stream = self.data(cfg.data, seq_len=cfg.model.seq_len, micro_batch=cfg.trainer.micro_batch, seed=cfg.seed,
+                           rank=rank, world_size=world_size)
+        if cfg.model.vocab_size is None:
+            cfg.model.vocab_size = stream.vocab_size
+        return stream
+
+
+def check_model(model: object) -> TrainableModel:
+    """``model`` itself, or a ``TypeError`` when it is not an ``nn.Module`` satisfying
+    :class:`TrainableModel` (with :class:`RunNumerics`)."""
+    if not (isinstance(model, torch.nn.Module) and isinstance(model, TrainableModel)
+            and isinstance(model.numerics, RunNumerics)):
+        raise TypeError(f"{type(model).__name__} is not an nn.Module satisfying readback.train.contract.TrainableModel")
+    return model

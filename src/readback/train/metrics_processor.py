@@ -1,0 +1,110 @@
+"""From training steps to records: the loss and throughput window between two log steps, MFU,
+the model's statistics, the progress bar, and the run-level results a summary reports."""
+
+from __future__ import annotations
+
+import math
+import time
+from typing import Any
+
+import torch
+
+from readback.train.contract import TrainableModel
+from readback.train.distributed import DistEnv
+from readback.train.metrics import MetricsLogger, peak_bf16_flops
+
+
+class Window:
+    """Train-loss and throughput accumulators between two log steps, plus run-level results."""
+
+    def __init__(self) -> None:
+        self.loss_sum = 0.0
+        self.count = 0
+        self.tokens = 0
+        self.time_s = 0.0
+        self.last_loss: float | None = None
+        self.last_val_loss: float | None = None
+        self.wall_time_s = 0.0  # wall time of earlier sessions (from the checkpoint)
+
+    def add(self, loss: float, tokens: int, seconds: float) -> None:
+        self.loss_sum += loss
+        self.count += 1
+        self.tokens += tokens
+        self.time_s += seconds
+
+    def mean_loss(self) -> float:
+        return self.loss_sum / self.count if self.count else math.nan
+
+    def tokens_per_s(self) -> float:
+        return self.tokens / self.time_s if self.time_s > 0 else 0.0
+
+    def reset(self) -> None:
+        self.loss_sum, self.count, self.tokens, self.time_s = 0.0, 0, 0, 0.0
+
+
+class MetricsProcessor:
+    """Builds one record per log step and sends it to the :class:`MetricsLogger`; its state (the
+    window and the wall time so far) rides along in checkpoints."""
+
+    def __init__(self, env: DistEnv, *, tokens_per_step: int, flops_per_token: float, t_start: float) -> None:
+        self.env, self.tokens_per_step, self.flops_per_token = env, tokens_per_step, flops_per_token
+        self.window = Window()
+        self.logger = MetricsLogger()
+        self.pbar: Any = None
+        self.t_start = t_start
+        self.peak_flops = peak_bf16_flops(torch.cuda.get_device_name(env.device)) if env.device.type == "cuda" else None
+
+    def open_progress_bar(self, total: int, initial: int, desc: str) -> None:
+        if self.env.is_main:
+            from tqdm import tqdm
+
+            self.pbar = tqdm(total=total, initial=initial, desc=desc, dynamic_ncols=True)
+
+    def step_done(self, loss: float, seconds: float) -> None:
+        self.window.add(loss, self.tokens_per_step, seconds)
+        if self.pbar is not None:
+            self.pbar.update(1)
+
+    def record(self, step: int, loss: float, lr: float, gnorm: float, model: TrainableModel, skipped: int,
+               extra: dict[str, float]) -> dict[str, Any]:
+        """The record of ``step``: the window's loss, the numerics' counts, and ``extra`` (activation
+        statistics, probe)."""
+        tps = self.window.tokens_per_s()
+        rec: dict[str, Any] = {
+            "step": step,
+            "loss": loss,
+            "lr": lr,
+            "tokens": step * self.tokens_per_step,
+            "grad_norm": gnorm,
+            "tokens_per_s": tps,
+            "skipped_updates": skipped,
+        }
+        if self.peak_flops:
+            rec["mfu"] = self.flops_per_token * tps / (self.peak_flops * self.env.world_size)
+            rec["mem_gib"] = torch.cuda.max_memory_allocated(self.env.device) / 2**30
+        rec.update({f"fp8_saturation/{site}": int(n) for site, n in model.numerics.saturation_counts().items()})
+        rec.update({k: float(v) for k, v in model.numerics.pop_observations().items()})  # e.g. attn_rowsum/z/<layer>
+        rec.update(extra)
+        return rec
+
+    def log(self, rec: dict[str, Any], *, window_loss: float | None = None) -> None:
+        """Write ``rec``; with ``window_loss`` the window closes (it becomes the last logged loss)."""
+        self.logger.log(rec)
+        if window_loss is not None:
+            self.window.last_loss = window_loss
+            if self.pbar is not None:
+                self.pbar.set_postfix(loss=f"{window_loss:.4f}", tok_s=f"{rec['tokens_per_s']:.0f}", refresh=False)
+            self.window.reset()
+
+    def wall_time(self) -> float:
+        return self.window.wall_time_s + (time.time() - self.t_start)
+
+    def close(self) -> None:
+        if self.pbar is not None:
+            self.pbar.close()
+
+    def state_dict(self) -> dict[str, Any]:
+        return {**vars(self.window), "wall_time_s": self.wall_time()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        vars(self.window).update(state)

@@ -1,0 +1,71 @@
+"""``run_dir/summary.json``: the one file that says how a run ended (absent while it runs)."""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+from typing import Any
+
+from readback.train.checkpoint import atomic_write_text
+from readback.train.metrics import json_safe
+
+log = logging.getLogger(__name__)
+
+
+def summary_path(run_dir: Path) -> Path:
+    return Path(run_dir) / "summary.json"
+
+
+def write_summary(run_dir: Path, summary: dict[str, Any]) -> None:
+    """Atomically write ``summary`` (strict JSON: non-finite numbers as ``null``)."""
+    Path(run_dir).mkdir(parents=True, exist_ok=True)
+    atomic_write_text(summary_path(run_dir), json.dumps(json_safe(summary), indent=2, allow_nan=False) + "\n")
+
+
+def run_summary(status: str, *, step: int, tokens_per_step: int, final_loss: float | None, val_loss: float | None,
+                detector: Any, wall_time_s: float, n_params: int | None, flops_per_token: float | None,
+                site_implementations: dict[str, str] | None, world_size: int, experiment: str) -> dict[str, Any]:
+    """The keys of ``summary.json`` (``status``: completed, diverged or failed)."""
+    return {
+        "status": status,
+        "final_loss": final_loss,
+        "val_loss": val_loss,
+        "steps": step,
+        "tokens": step * tokens_per_step,
+        "diverged_at_step": detector.diverged_at_step,
+        "divergence_reason": detector.reason,
+        "skipped_updates": detector.skipped,
+        "nonfinite_tensors": detector.nonfinite_tensors,
+        "wall_time_s": wall_time_s,
+        "n_params": n_params,
+        "site_implementations": site_implementations,
+        "flops_per_token": flops_per_token,
+        "world_size": world_size,
+        "experiment": experiment,
+    }
+
+
+class SummaryWriter:
+    """Rank 0's summary of a run; the other ranks' calls do nothing."""
+
+    def __init__(self, run_dir: Path, *, is_main: bool) -> None:
+        self.run_dir, self.is_main = Path(run_dir), is_main
+
+    def clear(self) -> None:
+        """A resumed run is not over until it says so again."""
+        if self.is_main:
+            summary_path(self.run_dir).unlink(missing_ok=True)
+
+    def write(self, summary: dict[str, Any]) -> None:
+        if self.is_main:
+            write_summary(self.run_dir, summary)
+
+    def write_failed(self, summary: dict[str, Any], error: BaseException) -> None:
+        """``status: failed`` with the error; a failure to write is logged, never raised over it."""
+        if not self.is_main:
+            return
+        try:
+            write_summary(self.run_dir, {**summary, "status": "failed", "error": f"{type(error).__name__}: {error}"})
+        except Exception as write_error:  # noqa: BLE001
+            log.error("could not write summary.json: %s", write_error)

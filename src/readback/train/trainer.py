@@ -1,0 +1,278 @@
+"""The trainer: builds the components (data, model, optimizer, schedule, metrics, validator,
+checkpoints, summary) from the builders it is given, and runs the steps.
+
+Order of one optimizer step ``t`` (counted from 1):
+
+1. ``accum`` micro-steps of forward + ``(loss / accum).backward()`` at ``lr = schedule(t)``, DDP
+   ``no_sync`` on all but the last;
+2. the step's loss is averaged over ranks (with it travels the preemption flag); a NaN/Inf loss
+   stops the run (``status: diverged``), the update not applied;
+3. pre-clip gradient norm; non-finite gradients are not applied either: they stop the run like a
+   NaN loss (``trainer.divergence.nonfinite_grads: stop``) or skip the update (``skip``);
+   otherwise clip to ``grad_clip`` and ``optimizer.step()``; the schedule steps in both cases;
+4. ``model.numerics.end_step()`` (also after a skipped update);
+5. on log steps (multiples of ``log_every`` or ``eval_every``, probe steps and the last step): one
+   record, ``val_loss`` on eval steps; then a checkpoint on checkpoint steps;
+6. after a preemption signal (:mod:`readback.train.preemption`): a checkpoint, then
+   :class:`~readback.train.preemption.Preempted` (no ``summary.json``: the run is not over).
+
+Reproducibility: a run is a function of its config. The seed fixes the initialisation, the data
+order and every random stream of the numerics (seeded from (seed, site, stream, step)). A
+checkpoint (:mod:`~readback.train.checkpoint_manager`) holds everything else, so resuming from it
+reproduces the uninterrupted run bit for bit (same world size and device).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import signal
+import time
+from contextlib import nullcontext
+from pathlib import Path
+from typing import Any
+
+import torch
+from omegaconf import DictConfig
+
+from readback.backends import site_implementations
+from readback.errors import ConfigError
+from readback.model import ActivationStats
+from readback.probe import GradientProbe
+from readback.train.checkpoint import RNGState
+from readback.train.checkpoint_manager import (
+    CheckpointManager,
+    ModelState,
+    OptimizerState,
+    plain_config,
+)
+from readback.train.contract import Builders, check_model
+from readback.train.distributed import DistEnv, all_reduce_mean
+from readback.train.divergence import DivergenceDetector
+from readback.train.dry_run import check_memory
+from readback.train.metrics import build_metrics_logger
+from readback.train.metrics_processor import MetricsProcessor
+from readback.train.optim import build_optimizer, clip_gradients, nonfinite_grad_names
+from readback.train.parallel import (
+    apply_parallelism,
+    no_gradient_sync,
+    parallel_of,
+    whole_parameters,
+)
+from readback.train.preemption import Preempted, PreemptionGuard
+from readback.train.schedule import WSDSchedule, build_scheduler
+from readback.train.summary import SummaryWriter, run_summary
+from readback.train.validator import Validator
+
+log = logging.getLogger(__name__)
+
+
+class Trainer:
+    def __init__(self, cfg: DictConfig, run_dir: Path, env: DistEnv, accum: int, experiment: str,
+                 builders: Builders, guard: PreemptionGuard) -> None:
+        self.cfg, self.run_dir, self.env, self.accum, self.experiment = cfg, Path(run_dir), env, accum, experiment
+        self.builders, self.guard = builders, guard
+        t = cfg.trainer
+        self.steps = t.steps
+        self.tokens_per_step = cfg.model.global_batch * cfg.model.seq_len
+        self.log_every, self.eval_every = t.log_every, t.eval_every
+        self.grad_clip = t.optim.grad_clip
+        self.detector = DivergenceDetector.from_config(t.divergence)
+        self.probe = GradientProbe.from_config(cfg.probe)
+        self.summary = SummaryWriter(self.run_dir, is_main=env.is_main)
+        self.metrics: MetricsProcessor | None = None
+        self.n_params: int | None = None
+        self.t_start = time.time()
+        self.preempt = False  # a preemption signal reached some rank: checkpoint and stop after this step
+        self.loop_started = False
+        self.step = 0
+
+    def _build(self) -> None:
+        cfg, env = self.cfg, self.env
+        self.stream = self.builders.stream(cfg, rank=env.rank, world_size=env.world_size)
+        if env.device.type == "cuda":
+            check_memory(cfg, self.builders, env.world_size)
+        torch.manual_seed(cfg.seed)
+        self.model = check_model(self.builders.model(cfg, str(env.device)))
+        self.n_params = int(self.model.n_params())
+        self.forward = apply_parallelism(self.model, env, parallel_of(cfg))  # before the optimizer: FSDP shards
+        self.activation_stats = ActivationStats(self.model)  # forward hooks: FSDP keeps the modules
+        self.named_params = [(n, p) for n, p in self.model.named_parameters() if p.requires_grad]
+        self.params = [p for _, p in self.named_params]
+        self.optimizer = build_optimizer(self.model, cfg.trainer.optim)
+        schedule = WSDSchedule.from_config(cfg.trainer.optim, peak=cfg.model.lr, steps=self.steps)
+        self.scheduler = build_scheduler(self.optimizer, schedule)
+        self.metrics = MetricsProcessor(env, tokens_per_step=self.tokens_per_step, t_start=self.t_start,
+                                        flops_per_token=float(self.model.flops_per_token()))
+        self.validator = Validator(self.stream, cfg.trainer.eval_batches, env,
+                                   lockstep=parallel_of(cfg) == "fsdp")
+        self.checkpoints = CheckpointManager(
+            self.run_dir, cfg, env,
+            shared={"model": ModelState(self.model), "optimizer": OptimizerState(self.model, self.optimizer),
+                    "schedule": self.scheduler,
+                    "divergence": self.detector, "progress": self.metrics},
+            per_rank={"data": self.stream, "numerics": self.model.numerics, "rng": RNGState()},
+        )
+
+    def train(self) -> dict[str, Any]:
+        env = self.env
+        if env.is_main:
+            self.run_dir.mkdir(parents=True, exist_ok=True)
+        try:
+            self._build()
+            start, wandb_id = self.checkpoints.resume()
+            self.step = start
+            self.summary.clear()
+            self.metrics.logger = build_metrics_logger(
+                self.cfg.logger, self.run_dir, is_main=env.is_main,
+                resume_step=start, config=plain_config(self.cfg), wandb_run_id=wandb_id,
+            )
+            if env.is_main:
+                log.info("%s: %s params, %.4g FLOPs/token, %d steps x %d tokens, accum %d, world %d, %s",
+                         self.experiment, f"{self.n_params:,}", self.metrics.flops_per_token, self.steps,
+                         self.tokens_per_step, self.accum, env.world_size, env.device)
+            status = self._loop(start)
+        except Preempted as p:
+            if env.is_main:
+                log.warning("%s; no summary.json: the requeued job resumes and writes it", p)
+            self._close_logger(preempting=True)
+            raise
+        except (Exception, KeyboardInterrupt) as e:
+            if self.loop_started or not isinstance(e, ConfigError):  # e.g. the data ran out mid-run: failed
+                self.summary.write_failed(self._summary("failed"), e)
+            self._close_logger()
+            raise
+        finally:
+            if self.metrics is not None:
+                self.metrics.close()
+        summary = self._summary(status)
+        self.summary.write(summary)
+        self.metrics.logger.summary(summary)
+        self.metrics.logger.close(exit_code=0)
+        return summary
+
+    def _close_logger(self, preempting: bool = False) -> None:
+        if self.metrics is not None:
+            if preempting:
+                self.metrics.logger.mark_preempting()
+            self.metrics.logger.close(exit_code=1)
+
+    def _train_step(self, step: int, track_stats: bool) -> tuple[float, float]:
+        """Forward/backward over ``accum`` micro-batches, then the pre-clip gradient norm (and the
+        clip): ``(loss, grad norm)``. With ``track_stats`` the model measures its activation
+        statistics in the last micro-batch only. On probe steps the first micro-batch is measured
+        by the probe before it trains."""
+        dev = self.env.device
+        loss_sum = torch.zeros((), device=dev)
+        for micro in range(self.accum):
+            x, y = self.stream.next_batch()
+            x, y = x.to(dev, non_blocking=True), y.to(dev, non_blocking=True)
+            if micro == 0 and self.probe.due(step):
+                with whole_parameters(self.forward):
+                    self.probe_metrics = self.probe.measure(self.model, x, y)
+            last = micro == self.accum - 1
+            self.activation_stats.active = track_stats and last
+            with nullcontext() if last else no_gradient_sync(self.forward, self.env):
+                loss = self.forward(x, y)
+                (loss / self.accum).backward()
+            loss_sum += loss.detach().float()
+        self.activation_stats.active = False
+        signalled = torch.tensor(float(self.guard.requested is not None), device=dev)
+        mean_loss, preempt = all_reduce_mean(torch.stack([loss_sum / self.accum, signalled]), self.env)
+        gnorm = clip_gradients(self.params, self.grad_clip).to(dev)
+        loss_v, gnorm_v, preempt_v = torch.stack([mean_loss, gnorm, preempt]).tolist()
+        self.preempt = self.preempt or preempt_v > 0
+        return loss_v, gnorm_v
+
+    def _apply_update(self, step: int, loss: float, gnorm: float) -> bool:
+        """Step the optimizer unless the loss or the gradients are not finite; ``False``: stop."""
+        if self.detector.check_loss(step, loss):
+            grads = nonfinite_grad_names(self.named_params) if not math.isfinite(gnorm) else []
+            self.detector.record_nonfinite_tensors(["loss"] + [f"{n}.grad" for n in grads])
+            return False
+        if math.isfinite(gnorm):
+            self.optimizer.step()
+        else:
+            names = nonfinite_grad_names(self.named_params)
+            if self.detector.check_grads(step, names):
+                return False
+            if self.env.is_main:
+                log.warning("step %d: non-finite gradients in %s; update skipped", step, ", ".join(names))
+        self.optimizer.zero_grad(set_to_none=True)
+        self.scheduler.step()
+        self.model.numerics.end_step()
+        return True
+
+    def _stop_nonfinite(self, step: int, t0: float, loss: float, lr: float, gnorm: float) -> None:
+        """The step's loss or gradients are not finite: drop its update, log it, stop."""
+        self.optimizer.zero_grad(set_to_none=True)
+        m = self.metrics
+        m.window.add(loss, self.tokens_per_step, time.perf_counter() - t0)
+        m.window.last_loss = loss if math.isfinite(loss) else None
+        rec = m.record(step, loss, lr, gnorm, self.model, len(self.detector.skipped), self._pop_probe())
+        m.log({**rec, "diverged": True})
+        if self.env.is_main:
+            log.error("stopping: %s; non-finite: %s", self.detector.reason, ", ".join(self.detector.nonfinite_tensors))
+
+    def _pop_probe(self) -> dict[str, float]:
+        """This record's activation statistics and probe results (each measured once)."""
+        found, self.probe_metrics = self.probe_metrics, {}
+        return {**self.activation_stats.pop(), **found}
+
+    def _loop(self, start: int) -> str:
+        env, m = self.env, self.metrics
+        if self.cfg.trainer.progress:
+            m.open_progress_bar(self.steps, start, self.experiment)
+        last_saved, stopped, self.probe_metrics = start, False, {}
+        self.model.train()
+        self.loop_started = True
+        for step in range(start + 1, self.steps + 1):
+            t0 = time.perf_counter()
+            is_eval = step % self.eval_every == 0 or step == self.steps
+            is_log = step % self.log_every == 0 or is_eval or self.probe.due(step)
+            lr = self.scheduler.get_last_lr()[0]
+            loss, gnorm = self._train_step(step, track_stats=is_log)
+            self.step = step
+            if not self._apply_update(step, loss, gnorm):
+                self._stop_nonfinite(step, t0, loss, lr, gnorm)
+                return "diverged"
+            m.step_done(loss, time.perf_counter() - t0)
+            if is_log:
+                window_loss = m.window.mean_loss()
+                if self.detector.observe_logged(step, window_loss):
+                    stopped = is_eval = True
+                    if env.is_main:
+                        log.error("stopping: %s", self.detector.reason)
+                rec = m.record(step, window_loss, lr, gnorm, self.model, len(self.detector.skipped), self._pop_probe())
+                if is_eval:
+                    rec["val_loss"] = m.window.last_val_loss = self.validator.evaluate(self.model)
+                m.log(rec, window_loss=window_loss)
+            if self.checkpoints.due(step, self.steps) or stopped:
+                self._save()
+                last_saved = step
+            if stopped:
+                break
+            if self.preempt or (not env.distributed and self.guard.requested is not None):
+                if step == self.steps:  # the run is over anyway
+                    break
+                if last_saved != step:
+                    self._save()
+                signum = self.guard.requested or int(signal.SIGTERM)  # the signal reached another rank
+                raise Preempted(signum, step, self.checkpoints.last_path if env.is_main else None)
+        if last_saved != self.step:
+            self._save()
+        return "diverged" if self.detector.diverged else "completed"
+
+    def _save(self) -> None:
+        self.checkpoints.save(self.step, wandb_run_id=self.metrics.logger.wandb_run_id)
+
+    def _summary(self, status: str) -> dict[str, Any]:
+        m = self.metrics
+        return run_summary(
+            status, step=self.step, tokens_per_step=self.tokens_per_step, detector=self.detector,
+            final_loss=m.window.last_loss if m else None, val_loss=m.window.last_val_loss if m else None,
+            wall_time_s=m.wall_time() if m else time.time() - self.t_start, n_params=self.n_params,
+            flops_per_token=m.flops_per_token if m else None, world_size=self.env.world_size,
+            site_implementations=site_implementations(self.cfg) if hasattr(self.cfg, "backend") else None,
+            experiment=self.experiment,
+        )
