@@ -2,8 +2,9 @@
 downloaded), converted by ``readback.convert`` and trained by readback's trainer.
 
 ``HFCausalLM`` gives the trainer and the probe what they use of FOG: ``model(idx, targets)``
-returns the mean next-token loss, ``model.numerics`` holds the run's rounding sites,
-``n_params`` and ``flops_per_token`` size the run. transformers is an optional extra (``.[hf]``).
+returns the mean next-token loss, ``model.numerics`` holds the run's rounding sites, ``layers``
+are its blocks, ``n_params`` and ``flops_per_token`` size the run. transformers is an optional
+extra (``.[hf]``).
 """
 
 from __future__ import annotations
@@ -40,6 +41,11 @@ class HFCausalLM(nn.Module):
         """Mean next-token cross-entropy (FP32) of ``idx`` against ``targets``, both (B, T)."""
         logits = self.lm(input_ids=idx).logits
         return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
+
+    @property
+    def layers(self) -> nn.ModuleList:
+        """The decoder blocks (what FSDP shards, what the activation statistics hook)."""
+        return self.lm.model.layers
 
     def n_params(self) -> int:
         return sum(p.numel() for p in self.parameters() if p.requires_grad)
