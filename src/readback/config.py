@@ -75,6 +75,8 @@ def validate(cfg: DictConfig) -> None:
         _positive_int(cfg, f"trainer.{key}")
     _positive_int(cfg, "probe.every", minimum=0)
     _positive_int(cfg, "probe.repeats")
+    _positive_int(cfg, "probe.bias_every", minimum=0)
+    _positive_int(cfg, "probe.bias_batches")
     choose("probe.dtype", cfg.probe.dtype, DTYPES)
     batch, micro = cfg.model.global_batch, cfg.trainer.micro_batch
     require(batch % micro == 0, "trainer.micro_batch", micro, f"a divisor of model.global_batch={batch}")
@@ -207,6 +209,29 @@ def _validate_precision(cfg: DictConfig) -> None:
     override = list(p.override_linear_precision)
     require(len(override) == 3 and all(isinstance(b, bool) for b in override),
             "precision.override_linear_precision", override, "three booleans [fprop, dgrad, wgrad]")
+    _validate_site_margin(cfg)
+
+
+def _validate_site_margin(cfg: DictConfig) -> None:
+    """``precision.site_margin``: a mapping of site patterns that match some FOG site to margins >= 0."""
+    from readback.model.fog import FOGConfig, rounding_sites
+    from readback.ops.context import site_matches
+
+    margins = OmegaConf.select(cfg, "precision.site_margin", default=None)
+    if margins is None:
+        return
+    require(OmegaConf.is_dict(margins), "precision.site_margin", margins, "a mapping {site pattern: margin}")
+    require(cfg.backend.name == "emulated", "precision.site_margin", dict(margins),
+            "null with backend=te (Transformer Engine has one margin per recipe)")
+    m = cfg.model
+    sites = rounding_sites(FOGConfig(n_layers=m.n_layers, d_model=m.d_model, n_heads=m.n_heads,
+                                     n_kv_groups=m.n_kv_groups, ffn_dim=m.ffn_dim, vocab_size=1, seq_len=1))
+    kinds = list(dict.fromkeys(re.sub(r"^layers\.\d+\.", "", s) for s in sites))
+    for pattern, margin in margins.items():
+        require(any(site_matches(s, str(pattern)) for s in sites), "precision.site_margin", str(pattern),
+                "site patterns (globs) matching " + ", ".join(kinds))
+        require(isinstance(margin, int) and not isinstance(margin, bool) and margin >= 0,
+                f"precision.site_margin.{pattern}", margin, "an integer >= 0")
 
 
 def _validate_model(cfg: DictConfig) -> None:

@@ -5,11 +5,11 @@ from __future__ import annotations
 import torch
 from omegaconf import DictConfig
 
-from readback.model.fog import FOG, FOGConfig
+from readback.model.fog import FOG, FOGConfig, rounding_sites
 from readback.numerics import CurrentScaling, DelayedScaling
 from readback.ops.context import Numerics
 
-__all__ = ["FOG", "FOGConfig", "build_model", "build_numerics"]
+__all__ = ["FOG", "FOGConfig", "build_model", "build_numerics", "rounding_sites"]
 
 
 def build_numerics(cfg: DictConfig) -> Numerics:
@@ -31,6 +31,7 @@ def build_numerics(cfg: DictConfig) -> Numerics:
         rounding=p.get("rounding", "nearest"),
         seed=cfg.seed,
         bf16_sites=tuple(p.get("bf16_layers", ())),
+        site_margin=dict(p.get("site_margin", None) or {}),
     )
 
 

@@ -140,6 +140,19 @@ class Block(nn.Module):
         return x + self.mlp_norm(self.mlp(x))
 
 
+def rounding_sites(cfg: FOGConfig) -> list[str]:
+    """Names of the sites a training step of FOG rounds at (forward and backward), in model
+    order; config checks match site patterns against them without building the model."""
+    names = []
+    for i in range(cfg.n_layers):
+        attn, mlp = f"layers.{i}.attn", f"layers.{i}.mlp"
+        names += [f"{attn}.qkv.{s}" for s in ("input", "weight", "grad_output")]
+        names += [f"{attn}.core.{s}" for s in ("q", "k", "v", "probs", "output", "grad_output", "grad_scores")]
+        names += [f"{attn}.proj.{s}" for s in ("weight", "grad_output")]  # its input is the core's output
+        names += [f"{mlp}.{lin}.{s}" for lin in ("up", "down") for s in ("input", "weight", "grad_output")]
+    return names + [f"lm_head.{s}" for s in ("input", "weight", "grad_output")]
+
+
 def kurtosis(x: torch.Tensor) -> float:
     """Kurtosis over the hidden dimension, averaged over tokens: large when a few channels
     carry outliers, the FOG paper's early sign of FP8 divergence (3 for a Gaussian)."""

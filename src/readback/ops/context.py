@@ -8,6 +8,7 @@ sites on first use and advances them together at the end of each optimizer step.
 from __future__ import annotations
 
 import contextlib
+import fnmatch
 import hashlib
 
 import torch
@@ -50,10 +51,12 @@ class _UnitScale:
 class Site:
     """One rounding site. ``quantize`` is the only way a tensor of the model gets rounded."""
 
-    def __init__(self, numerics: Numerics, name: str, direction: str, fmt: FP8Format | None, state):
+    def __init__(self, numerics: Numerics, name: str, direction: str, fmt: FP8Format | None, state,
+                 margin: int = 0):
         self.numerics, self.name, self.direction = numerics, name, direction
-        self.fmt, self.state = fmt, state
+        self.fmt, self.state, self.margin = fmt, state, margin
         self.saturated = 0  # elements clipped to +-fmt.max since the last saturation_counts()
+        self.underflowed = self.nonzero = 0  # nonzero elements rounded to 0 or a subnormal, of all nonzero
 
     def quantize(self, x: torch.Tensor, rounding: str = "nearest", scale: torch.Tensor | None = None,
                  stream: str = "forward") -> QTensor:
@@ -63,12 +66,17 @@ class Site:
             return QTensor(x, torch.ones((), dtype=x.dtype, device=x.device), None)
         if self.fmt is BF16:  # BF16 sites round to nearest, as BF16 GEMM inputs do
             rounding = "nearest"
-        if scale is None:
-            scale = self.state.scale_for(x)
+        if scale is None:  # the site margin divides the scale like the recipe's margin (2**-k)
+            scale = self.state.scale_for(x) * 2.0**-self.margin if self.margin else self.state.scale_for(x)
         generator = self.numerics.generator(self.name, stream, x.device) if rounding == "stochastic" else None
+        q = quantize(x, self.fmt, scale, rounding, generator)
         if self.fmt is not BF16:
             self.saturated = self.saturated + (x.detach().abs() * scale > self.fmt.max).sum()
-        return quantize(x, self.fmt, scale, rounding, generator)
+            nonzero = x.detach() != 0
+            small = q.data.to(torch.float32).abs() < 2.0**self.fmt.min_exponent  # zero or subnormal
+            self.underflowed = self.underflowed + (small & nonzero).sum()
+            self.nonzero = self.nonzero + nonzero.sum()
+        return q
 
 
 class Numerics:
@@ -77,6 +85,9 @@ class Numerics:
     ``precision``: ``fp8`` (recipe required), ``bf16`` (every site rounds to BF16, no scaling) or
     ``off`` (no rounding at all, GEMMs in FP64: for gradcheck and references).
     ``bf16_sites``: name prefixes of sites kept in BF16 under FP8 (the study's LM head).
+    ``site_margin``: ``{site pattern: k}``, an extra margin at the FP8 sites a pattern matches
+    (:func:`site_matches`): their scale is divided by ``2**k`` wherever it is used, so a stress
+    reaches every read of the site (the forward's copy and any re-rounding on its grid).
     """
 
     def __init__(
@@ -88,6 +99,7 @@ class Numerics:
         rounding: str = "nearest",
         seed: int = 0,
         bf16_sites: tuple[str, ...] = (),
+        site_margin: dict[str, int] | None = None,
     ):
         for key, value, valid in (
             ("precision", precision, PRECISIONS),
@@ -104,6 +116,7 @@ class Numerics:
         self.attention_bwd = {"fp8": attention_bwd, "bf16": "bf16" if attention_bwd == "fp8" else attention_bwd,
                               "off": "fp64"}[precision]
         self.seed, self.bf16_sites = seed, tuple(bf16_sites)
+        self.site_margin = dict(site_margin or {})
         self.step = 0
         self.sites: dict[str, Site] = {}
         self.saved_bytes: dict[str, int] = {}
@@ -183,7 +196,8 @@ class Numerics:
             else:
                 fmt = self.recipe.fp8_format.fwd if direction == "fwd" else self.recipe.fp8_format.bwd
                 state = self.recipe.new_state(fmt)
-            self.sites[name] = Site(self, name, direction, fmt, state)
+            margin = sum(k for pattern, k in self.site_margin.items() if site_matches(name, pattern))
+            self.sites[name] = Site(self, name, direction, fmt, state, margin if fmt not in (None, BF16) else 0)
         return self.sites[name]
 
     def generator(self, site: str, stream: str, device: torch.device) -> torch.Generator:
@@ -218,6 +232,16 @@ class Numerics:
         for site in self.sites.values():
             site.saturated = 0
         return {name: n for name, n in counts.items() if n}
+
+    def underflow_fractions(self) -> dict[str, float]:
+        """Fraction of the nonzero elements that each FP8 site rounded to zero or to a subnormal
+        since the last call: how much of a tensor a too small scale (a margin, an amax set by
+        rare outliers) pushes off the format's normal range."""
+        fractions = {name: float(site.underflowed) / float(site.nonzero)
+                     for name, site in self.sites.items() if float(site.nonzero) > 0}
+        for site in self.sites.values():
+            site.underflowed = site.nonzero = 0
+        return fractions
 
     def observe(self, key: str, values: torch.Tensor) -> None:
         """Accumulate count, sum and sum of squares of ``values`` under ``key`` (in FP64)."""
@@ -260,8 +284,8 @@ class Numerics:
     def state_dict(self) -> dict:
         """Step, scaling states, and what was counted or observed since the last log record
         (so a resume between two records logs what the uninterrupted run would have)."""
-        sites = {name: {"direction": s.direction, "state": s.state.state_dict(), "saturated": s.saturated}
-                 for name, s in self.sites.items()}
+        sites = {name: {"direction": s.direction, "state": s.state.state_dict(), "saturated": s.saturated,
+                        "underflow": (s.underflowed, s.nonzero)} for name, s in self.sites.items()}
         return {"step": self.step, "sites": sites, "observations": dict(self.observations)}
 
     def load_state_dict(self, state: dict) -> None:
@@ -271,4 +295,11 @@ class Numerics:
             site = self.site(name, saved["direction"])
             site.state.load_state_dict(saved["state"])
             site.saturated = saved.get("saturated", 0)
+            site.underflowed, site.nonzero = saved.get("underflow", (0, 0))
         self.observations = dict(state.get("observations", {}))
+
+
+def site_matches(name: str, pattern: str) -> bool:
+    """A site pattern is a glob over the site name, matching whole trailing components too:
+    ``attn.core.output`` matches ``layers.3.attn.core.output``."""
+    return fnmatch.fnmatchcase(name, pattern) or fnmatch.fnmatchcase(name, f"*.{pattern}")

@@ -63,6 +63,7 @@ from readback.train.distributed import (
     world_from_env,
 )
 from readback.train.divergence import DivergenceDetector
+from readback.train.instruments import Instruments
 from readback.train.metrics import MetricsLogger, build_metrics_logger, json_safe, peak_bf16_flops
 from readback.train.optim import build_optimizer, clip_grads_, grad_norm, nonfinite_grad_names, set_lr
 from readback.train.preemption import DEFAULT_SIGNALS, Preempted, PreemptionGuard
@@ -259,6 +260,7 @@ class _Trainer:
         self.peak_flops: float | None = None
         self.probe = GradientProbe.from_config(OmegaConf.select(cfg, "probe"))
         self.probe_metrics: dict[str, float] = {}
+        self.instruments = Instruments(cfg)
 
     # ------------------------------------------------------------------ setup
     def _build(self) -> None:
@@ -376,6 +378,8 @@ class _Trainer:
             x, y = x.to(dev, non_blocking=True), y.to(dev, non_blocking=True)
             if micro == 0 and self.probe.due(step):
                 self.probe_metrics = self.probe.measure(self.model, x, y)
+            if micro == 0:
+                self.instruments.measure(step, self.model, self.stream)
             last = micro == self.accum - 1
             if has_switch:
                 self.model.track_stats = bool(track_stats and last)
@@ -442,6 +446,7 @@ class _Trainer:
         observations = getattr(numerics, "pop_observations", None)
         if observations is not None:  # e.g. attn_rowsum/{mean,z}/<layer>, accumulated since the last record
             rec.update({k: float(v) for k, v in observations().items()})
+        rec.update(self.instruments.metrics(numerics))  # fp8_underflow/..., grad_bias/...
         rec.update(self.probe_metrics)
         self.probe_metrics = {}
         return rec
@@ -546,7 +551,8 @@ class _Trainer:
         for step in range(start + 1, self.steps + 1):
             t0 = time.perf_counter()
             is_eval = (self.eval_every > 0 and step % self.eval_every == 0) or step == self.steps
-            is_log = (self.log_every > 0 and step % self.log_every == 0) or is_eval or self.probe.due(step)
+            is_log = ((self.log_every > 0 and step % self.log_every == 0) or is_eval or self.probe.due(step)
+                      or self.instruments.due(step))
             loss, gnorm, gnorm_t = self._train_step(step, track_stats=is_log)
             lr = self.schedule(step)
             self.step = step

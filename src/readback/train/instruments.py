@@ -1,0 +1,40 @@
+"""The study's instruments inside training, in one place the trainer calls: FP8 underflow per
+site on every record, and the bias meter (:mod:`readback.bias`) every ``probe.bias_every`` steps.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from omegaconf import OmegaConf
+
+
+class Instruments:
+    def __init__(self, cfg: Any):
+        self.bias_every = int(OmegaConf.select(cfg, "probe.bias_every", default=0) or 0)
+        self.bias_batches = int(OmegaConf.select(cfg, "probe.bias_batches", default=1) or 1)
+        self.pending: dict[str, float] = {}
+
+    def due(self, step: int) -> bool:
+        return self.bias_every > 0 and step % self.bias_every == 0
+
+    def measure(self, step: int, model: Any, stream: Any) -> None:
+        """On bias steps: the bias meter over the first ``probe.bias_batches`` validation
+        batches, at this step's weights and scales, leaving the run as it was."""
+        if not self.due(step):
+            return
+        from readback.bias import measure_bias
+
+        device = next(model.parameters()).device
+        batches = [(x.to(device), y.to(device)) for x, y in stream.val_batches(self.bias_batches)]
+        self.pending = measure_bias(model, batches).metrics()
+
+    def metrics(self, numerics: Any) -> dict[str, float]:
+        """``fp8_underflow/<site>`` since the last record, and the bias meter's keys if measured."""
+        out: dict[str, float] = {}
+        underflow = getattr(numerics, "underflow_fractions", None)
+        if underflow is not None:
+            out.update({f"fp8_underflow/{site}": float(f) for site, f in underflow().items()})
+        out.update(self.pending)
+        self.pending = {}
+        return out
