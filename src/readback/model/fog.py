@@ -177,6 +177,7 @@ class FOG(nn.Module):
         """Mean next-token cross-entropy (FP32) of ``idx`` against ``targets``, both (B, T)."""
         x = F.embedding(idx, self.embedding).to(self.numerics.dtype) * self.cfg.embedding_multiplier
         stats = {} if self.track_stats else None
+        self.numerics.mechanism = self.track_stats  # attention's logit/entropy/D-term statistics too
         for block in self.layers:
             x = block(x, stats)
         if stats is not None:

@@ -19,6 +19,7 @@ from __future__ import annotations
 import torch
 
 from readback.numerics import QTensor, matmul, pinned
+from readback.ops import mechanism
 
 # gradient -> which value it reads:
 #   dV reads P (the PV GEMM's operand), dS reads P (the softmax's output), D reads O,
@@ -53,6 +54,8 @@ class _Attention(torch.autograd.Function):
         scores = matmul(qq, kq.mT, gemm) * softmax_scale
         causal = torch.ones(seq, seq, dtype=torch.bool, device=q.device).triu(1)
         probs = torch.softmax(scores.masked_fill(causal, float("-inf")), dim=-1).to(dtype)
+        if numerics.mechanism:
+            mechanism.observe_logits(numerics, name, scores, causal, probs)
         pq = numerics.site(f"{name}.probs").quantize(probs, rounding)
         out = matmul(pq, vq, gemm)  # (B, H, T, hd)
         out = out.transpose(1, 2).reshape(batch, seq, heads * dim)
@@ -60,7 +63,7 @@ class _Attention(torch.autograd.Function):
         numerics.record(name, q=qq, k=kq, v=vq, scores=scores, probs=pq, out=out, output=oq)
 
         reads = READS[numerics.policy]
-        fctx.numerics, fctx.name, fctx.scale = numerics, name, softmax_scale
+        fctx.numerics, fctx.name, fctx.scale, fctx.mechanism = numerics, name, softmax_scale, numerics.mechanism
         fctx.oq = oq
         fctx.q_for_dk = {"rounded": qq}[reads["dK"]]
         fctx.k_for_dq = {"rounded": k_groups}[reads["dQ"]]
@@ -95,6 +98,8 @@ class _Attention(torch.autograd.Function):
         row_term = (d_out * o_read if o_read is not None else probs * d_p).sum(-1, keepdim=True)
         d_s = probs * (d_p - row_term)
         numerics.observe(f"attn_rowsum/{name}", d_s.sum(-1))
+        if fctx.mechanism:
+            mechanism.observe_dterm(numerics, name, probs, row_term, _value(kq, dtype))
         d_s_operand = numerics.site(f"{name}.grad_scores", "bwd").quantize(d_s) if precision == "fp8" else d_s
 
         d_q = matmul(d_s_operand, kq, precision) * fctx.scale

@@ -123,6 +123,8 @@ class Numerics:
         self.tape: list | None = None
         self.watched: dict[str, torch.Tensor] | None = None
         self.observations: dict[str, torch.Tensor] = {}
+        self.maxima: dict[str, torch.Tensor] = {}
+        self.mechanism = False  # ops measure their mechanism statistics (readback.ops.mechanism)
         self.stream_salt = ""
         self._generators: dict[tuple, torch.Generator] = {}
         self._replay: tuple | None = None  # (records iterator, dtype) while replaying a tape
@@ -251,10 +253,20 @@ class Numerics:
             moments = moments + self.observations[key].to(moments.device)
         self.observations[key] = moments
 
+    def observe_max(self, key: str, value: torch.Tensor) -> None:
+        """Keep the largest ``value`` under ``key`` (popped as ``<kind>/max/<site>``)."""
+        value = value.detach().to(torch.float64)
+        self.maxima[key] = torch.maximum(self.maxima[key].to(value.device), value) if key in self.maxima else value
+
     def pop_observations(self) -> dict[str, float]:
         """``{"<kind>/mean/<site>": mean, "<kind>/z/<site>": mean / standard error}`` of everything
-        observed since the last call, then forget it. The z-score tests "mean is zero"."""
+        observed since the last call (and ``<kind>/max/<site>`` of ``observe_max``), then forget
+        it. The z-score tests "mean is zero"."""
         stats = {}
+        for key, value in self.maxima.items():
+            kind, site = key.split("/", 1)
+            stats[f"{kind}/max/{site}"] = float(value)
+        self.maxima.clear()
         for key, (count, total, squares) in ((k, m.tolist()) for k, m in self.observations.items()):
             kind, site = key.split("/", 1)
             mean = total / count
@@ -286,7 +298,7 @@ class Numerics:
         (so a resume between two records logs what the uninterrupted run would have)."""
         sites = {name: {"direction": s.direction, "state": s.state.state_dict(), "saturated": s.saturated,
                         "underflow": (s.underflowed, s.nonzero)} for name, s in self.sites.items()}
-        return {"step": self.step, "sites": sites, "observations": dict(self.observations)}
+        return {"step": self.step, "sites": sites, "observations": dict(self.observations), "maxima": dict(self.maxima)}
 
     def load_state_dict(self, state: dict) -> None:
         self.step = state["step"]
@@ -297,6 +309,7 @@ class Numerics:
             site.saturated = saved.get("saturated", 0)
             site.underflowed, site.nonzero = saved.get("underflow", (0, 0))
         self.observations = dict(state.get("observations", {}))
+        self.maxima = dict(state.get("maxima", {}))
 
 
 def site_matches(name: str, pattern: str) -> bool:
