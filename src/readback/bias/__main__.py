@@ -9,6 +9,7 @@ table's total rows. Exit code 2, one line on stderr, when there is no checkpoint
 from __future__ import annotations
 
 import argparse
+import fnmatch
 import os
 import sys
 import time
@@ -48,6 +49,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--batches", type=int, default=8, help="validation batches to average over (default 8)")
     parser.add_argument("--out", type=Path, default=None, help="output directory")
     parser.add_argument("--dtype", choices=list(DTYPES), default="fp64", help="precision of the reference replay")
+    parser.add_argument("--show", default="total,*.attn.qkv",
+                        help="comma-separated globs of the groups printed (the files have all; default total,*.attn.qkv)")
     args = parser.parse_args(argv)
     if args.batches < 1:
         parser.exit(2, f"{parser.prog}: error: --batches must be >= 1, got {args.batches}\n")
@@ -63,7 +66,8 @@ def main(argv: list[str] | None = None) -> int:
     result = measure_bias(model, list(stream.val_batches(args.batches)), dtype=DTYPES[args.dtype])
     result.info = {"checkpoint_step": step, "run_dir": str(run_dir)}
     paths = write(result, args.out or run_dir / "bias" / f"step{step}")
-    print(to_markdown(result, groups=["total"]))
+    shown = [g for g in result.groups if any(fnmatch.fnmatchcase(g, pattern) for pattern in args.show.split(","))]
+    print(to_markdown(result, groups=shown or ["total"]))
     print(f"wrote {', '.join(str(p) for p in paths.values())} ({time.perf_counter() - start:.1f} s)")
     return 0
 
