@@ -4,7 +4,7 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: env test train sweep-cpu clean
+.PHONY: env test train sweep-cpu results-cpu clean
 
 env: $(STAMP)
 
@@ -27,6 +27,11 @@ train: $(STAMP)
 # The CPU mini-study (sweeps/cpu_mini.sh): 5 experiments x 3 seeds of the small FOG, about an hour.
 sweep-cpu: $(STAMP)
 	WANDB_MODE=$${WANDB_MODE:-offline} PYTHON=$(PY) bash sweeps/cpu_mini.sh
+
+# docs/results/cpu_mini_study.md and its figures, generated from multirun/cpu_mini (make sweep-cpu).
+results-cpu: $(STAMP)
+	$(PY) -m readback.analysis multirun/cpu_mini --out docs/results/cpu_mini_study \
+	    --page docs/results/cpu_mini_study.md --title "CPU mini-study: reuse_rounded, fresh_reround, no_saved_copy at toy scale"
 
 clean:
 	rm -rf $(VENV) outputs multirun .pytest_cache

@@ -7,8 +7,9 @@
 #
 #   sweeps/cpu_mini.sh [OVERRIDES...]       e.g. hydra/launcher=local (all runs at once)
 #
-# Runs land in multirun/cpu_mini/<experiment>/seed<N>/<job>/; running it again resumes
-# unfinished runs and leaves finished ones as they are.
+# The fixed settings are conf/sweep/cpu_mini.yaml. Runs land in
+# multirun/cpu_mini/<experiment>/<overrides>/ (e.g. reuse_rounded/seed=0/); running it again,
+# or with more seeds or axes, resumes unfinished runs and leaves finished ones where they are.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-$(test -x .venv/bin/python && echo .venv/bin/python || echo python3)}
@@ -17,9 +18,6 @@ exec "$PY" train.py --multirun \
     hydra.sweep.dir="${SWEEP_DIR:-multirun/cpu_mini}" \
     +experiment="${EXPERIMENTS:-reuse_rounded,fresh_reround,no_saved_copy,reuse_rounded_bf16_bwd,bf16_baseline}" \
     seed=0,1,2 \
-    model=tiny data=shakespeare \
-    trainer.steps=600 trainer.micro_batch=16 trainer.optim.warmup_steps=60 \
-    trainer.log_every=10 trainer.eval_every=100 trainer.eval_batches=8 trainer.ckpt_every=300 \
-    probe.every=100 probe.repeats=2 \
+    +sweep=cpu_mini \
     trainer.resume=true trainer.progress=false \
     "$@"

@@ -5,7 +5,7 @@
 #
 #   sweeps/cpu_mini_stochastic.sh [OVERRIDES...]
 #
-# Runs land in multirun/cpu_mini_stochastic/<experiment>/seed<N>/<job>/.
+# Runs land in multirun/cpu_mini_stochastic/<experiment>/<overrides>/.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 SWEEP_DIR=multirun/cpu_mini_stochastic EXPERIMENTS=reuse_rounded,fresh_reround,no_saved_copy,reuse_rounded_bf16_bwd \

@@ -8,8 +8,9 @@
 #
 #   sweeps/cpu_stress.sh [OVERRIDES...]      e.g. trainer.steps=600
 #
-# Runs land in multirun/cpu_stress/<experiment>/seed<N>/<job>/; then
-#   python -m readback.analysis multirun/cpu_stress
+# Runs land in multirun/cpu_stress/<experiment>/seed<N>/<job>/; the results page (paired-seed
+# table per stress, loss, row-sum, mechanism plots):
+#   python -m readback.analysis multirun/cpu_stress --html
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-$(test -x .venv/bin/python && echo .venv/bin/python || echo python3)}

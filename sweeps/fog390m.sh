@@ -6,7 +6,7 @@
 #
 #   sweeps/fog390m.sh [OVERRIDES...]        e.g. hydra.launcher.partition=gpu hydra.launcher.account=abc
 #
-# Runs land in multirun/fog390m/<experiment>/seed<N>/<job>/. Preempted or timed-out jobs are
+# Runs land in multirun/fog390m/<experiment>/<overrides>/. Preempted or timed-out jobs are
 # requeued and resume from their newest checkpoint; running the script again resumes every
 # unfinished run (and leaves finished ones as they are). Cluster settings: sweeps/README.md.
 set -euo pipefail
@@ -19,8 +19,6 @@ exec "$PY" train.py --multirun \
     hydra.sweep.dir="${SWEEP_DIR:-multirun/fog390m}" \
     +experiment="${EXPERIMENTS:-reuse_rounded,fresh_reround,no_saved_copy,reuse_rounded_bf16_bwd,bf16_baseline}" \
     seed=0,1,2 \
-    model=fog_390m data=fineweb_edu \
-    trainer.steps=15000 \
-    probe.every=100 \
+    +sweep=fog390m \
     trainer.resume=true trainer.progress=false \
     "$@"

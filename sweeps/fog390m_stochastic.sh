@@ -6,7 +6,7 @@
 #
 #   sweeps/fog390m_stochastic.sh [OVERRIDES...]
 #
-# Runs land in multirun/fog390m_stochastic/<experiment>/seed<N>/<job>/; it can run alongside
+# Runs land in multirun/fog390m_stochastic/<experiment>/<overrides>/; it can run alongside
 # fog390m.sh. Cluster settings: sweeps/README.md. Everything else is as in fog390m.sh.
 set -euo pipefail
 cd "$(dirname "$0")/.."

@@ -376,12 +376,12 @@ def test_cli_module_default_out(sweep):
 
 @pytest.mark.slow
 def test_real_sweep_loads(tmp_path_factory, tmp_path):
-    """2 experiments x 1 seed, 10 steps of the real train.py (helpers_sweep.OVERRIDES)."""
+    """2 experiments x 2 seeds, 10 steps of the real train.py (helpers_sweep)."""
     sweep = real_sweep(tmp_path_factory)
     runs = load_runs(sweep)
     s = runs.summary
-    assert len(runs) == 2 and set(s["experiment"]) == set(EXPERIMENTS)
-    assert (s["status"] == "completed").all() and (s["steps"] == 10).all() and (s["seed"] == 0).all()
+    assert len(runs) == 4 and set(s["experiment"]) == set(EXPERIMENTS) and runs.group_keys == []
+    assert (s["status"] == "completed").all() and (s["steps"] == 10).all() and sorted(s["seed"]) == [0, 0, 1, 1]
     assert set(s["policy"]) == set(EXPERIMENTS) and (s["bwd_precision"] == "fp8").all()
     assert s["final_loss"].notna().all() and s["val_loss"].notna().all()
     assert runs.groups == ["reuse_rounded", "no_saved_copy"]
@@ -393,9 +393,9 @@ def test_real_sweep_loads(tmp_path_factory, tmp_path):
     assert sorted(runs.curve("grad_error/rel_err/total")["step"].unique()) == [5, 10]
     assert sorted(runs.curve("loss")["step"].unique()) == [5, 10]
     t = final_loss_table(runs).set_index("group")
-    assert (t["n"] == 1).all() and t["final_loss_std"].isna().all()
+    assert (t["n"] == 2).all()
     for exp in EXPERIMENTS:
-        assert t.loc[exp, "final_loss_mean"] == pytest.approx(s.loc[s["experiment"] == exp, "final_loss"].iloc[0])
+        assert t.loc[exp, "final_loss_mean"] == pytest.approx(s.loc[s["experiment"] == exp, "final_loss"].mean())
     paths = write_report(runs, tmp_path / "report")
     assert all(_is_png(paths[n]) for n in ("loss", "grad_error", "kurtosis", "attn_rowsum"))
     assert REPO.joinpath("train.py").is_file()

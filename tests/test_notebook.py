@@ -1,9 +1,10 @@
-"""notebooks/study.ipynb: committed without outputs, and executes (nbclient, python3 kernel of this
-interpreter) on the real tiny sweep of helpers_sweep, writing every PNG and final_loss.md."""
+"""notebooks/study.ipynb: committed without outputs, and executes under papermill (python3 kernel
+of this interpreter) with SWEEP_DIRS and OUT_DIR injected, on the real tiny sweep of
+helpers_sweep and from a directory without any multirun/, writing every PNG and final_loss.md
+with the paired-seed columns."""
 
 from __future__ import annotations
 
-import os
 
 import nbformat
 import pytest
@@ -20,7 +21,8 @@ def test_notebook_is_committed_clean():
     code = [c for c in nb.cells if c.cell_type == "code"]
     assert code and all(not c.outputs and c.execution_count is None for c in code)
     params = [c for c in code if "parameters" in c.metadata.get("tags", [])]
-    assert len(params) == 1 and "READBACK_SWEEP_DIRS" in params[0].source and "OUT_DIR" in params[0].source
+    assert len(params) == 1 and "SWEEP_DIRS = None" in params[0].source and "OUT_DIR = None" in params[0].source
+    assert "os.environ" not in params[0].source  # defaults only: injected parameters must win
     assert nb.metadata["kernelspec"]["name"] == "python3"
 
 
@@ -44,31 +46,31 @@ def _python3_kernel(tmp_path, monkeypatch) -> None:
 
 
 @pytest.mark.slow
-def test_notebook_executes(tmp_path_factory, tmp_path, monkeypatch):
-    from nbclient import NotebookClient
+def test_notebook_runs_under_papermill(tmp_path_factory, tmp_path, monkeypatch):
+    import papermill
 
     sweep = real_sweep(tmp_path_factory)
     out = tmp_path / "figures"
-    monkeypatch.setenv("READBACK_SWEEP_DIRS", f"{sweep}:")  # a trailing ':' is tolerated
-    monkeypatch.setenv("READBACK_OUT_DIR", str(out))
+    monkeypatch.delenv("READBACK_SWEEP_DIRS", raising=False)
     monkeypatch.setenv("MPLBACKEND", "Agg")
     _python3_kernel(tmp_path, monkeypatch)
+    cwd = tmp_path / "elsewhere"  # no multirun/ and no train.py here or above
+    cwd.mkdir()
+    executed = tmp_path / "executed.ipynb"
+    papermill.execute_notebook(str(NOTEBOOK), str(executed), kernel_name="python3", cwd=str(cwd),
+                               parameters={"SWEEP_DIRS": [str(sweep)], "OUT_DIR": str(out)}, progress_bar=False)
 
-    nb = nbformat.read(NOTEBOOK, as_version=4)
-    client = NotebookClient(nb, kernel_name="python3", timeout=300,
-                            resources={"metadata": {"path": str(NOTEBOOK.parent)}})
-    client.execute()  # raises CellExecutionError on the first failing cell
-
+    nb = nbformat.read(executed, as_version=4)
     outputs = [o for c in nb.cells if c.cell_type == "code" for o in c.outputs]
     assert not [o for o in outputs if o.output_type == "error"]
+    assert any("injected-parameters" in c.metadata.get("tags", []) for c in nb.cells)
     for name in FIGURES:
         p = out / name
         assert p.is_file() and p.read_bytes()[:4] == b"\x89PNG", name
     md = (out / "final_loss.md").read_text()
-    assert all(f"| {exp} " in md for exp in EXPERIMENTS)
-    # the table and the four figures were displayed
+    assert all(f"| {exp} " in md for exp in EXPERIMENTS) and "Δ final, paired" in md
     shown = [o for o in outputs if o.output_type in ("display_data", "execute_result")]
     assert sum("image/png" in o.get("data", {}) for o in shown) == len(FIGURES)
-    assert any("reuse_rounded" in o.get("data", {}).get("text/markdown", "") for o in shown)
+    assert any("Δ final, paired" in o.get("data", {}).get("text/markdown", "") for o in shown)
+    assert any("paired_mean" in o.get("data", {}).get("text/html", "") for o in shown)  # the paired table
     assert not (sweep / "analysis").exists()  # OUT_DIR was honoured
-    assert os.environ["READBACK_OUT_DIR"] == str(out)

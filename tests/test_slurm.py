@@ -175,7 +175,12 @@ def test_sweep_on_slurm_ddp_and_requeue_resume(slurm_env, tmp_path):
         "hydra.launcher.timeout_min=10",
         "hydra.launcher.signal_delay_s=30",
     ]
-    first_run = sweep / EXPERIMENTS[0] / "seed0" / "0"
+    # a run's folder is named by its overrides (conf/train.yaml: hydra.job.override_dirname, sorted,
+    # without the experiment, logger and resume/progress keys)
+    named = sorted(a for a in cmd[3:] if "=" in a and not a.startswith(("hydra", "+experiment", "logger", "trainer.resume",
+                                                                         "trainer.progress")))
+    subdir = ",".join(named)
+    first_run = sweep / EXPERIMENTS[0] / subdir
     events: dict = {"stop": threading.Event()}
     watcher = threading.Thread(
         target=_preempt_after_first_checkpoint, args=(sweep, first_run, env, events), daemon=True
@@ -191,8 +196,8 @@ def test_sweep_on_slurm_ddp_and_requeue_resume(slurm_env, tmp_path):
     job_logs = _tails(sweep, "*_log.*", 30)
     assert proc.returncode == 0, f"{proc.stdout}\n{proc.stderr}\n{job_logs}"
 
-    for num, experiment in enumerate(EXPERIMENTS):
-        run_dir = sweep / experiment / "seed0" / str(num)
+    for experiment in EXPERIMENTS:
+        run_dir = sweep / experiment / subdir
         summary = json.loads((run_dir / "summary.json").read_text())
         assert summary["status"] == "completed", (summary, job_logs)
         assert summary["steps"] == STEPS

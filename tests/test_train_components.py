@@ -35,7 +35,8 @@ from readback.train.checkpoint import (
     save_checkpoint,
 )
 from readback.train.divergence import DivergenceDetector
-from readback.train.metrics import JsonlWriter, MetricsLogger, WandbLogger, read_jsonl, resolve_wandb_mode
+from readback.train.metrics import JsonlWriter, MetricsLogger, read_jsonl
+from readback.train.tracking import RunIdentity, WandbLogger, resolve_wandb_mode
 from readback.train.optim import build_optimizer, clip_grads_, grad_norm, nonfinite_grad_names, param_groups
 from readback.train.schedule import WSDSchedule
 
@@ -375,6 +376,9 @@ def test_jsonl_writer_and_resume_truncation(tmp_path):
     assert [r["step"] for r in read_jsonl(path)] == [2, 4, 6]
 
 
+TOY_RUN = RunIdentity(name="toy s0", group="toy", config={"a": 1})
+
+
 def test_wandb_mode_resolution(monkeypatch):
     monkeypatch.delenv("WANDB_MODE", raising=False)
     monkeypatch.delenv("WANDB_DISABLED", raising=False)
@@ -391,7 +395,7 @@ def test_wandb_mode_resolution(monkeypatch):
 
 def test_wandb_disabled_is_a_noop(tmp_path, monkeypatch):
     monkeypatch.delenv("WANDB_MODE", raising=False)
-    wb = WandbLogger(run_dir=tmp_path, mode="disabled")
+    wb = WandbLogger(run_dir=tmp_path, identity=TOY_RUN, mode="disabled")
     assert wb.mode == "noop" and wb.run_id
     logger = MetricsLogger(JsonlWriter(tmp_path / "metrics.jsonl"), wb)
     logger.log({"step": 1, "loss": 2.0})
@@ -403,7 +407,7 @@ def test_wandb_disabled_is_a_noop(tmp_path, monkeypatch):
 def test_wandb_offline_writes_into_run_dir(tmp_path, monkeypatch):
     monkeypatch.delenv("WANDB_MODE", raising=False)
     monkeypatch.setenv("WANDB_SILENT", "true")
-    wb = WandbLogger(run_dir=tmp_path, mode="offline", name="toy", config={"a": 1}, run_id="abc123xy")
+    wb = WandbLogger(run_dir=tmp_path, identity=TOY_RUN, mode="offline", run_id="abc123xy")
     assert wb.mode == "offline"
     logger = MetricsLogger(JsonlWriter(tmp_path / "metrics.jsonl"), wb)
     logger.log({"step": 1, "loss": 2.0})
@@ -424,7 +428,7 @@ def test_wandb_init_and_log_failures_never_raise(tmp_path, monkeypatch):
         raise RuntimeError("no network / bad key")
 
     monkeypatch.setattr(wandb, "init", broken_init)
-    wb = WandbLogger(run_dir=tmp_path, mode="online")
+    wb = WandbLogger(run_dir=tmp_path, identity=TOY_RUN, mode="online")
     assert calls == ["online", "offline"] and wb.mode == "noop"
     wb.log({"loss": 1.0}, step=1)
     wb.finish()
@@ -439,7 +443,7 @@ def test_wandb_init_and_log_failures_never_raise(tmp_path, monkeypatch):
             raise OSError("still dead")
 
     monkeypatch.setattr(wandb, "init", lambda **kwargs: CrashingRun())
-    wb = WandbLogger(run_dir=tmp_path, mode="offline")
+    wb = WandbLogger(run_dir=tmp_path, identity=TOY_RUN, mode="offline")
     logger = MetricsLogger(JsonlWriter(tmp_path / "m.jsonl"), wb)
     logger.log({"step": 1, "loss": 1.0})
     logger.log({"step": 2, "loss": 0.5})

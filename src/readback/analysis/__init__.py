@@ -5,12 +5,17 @@
     print(format_final_loss_table(final_loss_table(runs)))
     plot_loss(runs, path="loss.png")
 
-``python -m readback.analysis SWEEP_DIR [SWEEP_DIR ...] [--out DIR]`` writes every plot as PNG
-and ``final_loss.md`` (default ``DIR = SWEEP_DIR/analysis``). See :mod:`readback.analysis.load`
-for the two tables of :class:`Runs`.
+``python -m readback.analysis SWEEP_DIR [SWEEP_DIR ...] [--out DIR] [--html] [--control EXP]``
+writes every plot as PNG, the final-loss table with paired-seed differences from the control,
+``report.md`` and, with ``--html``, one self-contained ``report.html`` (default
+``DIR = SWEEP_DIR/analysis``; :mod:`readback.analysis.report`). See :mod:`readback.analysis.load`
+for the two tables of :class:`Runs`, :mod:`readback.analysis.groups` for what a group is and
+:mod:`readback.analysis.paired` for the paired comparison.
 """
 
-from readback.analysis.load import Runs, find_run_dirs, load_runs, load_wandb, natural_key, runs_from_records
+from readback.analysis.files import find_run_dirs, load_runs
+from readback.analysis.load import Runs, natural_key, runs_from_records
+from readback.analysis.paired import paired_table
 from readback.analysis.plots import (
     PLOTS,
     aggregate,
@@ -18,9 +23,18 @@ from readback.analysis.plots import (
     plot_grad_error,
     plot_kurtosis,
     plot_loss,
+    plot_metric,
     save_all,
 )
-from readback.analysis.tables import final_loss_table, format_final_loss_table, markdown_table
+from readback.analysis.remote import load_wandb
+from readback.analysis.report import write_report
+from readback.analysis.tables import (
+    final_loss_table,
+    format_final_loss_table,
+    format_metric_table,
+    markdown_table,
+    metric_table,
+)
 
 __all__ = [
     "PLOTS",
@@ -29,34 +43,19 @@ __all__ = [
     "final_loss_table",
     "find_run_dirs",
     "format_final_loss_table",
+    "format_metric_table",
     "load_runs",
     "load_wandb",
     "markdown_table",
+    "metric_table",
+    "paired_table",
     "natural_key",
     "plot_attn_rowsum",
     "plot_grad_error",
     "plot_kurtosis",
     "plot_loss",
+    "plot_metric",
     "runs_from_records",
     "save_all",
     "write_report",
 ]
-
-
-def write_report(runs: Runs, out_dir, *, x: str = "tokens", band: str | None = "minmax") -> dict:
-    """Every plot as ``out_dir/<name>.png``, ``final_loss.md``, ``final_loss.csv`` and
-    ``runs.csv`` (the per-run summary); returns name -> path."""
-    from pathlib import Path
-
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    paths = dict(save_all(runs, out, x=x, band=band))
-    table = final_loss_table(runs)
-    md = out / "final_loss.md"
-    md.write_text(format_final_loss_table(table), encoding="utf-8")
-    paths["final_loss.md"] = md
-    table.to_csv(out / "final_loss.csv", index=False)
-    paths["final_loss.csv"] = out / "final_loss.csv"
-    runs.summary.to_csv(out / "runs.csv")
-    paths["runs.csv"] = out / "runs.csv"
-    return paths

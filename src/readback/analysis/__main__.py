@@ -1,9 +1,13 @@
-"""``python -m readback.analysis SWEEP_DIR [SWEEP_DIR ...] [--out DIR] [--x tokens|step]``
+"""``python -m readback.analysis SWEEP_DIR [SWEEP_DIR ...] | --wandb ENTITY/PROJECT [--out DIR] [--html]
+[--control EXP] [--metric KEY ...] [--page PATH] [--x tokens|step]``
 
-Loads every run under the sweep directories, writes ``loss.png``, ``grad_error.png``,
-``kurtosis.png``, ``attn_rowsum.png``, ``final_loss.md`` (and ``.csv``) and ``runs.csv`` to
-``DIR`` (default ``<first SWEEP_DIR>/analysis``) and prints the final-loss table. Exit code 2,
-with one line on stderr, when a directory is missing or holds no runs.
+Loads every run under the sweep directories (or of a wandb project), groups them by
+experiment and every override that varies except the seed, and writes to ``DIR`` (default
+``<first SWEEP_DIR>/analysis``, or ``analysis/<project>`` for wandb alone) every plot as PNG,
+``final_loss.md`` (and ``.csv``), ``paired.csv``, ``runs.csv``, ``report.md`` and, with
+``--html``, the self-contained ``report.html``. Prints the keys it grouped by and the final-loss
+table, with paired-seed differences from ``--control`` (default ``no_saved_copy`` when loaded).
+Exit code 2, with one line on stderr, when a directory is missing or holds no runs.
 """
 
 from __future__ import annotations
@@ -13,31 +17,78 @@ import os
 import sys
 from pathlib import Path
 
+DEFAULT_CONTROL = "no_saved_copy"
+
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m readback.analysis", description=__doc__.split("\n\n")[1])
-    parser.add_argument("sweep_dirs", nargs="+", metavar="SWEEP_DIR", help="a sweep (or run) directory")
+    parser.add_argument("sweep_dirs", nargs="*", metavar="SWEEP_DIR", help="a sweep (or run) directory")
+    parser.add_argument("--wandb", default=None, metavar="ENTITY/PROJECT", help="also load the runs of a wandb project")
     parser.add_argument("--out", default=None, help="output directory (default: SWEEP_DIR/analysis)")
     parser.add_argument("--x", choices=("tokens", "step"), default="tokens", help="x axis of the curves")
     parser.add_argument("--band", choices=("minmax", "std", "none"), default="minmax",
                         help="band over seeds around the mean")
+    parser.add_argument("--control", default=None,
+                        help=f"experiment the others are compared with by seed pairs (default {DEFAULT_CONTROL} if loaded; "
+                             "'none' for no comparison)")
+    parser.add_argument("--metric", action="append", default=[], metavar="KEY",
+                        help="a logged key or glob (fp8_saturation/*, grad_norm): its last value per group and its curves; "
+                             "repeatable")
+    parser.add_argument("--html", action="store_true", help="also write the self-contained report.html")
+    parser.add_argument("--page", default=None, help="write the Markdown page here instead of DIR/report.md")
+    parser.add_argument("--title", default=None, help="title of the pages (default: the sweep names)")
     args = parser.parse_args(argv)
+    if bool(args.sweep_dirs) == bool(args.wandb):
+        print("error: give SWEEP_DIRs or --wandb ENTITY/PROJECT (one of the two)", file=sys.stderr)
+        return 2
 
     os.environ.setdefault("MPLBACKEND", "Agg")
-    from readback.analysis import final_loss_table, format_final_loss_table, load_runs, write_report
+    from readback.analysis import (
+        final_loss_table,
+        format_final_loss_table,
+        format_metric_table,
+        load_runs,
+        load_wandb,
+        metric_table,
+        paired_table,
+    )
+    from readback.analysis.report import this_command, write_report
 
     for d in args.sweep_dirs:
         if not Path(d).is_dir():
             print(f"error: no such sweep directory: {d}", file=sys.stderr)
             return 2
-    runs = load_runs(*args.sweep_dirs)
+    if args.wandb:
+        entity, _, project = args.wandb.rpartition("/")
+        try:
+            runs = load_wandb(project, entity or None)
+        except RuntimeError as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
+    else:
+        runs = load_runs(*args.sweep_dirs)
     if not len(runs):
-        print(f"error: no runs (directories with summary.json or metrics.jsonl) under {', '.join(args.sweep_dirs)}",
+        where = ", ".join(args.sweep_dirs + ([f"wandb {args.wandb}"] if args.wandb else []))
+        print(f"error: no runs (directories with summary.json or metrics.jsonl) under {where}", file=sys.stderr)
+        return 2
+    control = args.control or (DEFAULT_CONTROL if DEFAULT_CONTROL in runs.experiments else None)
+    if control == "none":
+        control = None
+    elif control is not None and control not in runs.experiments:
+        print(f"error: --control {control!r} is not a loaded experiment; choose from {', '.join(runs.experiments)}",
               file=sys.stderr)
         return 2
-    out = Path(args.out) if args.out else Path(args.sweep_dirs[0]) / "analysis"
-    paths = write_report(runs, out, x=args.x, band=None if args.band == "none" else args.band)
-    print(format_final_loss_table(final_loss_table(runs)))
+    default_out = Path(args.sweep_dirs[0]) / "analysis" if args.sweep_dirs else Path("analysis") / args.wandb.replace("/", "_")
+    out = Path(args.out) if args.out else default_out
+    names = [Path(d).name for d in args.sweep_dirs] + ([args.wandb] if args.wandb else [])
+    paths = write_report(runs, out, x=args.x, band=None if args.band == "none" else args.band, control=control,
+                         metrics=args.metric, with_html=args.html, page=args.page,
+                         title=args.title or f"readback: {', '.join(names)}", command=this_command(argv))
+    print(f"grouped by: experiment{''.join(', ' + k for k in runs.group_keys)} (seeds pooled)")
+    paired = paired_table(runs, control) if control else None
+    print(format_final_loss_table(final_loss_table(runs), paired=paired))
+    for pattern in args.metric:
+        print(format_metric_table(metric_table(runs, pattern)))
     print(f"{len(runs)} runs; wrote {', '.join(sorted(p.name for p in paths.values()))} to {out}")
     return 0
 

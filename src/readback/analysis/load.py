@@ -1,4 +1,6 @@
-"""Loading runs: local sweep directories (``load_runs``) or a wandb project (``load_wandb``).
+"""The tables of a set of runs (:class:`Runs`), built by :func:`runs_from_records` from per-run
+records that :func:`readback.analysis.files.load_runs` (sweep directories) and
+:func:`readback.analysis.remote.load_wandb` (a wandb project) read.
 
 Both return a :class:`Runs` with two pandas DataFrames:
 
@@ -9,8 +11,9 @@ loaded; the wandb run path for wandb runs). Columns:
 * ``experiment``, ``seed``, ``model``, ``precision``, ``rounding`` (``precision.rounding``),
   ``policy``, ``bwd_precision`` (``attention.bwd_precision``): from the run's config;
 * ``group``: what curves and tables aggregate over seeds: the experiment, followed by
-  ``[axis=value, ...]`` for each of the axes above (but the seed) that takes more than one
-  value among the loaded runs of that experiment (e.g. ``reuse_rounded [rounding=stochastic]``);
+  ``[key=value, ...]`` for every override and study axis (but the seed) that takes more than
+  one value among the loaded runs of that experiment (:mod:`readback.analysis.groups`; the keys
+  are ``Runs.group_keys``), e.g. ``reuse_rounded [trainer.optim.lr=0.03]``;
 * ``status``: ``completed`` | ``diverged`` | ``failed`` from ``summary.json``; a run without
   one is ``running`` when a file of it changed within ``running_within_s`` seconds, else
   ``failed`` (killed without a word: out of memory, time limit, preemption);
@@ -19,7 +22,8 @@ loaded; the wandb run path for wandb runs). Columns:
   ``val_loss``, ``steps`` and ``tokens`` come from the last logged records;
 * ``diverged``: ``status == "diverged"`` or a ``diverged_at_step``;
 * ``last_step``: the last step in ``metrics.jsonl``; ``bad_lines``: unreadable lines in it;
-  ``path``: the run directory (``None`` for wandb runs).
+  ``overrides``: the run's Hydra overrides (``k=v,...``); ``command`` and ``machine``: what
+  started it and where (``launch.json``); ``path``: the run directory (``None`` for wandb runs).
 
 ``runs.metrics``: the long table of every logged number, one row per (run, step, key):
 columns ``run``, ``experiment``, ``group``, ``seed``, ``step``, ``tokens`` (of that record),
@@ -30,41 +34,29 @@ columns ``run``, ``experiment``, ``group``, ``seed``, ``step``, ``tokens`` (of t
 from __future__ import annotations
 
 import fnmatch
-import json
-import logging
 import math
-import os
 import re
-import time
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pandas as pd
 
-log = logging.getLogger(__name__)
-
-#: Config axes read from each run (column name -> dotted config key).
-CONFIG_AXES: dict[str, str] = {
-    "experiment": "experiment",
-    "seed": "seed",
-    "model": "model.name",
-    "precision": "precision.name",
-    "rounding": "precision.rounding",
-    "policy": "policy.name",
-    "bwd_precision": "attention.bwd_precision",
-}
-#: Axes that split an experiment into several groups when they vary within it.
-GROUP_AXES = ("model", "precision", "rounding", "policy", "bwd_precision")
+from readback.analysis.groups import (
+    CONFIG_AXES,
+    assign_groups,
+    config_value,
+)
+from readback.overrides import override_map
 
 SUMMARY_FIELDS = (
     "status", "final_loss", "val_loss", "steps", "tokens", "diverged_at_step",
     "wall_time_s", "n_params", "error",
 )
 SUMMARY_COLUMNS = (
-    *CONFIG_AXES, "group", *SUMMARY_FIELDS, "diverged", "last_step", "bad_lines", "path",
+    *CONFIG_AXES, "group", *SUMMARY_FIELDS, "diverged", "last_step", "bad_lines", "overrides", "command",
+    "machine", "path",
 )
 METRIC_COLUMNS = ("run", "experiment", "group", "seed", "step", "tokens", "key", "value")
 # Record fields that are not metrics.
@@ -77,6 +69,8 @@ class Runs:
 
     summary: pd.DataFrame = field(default_factory=lambda: _empty_summary())
     metrics: pd.DataFrame = field(default_factory=lambda: _empty_metrics())
+    #: The settings that split experiments into groups (:mod:`readback.analysis.groups`).
+    group_keys: list[str] = field(default_factory=list)
 
     def __len__(self) -> int:
         return len(self.summary)
@@ -138,7 +132,7 @@ class Runs:
             keep &= s["status"].isin(list(status))
         ids = set(s.index[keep])
         m = self.metrics
-        return Runs(s[keep].copy(), m[m["run"].astype(str).isin(ids)].reset_index(drop=True))
+        return Runs(s[keep].copy(), m[m["run"].astype(str).isin(ids)].reset_index(drop=True), list(self.group_keys))
 
 
 #: The study's experiments, in the order tables and legends list them.
@@ -167,143 +161,32 @@ def _empty_metrics() -> pd.DataFrame:
     return pd.DataFrame({c: pd.Series(dtype=dtypes.get(c, object)) for c in METRIC_COLUMNS})
 
 
-# ---------------------------------------------------------------------------------------------
-# finding and reading run directories
-
-
-def find_run_dirs(*roots: str | os.PathLike) -> list[Path]:
-    """Every directory under ``roots`` (a root itself included) holding ``summary.json`` or
-    ``metrics.jsonl``; what lies below a run directory (checkpoints, wandb) is not searched."""
-    found: list[Path] = []
-    for root in roots:
-        root = Path(root)
-        if not root.is_dir():
-            raise FileNotFoundError(f"no such sweep directory: {root}")
-        for here, dirs, files in os.walk(root):
-            if "summary.json" in files or "metrics.jsonl" in files:
-                found.append(Path(here))
-                dirs[:] = []
-            else:
-                dirs[:] = sorted(d for d in dirs if not d.startswith("."))
-    return sorted(dict.fromkeys(found), key=lambda p: natural_key(str(p)))
-
-
-def read_jsonl(path: Path) -> tuple[list[dict[str, Any]], int]:
-    """The JSON objects of a ``.jsonl`` file and how many lines could not be read (a run killed
-    mid-write leaves a truncated last line)."""
-    records, bad = [], 0
-    try:
-        text = path.read_text(encoding="utf-8", errors="replace")
-    except FileNotFoundError:
-        return [], 0
-    for line in text.splitlines():
-        line = line.strip()
-        if not line:
-            continue
-        try:
-            obj = json.loads(line)
-        except json.JSONDecodeError:
-            bad += 1
-            continue
-        if isinstance(obj, dict):
-            records.append(obj)
-        else:
-            bad += 1
-    return records, bad
-
-
-def _read_json(path: Path) -> dict[str, Any] | None:
-    try:
-        obj = json.loads(path.read_text(encoding="utf-8"))
-    except FileNotFoundError:
-        return None
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        log.warning("unreadable %s (%s); treated as missing", path, e)
-        return None
-    return obj if isinstance(obj, dict) else None
-
-
-def _read_config(run_dir: Path) -> dict[str, Any]:
-    path = run_dir / ".hydra" / "config.yaml"
-    if not path.is_file():
-        return {}
-    import yaml
-
-    try:
-        cfg = yaml.safe_load(path.read_text(encoding="utf-8"))
-    except (yaml.YAMLError, UnicodeDecodeError) as e:
-        log.warning("unreadable %s (%s); config axes taken from the path", path, e)
-        return {}
-    return cfg if isinstance(cfg, dict) else {}
-
-
-def _newest_mtime(run_dir: Path) -> float:
-    times = [run_dir.stat().st_mtime]
-    for name in ("metrics.jsonl", "summary.json", "train.log"):
-        p = run_dir / name
-        if p.exists():
-            times.append(p.stat().st_mtime)
-    ckpt = run_dir / "checkpoints"
-    if ckpt.is_dir():
-        times.append(ckpt.stat().st_mtime)
-    return max(times)
-
-
-def load_runs(*sweep_dirs: str | os.PathLike, keys: Sequence[str] | None = None,
-              running_within_s: float = 900.0) -> Runs:
-    """Every run under ``sweep_dirs`` (see the module docstring for the tables).
-
-    ``keys``: glob patterns of the metric keys to keep (default all; e.g.
-    ``["loss", "val_loss", "grad_error/*/total"]`` keeps a large sweep small).
-    ``running_within_s``: a run without ``summary.json`` whose files changed this recently is
-    ``running``, otherwise ``failed``.
-    """
-    if not sweep_dirs:
-        raise ValueError("load_runs needs at least one sweep directory")
-    roots = [Path(d) for d in sweep_dirs]
-    prefix = len(roots) > 1
-    entries = []
-    now = time.time()
-    for root in roots:
-        for run_dir in find_run_dirs(root):
-            rel = run_dir.relative_to(root).as_posix()
-            run_id = rel if rel != "." else run_dir.name
-            if prefix:
-                run_id = f"{root.name}/{run_id}" if rel != "." else run_dir.name
-            records, bad = read_jsonl(run_dir / "metrics.jsonl")
-            summary = _read_json(run_dir / "summary.json")
-            fallback = "running" if now - _newest_mtime(run_dir) < running_within_s else "failed"
-            entries.append(dict(
-                run_id=run_id, config=_read_config(run_dir), summary=summary, records=records,
-                path=str(run_dir), bad_lines=bad, status_without_summary=fallback,
-                path_parts=rel.split("/"),
-            ))
-    seen: dict[str, int] = {}
-    for e in entries:  # the same run id twice (two sweep dirs of the same name): make unique
-        n = seen.get(e["run_id"], 0)
-        seen[e["run_id"]] = n + 1
-        if n:
-            e["run_id"] = f"{e['run_id']}#{n}"
-    return runs_from_records(entries, keys=keys)
-
-
 def runs_from_records(entries: Iterable[Mapping[str, Any]], keys: Sequence[str] | None = None) -> Runs:
     """Build :class:`Runs` from per-run dicts with ``run_id``, ``config`` (nested dict),
     ``summary`` (dict or ``None``), ``records`` (list of metric dicts) and optionally ``path``,
-    ``bad_lines``, ``status_without_summary`` (default ``failed``) and ``path_parts`` (used to
-    guess experiment and seed when the config lacks them). Shared by the local and wandb loaders.
+    ``bad_lines``, ``status_without_summary`` (default ``failed``), ``path_parts`` (used to
+    guess experiment and seed when the config lacks them), ``overrides`` (the run's Hydra
+    overrides; default ``config["launch"]["overrides"]``) and ``launch`` (``launch.json``; default
+    ``config["launch"]``). Shared by the local and wandb loaders.
     """
     rows: list[dict[str, Any]] = []
     frames: list[pd.DataFrame] = []
+    overrides, configs = {}, {}
     for e in entries:
         row, long = _one_run(e, keys)
         rows.append(row)
+        launch = e.get("launch") or (e.get("config") or {}).get("launch") or {}
+        overrides[row["run"]] = override_map(e.get("overrides") or launch.get("overrides"))
+        configs[row["run"]] = e.get("config") or {}
+        row["overrides"] = ",".join(f"{k}={v}" for k, v in sorted(overrides[row["run"]].items()))
+        row["command"] = _command(launch)
+        row["machine"] = _machine(launch)
         if len(long):
             frames.append(long)
     if not rows:
         return Runs()
     summary = pd.DataFrame(rows).set_index("run")
-    summary["group"] = _groups(summary)
+    summary["group"], group_keys = assign_groups(summary, overrides, configs)
     summary = summary[[c for c in SUMMARY_COLUMNS if c in summary.columns]]
     for col in ("final_loss", "val_loss", "wall_time_s"):
         summary[col] = pd.to_numeric(summary[col], errors="coerce").astype(float)
@@ -320,16 +203,24 @@ def runs_from_records(entries: Iterable[Mapping[str, Any]], keys: Sequence[str] 
         metrics["seed"] = pd.to_numeric(metrics["seed"], errors="coerce").astype("Int64")
     else:
         metrics = _empty_metrics()
-    return Runs(summary, metrics)
+    return Runs(summary, metrics, group_keys)
 
 
-def _get(cfg: Mapping[str, Any], dotted: str) -> Any:
-    node: Any = cfg
-    for part in dotted.split("."):
-        if not isinstance(node, Mapping) or part not in node:
-            return None
-        node = node[part]
-    return node
+def _command(launch: Mapping[str, Any]) -> str | None:
+    """The command that started the run (its sweep's, for a sweep), as one shell line."""
+    import shlex
+
+    argv = launch.get("argv")
+    return "python " + shlex.join(["train.py" if str(a).endswith("train.py") else str(a) for a in argv]) if argv else None
+
+
+def _machine(launch: Mapping[str, Any]) -> str | None:
+    """Where the run ran, in one line: host, CPUs, GPUs, platform, torch and Python versions."""
+    if not launch.get("host"):
+        return None
+    gpus = ", ".join(launch.get("gpus") or []) or "no GPU"
+    return (f"{launch['host']}: {launch.get('cpus')} CPUs, {gpus}; {launch.get('platform')}; "
+            f"torch {launch.get('torch')}, Python {launch.get('python')}")
 
 
 def _number(value: Any) -> float:
@@ -349,12 +240,12 @@ def _one_run(e: Mapping[str, Any], keys: Sequence[str] | None) -> tuple[dict[str
     parts = list(e.get("path_parts") or [])
     row: dict[str, Any] = {"run": run_id}
     for col, dotted in CONFIG_AXES.items():
-        row[col] = _get(cfg, dotted)
+        row[col] = config_value(cfg, dotted)
     if row["experiment"] is None and summary is not None:
         row["experiment"] = summary.get("experiment")
-    if row["seed"] is None:  # the sweep's subdir pattern: <experiment>/seed<seed>/<job>
+    if row["seed"] is None:  # the sweep's subdir: <experiment>/<overrides with seed=N> (or seed<N>)
         for i, part in enumerate(parts):
-            m = re.fullmatch(r"seed(\d+)", part)
+            m = re.search(r"(?:^|,)seed=?(\d+)(?:,|$)", part)
             if m:
                 row["seed"] = int(m.group(1))
                 if row["experiment"] is None and i > 0:
@@ -415,69 +306,3 @@ def _one_run(e: Mapping[str, Any], keys: Sequence[str] | None) -> tuple[dict[str
     row["bad_lines"] = int(e.get("bad_lines", 0) or 0)
     row["path"] = e.get("path")
     return row, long
-
-
-def _groups(summary: pd.DataFrame) -> pd.Series:
-    """experiment, plus ``[axis=value, ...]`` for the axes that take more than one value within
-    the experiment (a run that lacks the axis, e.g. without a config, gets no tag for it)."""
-    out = pd.Series(index=summary.index, dtype=object)
-    for exp, sub in summary.groupby("experiment", sort=False):
-        varying = [a for a in GROUP_AXES if sub[a].dropna().astype(str).nunique() > 1]
-        for run, r in sub.iterrows():
-            tags = ", ".join(f"{a}={r[a]}" for a in varying if r[a] is not None and not pd.isna(r[a]))
-            out[run] = f"{exp} [{tags}]" if tags else str(exp)
-    return out
-
-
-# ---------------------------------------------------------------------------------------------
-# wandb
-
-
-def load_wandb(project: str, entity: str | None = None, filters: dict[str, Any] | None = None,
-               *, keys: Sequence[str] | None = None, timeout: int = 60) -> Runs:
-    """The runs of a wandb project as :class:`Runs` (the same tables as :func:`load_runs`).
-
-    ``filters`` is wandb's MongoDB-style run filter, e.g.
-    ``{"config.experiment": {"$in": ["reuse_rounded", "no_saved_copy"]}}``; ``keys`` globs
-    select metric keys. Needs the ``wandb`` package, network access and a login (``wandb login``
-    or ``WANDB_API_KEY``). Full-resolution history is read with ``run.scan_history()``.
-    Runs still going are ``running``; crashed or killed ones ``failed``.
-    """
-    try:
-        import wandb
-    except ImportError as e:
-        raise RuntimeError("load_wandb needs the wandb package (pip install wandb)") from e
-    path = f"{entity}/{project}" if entity else project
-    try:
-        api = wandb.Api(timeout=timeout)
-        wruns = list(api.runs(path, filters=filters or {}))
-    except Exception as e:  # noqa: BLE001 - network, auth and lookup errors all end here
-        raise RuntimeError(
-            f"could not list the wandb runs of {path!r} ({type(e).__name__}: {e}); "
-            "this needs network access and a wandb login (wandb login, or WANDB_API_KEY)"
-        ) from e
-    states = {"running": "running", "crashed": "failed", "failed": "failed", "killed": "failed"}
-    entries = []
-    for r in wruns:
-        try:
-            cfg = _unwrap_config(dict(r.config))
-            summ = {k: v for k, v in dict(r.summary).items() if not str(k).startswith("_")}
-            records = [dict(h) for h in r.scan_history()]
-        except Exception as e:  # noqa: BLE001
-            raise RuntimeError(f"could not read wandb run {r.path} ({type(e).__name__}: {e})") from e
-        finished = "status" in summ and r.state == "finished"
-        entries.append(dict(
-            run_id="/".join(r.path), config=cfg, summary=summ if finished else None,
-            records=records, path=None, status_without_summary=states.get(r.state, "failed"),
-        ))
-    return runs_from_records(entries, keys=keys)
-
-
-def _unwrap_config(cfg: dict[str, Any]) -> dict[str, Any]:
-    """wandb may store config values as ``{"value": ..., "desc": ...}``; return plain values."""
-    out = {}
-    for k, v in cfg.items():
-        if isinstance(v, dict) and set(v) <= {"value", "desc"} and "value" in v:
-            v = v["value"]
-        out[k] = v
-    return out

@@ -335,6 +335,25 @@ def plot_mechanism(runs: Runs, *, x: str = "tokens", band: str | None = "minmax"
     return _save(fig, path)
 
 
+def plot_metric(runs: Runs, pattern: str, *, x: str = "tokens", band: str | None = "minmax", logy: bool = False,
+                path: str | os.PathLike | None = None) -> Figure:
+    """Any logged key (a glob: one panel per matching key), e.g. ``grad_norm`` or
+    ``fp8_saturation/*``: mean over seeds per group with a band."""
+    keys = runs.keys(pattern)
+    fig, axes = _grid(max(1, len(keys)), 3, w=4.8, h=3.3)
+    if not keys:
+        _empty(axes[0], f"no records of {pattern}")
+        return _save(fig, path)
+    cmap = colors(runs)
+    for i, (ax, key) in enumerate(zip(axes, keys)):
+        _draw(ax, runs, key, x=x, band=band, cmap=cmap, logy=logy, marker="o")
+        ax.set_title(key, fontsize=9)
+        ax.grid(alpha=0.3)
+        if i == 0:
+            _legend(ax, runs)
+    return _save(fig, path)
+
+
 def _short(layer: str) -> str:
     m = re.search(r"layers\.(\d+)", layer)
     return f"layer {m.group(1)} ({layer})" if m else layer

@@ -88,14 +88,28 @@ def _pm(mean: float, std: float, digits: int) -> str:
     return f"{mean:.{digits}f} ± {std:.{digits}f}"
 
 
-def format_final_loss_table(table: pd.DataFrame, digits: int = 3) -> str:
-    """The table of :func:`final_loss_table` as Markdown: group, seeds, final loss and val loss
+def format_final_loss_table(table: pd.DataFrame, digits: int = 3, paired: pd.DataFrame | None = None) -> str:
+    """:func:`final_loss_cells` as a Markdown table with its footnotes."""
+    headers, rows, notes = final_loss_cells(table, digits, paired)
+    text = markdown_table(headers, rows, align=["l"] + ["r"] * (len(headers) - 1))
+    return text + "\n\n" + "\n".join(notes) + "\n"
+
+
+def final_loss_cells(table: pd.DataFrame, digits: int = 3,
+                     paired: pd.DataFrame | None = None) -> tuple[list[str], list[list[str]], list[str]]:
+    """Headers, rows and footnotes of the final-loss table: group, seeds, final loss and val loss
     (mean ± std), diverged (count of runs; the final loss marked † when any diverged), and
-    failed/running counts when there are any. A footnote explains the marks."""
+    failed/running counts when there are any. With ``paired`` (``paired_table`` of :mod:`readback.analysis.paired`)
+    four more columns: the difference from the control in final and val loss, paired by seed and
+    unpaired, each ± its SE. A footnote explains the marks."""
     headers = ["experiment", "seeds", "final loss", "val loss", "diverged"]
     extra = bool(len(table)) and bool((table["n_failed"] + table["n_running"]).sum())
     if extra:
         headers.append("failed / running")
+    diffs = paired is not None and len(paired) > 0
+    if diffs:
+        headers += ["Δ final, paired", "Δ final, unpaired", "Δ val, paired", "Δ val, unpaired"]
+        by = {(r["group"], r["metric"]): r for _, r in paired.iterrows()}
     rows = []
     for _, r in table.iterrows():
         loss = _pm(r["final_loss_mean"], r["final_loss_std"], digits)
@@ -108,13 +122,64 @@ def format_final_loss_table(table: pd.DataFrame, digits: int = 3) -> str:
         row = [str(r["group"]), seeds, loss, _pm(r["val_loss_mean"], r["val_loss_std"], digits), div]
         if extra:
             row.append(f"{r['n_failed']} / {r['n_running']}")
+        if diffs:
+            for metric in ("final_loss", "val_loss"):
+                d = by.get((r["group"], metric))
+                row += (["-", "-"] if d is None else
+                        [difference_cell(d["paired_mean"], d["paired_se"], digits, n=d["n_pairs"]),
+                         difference_cell(d["unpaired_mean"], d["unpaired_se"], digits)])
         rows.append(row)
-    text = markdown_table(headers, rows, align=["l", "r", "r", "r", "r", "r"][: len(headers)])
     notes = ["final loss: last logged train loss of each finished run (completed or diverged), "
              "mean ± sample std over seeds; val loss likewise."]
+    if diffs:
+        controls = ", ".join(sorted(set(paired["control"])))
+        notes.append(f"Δ: minus the control ({controls}); paired: mean over seeds run in both of the "
+                     "per-seed difference ± its SE (n = pairs); unpaired: difference of the means ± "
+                     "sqrt(var/n + var_c/n_c). (k SE) = |Δ| / SE.")
     if len(table) and table["n_diverged"].any():
         notes.append(f"{DIVERGED_MARK} at least one seed diverged (its final loss is included).")
-    return text + "\n\n" + "\n".join(notes) + "\n"
+    return headers, rows, notes
+
+
+def metric_table(runs: Runs, pattern: str) -> pd.DataFrame:
+    """The last logged finite value of every key matching ``pattern`` per run, summarised per
+    group: ``n`` runs, ``mean``, ``std`` (ddof=1), ``min``, ``max``; one row per (group, key)."""
+    rows = []
+    for key in runs.keys(pattern):
+        curve = runs.curve(key).sort_values("step")
+        last = curve.groupby("run", observed=True).tail(1)
+        for group in runs.groups:
+            v = last.loc[last["group"] == group, "value"].to_numpy(dtype=float)
+            if len(v):
+                rows.append({"group": group, "key": key, "n": len(v), "mean": float(v.mean()), "std": _std(v),
+                             "min": float(v.min()), "max": float(v.max())})
+    return pd.DataFrame(rows, columns=["group", "key", "n", "mean", "std", "min", "max"])
+
+
+METRIC_HEADERS = ["experiment", "key", "runs", "last value", "range"]
+
+
+def metric_cells(table: pd.DataFrame, digits: int = 4) -> list[list[str]]:
+    """Rows of :func:`metric_table` for :data:`METRIC_HEADERS`: ``mean ± std`` of the last
+    values, and their range."""
+    return [[r["group"], r["key"], str(r["n"]), _pm(r["mean"], r["std"], digits),
+             f"{r['min']:.{digits}g} .. {r['max']:.{digits}g}"] for _, r in table.iterrows()]
+
+
+def format_metric_table(table: pd.DataFrame, digits: int = 4) -> str:
+    return markdown_table(METRIC_HEADERS, metric_cells(table, digits), align=["l", "l", "r", "r", "r"]) + "\n"
+
+
+def difference_cell(mean: float, se: float, digits: int = 3, n: int | None = None) -> str:
+    """``+0.015 ± 0.002 (n=3, 7.5 SE)``; ``-`` without a value."""
+    if not math.isfinite(mean):
+        return "-"
+    text, extra = f"{mean:+.{digits}f}", [] if n is None else [f"n={n}"]
+    if math.isfinite(se):
+        text += f" ± {se:.{digits}f}"
+        if se > 0:
+            extra.append(f"{abs(mean) / se:.1f} SE")
+    return text + (f" ({', '.join(extra)})" if extra else "")
 
 
 def markdown_table(headers: Sequence[str], rows: Sequence[Sequence[Any]],

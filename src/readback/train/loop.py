@@ -474,7 +474,6 @@ class _Trainer:
                 self.run_dir,
                 is_main=env.is_main,
                 resume_step=start,
-                run_name=self.experiment,
                 config=plain_config(self.cfg),
                 wandb_run_id=wandb_id,
             )

@@ -2,8 +2,8 @@
 
 The JSONL file is the record of a run; wandb gets the same dicts. Nothing wandb does -- no
 network, no API key, a rejected key, a crash of its service -- may stop training or lose a local
-line: :class:`WandbLogger` tries the requested mode, falls back to offline mode into the run
-directory, and finally to a no-op, and it disables itself after the first failing ``log`` call.
+line (:class:`~readback.train.tracking.WandbLogger`). Rank 0 also writes ``launch.json``: the
+run's overrides, sweep, Slurm job id and host (:func:`~readback.train.tracking.launch_context`).
 
 Non-finite numbers are written to the JSONL file as ``null`` (strict JSON).
 """
@@ -13,14 +13,12 @@ from __future__ import annotations
 import json
 import logging
 import math
-import netrc
-import os
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
-from urllib.parse import urlparse
 
 from readback.train.checkpoint import atomic_write_text
+from readback.train.tracking import WandbLogger, launch_context, run_identity
 
 log = logging.getLogger(__name__)
 
@@ -108,147 +106,6 @@ class JsonlWriter:
             self._f = None
 
 
-def _have_wandb_key() -> bool:
-    if os.environ.get("WANDB_API_KEY"):
-        return True
-    host = urlparse(os.environ.get("WANDB_BASE_URL", "https://api.wandb.ai")).hostname or ""
-    for candidate in (os.environ.get("NETRC"), "~/.netrc", "~/_netrc"):
-        if not candidate:
-            continue
-        path = Path(candidate).expanduser()
-        try:
-            if path.is_file() and netrc.netrc(str(path)).authenticators(host):
-                return True
-        except (OSError, netrc.NetrcParseError):
-            continue
-    return False
-
-
-def resolve_wandb_mode(mode: str | None) -> str:
-    """``online`` | ``offline`` | ``disabled``: ``WANDB_MODE``/``WANDB_DISABLED`` win, then the config;
-    ``auto`` is online when an API key is configured, else offline."""
-    if os.environ.get("WANDB_DISABLED", "").lower() in ("1", "true", "yes"):
-        return "disabled"
-    env = os.environ.get("WANDB_MODE", "").strip().lower()
-    chosen = env or (mode or "auto").lower()
-    if chosen == "dryrun":
-        chosen = "offline"
-    if chosen == "auto":
-        chosen = "online" if _have_wandb_key() else "offline"
-    if chosen not in ("online", "offline", "disabled"):
-        log.warning("unknown wandb mode %r; using offline", chosen)
-        chosen = "offline"
-    return chosen
-
-
-def new_wandb_run_id() -> str:
-    import secrets
-    import string
-
-    alphabet = string.ascii_lowercase + string.digits
-    return "".join(secrets.choice(alphabet) for _ in range(8))
-
-
-class WandbLogger:
-    """Best-effort wandb run. ``self.mode`` ends up ``online``, ``offline`` or ``noop``."""
-
-    def __init__(
-        self,
-        *,
-        run_dir: Path,
-        project: str = "readback",
-        entity: str | None = None,
-        name: str | None = None,
-        tags: list[str] | None = None,
-        mode: str = "auto",
-        config: dict[str, Any] | None = None,
-        run_id: str | None = None,
-        init_timeout: float = 60.0,
-    ):
-        self.run_id = run_id or new_wandb_run_id()
-        self.mode = "noop"
-        self._run = None
-        self._warned = False
-        wanted = resolve_wandb_mode(mode)
-        if wanted == "disabled":
-            return
-        try:
-            import wandb
-        except Exception as e:  # noqa: BLE001
-            log.warning("wandb unavailable (%s); metrics go to metrics.jsonl only", e)
-            return
-        attempts = [wanted] + (["offline"] if wanted == "online" else [])
-        for attempt in attempts:
-            try:
-                self._run = wandb.init(
-                    project=project,
-                    entity=entity,
-                    name=name,
-                    tags=list(tags or []),
-                    config=config,
-                    dir=str(run_dir),
-                    id=self.run_id,
-                    resume="allow",
-                    mode=attempt,
-                    settings=wandb.Settings(init_timeout=float(init_timeout), silent=True),
-                )
-                self.mode = attempt
-                break
-            except Exception as e:  # noqa: BLE001 - any wandb failure must not stop training
-                log.warning("wandb.init in %s mode failed (%s: %s)", attempt, type(e).__name__, e)
-                self._run = None
-                try:  # a failed init keeps the run id taken in this process: release it for the next try
-                    wandb.teardown()
-                except Exception:  # noqa: BLE001
-                    pass
-        if self._run is None:
-            log.warning("wandb disabled for this run; metrics go to metrics.jsonl only")
-
-    def log(self, record: Mapping[str, Any], step: int) -> None:
-        if self._run is None:
-            return
-        try:
-            self._run.log({k: v for k, v in record.items() if k != "step"}, step=int(step))
-        except Exception as e:  # noqa: BLE001
-            self._fail("log", e)
-
-    def summary(self, values: Mapping[str, Any]) -> None:
-        if self._run is None:
-            return
-        try:
-            for k, v in values.items():
-                self._run.summary[k] = v
-        except Exception as e:  # noqa: BLE001
-            self._fail("summary", e)
-
-    def mark_preempting(self) -> None:
-        """Tell wandb the run stops for a preemption (it is resumed later under the same id)."""
-        if self._run is None:
-            return
-        try:
-            self._run.mark_preempting()
-        except Exception as e:  # noqa: BLE001
-            log.debug("wandb mark_preempting failed: %s", e)
-
-    def _fail(self, what: str, e: Exception) -> None:
-        if not self._warned:
-            log.warning("wandb %s failed (%s: %s); wandb disabled, metrics.jsonl continues", what, type(e).__name__, e)
-            self._warned = True
-        self._close_quietly(exit_code=1)
-
-    def _close_quietly(self, exit_code: int = 0) -> None:
-        run, self._run = self._run, None
-        if run is None:
-            return
-        try:
-            run.finish(exit_code=exit_code)
-        except Exception as e:  # noqa: BLE001
-            log.warning("wandb finish failed (%s: %s)", type(e).__name__, e)
-
-    def finish(self, exit_code: int = 0) -> None:
-        self._close_quietly(exit_code)
-
-
 class MetricsLogger:
     """Writes each record to ``metrics.jsonl`` and to wandb (if any). Inactive off rank 0."""
 
@@ -288,27 +145,31 @@ def build_metrics_logger(
     *,
     is_main: bool,
     resume_step: int,
-    run_name: str,
-    config: dict[str, Any] | None,
+    config: dict[str, Any],
     wandb_run_id: str | None,
 ) -> MetricsLogger:
-    """The rank's logger: rank 0 gets ``metrics.jsonl`` (cut back to ``resume_step``) and, with
-    ``logger.name=wandb``, a :class:`WandbLogger`; other ranks get an inactive logger."""
+    """The rank's logger: rank 0 writes ``launch.json``, gets ``metrics.jsonl`` (cut back to
+    ``resume_step``) and, with ``logger.name=wandb``, a wandb run; other ranks get an inactive
+    logger."""
     if not is_main:
         return MetricsLogger()
+    launch = launch_context(Path(run_dir))
+    atomic_write_text(Path(run_dir) / "launch.json", json.dumps(json_safe(launch), indent=2) + "\n")
     jsonl = JsonlWriter(Path(run_dir) / "metrics.jsonl")
     jsonl.truncate_after(resume_step)
     name = str(_get(logger_cfg, "name", "none"))
     wb = None
     if name == "wandb":
+        identity = run_identity(
+            config, launch, user_tags=list(_get(logger_cfg, "tags", []) or []),
+            group=_get(logger_cfg, "group", None), job_type=str(_get(logger_cfg, "job_type", "train")),
+        )
         wb = WandbLogger(
             run_dir=Path(run_dir),
+            identity=identity,
             project=_get(logger_cfg, "project", "readback"),
             entity=_get(logger_cfg, "entity", None),
-            name=run_name,
-            tags=list(_get(logger_cfg, "tags", []) or []),
             mode=_get(logger_cfg, "mode", "auto"),
-            config=config,
             run_id=wandb_run_id,
             init_timeout=float(_get(logger_cfg, "init_timeout", 60.0)),
         )

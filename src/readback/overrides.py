@@ -1,0 +1,42 @@
+"""Hydra overrides as data: what a run's command line set, and which keys name a configuration.
+
+Shared by the wandb run names (:mod:`readback.train.tracking`) and the analysis groups
+(:mod:`readback.analysis.groups`), so a wandb group and an analysis group are the same runs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+#: Keys that never tell two configurations apart: the seed (what a group averages over), the
+#: experiment (named separately), the sweep preset, and how a run resumes, reports and logs.
+NOT_A_SETTING = ("seed", "experiment", "sweep", "trainer.resume", "trainer.progress", "trainer.device")
+NOT_A_SETTING_PREFIX = ("logger", "hydra")
+
+
+def override_map(overrides: Sequence[str] | None) -> dict[str, str]:
+    """``key -> value`` of a run's overrides, ``+``/``~`` dropped (``+experiment=x`` -> ``experiment``)."""
+    out = {}
+    for o in overrides or []:
+        key, sep, value = str(o).partition("=")
+        if sep:
+            out[key.lstrip("+~")] = value
+    return out
+
+
+def is_setting(key: str) -> bool:
+    """Whether an override key can tell two configurations apart (see :data:`NOT_A_SETTING`)."""
+    return key not in NOT_A_SETTING and key.split(".", 1)[0] not in NOT_A_SETTING_PREFIX
+
+
+def swept_keys(overrides: Sequence[str]) -> list[str]:
+    """The keys a sweep's command line varies (``k=a,b``, ``k=range(...)``, ...), in order."""
+    if not overrides:
+        return []
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    try:
+        parsed = OverridesParser.create().parse_overrides(list(overrides))
+    except Exception:  # noqa: BLE001 - an unparsable record names no axes
+        return []
+    return [o.key_or_group for o in parsed if o.is_sweep_override()]

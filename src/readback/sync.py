@@ -1,0 +1,132 @@
+"""``python -m readback.sync DIR [DIR ...] [--project P] [--entity E] [--dry-run]``
+
+Uploads the offline wandb runs under sweep (or run) directories: every
+``<run dir>/wandb/offline-run-<time>-<id>`` folder, passed to ``wandb sync`` in one call. A
+requeued job leaves one folder per start under the same run id; ``wandb sync`` uploads the
+folders of one id one after the other in start order, into that one run. Before uploading it
+prints each run (id, name, group, how many folders). Needs a wandb login for the upload;
+``--dry-run`` lists what would be uploaded without network.
+
+:func:`read_offline_run` reads what wandb wrote into a folder (its ``.wandb`` record log), so a
+run's name, group, tags, config, summary and history can be checked without a server.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import shutil
+import struct
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+#: ``offline-run-YYYYMMDD_HHMMSS-<id>``: wandb's folder name for one start of an offline run.
+OFFLINE_FOLDER = re.compile(r"offline-run-(\d{8}_\d{6})-([a-z0-9]+)$")
+_BLOCK, _HEADER = 32768, 7  # the record log: a 7-byte file header, then 32 KiB blocks of chunks
+_FULL, _LAST = 1, 4
+
+
+def offline_folders(*roots: str | Path) -> list[Path]:
+    """Every offline run folder below ``roots``, in start order (time stamp, then id)."""
+    found = {p for root in roots for p in Path(root).rglob("offline-run-*")
+             if p.is_dir() and OFFLINE_FOLDER.match(p.name)}
+    return sorted(found, key=lambda p: (OFFLINE_FOLDER.match(p.name).group(1), p.name, str(p)))  # type: ignore[union-attr]
+
+
+def _records(path: Path) -> Iterator[Any]:
+    """The protobuf records of a ``.wandb`` file (wandb's LevelDB-style log of chunks)."""
+    from wandb.proto import wandb_internal_pb2
+
+    data = path.read_bytes()
+    if data[:4] != b":W&B":
+        raise ValueError(f"{path} is not a wandb record log")
+    pos, buf = _HEADER, b""
+    while pos + 7 <= len(data):
+        left = _BLOCK - pos % _BLOCK
+        if left < 7:  # a block's tail too short for a chunk header is padding
+            pos += left
+            continue
+        _crc, length, kind = struct.unpack("<IHB", data[pos:pos + 7])
+        if kind == 0 and length == 0:
+            pos += left
+            continue
+        buf += data[pos + 7:pos + 7 + length]
+        pos += 7 + length
+        if kind in (_FULL, _LAST):
+            record = wandb_internal_pb2.Record()
+            record.ParseFromString(buf)
+            buf = b""
+            yield record
+
+
+def read_offline_run(folder: str | Path) -> dict[str, Any]:
+    """What one offline folder holds: ``id``, ``name``, ``group``, ``job_type``, ``tags``,
+    ``config`` and ``summary`` (plain values), ``history`` (one dict per logged step) and
+    ``metrics`` (``define_metric``: key -> ``{"step_metric", "summary"}``)."""
+    folder = Path(folder)
+    files = sorted(folder.glob("run-*.wandb"))
+    if not files:
+        raise FileNotFoundError(f"no run-*.wandb file in {folder}")
+    out: dict[str, Any] = {"config": {}, "summary": {}, "history": [], "metrics": {}}
+    for rec in _records(files[0]):
+        kind = rec.WhichOneof("record_type")
+        if kind == "run":
+            r = rec.run
+            out.update(id=r.run_id, name=r.display_name, group=r.run_group, job_type=r.job_type,
+                       tags=list(r.tags), project=r.project, entity=r.entity)
+            out["config"].update({u.key: json.loads(u.value_json) for u in r.config.update if u.key != "_wandb"})
+        elif kind == "config":
+            out["config"].update({u.key: json.loads(u.value_json) for u in rec.config.update if u.key != "_wandb"})
+        elif kind == "history":
+            out["history"].append({_key(i): json.loads(i.value_json) for i in rec.history.item})
+        elif kind == "summary":
+            for u in rec.summary.update:
+                key = _key(u)
+                if not key.startswith("_"):
+                    out["summary"][key] = json.loads(u.value_json)
+        elif kind == "metric" and (rec.metric.name or rec.metric.glob_name):
+            m = rec.metric
+            kept = [s for s in ("min", "max", "mean", "last", "best") if getattr(m.summary, s)]
+            out["metrics"][m.name or m.glob_name] = {"step_metric": m.step_metric or None, "summary": kept}
+    return out
+
+
+def _key(item: Any) -> str:
+    return item.key or "/".join(item.nested_key)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m readback.sync", description=__doc__.split("\n\n")[1])
+    parser.add_argument("dirs", nargs="+", metavar="DIR", help="a sweep or run directory")
+    parser.add_argument("--project", "-p", default=None, help="upload into this project (default: the run's)")
+    parser.add_argument("--entity", "-e", default=None, help="upload into this entity (default: the run's)")
+    parser.add_argument("--dry-run", action="store_true", help="list what would be uploaded; upload nothing")
+    args = parser.parse_args(argv)
+    for d in args.dirs:
+        if not Path(d).is_dir():
+            print(f"error: no such directory: {d}", file=sys.stderr)
+            return 2
+    folders = offline_folders(*args.dirs)
+    if not folders:
+        print(f"error: no offline wandb runs (wandb/offline-run-*) under {', '.join(args.dirs)}", file=sys.stderr)
+        return 2
+    by_id: dict[str, list[Path]] = {}
+    for f in folders:
+        by_id.setdefault(OFFLINE_FOLDER.match(f.name).group(2), []).append(f)  # type: ignore[union-attr]
+    for run_id, fs in by_id.items():
+        info = read_offline_run(fs[-1])
+        print(f"{run_id}  {info.get('name', '')!s:40}  group {info.get('group', '')}  ({len(fs)} folder{'s' * (len(fs) > 1)})")
+    wandb_cli = shutil.which("wandb") or str(Path(sys.executable).with_name("wandb"))
+    cmd = [wandb_cli, "sync", "--yes", *(["--dry-run"] if args.dry_run else [])]
+    cmd += [*(["--project", args.project] if args.project else []), *(["--entity", args.entity] if args.entity else [])]
+    print(f"{len(by_id)} runs in {len(folders)} folders: {'wandb sync --dry-run' if args.dry_run else 'wandb sync'}",
+          flush=True)
+    return subprocess.run(cmd + [str(f) for f in folders], check=False).returncode
+
+
+if __name__ == "__main__":
+    sys.exit(main())
