@@ -55,10 +55,10 @@ def _config_error(error: ConfigError, run_dir: Path) -> None:
 def main(cfg: DictConfig) -> None:
     run_dir = Path(HydraConfig.get().runtime.output_dir)
     try:
-        validate(cfg)  # a sweep's jobs are checked here, one by one
+        config = validate(cfg)  # the typed config; a sweep's jobs are checked here, one by one
         from readback.train import run
 
-        run(cfg, run_dir)
+        run(config, run_dir)
     except ConfigError as error:
         _config_error(error, run_dir)
     except BaseException as error:

@@ -49,12 +49,14 @@ def _peak(device_name: str, override_tflops: float | None) -> float | None:
 def _compose(case: str, args) -> object:
     from hydra import compose, initialize_config_dir
 
+    from readback.config import CONF_DIR  # registers the schema conf/train.yaml names
+
     experiment, backend, extra = CASES[case]
     overrides = [f"+experiment={experiment}", f"backend={backend}", f"model={args.model}",
                  f"model.seq_len={args.seq}", f"seed={args.seed}", *extra]
     if args.vocab:
         overrides.append(f"model.vocab_size={args.vocab}")
-    with initialize_config_dir(str(ROOT / "conf"), version_base="1.3"):
+    with initialize_config_dir(str(CONF_DIR), version_base="1.3"):
         cfg = compose("train", overrides=overrides)
     if cfg.model.vocab_size is None:
         raise SystemExit(f"model={args.model} takes its vocabulary from the data: pass --vocab")

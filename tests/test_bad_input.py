@@ -51,7 +51,7 @@ CASES = [
     ("resume_not_bool", ["trainer.resume=maybe"], {}, "trainer.resume='maybe' is not valid; valid: true, false"),
     ("zero_steps", ["trainer.steps=0"], {}, "trainer.steps=0 is not valid; valid: an integer >= 1"),
     ("negative_width", ["model.d_model=-64"], {}, "model.d_model=-64 is not valid; valid: an integer >= 1"),
-    ("negative_lr", ["model.lr=-1"], {}, "model.lr=-1 is not valid; valid: a positive number"),
+    ("negative_lr", ["model.lr=-1"], {}, "model.lr=-1.0 is not valid; valid: a positive number"),
     ("heads_not_dividing", ["model.n_heads=3"], {},
      "model.n_heads=3 is not valid; valid: a divisor of model.d_model=32"),
     ("fp8_width", ["model.d_model=72", "model.n_heads=4"], {},
@@ -70,13 +70,32 @@ CASES = [
     ("override_precision", ["precision.override_linear_precision=[true]"], {},
      "precision.override_linear_precision=[True] is not valid; valid: three booleans [fprop, dgrad, wgrad]"),
     ("cooldown", ["trainer.optim.cooldown_frac=2"], {},
-     "trainer.optim.cooldown_frac=2 is not valid; valid: a number in"),
+     "trainer.optim.cooldown_frac=2.0 is not valid; valid: a number in [0, 1]"),
     ("signal_name", ["trainer.preempt_signals=[SIGFOO]"], {}, "trainer.preempt_signals=['SIGFOO'] is not valid"),
     ("unwritable_dir", ["hydra.run.dir=/proc/x"], {}, "hydra.run.dir='/proc/x' is not valid; valid: a directory path"),
+    ("data_vocab", ["data.vocab_size=1"], {}, "data.vocab_size=1 is not valid; valid: an integer >= 2"),
+    # what parses but makes no sense: non-finite numbers, values out of range, a model vocabulary
+    # below the data's, list entries naming nothing, +keys nothing reads, files that are not text
+    ("infinite_number", ["trainer.optim.eps=inf"], {}, "trainer.optim.eps=inf is not valid; valid: a positive number"),
+    ("nan_number", ["trainer.optim.grad_clip=nan"], {},
+     "trainer.optim.grad_clip=nan is not valid; valid: a finite number >= 0"),
+    ("divergence_factor", ["trainer.divergence.factor=1"], {},
+     "trainer.divergence.factor=1.0 is not valid; valid: a finite number > 1"),
+    ("beta_range", ["trainer.optim.betas=[0.9,1.5]"], {},
+     "trainer.optim.betas=[0.9, 1.5] is not valid; valid: two numbers in [0, 1)"),
+    ("model_vocab_below_data", ["model.vocab_size=100"], {},
+     "model.vocab_size=100 is not valid; valid: null (the data's) or an integer >= data.vocab_size=256"),
+    ("bf16_layer_name", ["precision.bf16_layers=[lm_haed]"], {},
+     "precision.bf16_layers='lm_haed' is not valid; valid: names of layers or sites, e.g. lm_head"),
+    ("plus_key_nothing_reads", ["+trainer.max_steps=100"], {},
+     "trainer.max_steps=100 is not a config key; did you mean trainer.steps?"),
+    ("binary_file", ["data=shakespeare", "data.files=[{tmp}/binary.txt]"], {},
+     "is not valid; valid: readable UTF-8 text files (byte 0 is not UTF-8)"),
+    ("nul_file", ["data=shakespeare", "data.files=[{tmp}/nul.txt]"], {},
+     "is not valid; valid: readable text files (it holds NUL bytes: binary?)"),
     # raised inside run(), after Hydra made the run directory: removed again
     ("world_size", [], {"WORLD_SIZE": "3"},
      "model.global_batch=4 is not valid; valid: a positive multiple of trainer.micro_batch x world size = 2 x 3 = 6"),
-    ("data_in_run", ["data.vocab_size=1"], {}, "data.vocab_size=1 is not valid; valid: an integer >= 2"),
 ]
 if NO_CUDA:
     CASES += [
@@ -134,6 +153,8 @@ def existing_run(tmp_path_factory) -> Path:
 
 def test_bad_input_table(tmp_path, existing_run):
     (tmp_path / "empty.txt").write_text("")
+    (tmp_path / "binary.txt").write_bytes(b"\xff\xfe\x00\x01" * 64)
+    (tmp_path / "nul.txt").write_bytes(b"a text with a NUL\x00 byte\n")
     corrupt = tmp_path / "corrupt"
     shutil.copytree(existing_run, corrupt)
     for _, path in list_checkpoints(corrupt / "checkpoints"):
@@ -156,6 +177,7 @@ def test_bad_input_table(tmp_path, existing_run):
 
     with ThreadPoolExecutor(WORKERS) as pool:
         results = list(pool.map(one, enumerate(CASES + EXISTING)))
+    failures = []
     for name, proc, expected, run_dir, before in results:
         try:
             _assert_one_line(proc, expected)
@@ -164,7 +186,8 @@ def test_bad_input_table(tmp_path, existing_run):
             else:
                 assert _snapshot(run_dir) == before
         except AssertionError as e:
-            raise AssertionError(f"case {name}: {e}") from None
+            failures.append(f"case {name}: {e}")
+    assert not failures, "\n".join(failures)
     assert len(CASES + EXISTING) >= 20
     assert not Path("/proc/x").exists()
 

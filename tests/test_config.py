@@ -11,7 +11,8 @@ import pytest
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
-from readback.config import CONF_DIR, validate
+from readback.config import CONF_DIR, Config, validate
+from readback.config.refusals import options
 from readback.errors import ConfigError
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -77,6 +78,21 @@ def test_validate_names_the_bad_key(override, key):
     with pytest.raises(ConfigError) as error:
         validate(_compose(override))
     assert error.value.key == key and "valid:" in str(error.value)
+
+
+@pytest.mark.parametrize("override", [f"{group}={option}" for group in
+                                      ("model", "precision", "policy", "data", "backend", "logger")
+                                      for option in options(group)])
+def test_every_option_sets_every_key_of_its_schema(override):
+    """``to_object`` refuses a field no YAML file sets (``???``) and runs every range check."""
+    assert isinstance(OmegaConf.to_object(_compose(override)), Config)
+
+
+def test_validate_gives_the_typed_config_and_refuses_plus_keys():
+    config = validate(_compose("trainer.steps=7"))
+    assert isinstance(config, Config) and config.trainer.steps == 7 and config.trainer.optim.eps == 1e-8
+    with pytest.raises(ConfigError, match="trainer.max_steps=100 is not a config key; did you mean trainer.steps"):
+        validate(_compose("+trainer.max_steps=100"))
 
 
 def test_bf16_allows_widths_fp8_refuses():

@@ -69,9 +69,11 @@ def text_cfg(tmp_path_factory):
 def test_every_dataset_has_a_config_that_composes(monkeypatch, tmp_path):
     from hydra import compose, initialize_config_dir
 
+    from readback.config import CONF_DIR  # registers the schema each data config names
+
     assert sorted(p.stem for p in (CONF / "data").glob("*.yaml")) == sorted(DATASETS)
     monkeypatch.setenv("READBACK_CACHE", str(tmp_path))
-    with initialize_config_dir(config_dir=str(CONF), version_base=None):
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base=None):
         for name in DATASETS:
             cfg = compose(overrides=[f"+data={name}"]).data
             assert cfg.name == name

@@ -8,7 +8,7 @@ from hydra import compose, initialize_config_dir
 
 from readback.config import CONF_DIR
 from readback.model import build_model
-from readback.model.fog import FOG, FOGConfig, kurtosis, rope
+from readback.model.fog import FOG, FOGConfig, kurtosis, rope, rounding_owners
 from readback.ops.activation import BETA, EPS
 from readback.ops.context import Numerics
 
@@ -171,3 +171,16 @@ def test_flops_per_token_counts_gemms_and_attention():
     model = build_model(_cfg("model=fog_390m"), "meta")
     gemm = 16 * (1024 * 2048 + 1024 * 1024 + 2 * 1024 * 6144) + 131072 * 1024
     assert model.flops_per_token() == 6 * gemm + 6 * 16 * 4096 * 1024
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_rounding_owners_are_the_ops_whose_sites_a_step_rounds(tied):
+    """``precision.bf16_layers`` is checked against ``rounding_owners``: every site a forward and
+    backward round belongs to one of them, and each of them rounds at least one site."""
+    model = _tiny("fp8", tied=tied)
+    x = torch.randint(0, 64, (2, 8))
+    model(x, x).backward()
+    sites = list(model.numerics.sites)
+    owners = rounding_owners(model.cfg.n_layers)
+    assert all(any(s.startswith(o + ".") for o in owners) for s in sites), sites
+    assert all(any(s.startswith(o + ".") for s in sites) for o in owners), owners

@@ -43,7 +43,9 @@ def _launcher(*overrides: str) -> dict:
     from hydra import compose, initialize_config_dir
     from omegaconf import OmegaConf
 
-    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
+    from readback.config import CONF_DIR  # registers the schema conf/train.yaml names
+
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
         cfg = compose("train", overrides=["+experiment=reuse_rounded", *overrides], return_hydra_config=True)
     return OmegaConf.to_container(cfg.hydra.launcher, resolve=True)
 

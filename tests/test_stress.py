@@ -19,7 +19,7 @@ from readback.ops.linear import linear
 
 def _compose(*overrides):
     with initialize_config_dir(str(CONF_DIR), version_base="1.3"):
-        return compose("train", overrides=["data=synthetic", "model.vocab_size=64", *overrides])
+        return compose("train", overrides=["data=synthetic", "data.vocab_size=64", "model.vocab_size=64", *overrides])
 
 
 def test_site_margin_is_the_recipe_margin_at_matched_sites_only():
@@ -84,7 +84,7 @@ def test_rounding_sites_are_the_sites_one_step_creates():
     model = build_model(cfg)
     idx = torch.randint(0, 64, (2, cfg.model.seq_len))
     model(idx, idx).backward()
-    assert sorted(rounding_sites(model.cfg)) == sorted(model.numerics.sites)
+    assert sorted(rounding_sites(model.cfg.n_layers)) == sorted(model.numerics.sites)
 
 
 def test_site_margin_config():

@@ -18,7 +18,7 @@ def site_implementations(cfg: DictConfig | Mapping) -> dict[str, str]:
     """``{site: implementation}`` for the run's summary: which code ran each site
     (``linear``, ``attn_proj``, ``attention_core``, ``norm``, ``qk_norm``, ``activation``,
     ``embedding``, ``lm_head``) under ``cfg.backend.name``."""
-    cfg = cfg if isinstance(cfg, DictConfig) else OmegaConf.create(dict(cfg))
+    cfg = OmegaConf.structured(cfg)  # a typed Config, a DictConfig or a mapping
     name = cfg.backend.name
     if name == "te":
         from readback.backends.te_plan import site_implementations as te_sites
@@ -32,7 +32,7 @@ def site_implementations(cfg: DictConfig | Mapping) -> dict[str, str]:
 def check_available(cfg: DictConfig | Mapping) -> None:
     """Raise ``ConfigError`` when ``cfg.backend`` cannot run on this machine, or (``te``) when
     the installed Transformer Engine cannot run ``cfg`` as configured."""
-    cfg = cfg if isinstance(cfg, DictConfig) else OmegaConf.create(dict(cfg))
+    cfg = OmegaConf.structured(cfg)  # a typed Config, a DictConfig or a mapping
     if cfg.backend.name == "te":
         from readback.backends.te import check_available as te_check
         from readback.backends.te_plan import te_plan

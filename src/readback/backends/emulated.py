@@ -9,7 +9,7 @@ from omegaconf import DictConfig, OmegaConf
 
 def site_implementations(cfg: DictConfig | Mapping) -> dict[str, str]:
     """``{site: implementation}`` of a ``backend=emulated`` run, for the run's summary."""
-    cfg = cfg if isinstance(cfg, DictConfig) else OmegaConf.create(dict(cfg))
+    cfg = OmegaConf.structured(cfg)  # a typed Config, a DictConfig or a mapping
     p = cfg.precision
     head_bf16 = p.name != "fp8" or any("lm_head".startswith(x) for x in (p.get("bf16_layers", ()) or ()))
     tied = " (tied embedding)" if cfg.model.get("tied", True) else ""

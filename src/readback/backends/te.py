@@ -53,7 +53,7 @@ __all__ = [
 
 
 def _as_config(cfg: DictConfig | Mapping) -> DictConfig:
-    return cfg if isinstance(cfg, DictConfig) else OmegaConf.create(dict(cfg))
+    return OmegaConf.structured(cfg)  # a typed Config, a DictConfig or a mapping
 
 
 def check_available(cfg: DictConfig | Mapping | None = None) -> None:

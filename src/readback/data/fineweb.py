@@ -40,18 +40,18 @@ def build_fineweb(cfg: Any, *, seq_len: int, micro_batch: int, seed: int, rank: 
     from tokenizers import Tokenizer
 
     check_layout(seq_len, micro_batch, seed, rank, world_size)
-    name = str(cfg_get(cfg, "tokenizer", "mistralai/Mistral-Nemo-Base-2407"))
-    path = str(cfg_get(cfg, "path", "HuggingFaceFW/fineweb-edu"))
-    subset = str(cfg_get(cfg, "subset", "sample-10BT"))
+    name = cfg_get(cfg, "tokenizer", "mistralai/Mistral-Nemo-Base-2407")
+    path = cfg_get(cfg, "path", "HuggingFaceFW/fineweb-edu")
+    subset = cfg_get(cfg, "subset", "sample-10BT")
     try:
         tok = Tokenizer.from_pretrained(name, token=os.environ.get("HF_TOKEN"))
     except Exception as e:  # no network, gated repo without a token, wrong name
         raise ConfigError("data.tokenizer", name,
                           f"a hub tokenizer this machine can download (network; HF_TOKEN for gated repos) [{_one_line(e)}]") from e
-    vocab_size = int(cfg_get(cfg, "vocab_size", 131072))
+    vocab_size = cfg_get(cfg, "vocab_size", 131072)
     require(tok.get_vocab_size() == vocab_size, "data.vocab_size", vocab_size,
             f"{tok.get_vocab_size()}, the size of {name}")
-    eos_token = str(cfg_get(cfg, "eos_token", "</s>"))
+    eos_token = cfg_get(cfg, "eos_token", "</s>")
     eos = tok.token_to_id(eos_token)
     require(eos is not None, "data.eos_token", eos_token, f"a token of {name}")
     try:
@@ -60,14 +60,14 @@ def build_fineweb(cfg: Any, *, seq_len: int, micro_batch: int, seed: int, rank: 
         raise ConfigError("data.subset", f"{path}/{subset}",
                           f"a dataset and subset this machine can stream from the hub [{_one_line(e)}]") from e
     ds = ds.select_columns(["text"])
-    val_docs = int(cfg_get(cfg, "val_docs", 2000))
-    shuffle_buffer = int(cfg_get(cfg, "shuffle_buffer", 0))
+    val_docs = cfg_get(cfg, "val_docs", 2000)
+    shuffle_buffer = cfg_get(cfg, "shuffle_buffer", 0)
     train = ds.skip(val_docs)
     if shuffle_buffer > 0:
         train = train.shuffle(seed=seed % (1 << 32), buffer_size=shuffle_buffer)
     return TokenStream(train, ds.take(val_docs), tok, eos=eos, vocab_size=vocab_size, seq_len=seq_len,
                        micro_batch=micro_batch, seed=seed, rank=rank, world_size=world_size,
-                       doc_batch=int(cfg_get(cfg, "doc_batch", 256)),
+                       doc_batch=cfg_get(cfg, "doc_batch", 256),
                        fingerprint=f"fineweb:{path}:{subset}:{name}:val{val_docs}:buf{shuffle_buffer}")
 
 

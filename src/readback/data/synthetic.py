@@ -41,12 +41,12 @@ def markov_tokens(vocab_size: int, n_tokens: int, *, seed: int, branching: int =
 
 def synthetic_split(cfg: Any) -> tuple[np.ndarray, np.ndarray, int, str]:
     """``(train, val, vocab_size, fingerprint)``: one chain, its last ``val_fraction`` held out."""
-    vocab_size = int(cfg_get(cfg, "vocab_size", 256))
-    n_tokens = int(cfg_get(cfg, "n_tokens", 1 << 20))
-    val_fraction = float(cfg_get(cfg, "val_fraction", 0.05))
-    data_seed = int(cfg_get(cfg, "data_seed", 0))
-    branching = int(cfg_get(cfg, "branching", 4))
-    noise = float(cfg_get(cfg, "noise", 0.1))
+    vocab_size = cfg_get(cfg, "vocab_size", 256)
+    n_tokens = cfg_get(cfg, "n_tokens", 1 << 20)
+    val_fraction = cfg_get(cfg, "val_fraction", 0.05)
+    data_seed = cfg_get(cfg, "data_seed", 0)
+    branching = cfg_get(cfg, "branching", 4)
+    noise = cfg_get(cfg, "noise", 0.1)
     require(vocab_size >= 2, "data.vocab_size", vocab_size, "an integer >= 2")
     require(n_tokens >= 4, "data.n_tokens", n_tokens, "an integer >= 4")
     require(0.0 <= val_fraction < 1.0, "data.val_fraction", val_fraction, "a fraction in [0, 1)")

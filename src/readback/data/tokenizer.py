@@ -75,8 +75,8 @@ class TokenizedCorpus:
 
 def tokenized_corpus(cfg: Any, *, progress: bool = True) -> TokenizedCorpus:
     """Load the tokenizer and token ids from the cache, building (once, under a lock) what is missing."""
-    vocab_size = int(cfg_get(cfg, "vocab_size", 2048))
-    block_lines = int(cfg_get(cfg, "block_lines", 100))
+    vocab_size = cfg_get(cfg, "vocab_size", 2048)
+    block_lines = cfg_get(cfg, "block_lines", 100)
     require(vocab_size >= 257, "data.vocab_size", vocab_size, "an integer >= 257 (256 bytes + EOS)")
     require(block_lines >= 1, "data.block_lines", block_lines, "an integer >= 1")
     files = corpus.corpus_files(cfg)

@@ -28,10 +28,10 @@ def build_numerics(cfg: DictConfig) -> Numerics:
         recipe=recipe,
         policy=cfg.policy.name,
         attention_bwd=cfg.attention.bwd_precision,
-        rounding=p.get("rounding", "nearest"),
+        rounding=p.rounding if p.name == "fp8" else "nearest",
         seed=cfg.seed,
-        bf16_sites=tuple(p.get("bf16_layers", ())),
-        site_margin=dict(p.get("site_margin", None) or {}),
+        bf16_sites=tuple(p.bf16_layers) if p.name == "fp8" else (),
+        site_margin=dict(p.site_margin or {}) if p.name == "fp8" else {},
     )
 
 

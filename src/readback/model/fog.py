@@ -22,6 +22,16 @@ from readback.ops.linear import linear
 from readback.ops.norm import rms_norm
 
 
+# The ops of a block that round (their sites are ``{owner}.input``, ``.weight``, ``.q``, ...).
+BLOCK_ROUNDING_OPS = ("attn.qkv", "attn.core", "attn.proj", "mlp.up", "mlp.down")
+
+
+def rounding_owners(n_layers: int) -> list[str]:
+    """Names of the ops that own the model's rounding sites, the names ``precision.bf16_layers``
+    entries match (as name prefixes, the rule ``Numerics`` uses)."""
+    return [f"layers.{i}.{op}" for i in range(n_layers) for op in BLOCK_ROUNDING_OPS] + ["lm_head"]
+
+
 @dataclass(frozen=True)
 class FOGConfig:
     n_layers: int
@@ -140,11 +150,11 @@ class Block(nn.Module):
         return x + self.mlp_norm(self.mlp(x))
 
 
-def rounding_sites(cfg: FOGConfig) -> list[str]:
+def rounding_sites(n_layers: int) -> list[str]:
     """Names of the sites a training step of FOG rounds at (forward and backward), in model
     order; config checks match site patterns against them without building the model."""
     names = []
-    for i in range(cfg.n_layers):
+    for i in range(n_layers):
         attn, mlp = f"layers.{i}.attn", f"layers.{i}.mlp"
         names += [f"{attn}.qkv.{s}" for s in ("input", "weight", "grad_output")]
         names += [f"{attn}.core.{s}" for s in ("q", "k", "v", "probs", "output", "grad_output", "grad_scores")]

@@ -171,7 +171,7 @@ def config_mismatch(saved_config: Mapping[str, Any] | None, cfg: Any) -> tuple[s
     (``model.vocab_size: null`` takes the data's) are not compared."""
     if not isinstance(saved_config, Mapping):
         return None
-    saved = OmegaConf.create(dict(saved_config))
+    saved, cfg = OmegaConf.create(dict(saved_config)), OmegaConf.structured(cfg)
     for key in ARCHITECTURE_KEYS:
         try:
             now, was = OmegaConf.select(cfg, key, default=None), OmegaConf.select(saved, key, default=None)
@@ -197,7 +197,7 @@ def resume_plan(run_dir: Path, cfg: Any, *, mmap: bool = False) -> tuple[Path, d
     found = list_checkpoints(ckpt_dir)
     if not found:
         return None
-    resume = bool(OmegaConf.select(cfg, "trainer.resume", default=False))
+    resume = cfg.trainer.resume
     if not resume and requeued():
         log.warning("requeued job (SLURM_RESTART_COUNT=%s): resuming from %s",
                     os.environ["SLURM_RESTART_COUNT"], ckpt_dir)

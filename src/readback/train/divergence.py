@@ -21,17 +21,10 @@ import math
 from typing import Any
 
 
-NONFINITE_GRADS = ("stop", "skip")
-
 
 class DivergenceDetector:
     def __init__(self, factor: float = 2.0, patience: int = 3, stop: bool = False, nonfinite_grads: str = "stop"):
-        self.factor = float(factor)
-        self.patience = max(int(patience), 1)
-        self.stop = bool(stop)
-        if nonfinite_grads not in NONFINITE_GRADS:
-            raise ValueError(f"nonfinite_grads={nonfinite_grads!r}; valid: {list(NONFINITE_GRADS)}")
-        self.nonfinite_grads = nonfinite_grads
+        self.factor, self.patience, self.stop, self.nonfinite_grads = factor, patience, stop, nonfinite_grads
         self.nonfinite_tensors: list[str] = []
         self.running_min = math.inf
         self.streak_start: int | None = None
@@ -44,7 +37,7 @@ class DivergenceDetector:
     @classmethod
     def from_config(cls, cfg: Any) -> DivergenceDetector:
         return cls(factor=cfg.factor, patience=cfg.patience, stop=cfg.stop,
-                   nonfinite_grads=str(cfg.get("nonfinite_grads", "stop")))
+                   nonfinite_grads=cfg.nonfinite_grads)
 
     @property
     def diverged(self) -> bool:

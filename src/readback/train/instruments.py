@@ -6,13 +6,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from omegaconf import OmegaConf
-
 
 class Instruments:
     def __init__(self, cfg: Any):
-        self.bias_every = int(OmegaConf.select(cfg, "probe.bias_every", default=0) or 0)
-        self.bias_batches = int(OmegaConf.select(cfg, "probe.bias_batches", default=1) or 1)
+        self.bias_every, self.bias_batches = cfg.probe.bias_every, cfg.probe.bias_batches
         self.pending: dict[str, float] = {}
 
     def due(self, step: int) -> bool:

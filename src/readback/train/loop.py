@@ -36,7 +36,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from omegaconf import DictConfig, OmegaConf, open_dict
+from omegaconf import DictConfig, OmegaConf
 
 from readback.backends import site_implementations
 from readback.errors import ConfigError
@@ -66,7 +66,7 @@ from readback.train.divergence import DivergenceDetector
 from readback.train.instruments import Instruments
 from readback.train.metrics import MetricsLogger, build_metrics_logger, json_safe, peak_bf16_flops
 from readback.train.optim import build_optimizer, clip_grads_, grad_norm, nonfinite_grad_names, set_lr
-from readback.train.preemption import DEFAULT_SIGNALS, Preempted, PreemptionGuard
+from readback.train.preemption import Preempted, PreemptionGuard
 from readback.train.schedule import WSDSchedule
 
 log = logging.getLogger(__name__)
@@ -84,20 +84,20 @@ def run(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
     preemption signal raises :class:`~readback.train.preemption.Preempted` after a checkpoint.
     """
     run_dir = Path(run_dir)
-    experiment = str(OmegaConf.select(cfg, "experiment", default=None) or "custom")
+    experiment = cfg.experiment
     rank, world, local = world_from_env()
     accum = accumulation_steps(cfg, world)
-    if bool(cfg.trainer.dry_run):
+    if cfg.trainer.dry_run:
         return _dry_run(cfg, run_dir, experiment, rank)
-    resolve_device(str(cfg.trainer.device), local)  # a bad device is a config error, raised early
-    env = init_distributed(str(cfg.trainer.device))
+    resolve_device(cfg.trainer.device, local)  # a bad device is a config error, raised early
+    env = init_distributed(cfg.trainer.device)
     det_before = torch.are_deterministic_algorithms_enabled()
     warn_before = torch.is_deterministic_algorithms_warn_only_enabled()
     if env.device.type == "cpu":
         torch.use_deterministic_algorithms(True, warn_only=True)
-    signals = OmegaConf.select(cfg, "trainer.preempt_signals", default=None)
+    signals = cfg.trainer.preempt_signals
     try:
-        with PreemptionGuard(DEFAULT_SIGNALS if signals is None else signals) as guard:
+        with PreemptionGuard(signals) as guard:
             return _Trainer(cfg, run_dir, env, accum, experiment, guard).train()
     finally:
         torch.use_deterministic_algorithms(det_before, warn_only=warn_before)
@@ -106,11 +106,9 @@ def run(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
 
 def accumulation_steps(cfg: DictConfig, world_size: int) -> int:
     """``global_batch / (micro_batch * world_size)``; a ``ConfigError`` unless it divides."""
-    gb, mb = int(cfg.model.global_batch), int(cfg.trainer.micro_batch)
-    if mb < 1:
-        raise ConfigError("trainer.micro_batch", mb, "an integer >= 1")
+    gb, mb = cfg.model.global_batch, cfg.trainer.micro_batch
     per_step = mb * world_size
-    if gb < 1 or gb % per_step:
+    if gb % per_step:
         raise ConfigError(
             "model.global_batch",
             gb,
@@ -131,8 +129,7 @@ def write_summary(run_dir: Path, summary: dict[str, Any]) -> None:
 
 
 def _set_vocab_from_stream(cfg: DictConfig, stream: Any) -> None:
-    with open_dict(cfg):
-        cfg.model.vocab_size = int(stream.vocab_size)
+    cfg.model.vocab_size = stream.vocab_size
 
 
 def _build_stream(cfg: DictConfig, *, rank: int, world_size: int) -> Any:
@@ -140,9 +137,9 @@ def _build_stream(cfg: DictConfig, *, rank: int, world_size: int) -> Any:
 
     return build_data(
         cfg.data,
-        seq_len=int(cfg.model.seq_len),
-        micro_batch=int(cfg.trainer.micro_batch),
-        seed=int(cfg.seed),
+        seq_len=cfg.model.seq_len,
+        micro_batch=cfg.trainer.micro_batch,
+        seed=cfg.seed,
         rank=rank,
         world_size=world_size,
     )
@@ -151,11 +148,11 @@ def _build_stream(cfg: DictConfig, *, rank: int, world_size: int) -> Any:
 def _dry_run(cfg: DictConfig, run_dir: Path, experiment: str, rank: int) -> dict[str, Any]:
     """Build the model on the meta device, print its size, write ``status: dry_run``."""
     t0 = time.time()
-    if OmegaConf.select(cfg, "model.vocab_size", default=None) is None:
+    if cfg.model.vocab_size is None:
         _set_vocab_from_stream(cfg, _build_stream(cfg, rank=0, world_size=1))
     from readback.model import build_model
 
-    torch.manual_seed(int(cfg.seed))
+    torch.manual_seed(cfg.seed)
     model = build_model(cfg, "meta")
     n_params, fpt = int(model.n_params()), float(model.flops_per_token())
     summary = {
@@ -178,6 +175,7 @@ def _dry_run(cfg: DictConfig, run_dir: Path, experiment: str, rank: int) -> dict
 
 def plain_config(cfg: DictConfig) -> dict[str, Any]:
     """``cfg`` as plain containers for wandb and checkpoints (unresolved if it cannot resolve)."""
+    cfg = OmegaConf.structured(cfg)  # the typed Config, or a DictConfig in tests
     try:
         return OmegaConf.to_container(cfg, resolve=True)  # type: ignore[return-value]
     except Exception:  # noqa: BLE001 - e.g. an interpolation that needs Hydra's runtime
@@ -238,16 +236,16 @@ class _Trainer:
         self.preempt = False  # a preemption signal reached some rank: checkpoint and stop after this step
         self.loop_started = False
         t = cfg.trainer
-        self.steps = int(t.steps)
-        self.seq_len = int(cfg.model.seq_len)
-        self.global_batch = int(cfg.model.global_batch)
+        self.steps = t.steps
+        self.seq_len = cfg.model.seq_len
+        self.global_batch = cfg.model.global_batch
         self.tokens_per_step = self.global_batch * self.seq_len
-        self.log_every = int(t.log_every or 0)
-        self.eval_every = int(t.eval_every or 0)
-        self.eval_batches = int(t.eval_batches or 0)
-        self.ckpt_every = int(t.ckpt_every or 0)
-        self.keep_last = None if t.keep_last is None else int(t.keep_last)
-        self.grad_clip = float(t.optim.grad_clip or 0.0)
+        self.log_every = t.log_every
+        self.eval_every = t.eval_every
+        self.eval_batches = t.eval_batches
+        self.ckpt_every = t.ckpt_every
+        self.keep_last = t.keep_last
+        self.grad_clip = t.optim.grad_clip
         self.ckpt_dir = checkpoint_dir(run_dir)
         self.t_start = time.time()
         self.step = 0
@@ -258,7 +256,7 @@ class _Trainer:
         self.logger: MetricsLogger = MetricsLogger()
         self.pbar: Any = None
         self.peak_flops: float | None = None
-        self.probe = GradientProbe.from_config(OmegaConf.select(cfg, "probe"))
+        self.probe = GradientProbe.from_config(cfg.probe)
         self.probe_metrics: dict[str, float] = {}
         self.instruments = Instruments(cfg)
 
@@ -266,17 +264,17 @@ class _Trainer:
     def _build(self) -> None:
         cfg, env = self.cfg, self.env
         self.stream = _build_stream(cfg, rank=env.rank, world_size=env.world_size)
-        if OmegaConf.select(cfg, "model.vocab_size", default=None) is None:
+        if cfg.model.vocab_size is None:
             _set_vocab_from_stream(cfg, self.stream)
         from readback.model import build_model
 
-        torch.manual_seed(int(cfg.seed))
+        torch.manual_seed(cfg.seed)
         self.model = build_model(cfg, str(env.device))
         self.n_params = int(self.model.n_params())
         self.flops_per_token = float(self.model.flops_per_token())
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         self.named_params = [(n, p) for n, p in self.model.named_parameters() if p.requires_grad]
-        self.schedule = WSDSchedule.from_config(cfg.trainer.optim, peak=float(cfg.model.lr), steps=self.steps)
+        self.schedule = WSDSchedule.from_config(cfg.trainer.optim, peak=cfg.model.lr, steps=self.steps)
         self.optimizer = build_optimizer(self.model, cfg.trainer.optim, self.schedule(1))
         if env.device.type == "cuda":
             self.peak_flops = peak_bf16_flops(torch.cuda.get_device_name(env.device))
@@ -296,7 +294,7 @@ class _Trainer:
         if decision[0] == "error":
             raise ConfigError(*decision[1])
         if decision[0] == "fresh":
-            if env.is_main and bool(self.cfg.trainer.resume):
+            if env.is_main and self.cfg.trainer.resume:
                 log.info("trainer.resume=true but no checkpoint in %s; starting from step 0", self.ckpt_dir)
             return 0, None
         path = decision[1]
@@ -398,7 +396,7 @@ class _Trainer:
         return loss_v, gnorm_v, gnorm
 
     @torch.no_grad()
-    def evaluate(self) -> float | None:
+    def evaluate(self) -> float:
         """Mean loss over the ``eval_batches`` validation batches (the same on every rank).
 
         Batch ``i`` is evaluated on rank ``i % world_size``; the per-batch losses are summed over
@@ -406,8 +404,6 @@ class _Trainer:
         Evaluation leaves no trace in training: ``model.numerics`` (amax histories, random
         streams) is restored to its state before the evaluation forwards.
         """
-        if self.eval_batches <= 0:
-            return None
         env = self.env
         was_training = self.model.training
         self.model.eval()
@@ -470,7 +466,7 @@ class _Trainer:
                     for p in remove_stale_temp_files(directory):
                         log.info("removed %s, left by an interrupted write", p)
             self.logger = build_metrics_logger(
-                OmegaConf.select(self.cfg, "logger", default=None),
+                self.cfg.logger,
                 self.run_dir,
                 is_main=env.is_main,
                 resume_step=start,
@@ -539,7 +535,7 @@ class _Trainer:
 
     def _loop(self, start: int) -> str:
         env, model = self.env, self.model
-        if env.is_main and bool(self.cfg.trainer.progress):
+        if env.is_main and self.cfg.trainer.progress:
             from tqdm import tqdm
 
             self.pbar = tqdm(total=self.steps, initial=start, desc=self.experiment, dynamic_ncols=True)
@@ -549,9 +545,8 @@ class _Trainer:
         self.loop_started = True
         for step in range(start + 1, self.steps + 1):
             t0 = time.perf_counter()
-            is_eval = (self.eval_every > 0 and step % self.eval_every == 0) or step == self.steps
-            is_log = ((self.log_every > 0 and step % self.log_every == 0) or is_eval or self.probe.due(step)
-                      or self.instruments.due(step))
+            is_eval = step % self.eval_every == 0 or step == self.steps
+            is_log = step % self.log_every == 0 or is_eval or self.probe.due(step) or self.instruments.due(step)
             loss, gnorm, gnorm_t = self._train_step(step, track_stats=is_log)
             lr = self.schedule(step)
             self.step = step
@@ -586,15 +581,13 @@ class _Trainer:
                         log.error("stopping: %s", self.detector.reason)
                 rec = self._record(step, window_loss, lr, gnorm)
                 if is_eval:
-                    val = self.evaluate()
-                    if val is not None:
-                        rec["val_loss"] = self.window.last_val_loss = val
+                    rec["val_loss"] = self.window.last_val_loss = self.evaluate()
                 self.window.last_loss = window_loss
                 self.logger.log(rec)
                 if self.pbar is not None:
                     self.pbar.set_postfix(loss=f"{window_loss:.4f}", tok_s=f"{rec['tokens_per_s']:.0f}", refresh=False)
                 self.window.reset()
-            if (self.ckpt_every > 0 and step % self.ckpt_every == 0) or step == self.steps or stopped:
+            if step % self.ckpt_every == 0 or step == self.steps or stopped:
                 self._save_checkpoint()
                 last_saved = step
             if stopped:
@@ -623,7 +616,7 @@ class _Trainer:
             "nonfinite_tensors": self.detector.nonfinite_tensors,
             "wall_time_s": self._wall_time(),
             "n_params": self.n_params,
-            "site_implementations": site_implementations(self.cfg) if "backend" in self.cfg else None,
+            "site_implementations": site_implementations(self.cfg) if hasattr(self.cfg, "backend") else None,
             "flops_per_token": self.flops_per_token,
             "world_size": self.env.world_size,
             "experiment": self.experiment,

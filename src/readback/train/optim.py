@@ -34,12 +34,11 @@ def build_optimizer(model: nn.Module, optim_cfg: Any, lr: float) -> torch.optim.
     The learning rate is set by the trainer before every step from the schedule; ``lr`` is only
     the initial value.
     """
-    betas = tuple(float(b) for b in optim_cfg.betas)
     return torch.optim.AdamW(
-        param_groups(model, float(optim_cfg.weight_decay)),
-        lr=float(lr),
-        betas=betas,  # type: ignore[arg-type]
-        eps=float(optim_cfg.eps),
+        param_groups(model, optim_cfg.weight_decay),
+        lr=lr,
+        betas=tuple(optim_cfg.betas),  # type: ignore[arg-type]
+        eps=optim_cfg.eps,
     )
 
 

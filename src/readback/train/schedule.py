@@ -17,8 +17,6 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from readback.errors import require
-
 
 @dataclass(frozen=True)
 class WSDSchedule:
@@ -30,19 +28,13 @@ class WSDSchedule:
     cooldown_frac: float = 0.2
     min_lr: float = 1e-8
 
-    def __post_init__(self) -> None:
-        require(self.steps >= 1, "trainer.steps", self.steps, "an integer >= 1")
-        require(self.warmup_steps >= 0, "trainer.optim.warmup_steps", self.warmup_steps, "an integer >= 0")
-        require(0.0 <= self.cooldown_frac <= 1.0, "trainer.optim.cooldown_frac", self.cooldown_frac, "a number in [0, 1]")
-        require(0.0 <= self.min_lr <= self.peak, "trainer.optim.min_lr", self.min_lr, f"a number in [0, peak lr = {self.peak}]")
-
     @property
     def cooldown_start(self) -> int:
         """``t0``: the last step at full (post-warmup) learning rate."""
         return self.steps - int(round(self.cooldown_frac * self.steps))
 
     def __call__(self, step: int) -> float:
-        t = min(max(int(step), 1), self.steps)
+        t = min(max(step, 1), self.steps)
         lr = self.peak
         if self.warmup_steps > 0 and t <= self.warmup_steps:
             lr = self.peak * t / self.warmup_steps
@@ -55,10 +47,5 @@ class WSDSchedule:
     @classmethod
     def from_config(cls, optim_cfg: Any, *, peak: float, steps: int) -> WSDSchedule:
         """Build from ``trainer.optim`` (``warmup_steps``, ``cooldown_frac``, ``min_lr``)."""
-        return cls(
-            peak=float(peak),
-            steps=int(steps),
-            warmup_steps=int(optim_cfg.warmup_steps),
-            cooldown_frac=float(optim_cfg.cooldown_frac),
-            min_lr=float(optim_cfg.min_lr),
-        )
+        return cls(peak=peak, steps=steps, warmup_steps=optim_cfg.warmup_steps, cooldown_frac=optim_cfg.cooldown_frac,
+                   min_lr=optim_cfg.min_lr)

@@ -1,0 +1,18 @@
+"""The typed configuration: schema (:mod:`.schema`), its checks and the entry point's one-line
+answer to a bad config (:mod:`.entry`). Importing this package registers the schema with Hydra."""
+
+from readback.config.entry import (
+    PREEXISTING_RUN_DIRS,
+    check_run_dir,
+    exit_on_bad_config,
+    print_error,
+    restore_hydra_files,
+    validate,
+)
+from readback.config.refusals import CONF_DIR
+from readback.config.schema import Config, register
+
+register()
+
+__all__ = ["CONF_DIR", "PREEXISTING_RUN_DIRS", "Config", "check_run_dir", "exit_on_bad_config", "print_error",
+           "restore_hydra_files", "validate"]

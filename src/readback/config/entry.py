@@ -1,0 +1,155 @@
+"""The entry point's checks: a composed config becomes the typed :class:`Config`, or one line.
+
+Every check raises ``ConfigError(key, value, valid)`` before any work is done; ``train.py``
+prints it as one line on stderr and exits with code 2, leaving no run directory behind.
+
+Before Hydra creates the run directory, :func:`exit_on_bad_config` also checks that the run
+directory can be written and, when it already holds a run, that the run can be resumed
+(:func:`readback.train.checkpoint.resume_plan`), so a bad resume leaves that directory as it was.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import tempfile
+import traceback
+from pathlib import Path
+
+from hydra.errors import HydraException
+from omegaconf import DictConfig, OmegaConf, open_dict
+from omegaconf.errors import OmegaConfBaseException
+
+from readback.config.refusals import CONF_DIR, first_undeclared_key, from_composition_error, from_schema_error, unknown_key
+from readback.config.schema import Config, ShakespeareData
+from readback.errors import ConfigError
+
+# Run directories that existed, not empty, before Hydra started (never removed on an error), with
+# the Hydra config files they held (put back when the attempt to resume them fails).
+PREEXISTING_RUN_DIRS: dict[str, dict[str, bytes]] = {}
+
+
+def validate(cfg: DictConfig) -> Config:
+    """The typed config of ``cfg`` (composed against the schema), or ``ConfigError`` for the
+    first bad value, key or input file, or what this machine lacks."""
+    undeclared = first_undeclared_key(cfg)
+    if undeclared:
+        raise unknown_key(*undeclared, overrides=[])
+    job = cfg
+    if "hydra" in cfg:  # composed with return_hydra_config: the job's config is the rest
+        job = cfg.copy()
+        with open_dict(job):
+            del job["hydra"]
+    try:
+        config = OmegaConf.to_object(job)
+    except OmegaConfBaseException as error:
+        refusal = from_schema_error(error)
+        if refusal is None:
+            raise
+        raise refusal from None
+    assert isinstance(config, Config), type(config)
+    check_machine(config)
+    return config
+
+
+def check_machine(config: Config) -> None:
+    """What this machine must have: CUDA for ``trainer.device=cuda``; what ``backend=te`` needs
+    (the backend's own check); readable text in ``data.files``."""
+    import torch
+
+    if config.trainer.device == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("trainer.device", "cuda", "auto, cpu (no CUDA device is available)")
+    if config.backend.name == "te":
+        from readback.backends import check_available
+
+        check_available(config)
+    if isinstance(config.data, ShakespeareData) and config.data.files:
+        from readback.data.corpus import corpus_files
+
+        corpus_files(config.data)
+
+
+def check_run_dir(path: Path) -> None:
+    """``ConfigError`` unless a run directory can be created (or written) at ``path``. Probes with
+    a uniquely named temporary directory in the nearest existing ancestor; leaves nothing."""
+    path = Path(path).expanduser().absolute()
+    here = path
+    while not here.exists() and here != here.parent:
+        here = here.parent
+    if not here.is_dir():
+        raise ConfigError("hydra.run.dir", str(path), f"a directory path you can write ({here} is not a directory)")
+    try:
+        os.rmdir(tempfile.mkdtemp(prefix=".readback-write-check-", dir=here))
+    except OSError as e:
+        raise ConfigError("hydra.run.dir", str(path),
+                          f"a directory path you can write ({here}: {e.strerror or e})") from None
+
+
+def exit_on_bad_config(argv: list[str]) -> None:
+    """Compose ``argv``'s overrides and validate them before Hydra creates anything.
+
+    Skipped when Hydra flags (``-m``, ``--cfg``, ...) are present: a sweep's jobs are checked
+    one by one when they start.
+    """
+    if any(a.startswith("-") for a in argv):
+        return
+    from hydra import compose, initialize_config_dir
+
+    overrides = [a for a in argv if not a.lstrip("+~").startswith("hydra")]
+    run_dir_overrides = [a for a in argv if a.lstrip("+~").startswith("hydra.run.dir=")]
+    try:
+        with initialize_config_dir(str(CONF_DIR), version_base="1.3"):
+            cfg = compose("train", overrides=overrides + run_dir_overrides, return_hydra_config=True)
+        config = validate(cfg)
+        _check_run_dir_of(cfg, config)
+    except ConfigError as error:
+        _exit(str(error))
+    except (HydraException, OmegaConfBaseException) as error:
+        refusal = from_composition_error(error, overrides)
+        _exit(str(refusal) if refusal is not None else " ".join(str(error).split()))
+
+
+def _check_run_dir_of(cfg: DictConfig, config: Config) -> None:
+    """The run directory Hydra will create: writable, and resumable if it already holds a run."""
+    run_dir = Path(str(cfg.hydra.run.dir)).expanduser().absolute()
+    check_run_dir(run_dir)
+    if run_dir.is_dir() and any(run_dir.iterdir()):
+        PREEXISTING_RUN_DIRS[str(run_dir.resolve())] = _hydra_files(run_dir)
+        if not config.trainer.dry_run:
+            from readback.train.checkpoint import resume_plan
+
+            resume_plan(run_dir, config, mmap=True)
+
+
+def _hydra_files(run_dir: Path) -> dict[str, bytes]:
+    hydra_dir = run_dir / ".hydra"
+    if not hydra_dir.is_dir():
+        return {}
+    return {p.name: p.read_bytes() for p in hydra_dir.iterdir() if p.is_file()}
+
+
+def restore_hydra_files(run_dir: Path) -> None:
+    """Put back the Hydra config files a run directory held before this process started: a failed
+    attempt to resume it must not leave its own config there as the run's."""
+    saved = PREEXISTING_RUN_DIRS.get(str(Path(run_dir).resolve()))
+    if not saved:
+        return
+    for name, data in saved.items():
+        try:
+            (Path(run_dir) / ".hydra" / name).write_bytes(data)
+        except OSError:
+            pass
+
+
+def print_error(error: BaseException) -> None:
+    """``error`` as the one line users see; the traceback too with ``HYDRA_FULL_ERROR=1``."""
+    if os.environ.get("HYDRA_FULL_ERROR") == "1":
+        traceback.print_exception(type(error), error, error.__traceback__)
+    print(f"error: {error}", file=sys.stderr)
+
+
+def _exit(message: str) -> None:
+    if os.environ.get("HYDRA_FULL_ERROR") == "1":
+        traceback.print_exc()
+    print(f"error: {message}", file=sys.stderr)
+    sys.exit(2)
