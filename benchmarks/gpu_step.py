@@ -63,27 +63,18 @@ def _compose(case: str, args) -> object:
     return cfg
 
 
-def _build(cfg, device: str):
-    if cfg.backend.name == "te":
-        from readback.backends.te import build_te_model
-
-        return build_te_model(cfg, device)
-    from readback.model import build_model
-
-    return build_model(cfg, device)
-
-
 def run_case(case: str, args) -> dict:
     """One case in this process: build, warm up, time; a dict of results (or of the error)."""
     import torch
 
+    from readback.backends import build_model
     from readback.errors import ConfigError
 
     result = {"case": case, "steps": 0}
     try:
         cfg = _compose(case, args)
         torch.manual_seed(args.seed)
-        model = _build(cfg, args.device)
+        model = build_model(cfg, args.device)
     except ConfigError as error:
         return {**result, "error": str(error)}
     sites = None

@@ -13,7 +13,7 @@ from timing import median_ms
 from hydra import compose, initialize_config_dir
 
 from readback.config import CONF_DIR
-from readback.model import build_model
+from readback.backends import build_model
 from readback.probe import GradientProbe
 
 

@@ -6,7 +6,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from readback.numerics import E4M3, DelayedScaling
-from readback.ops.context import Numerics
+from readback.ops.numerics import Numerics
 
 
 def _rank(rank: int, world: int, port: int, out) -> None:

@@ -12,10 +12,10 @@ import pytest
 import torch
 from hydra import compose, initialize_config_dir
 
+from readback.backends import build_model
 from readback.bias import measure_bias, temporary_policy, variants
 from readback.bias.__main__ import main as bias_main
 from readback.config import CONF_DIR
-from readback.model import build_model
 from readback.policy import POLICIES
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -41,7 +41,7 @@ WORKER = textwrap.dedent(
     import test_ddp
 
     toys = test_ddp._toys()
-    for name, attr, fn in (("readback.model", "build_model", toys.toy_build_model),
+    for name, attr, fn in (("readback.backends", "build_model", toys.toy_build_model),
                            ("readback.data", "build_data", toys.toy_build_data)):
         try:
             module = importlib.import_module(name)
@@ -75,7 +75,7 @@ def single_thread():
 
 def _install_toys(monkeypatch):
     toys = _toys()
-    for name, attr, fn in (("readback.model", "build_model", toys.toy_build_model),
+    for name, attr, fn in (("readback.backends", "build_model", toys.toy_build_model),
                            ("readback.data", "build_data", toys.toy_build_data)):
         toys._install(monkeypatch, name, attr, fn)
     monkeypatch.delenv("WORLD_SIZE", raising=False)

@@ -129,7 +129,7 @@ def _toys():
 @pytest.fixture
 def toys(monkeypatch):
     module = _toys()
-    for name, attr, fn in (("readback.model", "build_model", module.toy_build_model),
+    for name, attr, fn in (("readback.backends", "build_model", module.toy_build_model),
                            ("readback.data", "build_data", module.toy_build_data)):
         module._install(monkeypatch, name, attr, fn)
     monkeypatch.delenv("WANDB_MODE", raising=False)

@@ -1,5 +1,6 @@
 """The emulated backend's GPU path: ``fp8_mm`` through ``torch._scaled_mm`` (a real FP8 GEMM)
-against the BF16-upcast emulation, and a tiny FOG training step on CUDA against the CPU."""
+against the emulation (FP32 GEMM of the decoded codes, scaled, one BF16 rounding), and a tiny FOG
+training step on CUDA against the CPU."""
 
 from __future__ import annotations
 
@@ -36,15 +37,18 @@ def test_scaled_mm_agrees_with_bf16_emulation(monkeypatch, fmt_a, fmt_b, m, k, n
     real = fp8_mm(a, b)
     monkeypatch.setattr(gemm, "use_scaled_mm", lambda *_: False)
     emulated = fp8_mm(a, b)
-    # Both round the same exact product of FP8-grid operands to BF16 once: the kernel after
-    # applying the scales (error <= 1/2 ulp), the emulation before (<= 1/2 ulp of the unscaled
-    # product, up to 1 ulp after scaling), so they differ by at most 1.5 BF16 ulp. The floor
-    # covers sums that cancel to near zero (accumulation order, FP32 partial sums).
+    # Both apply the scales to an FP32 accumulation of the exact products and round once to
+    # BF16 (error <= 1/2 ulp each); only the accumulation order differs, so 1.5 BF16 ulp bounds
+    # them with room. The floor covers sums that cancel to near zero (FP32 partial sums).
     magnitude = a.dequantize().abs() @ b.dequantize().abs()
     tolerance = 1.5 * _bf16_ulp(torch.maximum(real.abs(), emulated.abs())) + 2.0**-14 * magnitude
     excess = ((real - emulated).abs() - tolerance).max().item()
     assert excess <= 0, f"FP8 kernel and emulation differ by more than 1.5 BF16 ulp (excess {excess:.3g})"
     assert (real - emulated).norm() < 2.0**-7 * emulated.norm()  # about half a BF16 ulp on average
+
+
+# Head dim 128, as fog_390m's and as Transformer Engine's FP8 attention needs on sm90.
+HEAD_DIM_128 = ("model.d_model=256", "model.n_heads=2", "model.n_kv_groups=1", "model.ffn_dim=384")
 
 
 def _config(experiment: str, *overrides: str):
@@ -54,12 +58,13 @@ def _config(experiment: str, *overrides: str):
 
 @pytest.mark.parametrize("experiment", ["reuse_rounded", "fresh_reround", "no_saved_copy", "bf16_baseline"])
 def test_tiny_fog_step_on_cuda_matches_cpu(monkeypatch, experiment):
-    from readback.model import build_model
+    from readback.backends import build_model
 
     calls = []
     scaled_mm = torch._scaled_mm
     monkeypatch.setattr(torch, "_scaled_mm", lambda *a, **k: calls.append(1) or scaled_mm(*a, **k))
-    cfg = _config(experiment, "model.vocab_size=256")
+    cfg = _config(experiment, "model.vocab_size=256", *HEAD_DIM_128)
+    assert cfg.model.d_model // cfg.model.n_heads == 128
     torch.manual_seed(0)
     cpu = build_model(cfg, "cpu")
     model = build_model(cfg, "cuda")

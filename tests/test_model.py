@@ -7,10 +7,11 @@ import torch
 from hydra import compose, initialize_config_dir
 
 from readback.config import CONF_DIR
-from readback.model import build_model
-from readback.model.fog import FOG, FOGConfig, kurtosis, rope, rounding_owners
+from readback.backends import build_model
+from readback.model import ActivationStats, kurtosis
+from readback.model.fog import FOG, FOGConfig, Parts, rope, rounding_owners
 from readback.ops.activation import BETA, EPS
-from readback.ops.context import Numerics
+from readback.ops.numerics import Numerics
 
 
 def _cfg(*overrides):
@@ -52,7 +53,7 @@ def test_post_norm_before_residual_add_and_gain_init():
     block = model.layers[0]
     assert torch.allclose(block.attn_norm.gain, torch.full((32,), 1 / math.sqrt(2)))
     x = torch.randn(2, 8, 32, dtype=torch.float64)
-    attn_out, _ = block.attn(x)
+    attn_out = block.attn(x)
     mid = x + block.attn_norm(attn_out)
     expected = mid + block.mlp_norm(block.mlp(mid))
     assert torch.allclose(block(x), expected)
@@ -64,9 +65,10 @@ def test_post_norm_before_residual_add_and_gain_init():
 def test_qk_norm_gains_are_frozen():
     model = _tiny()
     names = [n for n, _ in model.named_parameters()]
-    assert not any("qk_gain" in n for n in names)
-    gain = model.layers[0].attn.qk_gain
-    assert not gain.requires_grad and torch.equal(gain, torch.ones(8))
+    assert not any("q_norm" in n or "k_norm" in n for n in names)
+    assert not any("q_norm" in n or "k_norm" in n for n in model.state_dict())
+    for norm in (model.layers[0].attn.q_norm, model.layers[0].attn.k_norm):
+        assert not norm.gain.requires_grad and torch.equal(norm.gain, torch.ones(8))
 
 
 def test_embeddings_are_multiplied_by_50_and_there_is_no_final_norm():
@@ -137,6 +139,49 @@ def test_kurtosis_of_gaussian_and_outliers():
     spiky = torch.randn(64, 4096)
     spiky[:, 0] = 100
     assert kurtosis(spiky) > 100
+
+
+def test_fog_takes_every_linear_norm_core_and_activation_from_its_parts():
+    made = []
+
+    class Recording(Parts):  # a backend that hands out readback's modules and says which it made
+        def linear(self, d_in, d_out, name, std):
+            made.append(name)
+            return super().linear(d_in, d_out, name, std)
+
+        def norm(self, dim, gain, name, eps, frozen=False):
+            made.append(name + (" (frozen)" if frozen else ""))
+            return super().norm(dim, gain, name, eps, frozen)
+
+        def attention_core(self, cfg, name, index):
+            made.append(name)
+            return super().attention_core(cfg, name, index)
+
+    cfg = FOGConfig(n_layers=1, d_model=32, n_heads=4, n_kv_groups=2, ffn_dim=48, vocab_size=64, seq_len=8, tied=False)
+    numerics = Numerics("off")
+    model = FOG(cfg, numerics, Recording(numerics))
+    names = ["qkv", "q_norm (frozen)", "k_norm (frozen)", "core", "proj"]
+    assert made == [*(f"layers.0.attn.{n}" for n in names), "layers.0.attn_norm", "layers.0.mlp.up",
+                    "layers.0.mlp.down", "layers.0.mlp_norm", "lm_head"]
+    assert model.numerics is numerics and model.parts.numerics is numerics
+
+
+def test_activation_stats_hooks_measure_every_layer_only_when_active():
+    model = _tiny()
+    stats = ActivationStats(model)
+    idx = torch.randint(0, 64, (2, 8))
+    seen = {"attn_out": [], "ffn_in": []}
+    for block in model.layers:  # the tensors the hooks must see, recomputed by hand
+        block.attn.core.register_forward_hook(lambda m, i, out: seen["attn_out"].append(kurtosis(out[0])))
+        block.mlp.register_forward_pre_hook(lambda m, i: seen["ffn_in"].append(kurtosis(i[0])))
+    model(idx, idx)
+    assert stats.pop() == {}  # inactive: nothing measured
+    stats.active = True
+    loss = model(idx, idx)
+    measured = stats.pop()
+    assert measured == {f"kurtosis/{k}_max": max(v[-2:]) for k, v in seen.items()}
+    assert len(seen["attn_out"]) == 4 and stats.pop() == {}  # two layers per forward; popped once
+    assert loss.dim() == 0  # the model returns its loss only
 
 
 @pytest.mark.parametrize("experiment", ["reuse_rounded", "bf16_baseline"])

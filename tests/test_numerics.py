@@ -23,11 +23,13 @@ from readback.numerics import (
     DelayedScalingState,
     FP8Format,
     Format,
+    abs_max,
     compute_scale,
     fp8_mm,
     matmul,
     quantize,
 )
+from readback.numerics.rounding import decode
 
 FORMATS = [E4M3, E5M2]
 F32_MAX = float(torch.finfo(torch.float32).max)
@@ -447,6 +449,30 @@ def test_current_scaling_state_uses_the_tensors_own_amax():
 
 
 # ---------------------------------------------------------------------------------------------
+# decoding and amax
+
+_BITS = {torch.bfloat16: torch.int16, torch.float32: torch.int32, torch.float64: torch.int64}
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("dtype", list(_BITS))
+def test_decode_is_torchs_cast_bit_for_bit(fmt, dtype):
+    """Every code (NaNs and both zeros included), in a contiguous, a transposed and a strided layout."""
+    grid = torch.arange(256, dtype=torch.uint8).view(fmt.dtype).reshape(2, 8, 16)
+    for data in (grid, grid.mT, grid[:, :, ::3]):
+        got, want = decode(data, dtype), data.to(dtype)
+        assert got.dtype == dtype and got.shape == want.shape and got.stride() == want.stride()
+        assert torch.equal(got.view(_BITS[dtype]), want.view(_BITS[dtype]))
+
+
+@pytest.mark.parametrize("values", [[1.0, -3.0, 2.0], [-0.0, 0.0], [-0.0], [2.0, float("nan"), -1.0], [float("-inf"), 1.0]])
+def test_abs_max_is_abs_then_amax(values):
+    x = torch.tensor(values)
+    got, want = abs_max(x), x.abs().amax()
+    assert torch.equal(got.view(torch.int32), want.view(torch.int32))  # NaN bits and the sign of 0 too
+
+
+# ---------------------------------------------------------------------------------------------
 # emulated GEMM
 
 
@@ -478,6 +504,37 @@ def test_fp8_mm_equals_float64_product_within_bf16(shape, seed, fmt_b):
     # one BF16 rounding of the result (relative 2**-8) plus FP32 accumulation round-off
     bound = 2.0**-8 * want.abs() + 2.0**-16 * (a64.abs() @ b64.abs())
     assert ((got.double() - want).abs() <= bound).all()
+
+
+def _scaled_mm(qa, qb) -> torch.Tensor:
+    """torch's FP8 GEMM (it runs on the CPU too): one (m, k) x (k, n) product, BF16 out."""
+    return torch._scaled_mm(qa.data, qb.data.t().contiguous().t(), scale_a=qa.scale_inv, scale_b=qb.scale_inv,
+                            out_dtype=torch.bfloat16)
+
+
+@pytest.mark.parametrize("batch", [(), (3,)], ids=["plain", "batched"])
+@pytest.mark.parametrize("fmt_b", FORMATS, ids=["e4m3-e4m3", "e4m3-e5m2"])
+def test_fp8_mm_matches_torch_scaled_mm(fmt_b, batch):
+    """The emulation has the real kernel's semantics: scales applied in FP32, then one rounding
+    to BF16. Bit-identical outputs except where FP32 accumulation order tips a BF16 tie."""
+    qa, qb = _operands(7 + len(batch), (*batch, 96, 128), (*batch, 128, 112), E4M3, fmt_b)
+    got = fp8_mm(qa, qb).to(torch.bfloat16)
+    if batch:
+        want = torch.stack([_scaled_mm(qa.map(lambda d: d[i]), qb.map(lambda d: d[i])) for i in range(batch[0])])
+    else:
+        want = _scaled_mm(qa, qb)
+    identical = (got.view(torch.int16) == want.view(torch.int16)).double().mean().item()
+    assert identical >= 0.999, f"only {identical:.2%} of the BF16 outputs are bit-identical to torch._scaled_mm"
+    assert (got.float() - want.float()).abs().max() <= 2.0**-7 * want.float().abs().max()
+
+
+def test_fp8_mm_is_not_the_product_rounded_before_scaling():
+    """Rounding the unscaled product to BF16 and scaling afterwards (two roundings) would miss
+    ``_scaled_mm`` in about a quarter of the outputs: the test above can tell them apart."""
+    qa, qb = _operands(3, (96, 128), (128, 112), E4M3, E4M3)
+    two_roundings = (torch.matmul(qa.data.bfloat16(), qb.data.bfloat16()).float() * (qa.scale_inv * qb.scale_inv))
+    identical = (two_roundings.bfloat16().view(torch.int16) == _scaled_mm(qa, qb).view(torch.int16)).double().mean()
+    assert identical < 0.9
 
 
 @given(shape=_SHAPES, seed=st.integers(0, 2**16))

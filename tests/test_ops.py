@@ -144,6 +144,48 @@ def _run_attention(policy: str, recipe, inputs, warmup: bool):
             "numerics": numerics, "obs": numerics.pop_observations()}
 
 
+@pytest.mark.parametrize("attention_bwd", ["fp8", "bf16"])
+@pytest.mark.parametrize("recipe", [CurrentScaling(), DelayedScaling()], ids=["current", "delayed"])
+@pytest.mark.parametrize("policy", ["reuse_rounded", "fresh_reround", "no_saved_copy"])
+def test_attention_backward_in_row_blocks_is_the_whole_backward(monkeypatch, policy, recipe, attention_bwd):
+    """P recomputed and dS rounded block by block (5 rows, a last partial block; GEMM operands
+    decoded a few matrices at a time) give the bits of one block of all T rows: gradients,
+    saturation counts, rowsum observations. Current scaling rounds dS with one whole-tensor scale."""
+    import readback.numerics.gemm as gemm_mod
+
+    def run():
+        q0, k0, v0, d_out = _attention_inputs(5)
+        numerics = Numerics("fp8", recipe, policy=policy, attention_bwd=attention_bwd)
+        results = []
+        for grow in (1, 1e3):  # the second step runs on delayed scales from the first: dS saturates
+            q, k, v = (t.clone().requires_grad_() for t in (q0, k0, v0))
+            attention(q, k, v, numerics, "attn")[0].backward(d_out * grow)
+            numerics.end_step()
+            results.append((q.grad, k.grad, v.grad, numerics.saturation_counts(), numerics.pop_observations()))
+        return results
+
+    monkeypatch.setattr(attention_mod, "ROW_BLOCK", T)
+    whole = run()
+    monkeypatch.setattr(attention_mod, "ROW_BLOCK", 5)
+    monkeypatch.setattr(gemm_mod, "DECODED_BLOCK", 3 * T * T)
+    blocked = run()
+    for w, b in zip(whole, blocked):
+        assert all(torch.equal(x, y) for x, y in zip(w[:3], b[:3]))
+        assert w[3:] == b[3:]
+    if attention_bwd == "fp8" and isinstance(recipe, DelayedScaling):
+        assert "attn.grad_scores" in whole[1][3], whole[1][3]  # the blocks' counts add up
+
+
+def test_attention_saves_no_fp32_score_matrix():
+    """The backward's P is recomputed from Q8 and K8: of the T x T matrices only P8 (one byte
+    per element) is saved."""
+    q, k, v, _ = _attention_inputs()
+    numerics = Numerics("fp8", CurrentScaling(), policy="no_saved_copy")
+    attention(q, k, v, numerics, "attn")
+    square = {key: n for key, n in numerics.saved_bytes.items() if n % (B * H * T * T) == 0 and n >= B * H * T * T}
+    assert square == {"attention.probs_fp8": B * H * T * T}
+
+
 def _replay_grads(inputs, record):
     q0, k0, v0, d_out = inputs
     q, k, v = (t.clone().requires_grad_() for t in (q0, k0, v0))
@@ -524,6 +566,21 @@ def _block(numerics: Numerics, x, params) -> torch.Tensor:
     v = v.reshape(B, T, G, HD).transpose(1, 2)
     o, oq = attention(q, k, v, numerics, "attn")
     return linear(o, w_o, numerics, "proj", x_q=oq)
+
+
+@pytest.mark.parametrize("recipe", [DelayedScaling(), CurrentScaling()], ids=["delayed", "current"])
+def test_saturation_counts_the_elements_clipped(recipe):
+    """Counted exactly when some element overflows once scaled, and 0 (the pass skipped) when none does."""
+    numerics = Numerics("fp8", recipe)
+    site = numerics.site("x")
+    x = torch.linspace(-1.0, 1.0, 101)
+    site.quantize(x, scale=torch.tensor(E4M3.max))  # the ends land exactly on max: not beyond
+    assert numerics.saturation_counts() == {}
+    site.quantize(x, scale=torch.tensor(E4M3.max / 0.5))  # |x| > 0.5 is beyond max
+    site.quantize(x * 2, scale=torch.tensor(E4M3.max))
+    expected = 2 * int((x.abs() > 0.5).sum())
+    assert numerics.saturation_counts() == {"x": expected}
+    assert numerics.saturation_counts() == {}
 
 
 def test_numerics_state_dict_restores_scales_and_streams():

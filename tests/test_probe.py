@@ -7,7 +7,7 @@ import torch
 from hydra import compose, initialize_config_dir
 
 from readback.config import CONF_DIR
-from readback.model import build_model
+from readback.backends import build_model
 from readback.probe import GradientProbe, compare
 
 FP32_BACKWARD = ["attention.bwd_precision=fp32", "precision.override_linear_precision=[false,true,true]"]

@@ -213,3 +213,33 @@ def test_sweep_on_slurm_ddp_and_requeue_resume(slurm_env, tmp_path):
     log0 = "\n".join(p.read_text() for p in sweep.glob(f".submitit/{events['signalled']}/*_0_log.out"))
     assert "Requeued job" in log0, job_logs
     assert re.search(r"resumed from \S+step_\d+\.pt \(step [1-9]\d*\)", log0), log0
+
+
+@pytest.mark.slow
+def test_sweep_on_slurm_runs_every_job_in_the_apptainer_image(slurm_env, tmp_path):
+    """``hydra/launcher=slurm_apptainer``: each job's srun runs ``apptainer exec --nv IMAGE`` with
+    the image's python on this checkout's src/ (a stand-in apptainer records its call and runs
+    the command as is), and the run completes."""
+    bin_dir, calls, image, sweep = tmp_path / "bin", tmp_path / "apptainer_calls", tmp_path / "r.sif", tmp_path / "m"
+    bin_dir.mkdir()
+    image.write_text("")
+    fakes = {"apptainer": f'echo "$*" >> {calls}\n[ "$1 $2 $3" = "exec --nv {image}" ] || exit 64\nshift 3\nexec "$@"\n',
+             "python": f'exec {sys.executable} "$@"\n'}  # the image's python
+    for name, body in fakes.items():
+        (bin_dir / name).write_text("#!/usr/bin/env bash\n" + body)
+        (bin_dir / name).chmod(0o755)
+    env = dict(slurm_env, PATH=f"{bin_dir}{os.pathsep}{slurm_env['PATH']}", READBACK_IMAGE=str(image),
+               WANDB_MODE="disabled", OMP_NUM_THREADS="1", HYDRA_FULL_ERROR="1")
+    cmd = [sys.executable, "train.py", "-m", "hydra/launcher=slurm_apptainer", "+experiment=reuse_rounded", "seed=0",
+           "model=tiny", "data=synthetic", "logger=none", "trainer.steps=4", "trainer.log_every=2",
+           "trainer.progress=false", f"hydra.sweep.dir={sweep}", "hydra.launcher.partition=debug",
+           "hydra.launcher.gpus_per_node=null", "hydra.launcher.tasks_per_node=1", "hydra.launcher.cpus_per_task=1",
+           "hydra.launcher.mem_gb=null", "hydra.launcher.timeout_min=5"]
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=SWEEP_TIMEOUT_S)
+    job_logs = _tails(sweep, "*_log.*", 30)
+    assert proc.returncode == 0, f"{proc.stdout}\n{proc.stderr}\n{job_logs}"
+    (summary_file,) = sweep.glob("reuse_rounded/*/summary.json")  # the run's folder is named by its overrides
+    summary = json.loads(summary_file.read_text())
+    assert summary["status"] == "completed" and summary["steps"] == 4, job_logs
+    (call,) = calls.read_text().splitlines()
+    assert call.startswith(f"exec --nv {image} env PYTHONPATH={ROOT}/src python -u -m submitit.core._submit ")

@@ -8,13 +8,14 @@ import pytest
 import torch
 from hydra import compose, initialize_config_dir
 
+from readback.backends import build_model
 from readback.config import CONF_DIR, validate
 from readback.errors import ConfigError
-from readback.model import build_model, rounding_sites
+from readback.model import rounding_sites
 from readback.numerics import E4M3, CurrentScaling, compute_scale
 from readback.ops.attention import attention
-from readback.ops.context import Numerics, Site
 from readback.ops.linear import linear
+from readback.ops.numerics import Numerics, Site
 
 
 def _compose(*overrides):

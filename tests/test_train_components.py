@@ -1,8 +1,8 @@
 """The trainer's parts one by one, then end-to-end runs of ``readback.train.run`` on a toy model.
 
 The toy model and data stream implement the interfaces the trainer relies on (loss from
-``model(idx, targets)``, ``model.numerics``, ``activation_stats``; ``next_batch``, ``val_batches``,
-``state_dict``) and are installed in place of ``readback.model.build_model`` /
+``model(idx, targets)``, ``model.numerics``, a ``layers.0.attn.core`` for the stats hooks;
+``next_batch``, ``val_batches``, ``state_dict``) and are installed in place of ``readback.backends.build_model`` /
 ``readback.data.build_data``.
 """
 
@@ -90,7 +90,9 @@ class ToyModel(nn.Module):
         self.head = nn.Linear(d, vocab, bias=False)
         self.numerics = ToyNumerics()
         self.nan_loss_at, self.nan_grad_at = nan_loss_at, nan_grad_at
-        self._stats: dict[str, float] = {}
+        self.layers = nn.ModuleList([nn.Module()])  # layers.0.attn.core: watched by the stats hooks
+        self.layers[0].attn = nn.Module()
+        self.layers[0].attn.core = nn.Identity()
 
     def _this_step(self) -> int:
         return self.numerics.step + 1
@@ -106,15 +108,11 @@ class ToyModel(nn.Module):
         else:
             self.numerics.eval_forwards += 1
         h = h + torch.tanh(self.fc(h * gain * self.frozen))
-        c = h.detach() - h.detach().mean(-1, keepdim=True)
-        self._stats = {"kurtosis/attn_out_max": float((c**4).mean() / (c**2).mean() ** 2)}
+        h = self.layers[0].attn.core(h)
         loss = F.cross_entropy(self.head(h).flatten(0, 1), targets.flatten())
         if self.training and self.nan_loss_at == self._this_step():
             loss = loss * math.nan
         return loss
-
-    def activation_stats(self) -> dict[str, float]:
-        return dict(self._stats)
 
     def n_params(self) -> int:
         return sum(p.numel() for p in self.parameters())
@@ -194,7 +192,7 @@ def _install(monkeypatch, module: str, attr: str, fn) -> None:
 
 @pytest.fixture
 def toys(monkeypatch):
-    _install(monkeypatch, "readback.model", "build_model", toy_build_model)
+    _install(monkeypatch, "readback.backends", "build_model", toy_build_model)
     _install(monkeypatch, "readback.data", "build_data", toy_build_data)
     monkeypatch.delenv("WANDB_MODE", raising=False)
     BUILT.clear()

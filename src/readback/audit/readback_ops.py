@@ -30,7 +30,7 @@ from readback.ops import activation as activation_op
 from readback.ops import attention as attention_op
 from readback.ops import linear as linear_op
 from readback.ops import norm as norm_op
-from readback.ops.context import Numerics
+from readback.ops.numerics import Numerics
 from readback.policy import POLICIES
 
 F32 = torch.float32

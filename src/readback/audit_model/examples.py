@@ -39,8 +39,8 @@ def fog_loss(model, inputs: torch.Tensor, targets: torch.Tensor, dtype=torch.flo
 def fog_example(policy: str = "exact", seed: int = 0, *overrides: str):
     from hydra import compose, initialize_config_dir
 
+    from readback.backends import build_model
     from readback.config import CONF_DIR
-    from readback.model import build_model
 
     with initialize_config_dir(str(CONF_DIR), version_base="1.3"):
         cfg = compose("train", overrides=[f"policy={policy}", "model.vocab_size=64", "model.seq_len=16",

@@ -14,7 +14,7 @@ from readback.audit_model.core import AuditRow
 from readback.policy import read_rules
 
 _LINEAR = re.compile(r"(\.(qkv|proj|up|down)|<root>)/MmBackward0\.(self|mat2)$")
-_ATTENTION = re.compile(r"layers\.\d+\.attn/(BmmBackward0\.(self|mat2)|SoftmaxBackward0\.result)$")
+_ATTENTION = re.compile(r"layers\.\d+\.attn\.core/(BmmBackward0\.(self|mat2)|SoftmaxBackward0\.result)$")
 _NORM = re.compile(r"layers\.\d+\.(attn|mlp)_norm/MulBackward0\.self$")
 
 

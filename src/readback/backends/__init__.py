@@ -1,5 +1,8 @@
-"""Backends: ``emulated`` (readback's ops in PyTorch, CPU or GPU) and ``te`` (Transformer Engine
-modules where TE can express the experiment, readback's ops elsewhere; CUDA only).
+"""Backends: the parts the one FOG (``readback.model.fog``) is built from.
+
+``emulated``: readback's ops in PyTorch (CPU or GPU). ``te``: Transformer Engine modules where
+TE can run the experiment, readback's ops elsewhere (CUDA only). ``build_model`` builds a run's
+model with its backend's parts.
 
 Nothing here imports Transformer Engine: ``readback.backends.te`` imports it when a model is
 built, after the run's TE environment variables are set.
@@ -9,18 +12,42 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
+import torch
 from omegaconf import DictConfig, OmegaConf
 
+from readback.model import FOG, fog_config
+from readback.ops.numerics import build_numerics
+
 BACKENDS = ("emulated", "te")
+
+
+def _as_config(cfg: DictConfig | Mapping) -> DictConfig:
+    return OmegaConf.structured(cfg)  # a typed Config, a DictConfig or a mapping
+
+
+def build_model(cfg: DictConfig | Mapping, device: str | torch.device = "cpu") -> FOG:
+    """FOG of size ``cfg.model`` on ``device`` with the parts of ``cfg.backend.name``.
+
+    ``device="meta"`` (shapes only, for dry runs) always builds readback's parts: they have the
+    same trainable parameters and FLOPs as Transformer Engine's and need no GPU or TE.
+    Raises ``ConfigError`` (one line) when ``backend=te`` cannot run ``cfg`` here.
+    """
+    cfg = _as_config(cfg)
+    if cfg.backend.name == "te" and torch.device(device).type != "meta":
+        from readback.backends.te import build_te_model
+
+        return build_te_model(cfg, device)
+    with torch.device(device):
+        return FOG(fog_config(cfg.model), build_numerics(cfg))
 
 
 def site_implementations(cfg: DictConfig | Mapping) -> dict[str, str]:
     """``{site: implementation}`` for the run's summary: which code ran each site
     (``linear``, ``attn_proj``, ``attention_core``, ``norm``, ``qk_norm``, ``activation``,
-    ``embedding``, ``lm_head``) under ``cfg.backend.name``."""
-    cfg = OmegaConf.structured(cfg)  # a typed Config, a DictConfig or a mapping
-    name = cfg.backend.name
-    if name == "te":
+    ``embedding``, ``lm_head``) under ``cfg.backend.name``, and which value each attention
+    gradient read (``attention_core.<gradient>``)."""
+    cfg = _as_config(cfg)
+    if cfg.backend.name == "te":
         from readback.backends.te_plan import site_implementations as te_sites
 
         return te_sites(cfg)
@@ -31,14 +58,14 @@ def site_implementations(cfg: DictConfig | Mapping) -> dict[str, str]:
 
 def check_available(cfg: DictConfig | Mapping) -> None:
     """Raise ``ConfigError`` when ``cfg.backend`` cannot run on this machine, or (``te``) when
-    the installed Transformer Engine cannot run ``cfg`` as configured."""
-    cfg = OmegaConf.structured(cfg)  # a typed Config, a DictConfig or a mapping
+    the installed Transformer Engine cannot run ``cfg`` on this GPU as configured."""
+    cfg = _as_config(cfg)
     if cfg.backend.name == "te":
         from readback.backends.te import check_available as te_check
         from readback.backends.te_plan import te_plan
 
-        te_check(cfg)
+        te_check()
         te_plan(cfg)
 
 
-__all__ = ["BACKENDS", "check_available", "site_implementations"]
+__all__ = ["BACKENDS", "build_model", "check_available", "site_implementations"]

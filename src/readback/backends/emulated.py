@@ -1,10 +1,23 @@
-"""``backend=emulated``: every site is a readback op (``readback.model.fog``), on CPU or GPU."""
+"""``backend=emulated``: every site is a readback op (``readback.model.fog.Parts``), on CPU or GPU."""
 
 from __future__ import annotations
 
 from collections.abc import Mapping
 
 from omegaconf import DictConfig, OmegaConf
+
+from readback.ops.attention import READS as ATTENTION_READS
+
+# attention gradient -> the forward tensor it reads (dO is every gradient's other operand)
+READ_OPERANDS = {"D": "O", "dQ": "K", "dK": "Q", "dV": "P", "dP": "V", "dS": "P"}
+_READ_LABELS = {"rounded": "rounded {}", "original": "original {}", "fresh": "a fresh rounding of {}",
+                "none": "no {}: D = rowsum(P * dP)"}
+
+
+def attention_reads(policy: str) -> dict[str, str]:
+    """``{"attention_core.<gradient>": what it reads}`` of readback's attention op under ``policy``."""
+    reads = ATTENTION_READS[policy]
+    return {f"attention_core.{g}": _READ_LABELS[reads[g]].format(x) for g, x in READ_OPERANDS.items()}
 
 
 def site_implementations(cfg: DictConfig | Mapping) -> dict[str, str]:
@@ -22,4 +35,5 @@ def site_implementations(cfg: DictConfig | Mapping) -> dict[str, str]:
         "qk_norm": "readback.ops.norm (frozen gain)",
         "activation": "readback.ops.activation.xielu",
         "lm_head": f"readback.ops.linear{tied}" + (" in BF16" if head_bf16 else ""),
+        **attention_reads(cfg.policy.name),
     }

@@ -1,16 +1,18 @@
 """What ``backend=te`` runs for a config: Transformer Engine recipe, switches and site owners.
 
-A pure function of the config and a Transformer Engine version string: it never imports
-Transformer Engine, so it is tested on any machine, and validation can call it before a run
-starts. ``readback.backends.te`` turns the plan into modules.
+A pure function of the config, a Transformer Engine version string and the GPU (capability,
+cuDNN): it never imports Transformer Engine, so it is tested on any machine, and validation calls
+it before a run starts. ``readback.backends.te`` turns the plan into modules; what TE can run
+is ``readback.backends.te_facts``.
 
 The study's axes map onto TE where TE has a switch for them:
 
 * ``reuse_rounded`` (D-term reads O8): ``DelayedScaling(fp8_dpa=True)``; TE's FP8 attention
   saves ``out_fp8`` for its backward. ``NVTE_FP8_DPA_BWD=1`` (FP8 backward) or ``0`` (BF16
-  backward that still reads the dequantised O8): the ``reuse_rounded_bf16_bwd`` experiment.
-* ``original`` (D-term reads the high-precision O): ``Float8CurrentScaling(fp8_dpa=True)`` with
-  ``NVTE_DPA_FP8CS_O_in_F16=1``; with ``=0`` current scaling is another ``reuse_rounded``.
+  backward reading the dequantised O8 and the original BF16 Q, K, V): ``reuse_rounded_bf16_bwd``.
+  Under current scaling, ``NVTE_DPA_FP8CS_O_in_F16=0`` with the FP8 backward.
+* ``original`` (D-term reads the high-precision O): ``Float8CurrentScaling(fp8_dpa=True)``; its
+  FP8 backward reads the F16 O with ``NVTE_DPA_FP8CS_O_in_F16=1``, its BF16 backward always does.
 * ``fresh_reround``, ``no_saved_copy``, ``exact``: no TE switch. The attention core is readback's
   op, and so is the output projection, which takes the core's O8 as is (the very copy the
   D-term policy is about); every other GEMM and norm stays TE.
@@ -19,30 +21,39 @@ The study's axes map onto TE where TE has a switch for them:
 
 from __future__ import annotations
 
-import re
-import sys
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
+from readback.backends.emulated import attention_reads as readback_attention_reads
+from readback.backends.te_facts import (
+    INTERVAL_REMOVED,
+    OVERRIDE_LINEAR_PRECISION_REMOVED,
+    SINCE,
+    Hardware,
+    fp8_attention_refusal,
+    fp8_gemm_refusal,
+    installed_hardware,
+    installed_te_version,
+    mxfp8_refusal,
+    te_attention_reads,
+    version_tuple,
+)
 from readback.errors import ConfigError, choose, require
+from readback.ops.linear import READS as LINEAR_READS
 
 # precision.recipe -> Transformer Engine recipe class. ``mxfp8`` exists only for backend=te.
 RECIPES = {"delayed": "DelayedScaling", "current": "Float8CurrentScaling", "mxfp8": "MXFP8BlockScaling"}
 ATTENTION_CORES = ("auto", "readback")
-
 MIN_TE = (1, 13)
-# First Transformer Engine release with each feature.
-SINCE = {
-    "MXFP8BlockScaling": (2, 0),
-    "Float8CurrentScaling": (2, 2),
-    "current_scaling_fp8_dpa": (2, 8),  # FP8 attention under Float8CurrentScaling
-    "override_linear_precision_removed": (2, 0),
-}
-# Read by Transformer Engine when it is imported, not when attention runs.
+# Read by Transformer Engine when it is imported, not when attention runs (pytorch/attention/
+# dot_product_attention/backends.py v2.8: a module-level os.getenv).
 IMPORT_TIME_ENV = ("NVTE_DPA_FP8CS_O_in_F16",)
+# One attention kernel per experiment: cuDNN's fused attention (the only FP8 one), never a
+# silent switch to flash attention (utils.py v2.8 reads these on every call).
+PINNED_BACKEND = {"NVTE_FUSED_ATTN": "1", "NVTE_FLASH_ATTN": "0"}
 
 
 @dataclass(frozen=True)
@@ -50,9 +61,12 @@ class TEPlan:
     """``recipe`` (a class of ``transformer_engine.common.recipe``) with ``recipe_kwargs``
     (``fp8_format`` as a ``Format`` member's name), or ``None`` under ``precision=bf16``;
     ``env``: the variables to set before Transformer Engine is imported; ``attention_core``:
-    ``te`` or ``readback``; ``sites``: which implementation runs each site."""
+    ``te`` or ``readback``; ``fp8_output``: the core hands its FP8 O8 to the projection
+    (``forward(fp8_output=True)``); ``sites``: which implementation ran each site and which
+    value each attention gradient read."""
 
     te_version: str | None
+    hardware: Hardware
     fp8: bool
     recipe: str | None
     recipe_kwargs: dict[str, Any]
@@ -61,6 +75,7 @@ class TEPlan:
     sites: dict[str, str]
     readback_recipe: str | None = None  # per-tensor recipe of the readback ops under this plan
     bf16_layers: tuple[str, ...] = field(default=())  # site prefixes whose GEMMs run without FP8
+    fp8_output: bool = False
 
     @property
     def te_attention(self) -> bool:
@@ -75,27 +90,6 @@ def _lm_head_bf16(fp8: bool, bf16_layers: tuple[str, ...]) -> bool:
     return not fp8 or any("lm_head".startswith(prefix) for prefix in bf16_layers)
 
 
-def installed_te_version() -> str | None:
-    """The installed Transformer Engine's version, read from package metadata (no import)."""
-    module = sys.modules.get("transformer_engine")
-    if module is not None and getattr(module, "__version__", None):
-        return str(module.__version__)
-    from importlib import metadata
-
-    for dist in ("transformer_engine", "transformer-engine", "transformer_engine_torch", "transformer_engine_cu12"):
-        try:
-            return metadata.version(dist)
-        except metadata.PackageNotFoundError:
-            continue
-    return None
-
-
-def version_tuple(version: str | None) -> tuple[int, int, int] | None:
-    """``"2.8.0+cu12"`` -> ``(2, 8, 0)``; ``None`` for an unknown or missing version."""
-    match = re.match(r"\s*(\d+)\.(\d+)(?:\.(\d+))?", version or "")
-    return None if match is None else (int(match[1]), int(match[2]), int(match[3] or 0))
-
-
 def _te_name(version: str | None) -> str:
     return f"Transformer Engine {version}" if version else "Transformer Engine (not installed here; 2.x assumed)"
 
@@ -103,117 +97,190 @@ def _te_name(version: str | None) -> str:
 _INSTALLED = object()
 
 
-def te_plan(cfg: DictConfig | Mapping, te_version: str | None | object = _INSTALLED) -> TEPlan:
-    """The plan for ``cfg`` under ``te_version`` (default: the installed version, or 2.x when
-    none is installed). Raises ``ConfigError`` for what this TE cannot run as configured:
-    fields TE removed set to non-default values, stochastic rounding, recipes or switches newer
-    than the installed TE."""
+def te_plan(cfg: DictConfig | Mapping, te_version: str | None | object = _INSTALLED,
+            hardware: Hardware | object = _INSTALLED) -> TEPlan:
+    """The plan for ``cfg`` under ``te_version`` on ``hardware`` (defaults: what this machine
+    has; no TE means 2.x, no GPU means the checks that need one are not made). Raises
+    ``ConfigError`` (one line naming the TE version, the GPU and the setting) for what this TE
+    cannot run on this GPU as configured, instead of failing inside TE."""
     cfg = OmegaConf.structured(cfg)  # a typed Config, a DictConfig or a mapping
     version = installed_te_version() if te_version is _INSTALLED else te_version
-    vt, te_name = version_tuple(version), _te_name(version)
+    hw = installed_hardware() if hardware is _INSTALLED else hardware
+    vt = version_tuple(version)
+    where = f"{_te_name(version)} on {hw.describe()}"
     if vt is not None and vt[:2] < MIN_TE:
-        raise ConfigError("backend", "te", f"Transformer Engine >= {'.'.join(map(str, MIN_TE))} ({te_name} is installed)")
+        raise ConfigError("backend", "te", f"Transformer Engine >= {'.'.join(map(str, MIN_TE))} ({where})")
 
     p, policy, bwd = cfg.precision, cfg.policy.name, cfg.attention.bwd_precision
     backend = cfg.get("backend") or {}
     core_choice = choose("backend.attention_core", backend.get("attention_core", "auto"), ATTENTION_CORES)
     fp8_mha = backend.get("fp8_mha", False)
     require(isinstance(fp8_mha, bool), "backend.fp8_mha", fp8_mha, "true or false")
-    fp8 = p.name == "fp8"
-    recipe_key = None
+    fp8, recipe_key = p.name == "fp8", None
     if fp8:
-        recipe_key = choose("precision.recipe", p.recipe, RECIPES)
-        rounding = p.get("rounding", "nearest")
-        require(rounding == "nearest", "precision.rounding", rounding,
-                "nearest (backend=te: Transformer Engine rounds to nearest and no library rounds to FP8 "
-                "stochastically; use backend=emulated for stochastic rounding)")
-        _refuse_unsupported_fields(p, recipe_key, vt, te_name)
-        since = SINCE.get(RECIPES[recipe_key])
-        if vt is not None and since is not None and vt[:2] < since:
-            raise ConfigError("precision.recipe", recipe_key,
-                              f"delayed ({te_name} has no {RECIPES[recipe_key]}; it needs >= {since[0]}.{since[1]})")
+        recipe_key = _check_fp8_recipe(p, vt, hw, where)
 
     attention = None if core_choice == "readback" else _te_attention(fp8, recipe_key, policy, bwd)
-    if attention is not None and recipe_key == "current" and vt is not None and vt[:2] < SINCE["current_scaling_fp8_dpa"]:
-        raise ConfigError("precision.recipe", recipe_key,
-                          f"delayed, or backend.attention_core=readback ({te_name} has no FP8 attention under "
-                          f"current scaling; it needs >= 2.8)")
+    if attention is not None and fp8:
+        _check_fp8_attention(cfg, recipe_key, vt, hw, where)
     if fp8_mha and (attention is None or not fp8):
         raise ConfigError("backend.fp8_mha", fp8_mha,
                           "false (fp8_mha needs precision=fp8 and Transformer Engine's attention core, which this "
                           "experiment does not run)")
-    env, attention_label = attention if attention is not None else ({}, "readback.ops.attention")
-    fp8_dpa = fp8 and attention is not None
+    if fp8_mha and vt is not None and vt[:2] < SINCE["fp8_output"]:
+        raise ConfigError("backend.fp8_mha", fp8_mha, f"false (readback hands the O8 over with "
+                          f"DotProductAttention.forward(fp8_output=True), which {where} lacks: it needs >= 2.8)")
+    env, attention_label, attention_reads = attention if attention is not None else (
+        {}, "readback.ops.attention", readback_attention_reads(policy))
+    if attention is not None:
+        env = {**env, **PINNED_BACKEND}
 
-    recipe, kwargs = None, {}
-    if fp8:
-        recipe = RECIPES[recipe_key]
-        fmt = str(p.fp8_format).upper()
-        if recipe_key == "delayed":
-            kwargs = dict(margin=p.margin, fp8_format=fmt, amax_history_len=p.amax_history_len,
-                          amax_compute_algo=str(p.amax_compute_algo), fp8_dpa=fp8_dpa, fp8_mha=fp8_mha)
-            override = tuple(bool(b) for b in p.get("override_linear_precision", (False,) * 3))
-            if any(override):  # only reached on TE 1.x, with (False, False, True)
-                kwargs["override_linear_precision"] = override
-        elif recipe_key == "current":
-            kwargs = dict(fp8_format=fmt, fp8_dpa=fp8_dpa, fp8_mha=fp8_mha)
-        else:
-            kwargs = dict(fp8_format=fmt)
-            if p.margin:
-                kwargs["margin"] = p.margin
-
+    kwargs = _recipe_kwargs(p, recipe_key, fp8_dpa=fp8 and attention is not None, fp8_mha=fp8_mha, vt=vt) if fp8 else {}
     bf16_layers = tuple(p.get("bf16_layers", ()) or ()) if fp8 else ()
-    sites = _sites(cfg, attention is not None, attention_label, fp8, bf16_layers)
+    proj = _projection_label(attention is not None, recipe_key, fp8_mha)
+    sites = {**_sites(cfg, attention_label, proj, fp8, bf16_layers, _linear_label(policy, fp8)), **attention_reads}
     readback_recipe = None if not fp8 else ("current" if recipe_key == "mxfp8" else recipe_key)
-    return TEPlan(version, fp8, recipe, kwargs, env, "te" if attention is not None else "readback", sites,
-                  readback_recipe, bf16_layers)
+    return TEPlan(version, hw, fp8, RECIPES[recipe_key] if fp8 else None, kwargs, env,
+                  "te" if attention is not None else "readback", sites, readback_recipe, bf16_layers, fp8_mha)
 
 
-def _refuse_unsupported_fields(p, recipe_key: str, vt: tuple[int, int, int] | None, te_name: str) -> None:
+def _check_fp8_recipe(p, vt, hw: Hardware, where: str) -> str:
+    recipe_key = choose("precision.recipe", p.recipe, RECIPES)
+    rounding = p.get("rounding", "nearest")
+    require(rounding == "nearest", "precision.rounding", rounding,
+            "nearest (backend=te: Transformer Engine rounds to nearest and no library rounds to FP8 "
+            "stochastically; use backend=emulated for stochastic rounding)")
+    _refuse_unsupported_fields(p, recipe_key, vt, where)
+    since = SINCE.get(RECIPES[recipe_key])
+    if vt is not None and since is not None and vt[:2] < since:
+        raise ConfigError("precision.recipe", recipe_key,
+                          f"delayed ({where} has no {RECIPES[recipe_key]}; it needs >= {since[0]}.{since[1]})")
+    reason = fp8_gemm_refusal(hw) or (mxfp8_refusal(hw) if recipe_key == "mxfp8" else None)
+    if reason:
+        key, value = ("precision", "fp8") if recipe_key != "mxfp8" else ("precision.recipe", "mxfp8")
+        raise ConfigError(key, value, f"{'bf16' if key == 'precision' else 'delayed, current'} ({where}: {reason})")
+    return recipe_key
+
+
+def _check_fp8_attention(cfg, recipe_key: str, vt, hw: Hardware, where: str) -> None:
+    """Refuse what TE's FP8 attention cannot train here (``te_facts.fp8_attention_refusal``)."""
+    if recipe_key == "current" and vt is not None and vt[:2] < SINCE["current_scaling_fp8_dpa"]:
+        raise ConfigError("precision.recipe", recipe_key, f"delayed, or backend.attention_core=readback ({where} has "
+                                                          f"no FP8 attention under current scaling; it needs >= 2.8)")
+    m = cfg.model
+    refusal = fp8_attention_refusal(vt, hw, recipe_key, m.d_model // m.n_heads, m.seq_len)
+    if refusal is None:
+        return
+    key, reason = refusal
+    value = {"backend.attention_core": "auto", "precision.recipe": recipe_key, "model.n_heads": m.n_heads,
+             "model.seq_len": m.seq_len}[key]
+    fix = {"backend.attention_core": "readback", "precision.recipe": "delayed, or backend.attention_core=readback",
+           "model.n_heads": "d_model / 128 (head dim 128), or backend.attention_core=readback",
+           "model.seq_len": "a multiple of 128, or backend.attention_core=readback"}[key]
+    raise ConfigError(key, value, f"{fix} ({where}: {reason})")
+
+
+def _refuse_unsupported_fields(p, recipe_key: str, vt: tuple[int, int, int] | None, where: str) -> None:
     """Fields of readback's recipe that this Transformer Engine does not have, when they are set
     to anything but their default: refused, never dropped."""
     interval = p.get("interval", 1)
     if recipe_key == "delayed" and interval != 1:
+        state = "has no DelayedScaling.interval" if vt is None or vt[:2] >= INTERVAL_REMOVED else \
+            "ignores DelayedScaling.interval (deprecated and unused; removed in 2.2)"
         raise ConfigError("precision.interval", interval,
-                          f"1 ({te_name} has no DelayedScaling.interval: TE's PyTorch modules never used it "
-                          f"and 2.x removed it; use backend=emulated to study interval)")
+                          f"1 ({where} {state}; use backend=emulated to study interval)")
     override = [bool(b) for b in p.get("override_linear_precision", (False,) * 3)]
     if any(override):
-        removed = vt is None or vt[:2] >= SINCE["override_linear_precision_removed"]
+        removed = vt is None or vt[:2] >= OVERRIDE_LINEAR_PRECISION_REMOVED
         if recipe_key != "delayed" or removed:
             raise ConfigError("precision.override_linear_precision", override,
-                              f"[false, false, false] ({te_name} has no override_linear_precision: it was removed "
+                              f"[false, false, false] ({where} has no override_linear_precision: it was removed "
                               f"in 2.0; use backend=emulated for high-precision GEMMs)")
         if override != [False, False, True]:
             raise ConfigError("precision.override_linear_precision", override,
-                              f"[false, false, false] or [false, false, true] ({te_name} overrides only the wgrad GEMM)")
-    if recipe_key == "current" and p.get("margin", 0) != 0:
+                              f"[false, false, false] or [false, false, true] ({where} overrides only the wgrad GEMM)")
+    if recipe_key == "current" and int(p.get("margin", 0)) != 0:
         raise ConfigError("precision.margin", p.margin,
-                          f"0 ({te_name}'s Float8CurrentScaling has no margin; use backend=emulated for a margin "
+                          f"0 ({where}: Float8CurrentScaling has no margin; use backend=emulated for a margin "
                           f"under current scaling)")
 
 
-def _te_attention(fp8: bool, recipe: str | None, policy: str, bwd: str) -> tuple[dict[str, str], str] | None:
-    """``(env, label)`` when a Transformer Engine switch reproduces the policy's attention
-    backward reads, else ``None`` (readback's core runs)."""
+def _recipe_kwargs(p, recipe_key: str, fp8_dpa: bool, fp8_mha: bool, vt) -> dict[str, Any]:
+    fmt = str(p.fp8_format).upper()
+    if recipe_key == "delayed":
+        kwargs = dict(margin=int(p.margin), fp8_format=fmt, amax_history_len=int(p.amax_history_len),
+                      amax_compute_algo=str(p.amax_compute_algo), fp8_dpa=fp8_dpa, fp8_mha=fp8_mha)
+        override = tuple(bool(b) for b in p.get("override_linear_precision", (False,) * 3))
+        if any(override):  # only reached on TE 1.x, with (False, False, True)
+            kwargs["override_linear_precision"] = override
+    elif recipe_key == "current":
+        kwargs = dict(fp8_format=fmt, fp8_dpa=fp8_dpa, fp8_mha=fp8_mha)
+    else:
+        kwargs = dict(fp8_format=fmt, **({"margin": int(p.margin)} if int(p.margin) else {}))
+    if vt is not None and vt[:2] >= SINCE["backward_override"]:
+        # The field's default is NVTE_BACKWARD_OVERRIDE read at import: pinned, so the
+        # environment cannot change what te.Linear's backward reads.
+        kwargs["backward_override"] = None
+    return kwargs
+
+
+def _linear_label(policy: str, fp8: bool) -> str:
+    """What ``te.Linear``'s backward reads, from the policy's linear read rules. Every policy
+    reads the forward's rounded copies, TE's default (``save_original_input=False``,
+    ``backward_override=None``); TE's switches read other values: ``backward_override=
+    "high_precision"`` the original W and X (TE >= 2.15, not delayed scaling), ``"dequantized"``
+    W8 and X8 in BF16 GEMMs; ``save_original_input=True`` (>= 2.6) re-quantises the original X."""
+    reads = LINEAR_READS[policy]
+    if (reads["dgrad"], reads["wgrad"]) != ("rounded", "rounded"):
+        raise ConfigError("policy", policy, "a policy whose linears read their rounded copies (backend=te maps no "
+                                            "other linear read rule onto Transformer Engine)")
+    if not fp8:
+        return "te.Linear"
+    return "te.Linear (backward reads the forward's W8 and X8: save_original_input=False, backward_override=None)"
+
+
+def _te_attention(fp8: bool, recipe: str | None, policy: str, bwd: str):
+    """``(env, label, reads)`` when a Transformer Engine switch reproduces the policy's D-term
+    read, else ``None`` (readback's core runs). What TE saves for its backward is pytorch/
+    attention/dot_product_attention/backends.py ``FusedAttnFunc.forward`` (v2.8; the same in 2.20):
+    FP8 backward: Q8, K8, V8 and O8, or the F16 O under current scaling with O_in_F16=1; BF16
+    backward (``NVTE_FP8_DPA_BWD=0``): the original BF16 Q, K, V and, as O, the dequantised O8
+    under delayed scaling, the F16 O under current scaling whatever O_in_F16 says."""
     if bwd not in ("fp8", "bf16"):
         return None  # TE's attention backward is FP8 or BF16
     if not fp8:
         # BF16 kernels compute D = rowsum(dO * O) from the BF16 O the projection multiplied.
-        return ({}, "te.DotProductAttention(bf16)") if policy in ("exact", "reuse_rounded") else None
+        if policy not in ("exact", "reuse_rounded"):
+            return None
+        return {}, "te.DotProductAttention(bf16)", te_attention_reads("O (BF16, as the projection multiplied it)", "")
     dpa_bwd = "1" if bwd == "fp8" else "0"
     if recipe == "delayed" and policy == "reuse_rounded":
-        return ({"NVTE_FP8_DPA_BWD": dpa_bwd},
-                f"te.DotProductAttention(fp8_dpa; DelayedScaling; NVTE_FP8_DPA_BWD={dpa_bwd})")
-    if recipe == "current" and policy in ("reuse_rounded", "original"):
+        o_read = "O8 (the core's output_fp8)" if bwd == "fp8" else "O8 dequantised to BF16"
+        env = {"NVTE_FP8_DPA_BWD": dpa_bwd}
+    elif recipe == "current" and bwd == "fp8" and policy in ("reuse_rounded", "original"):
         o_in_f16 = "1" if policy == "original" else "0"
-        return ({"NVTE_FP8_DPA_BWD": dpa_bwd, "NVTE_DPA_FP8CS_O_in_F16": o_in_f16},
-                f"te.DotProductAttention(fp8_dpa; Float8CurrentScaling; NVTE_FP8_DPA_BWD={dpa_bwd}; "
-                f"NVTE_DPA_FP8CS_O_in_F16={o_in_f16})")
-    return None
+        o_read = "original O (F16)" if policy == "original" else "O8 (quantised by the core's O quantizer)"
+        env = {"NVTE_FP8_DPA_BWD": dpa_bwd, "NVTE_DPA_FP8CS_O_in_F16": o_in_f16}
+    elif recipe == "current" and bwd == "bf16" and policy == "original":
+        o_read, env = "original O (F16)", {"NVTE_FP8_DPA_BWD": dpa_bwd}
+    else:
+        return None
+    label = f"te.DotProductAttention(fp8_dpa; {RECIPES[recipe]}; " + "; ".join(f"{k}={v}" for k, v in env.items()) + ")"
+    return env, label, te_attention_reads(o_read, "8" if bwd == "fp8" else "")
 
 
-def _sites(cfg, te_attention: bool, attention_label: str, fp8: bool, bf16_layers: tuple[str, ...]) -> dict[str, str]:
+def _projection_label(te_attention: bool, recipe_key: str | None, fp8_mha: bool) -> str:
+    if not te_attention:
+        return "readback.ops.linear (multiplies the core's O8 as is)"
+    if fp8_mha:
+        return "te.Linear (multiplies the core's O8: fp8_output=True)"
+    if recipe_key == "delayed":
+        return "te.Linear (O rounded twice: re-quantises the core's dequantised O8 with its own scale)"
+    return "te.Linear" + (" (quantises the core's F16 O itself)" if recipe_key == "current" else "")
+
+
+def _sites(cfg, attention_label: str, proj: str, fp8: bool, bf16_layers: tuple[str, ...],
+           linear: str) -> dict[str, str]:
     tied = bool(cfg.model.get("tied", True))
     head_bf16 = _lm_head_bf16(fp8, bf16_layers)
     if tied:
@@ -222,8 +289,8 @@ def _sites(cfg, te_attention: bool, attention_label: str, fp8: bool, bf16_layers
         lm_head = "te.Linear (FP8 off)" if head_bf16 and fp8 else "te.Linear"
     return {
         "embedding": "torch.nn.functional.embedding",
-        "linear": "te.Linear",
-        "attn_proj": "te.Linear" if te_attention else "readback.ops.linear (multiplies the core's O8 as is)",
+        "linear": linear,
+        "attn_proj": proj,
         "attention_core": attention_label,
         "norm": "te.RMSNorm",
         "qk_norm": "te.RMSNorm (frozen gain)",
@@ -232,6 +299,7 @@ def _sites(cfg, te_attention: bool, attention_label: str, fp8: bool, bf16_layers
     }
 
 
-def site_implementations(cfg: DictConfig | Mapping, te_version: str | None | object = _INSTALLED) -> dict[str, str]:
+def site_implementations(cfg: DictConfig | Mapping, te_version: str | None | object = _INSTALLED,
+                         hardware: Hardware | object = _INSTALLED) -> dict[str, str]:
     """``{site: implementation}`` of a ``backend=te`` run, for the run's summary."""
-    return dict(te_plan(cfg, te_version).sites)
+    return dict(te_plan(cfg, te_version, hardware).sites)

@@ -23,8 +23,8 @@ DTYPES = {"fp64": torch.float64, "fp32": torch.float32}
 
 def load_run(path: Path):
     """``(model, stream, step, run_dir)`` from a checkpoint file or a run directory's newest one."""
+    from readback.backends import build_model
     from readback.data import build_data
-    from readback.model import build_model
     from readback.train.checkpoint import checkpoint_dir, list_checkpoints, load_checkpoint
 
     if path.is_dir():

@@ -26,7 +26,7 @@ from readback.data import DATASETS
 from readback.data.corpus import EDITIONS
 from readback.errors import ConfigError, require
 from readback.numerics import AMAX_COMPUTE_ALGOS, ROUNDINGS, Format
-from readback.ops.context import ATTENTION_BWD, PRECISIONS
+from readback.ops.numerics import ATTENTION_BWD, PRECISIONS
 from readback.policy import POLICIES
 from readback.probe.gradient_error import DTYPES
 
@@ -266,7 +266,7 @@ class Config(Checked):
         import re
 
         from readback.model.fog import rounding_sites
-        from readback.ops.context import site_matches
+        from readback.ops.numerics import site_matches
 
         if p.site_margin is None:
             return

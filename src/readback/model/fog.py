@@ -2,12 +2,17 @@
 
 No pre-norm: each sub-block's output is RMS-normalised (gain initialised to 1/sqrt(n_layers))
 before the residual add; QK RMSNorm with frozen gains; softmax scale 0.125; embeddings x50; no
-final norm; xIELU; GQA; RoPE base 500000; no biases. Every GEMM and the attention core are
-readback ops, so the run's ``Numerics`` (precision, policy, rounding) reaches every rounding site.
+final norm; xIELU; GQA; RoPE base 500000; no biases.
+
+There is one FOG. It takes its linear, norm, attention-core and activation modules from a
+``Parts`` object (the way torchtitan's float8 converter swaps modules): ``Parts`` itself gives
+readback's ops, so the run's ``Numerics`` (precision, policy, rounding) reaches every rounding
+site; ``readback.backends.te.TEParts`` gives Transformer Engine modules where TE can run them.
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
 from dataclasses import dataclass
 
@@ -17,9 +22,9 @@ import torch.nn.functional as F
 
 from readback.ops.activation import BETA, xielu
 from readback.ops.attention import attention
-from readback.ops.context import Numerics
 from readback.ops.linear import linear
 from readback.ops.norm import rms_norm
+from readback.ops.numerics import Numerics
 
 
 # The ops of a block that round (their sites are ``{owner}.input``, ``.weight``, ``.q``, ...).
@@ -30,6 +35,20 @@ def rounding_owners(n_layers: int) -> list[str]:
     """Names of the ops that own the model's rounding sites, the names ``precision.bf16_layers``
     entries match (as name prefixes, the rule ``Numerics`` uses)."""
     return [f"layers.{i}.{op}" for i in range(n_layers) for op in BLOCK_ROUNDING_OPS] + ["lm_head"]
+
+
+_LINEAR_SITES = ("input", "weight", "grad_output")
+# the sites each rounding op owns; the projection's input is the core's output, rounded there
+_OP_SITES = {"attn.qkv": _LINEAR_SITES, "attn.core": ("q", "k", "v", "probs", "output", "grad_output", "grad_scores"),
+             "attn.proj": ("weight", "grad_output"), "mlp.up": _LINEAR_SITES, "mlp.down": _LINEAR_SITES,
+             "lm_head": _LINEAR_SITES}
+
+
+def rounding_sites(n_layers: int) -> list[str]:
+    """Names of the sites a training step of FOG rounds at (forward and backward), in model
+    order; config checks match site patterns against them without building the model."""
+    return [f"{owner}.{site}" for owner in rounding_owners(n_layers)
+            for site in _OP_SITES[owner.split(".", 2)[-1] if owner.startswith("layers.") else owner]]
 
 
 @dataclass(frozen=True)
@@ -54,7 +73,8 @@ class FOGConfig:
 
 
 class Linear(nn.Module):
-    """A bias-free linear whose GEMM rounds at sites ``{name}.input/.weight/.grad_output``."""
+    """A bias-free linear whose GEMM rounds at sites ``{name}.input/.weight/.grad_output``;
+    ``x_q`` is a rounded copy of ``x`` made upstream, multiplied as is (the attention's O8)."""
 
     def __init__(self, d_in: int, d_out: int, name: str, numerics: Numerics, std: float):
         super().__init__()
@@ -66,12 +86,15 @@ class Linear(nn.Module):
         return linear(x, self.weight, self.numerics, self.name, x_q)
 
 
-class PostNorm(nn.Module):
-    """RMSNorm of a sub-block's output before the residual add; gain starts at 1/sqrt(n_layers)."""
+class RMSNorm(nn.Module):
+    """RMSNorm over the last dimension; a ``frozen`` gain is a constant buffer, not a parameter."""
 
-    def __init__(self, dim: int, n_layers: int, name: str, numerics: Numerics, eps: float):
+    def __init__(self, dim: int, gain: float, name: str, numerics: Numerics, eps: float, frozen: bool = False):
         super().__init__()
-        self.gain = nn.Parameter(torch.full((dim,), 1 / math.sqrt(n_layers)))
+        if frozen:
+            self.register_buffer("gain", torch.full((dim,), gain), persistent=False)
+        else:
+            self.gain = nn.Parameter(torch.full((dim,), gain))
         self.name, self.numerics, self.eps = name, numerics, eps
 
     def forward(self, x):
@@ -92,6 +115,50 @@ class XIELU(nn.Module):
         return xielu(x, F.softplus(self.p), BETA + F.softplus(self.n), self.numerics)
 
 
+class AttentionCore(nn.Module):
+    """readback's causal GQA attention op: ``(q, k, v)`` (B, heads, T, hd) -> ``(o, o_q)``, ``o``
+    (B, T, heads*hd) and ``o_q`` the rounded O8 it saved, for the projection to multiply as is."""
+
+    def __init__(self, cfg: FOGConfig, name: str, numerics: Numerics):
+        super().__init__()
+        self.name, self.numerics, self.scale = name, numerics, cfg.softmax_scale
+
+    def forward(self, q, k, v):
+        return attention(q, k, v, self.numerics, self.name, self.scale)
+
+
+class Parts:
+    """The modules FOG is built from; this class gives readback's ops (``backend=emulated``).
+    A backend subclasses it and returns its own modules for the sites it runs."""
+
+    def __init__(self, numerics: Numerics):
+        self.numerics = numerics
+
+    def linear(self, d_in: int, d_out: int, name: str, std: float) -> nn.Module:
+        return Linear(d_in, d_out, name, self.numerics, std)
+
+    def norm(self, dim: int, gain: float, name: str, eps: float, frozen: bool = False) -> nn.Module:
+        return RMSNorm(dim, gain, name, self.numerics, eps, frozen)
+
+    def attention_core(self, cfg: FOGConfig, name: str, index: int) -> nn.Module:
+        return AttentionCore(cfg, name, self.numerics)
+
+    def activation(self) -> nn.Module:
+        return XIELU(self.numerics)
+
+    def tied_head(self, x: torch.Tensor, embedding: torch.Tensor) -> torch.Tensor:
+        """Logits of the LM head that shares the embedding matrix."""
+        return linear(x, embedding, self.numerics, "lm_head")
+
+    @property
+    def residual_dtype(self) -> torch.dtype:
+        return self.numerics.dtype
+
+    def forward_context(self):
+        """Entered around every forward (a backend's autocasts)."""
+        return contextlib.nullcontext()
+
+
 def rope(x: torch.Tensor, base: float) -> torch.Tensor:
     """Rotary position embedding over the last dimension of ``x`` (B, heads, T, hd)."""
     seq, dim = x.shape[-2], x.shape[-1]
@@ -103,109 +170,83 @@ def rope(x: torch.Tensor, base: float) -> torch.Tensor:
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: FOGConfig, name: str, numerics: Numerics):
+    def __init__(self, cfg: FOGConfig, index: int, parts: Parts):
         super().__init__()
-        self.cfg, self.name, self.numerics = cfg, name, numerics
-        hd = cfg.head_dim
-        self.qkv = Linear(cfg.d_model, (cfg.n_heads + 2 * cfg.n_kv_groups) * hd, f"{name}.qkv", numerics, cfg.init_std)
-        self.proj = Linear(cfg.n_heads * hd, cfg.d_model, f"{name}.proj", numerics, cfg.init_std)
-        self.register_buffer("qk_gain", torch.ones(hd), persistent=False)  # frozen QK-norm gains
+        name, hd, std = f"layers.{index}.attn", cfg.head_dim, cfg.init_std
+        self.cfg = cfg
+        self.qkv = parts.linear(cfg.d_model, (cfg.n_heads + 2 * cfg.n_kv_groups) * hd, f"{name}.qkv", std)
+        self.q_norm = parts.norm(hd, 1.0, f"{name}.q_norm", cfg.norm_eps, frozen=True)
+        self.k_norm = parts.norm(hd, 1.0, f"{name}.k_norm", cfg.norm_eps, frozen=True)
+        self.core = parts.attention_core(cfg, f"{name}.core", index)
+        self.proj = parts.linear(cfg.n_heads * hd, cfg.d_model, f"{name}.proj", std)
 
     def forward(self, x):
         cfg, batch, seq = self.cfg, x.shape[0], x.shape[1]
         q, k, v = self.qkv(x).split([cfg.n_heads * cfg.head_dim, *[cfg.n_kv_groups * cfg.head_dim] * 2], dim=-1)
-        q, k, v = (t.reshape(batch, seq, -1, cfg.head_dim).transpose(1, 2) for t in (q, k, v))
-        q = rope(rms_norm(q, self.qk_gain, self.numerics, f"{self.name}.q_norm", cfg.norm_eps), cfg.rope_base)
-        k = rope(rms_norm(k, self.qk_gain, self.numerics, f"{self.name}.k_norm", cfg.norm_eps), cfg.rope_base)
-        o, oq = attention(q, k, v, self.numerics, f"{self.name}.core", cfg.softmax_scale)
-        return self.proj(o, x_q=oq), o
+        q, k, v = (t.reshape(batch, seq, -1, cfg.head_dim) for t in (q, k, v))
+        q = rope(self.q_norm(q).transpose(1, 2), cfg.rope_base)
+        k = rope(self.k_norm(k).transpose(1, 2), cfg.rope_base)
+        o, o_q = self.core(q, k, v.transpose(1, 2))
+        # A core that hands over its rounded O8 has the projection multiply that very copy.
+        return self.proj(o) if o_q is None else self.proj(o, x_q=o_q)
 
 
 class MLP(nn.Module):
-    def __init__(self, cfg: FOGConfig, name: str, numerics: Numerics):
+    def __init__(self, cfg: FOGConfig, index: int, parts: Parts):
         super().__init__()
-        self.up = Linear(cfg.d_model, cfg.ffn_dim, f"{name}.up", numerics, cfg.init_std)
-        self.act = XIELU(numerics)
-        self.down = Linear(cfg.ffn_dim, cfg.d_model, f"{name}.down", numerics, cfg.init_std)
+        name = f"layers.{index}.mlp"
+        self.up = parts.linear(cfg.d_model, cfg.ffn_dim, f"{name}.up", cfg.init_std)
+        self.act = parts.activation()
+        self.down = parts.linear(cfg.ffn_dim, cfg.d_model, f"{name}.down", cfg.init_std)
 
     def forward(self, x):
         return self.down(self.act(self.up(x)))
 
 
 class Block(nn.Module):
-    def __init__(self, cfg: FOGConfig, index: int, numerics: Numerics):
+    def __init__(self, cfg: FOGConfig, index: int, parts: Parts):
         super().__init__()
-        name = f"layers.{index}"
-        self.attn = Attention(cfg, f"{name}.attn", numerics)
-        self.attn_norm = PostNorm(cfg.d_model, cfg.n_layers, f"{name}.attn_norm", numerics, cfg.norm_eps)
-        self.mlp = MLP(cfg, f"{name}.mlp", numerics)
-        self.mlp_norm = PostNorm(cfg.d_model, cfg.n_layers, f"{name}.mlp_norm", numerics, cfg.norm_eps)
+        name, gain = f"layers.{index}", 1 / math.sqrt(cfg.n_layers)
+        self.attn = Attention(cfg, index, parts)
+        self.attn_norm = parts.norm(cfg.d_model, gain, f"{name}.attn_norm", cfg.norm_eps)
+        self.mlp = MLP(cfg, index, parts)
+        self.mlp_norm = parts.norm(cfg.d_model, gain, f"{name}.mlp_norm", cfg.norm_eps)
 
-    def forward(self, x, stats: dict | None = None):
-        attn_out, core_out = self.attn(x)
-        x = x + self.attn_norm(attn_out)
-        if stats is not None:
-            stats.setdefault("attn_out", []).append(kurtosis(core_out))
-            stats.setdefault("ffn_in", []).append(kurtosis(x))
+    def forward(self, x):
+        x = x + self.attn_norm(self.attn(x))
         return x + self.mlp_norm(self.mlp(x))
 
 
-def rounding_sites(n_layers: int) -> list[str]:
-    """Names of the sites a training step of FOG rounds at (forward and backward), in model
-    order; config checks match site patterns against them without building the model."""
-    names = []
-    for i in range(n_layers):
-        attn, mlp = f"layers.{i}.attn", f"layers.{i}.mlp"
-        names += [f"{attn}.qkv.{s}" for s in ("input", "weight", "grad_output")]
-        names += [f"{attn}.core.{s}" for s in ("q", "k", "v", "probs", "output", "grad_output", "grad_scores")]
-        names += [f"{attn}.proj.{s}" for s in ("weight", "grad_output")]  # its input is the core's output
-        names += [f"{mlp}.{lin}.{s}" for lin in ("up", "down") for s in ("input", "weight", "grad_output")]
-    return names + [f"lm_head.{s}" for s in ("input", "weight", "grad_output")]
-
-
-def kurtosis(x: torch.Tensor) -> float:
-    """Kurtosis over the hidden dimension, averaged over tokens: large when a few channels
-    carry outliers, the FOG paper's early sign of FP8 divergence (3 for a Gaussian)."""
-    x = x.detach().float()
-    centered = x - x.mean(-1, keepdim=True)
-    var = centered.pow(2).mean(-1)
-    return (centered.pow(4).mean(-1) / var.clamp_min(1e-30).pow(2)).mean().item()
-
-
 class FOG(nn.Module):
-    def __init__(self, cfg: FOGConfig, numerics: Numerics):
+    """The FOG of ``cfg`` on the modules of ``parts`` (default: readback's ops on ``numerics``);
+    ``model.numerics`` is the state of the sites readback's ops own."""
+
+    def __init__(self, cfg: FOGConfig, numerics: Numerics, parts: Parts | None = None):
         super().__init__()
+        self.parts = parts if parts is not None else Parts(numerics)
         self.cfg, self.numerics = cfg, numerics
         self.embedding = nn.Parameter(torch.empty(cfg.vocab_size, cfg.d_model))
         nn.init.normal_(self.embedding, std=cfg.init_std)
-        self.layers = nn.ModuleList(Block(cfg, i, numerics) for i in range(cfg.n_layers))
-        self.lm_head = None if cfg.tied else Linear(cfg.d_model, cfg.vocab_size, "lm_head", numerics, cfg.init_std)
-        self.track_stats = False
-        self._stats: dict[str, float] = {}
+        self.layers = nn.ModuleList(Block(cfg, i, self.parts) for i in range(cfg.n_layers))
+        self.lm_head = None if cfg.tied else self.parts.linear(cfg.d_model, cfg.vocab_size, "lm_head", cfg.init_std)
 
     def forward(self, idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """Mean next-token cross-entropy (FP32) of ``idx`` against ``targets``, both (B, T)."""
-        x = F.embedding(idx, self.embedding).to(self.numerics.dtype) * self.cfg.embedding_multiplier
-        stats = {} if self.track_stats else None
-        self.numerics.mechanism = self.track_stats  # attention's logit/entropy/D-term statistics too
-        for block in self.layers:
-            x = block(x, stats)
-        if stats is not None:
-            self._stats = {f"kurtosis/{k}_max": max(v) for k, v in stats.items()}
-        logits = linear(x, self.embedding, self.numerics, "lm_head") if self.lm_head is None else self.lm_head(x)
+        with self.parts.forward_context():
+            x = F.embedding(idx, self.embedding).to(self.parts.residual_dtype) * self.cfg.embedding_multiplier
+            for block in self.layers:
+                x = block(x)
+            logits = self.parts.tied_head(x, self.embedding) if self.lm_head is None else self.lm_head(x)
         return F.cross_entropy(logits.to(torch.promote_types(logits.dtype, torch.float32)).flatten(0, 1), targets.flatten())
 
-    def activation_stats(self) -> dict[str, float]:
-        """Kurtosis maxima over layers from the last forward run with ``track_stats`` on."""
-        return dict(self._stats)
-
     def n_params(self) -> int:
-        return sum(p.numel() for p in self.parameters())
+        """Trainable parameters (frozen gains are not counted)."""
+        return sum(p.numel() for p in self.parameters() if p.requires_grad)
 
     def flops_per_token(self) -> float:
-        """Training FLOPs per token: 6 per GEMM weight (the tied LM head included), plus the
-        attention score and value products (causal: half of 12 * layers * seq * width)."""
-        cfg = self.cfg
-        gemm_weights = sum(m.weight.numel() for m in self.modules() if isinstance(m, Linear))
-        gemm_weights += self.embedding.numel() if self.lm_head is None else 0
-        return 6 * gemm_weights + 6 * cfg.n_layers * cfg.seq_len * cfg.n_heads * cfg.head_dim
+        """Training FLOPs per token: 6 per GEMM weight (the LM head included, tied or not), plus
+        the attention score and value products (causal: half of 12 * layers * seq * width)."""
+        cfg, hd = self.cfg, self.cfg.head_dim
+        per_layer = cfg.d_model * (cfg.n_heads + 2 * cfg.n_kv_groups) * hd + cfg.n_heads * hd * cfg.d_model
+        gemm_weights = cfg.n_layers * (per_layer + 2 * cfg.d_model * cfg.ffn_dim) + cfg.vocab_size * cfg.d_model
+        return 6 * gemm_weights + 6 * cfg.n_layers * cfg.seq_len * cfg.n_heads * hd

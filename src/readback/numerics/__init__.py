@@ -9,6 +9,7 @@ from readback.numerics.scaling import (
     CurrentScalingState,
     DelayedScaling,
     DelayedScalingState,
+    abs_max,
     compute_scale,
 )
 
@@ -26,6 +27,7 @@ __all__ = [
     "DelayedScaling",
     "DelayedScalingState",
     "QTensor",
+    "abs_max",
     "compute_scale",
     "fp8_mm",
     "matmul",

@@ -1,9 +1,10 @@
 """Emulated FP8 GEMM: the one place where FP8 operands are multiplied.
 
-Operands are exact FP8-grid values, so multiplying them as BF16 is exact; the BF16 matmul
-accumulates in FP32 and writes BF16, like Transformer Engine's FP8 GEMMs, and the inverse scales
-are applied afterwards. On Hopper GPUs ``torch._scaled_mm`` runs the same product as a real FP8
-GEMM (never on CPU, where it is correct but about 10,000x slower).
+The semantics are those of the real kernel (``torch._scaled_mm``, cuBLASLt, Transformer Engine):
+the FP8 codes' values are multiplied and accumulated in FP32 (each product of two FP8 values is
+exact in FP32), the accumulator is multiplied by both inverse scales in FP32, and the result is
+rounded once, to BF16. On FP8 GPUs ``torch._scaled_mm`` runs it as a real FP8 GEMM; on the CPU
+the emulation is an FP32 GEMM of the decoded codes (``_scaled_mm`` runs there too, only slower).
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ import functools
 
 import torch
 
-from readback.numerics.rounding import QTensor
+from readback.numerics.rounding import QTensor, decode
 
 
 @functools.cache
@@ -33,11 +34,11 @@ def use_scaled_mm(a: QTensor, b: QTensor) -> bool:
 
 
 def fp8_mm(a: QTensor, b: QTensor) -> torch.Tensor:
-    """``a @ b`` of two quantized tensors in real units: the BF16-rounded product, scaled, in FP32.
+    """``a @ b`` of two quantized tensors in real units, rounded once to BF16, returned in FP32.
 
-    Batched operands (``..., m, k``) are allowed. On Hopper the real FP8 kernel applies the
-    scales before its single BF16 rounding; the emulation rounds the unscaled product to BF16
-    first, so the two can differ by one BF16 ulp.
+    Batched operands (``..., m, k``) are allowed. BF16 operands (the no-FP8 baseline and BF16
+    sites) take torch's BF16 GEMM, which accumulates in FP32 and rounds once; their scale is 1,
+    so multiplying by it afterwards changes nothing.
     """
     if use_scaled_mm(a, b):
         out = torch._scaled_mm(
@@ -48,8 +49,30 @@ def fp8_mm(a: QTensor, b: QTensor) -> torch.Tensor:
             out_dtype=torch.bfloat16,
         )
         return out.float()
-    product = torch.matmul(a.data.to(torch.bfloat16), b.data.to(torch.bfloat16))
-    return product.float() * (a.scale_inv * b.scale_inv)
+    scale = a.scale_inv * b.scale_inv
+    if a.data.dtype == b.data.dtype == torch.bfloat16:
+        return torch.matmul(a.data, b.data).float() * scale
+    if a.data.dim() == 2 or a.data.shape[:-2] != b.data.shape[:-2]:
+        return _decoded_product(a.data, b.data, scale)
+    # A batch of products runs a block of matrices at a time (the same products, bit for bit),
+    # so that the FP32 copies of the operands stay within DECODED_BLOCK elements.
+    x, y = a.data.flatten(0, -3), b.data.flatten(0, -3)
+    step = max(1, DECODED_BLOCK // (x[0].numel() + y[0].numel()))
+    if step >= len(x):
+        return _decoded_product(a.data, b.data, scale)
+    out = torch.empty(len(x), x.shape[-2], y.shape[-1], device=x.device)
+    for i in range(0, len(x), step):
+        out[i : i + step] = _decoded_product(x[i : i + step], y[i : i + step], scale)
+    return out.reshape(*a.data.shape[:-1], y.shape[-1])
+
+
+DECODED_BLOCK = 1 << 20  # FP32 elements (4 MiB) of decoded operands per block of a batched product
+
+
+def _decoded_product(a: torch.Tensor, b: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """FP32 GEMM of the codes' values (exact products, FP32 sums), scaled, rounded once to BF16."""
+    accumulator = torch.matmul(decode(a, torch.float32), decode(b, torch.float32))
+    return accumulator.mul_(scale).to(torch.bfloat16).float()
 
 
 GEMM_PRECISIONS = ("fp8", "bf16", "fp32", "fp64")

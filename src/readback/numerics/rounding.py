@@ -7,6 +7,7 @@ run is reproducible and two generators give independent roundings of the same te
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -14,6 +15,24 @@ import torch
 from readback.numerics.formats import FP8Format
 
 ROUNDINGS = ("nearest", "stochastic")
+_FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
+
+
+@functools.cache
+def _decode_table(fp8_dtype: torch.dtype, dtype: torch.dtype) -> torch.Tensor:
+    """The value of each of the 256 codes of ``fp8_dtype``, in ``dtype`` (torch's own cast)."""
+    return torch.arange(256, dtype=torch.uint8).view(fp8_dtype).to(dtype)
+
+
+def decode(data: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``data.to(dtype)``, bit for bit; FP8 on the CPU goes through a 256-entry table, several
+    times faster than torch's cast. The layout of a (transposed) contiguous tensor is kept."""
+    if data.dtype not in _FP8_DTYPES or data.device.type != "cpu":
+        return data.to(dtype)
+    if not data.is_contiguous():
+        return decode(data.mT, dtype).mT if data.dim() >= 2 and data.mT.is_contiguous() else data.to(dtype)
+    codes = data.view(torch.uint8).reshape(-1).int()
+    return _decode_table(data.dtype, dtype).index_select(0, codes).view(data.shape)
 
 
 @dataclass(frozen=True)
@@ -32,7 +51,7 @@ class QTensor:
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """Real values, computed in FP32 (FP64 if asked) and then cast to ``dtype``."""
         exact = torch.float64 if dtype == torch.float64 else torch.float32
-        return (self.data.to(exact) * self.scale_inv.to(exact)).to(dtype)
+        return (decode(self.data, exact) * self.scale_inv.to(exact)).to(dtype)
 
     @property
     def mT(self) -> QTensor:
@@ -82,7 +101,7 @@ def quantize(
     """Scale ``x``, saturate to ``+-fmt.max`` (as Transformer Engine does, for both formats;
     infinities saturate too, NaN stays NaN) and round to ``fmt``."""
     scale = torch.as_tensor(scale, dtype=torch.float32, device=x.device)
-    y = (x.to(torch.float32) * scale).clamp(-fmt.max, fmt.max)
+    y = (x.to(torch.float32) * scale).clamp_(-fmt.max, fmt.max)
     if rounding == "stochastic":
         y = round_stochastic(y, fmt, generator)
     elif rounding != "nearest":

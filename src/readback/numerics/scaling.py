@@ -15,6 +15,12 @@ from readback.numerics.formats import FP8Format, Format
 AMAX_COMPUTE_ALGOS = ("max", "most_recent")
 
 
+def abs_max(x: torch.Tensor) -> torch.Tensor:
+    """``x.abs().amax()`` (NaN if ``x`` holds one), in ``x``'s dtype, from one pass that allocates nothing."""
+    low, high = torch.aminmax(x.detach())
+    return torch.maximum(-low, high).abs()  # abs: an all-zero x gives +0, as x.abs().amax() does
+
+
 def compute_scale(
     amax: torch.Tensor, fmt: FP8Format, margin: int = 0, previous: torch.Tensor | float = 1.0
 ) -> torch.Tensor:
@@ -92,10 +98,12 @@ class DelayedScalingState:
         self.steps = 0  # steps recorded so far; the newest amax sits at (steps - 1) % len
         self.pending_amax = torch.zeros(())  # this step's amax so far, written at end_step
 
-    def scale_for(self, x: torch.Tensor) -> torch.Tensor:
+    def scale_for(self, x: torch.Tensor, amax: torch.Tensor | None = None) -> torch.Tensor:
+        """The step's scale; ``x``'s amax (``abs_max(x)``, computed here unless given) joins the step's."""
         if self.scale.device != x.device:  # follow the model to its device, once
             self.history, self.scale, self.pending_amax = (t.to(x.device) for t in (self.history, self.scale, self.pending_amax))
-        self.pending_amax = torch.maximum(self.pending_amax, x.detach().abs().amax().float())
+        amax = abs_max(x) if amax is None else amax
+        self.pending_amax = torch.maximum(self.pending_amax, amax.float())
         return self.scale
 
     def end_step(self) -> None:
@@ -130,8 +138,8 @@ class CurrentScalingState:
         self.recipe, self.fmt = recipe, fmt
         self.scale = torch.ones(())
 
-    def scale_for(self, x: torch.Tensor) -> torch.Tensor:
-        amax = x.detach().abs().amax().float()
+    def scale_for(self, x: torch.Tensor, amax: torch.Tensor | None = None) -> torch.Tensor:
+        amax = (abs_max(x) if amax is None else amax).float()
         self.scale = compute_scale(amax, self.fmt, self.recipe.margin, self.scale.to(amax.device))
         return self.scale
 

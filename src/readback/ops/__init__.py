@@ -5,9 +5,9 @@ Import the functions from their modules: ``readback.ops.linear.linear``,
 """
 
 from readback.ops import activation, attention, linear, norm
-from readback.ops.context import ATTENTION_BWD, PRECISIONS, Numerics, Site
+from readback.ops.numerics import ATTENTION_BWD, PRECISIONS, Numerics, Site, build_numerics
 
 # Every op module (with its READS table), by the name policy tables and the audit use.
 OPS = {"linear": linear, "rms_norm": norm, "attention": attention, "xielu": activation}
 
-__all__ = ["ATTENTION_BWD", "OPS", "PRECISIONS", "Numerics", "Site"]
+__all__ = ["ATTENTION_BWD", "OPS", "PRECISIONS", "Numerics", "Site", "build_numerics"]

@@ -25,19 +25,31 @@ class _XIELU(torch.autograd.Function):
     @staticmethod
     def backward(fctx, dy):
         x, alpha_p, alpha_n = fctx.saved_tensors
-        positive = x > 0
+        x_positive, x_negative, negative = _branches(x)
         expm1 = torch.expm1(torch.clamp(x, max=EPS))
-        slope_negative = alpha_n * torch.where(x < EPS, expm1 + 1, torch.zeros_like(x)) - alpha_n
-        dx = dy * (torch.where(positive, 2 * alpha_p * x, slope_negative) + BETA)
-        d_alpha_p = (dy * torch.where(positive, x * x, torch.zeros_like(x))).sum().reshape(alpha_p.shape)
-        d_alpha_n = (dy * torch.where(positive, torch.zeros_like(x), expm1 - x)).sum().reshape(alpha_n.shape)
+        slope_negative = alpha_n * ((expm1 + 1) * (x < EPS).to(x.dtype)) - alpha_n
+        dx = dy * (2 * alpha_p * x_positive + slope_negative * negative + BETA)
+        d_alpha_p = (dy * (x_positive * x_positive)).sum().reshape(alpha_p.shape)
+        d_alpha_n = (dy * ((expm1 - x_negative) * negative)).sum().reshape(alpha_n.shape)
         return dx, d_alpha_p, d_alpha_n, None
+
+
+def _branches(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``max(x, 0)``, ``min(x, 0)`` and the mask ``x <= 0`` (0/1 in ``x``'s dtype).
+
+    The positive branch, evaluated on ``max(x, 0)``, is exactly 0 where ``x <= 0``; the negative
+    branch, evaluated on ``min(x, 0)``, stays finite where ``x > 0`` and is multiplied by the
+    mask. Their sum is what ``torch.where`` selects (up to the sign of a zero), several times
+    faster on the CPU.
+    """
+    return x.clamp(min=0), x.clamp(max=0), (x <= 0).to(x.dtype)
 
 
 def replay(x: torch.Tensor, alpha_p: torch.Tensor, alpha_n: torch.Tensor) -> torch.Tensor:
     """Reference: the formula in plain torch ops, differentiated by autograd (nothing rounded)."""
-    negative = alpha_n * torch.expm1(torch.clamp(x, max=EPS)) - alpha_n * x
-    return torch.where(x > 0, alpha_p * x * x, negative) + BETA * x
+    x_positive, x_negative, negative = _branches(x)
+    negative_branch = alpha_n * torch.expm1(torch.clamp(x, max=EPS)) - alpha_n * x_negative
+    return alpha_p * x_positive * x_positive + negative_branch * negative + BETA * x
 
 
 def xielu(x: torch.Tensor, alpha_p: torch.Tensor, alpha_n: torch.Tensor, numerics) -> torch.Tensor:

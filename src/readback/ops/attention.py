@@ -12,14 +12,21 @@ Backward (``attention_bwd`` fp8: dO and dS rounded to E5M2 before their GEMMs; b
 The exact gradient of the executed forward has ``D = rowsum(P * dP)``: every row of dS sums to 0.
 ``rowsum(dS)`` is therefore a direct measure of a D-term error; its mean and z-score over the
 rows of a step are collected as ``numerics.observe("attn_rowsum/<name>", ...)``.
+
+Memory: no FP32 T x T matrix is saved. The backward recomputes P block by block of
+``ROW_BLOCK`` query rows from the saved Q8 and K8 (the same GEMM and softmax, so the same bits)
+and keeps dS only as the GEMM operand it becomes (FP8 under ``attention_bwd`` fp8, BF16 under
+bf16), so its FP32 working set is a few ``ROW_BLOCK x T`` blocks for all heads.
 """
 
 from __future__ import annotations
 
 import torch
 
-from readback.numerics import QTensor, matmul, pinned
+from readback.numerics import QTensor, abs_max, matmul, pinned
 from readback.ops import mechanism
+
+ROW_BLOCK = 64  # query rows per block of the backward
 
 # gradient -> which value it reads:
 #   dV reads P (the PV GEMM's operand), dS reads P (the softmax's output), D reads O,
@@ -51,11 +58,10 @@ class _Attention(torch.autograd.Function):
         kq, vq = _expand_groups(k_groups, heads), _expand_groups(v_groups, heads)
         gemm = "fp64" if numerics.precision == "off" else "fp8"
 
-        scores = matmul(qq, kq.mT, gemm) * softmax_scale
-        causal = torch.ones(seq, seq, dtype=torch.bool, device=q.device).triu(1)
-        probs = torch.softmax(scores.masked_fill(causal, float("-inf")), dim=-1).to(dtype)
+        scores = _scores(qq, kq, softmax_scale, gemm)
+        probs = _softmax(scores, 0, dtype)
         if numerics.mechanism:
-            mechanism.observe_logits(numerics, name, scores, causal, probs)
+            mechanism.observe_logits(numerics, name, scores, probs)
         pq = numerics.site(f"{name}.probs").quantize(probs, rounding)
         out = matmul(pq, vq, gemm)  # (B, H, T, hd)
         out = out.transpose(1, 2).reshape(batch, seq, heads * dim)
@@ -63,16 +69,18 @@ class _Attention(torch.autograd.Function):
         numerics.record(name, q=qq, k=kq, v=vq, scores=scores, probs=pq, out=out, output=oq)
 
         reads = READS[numerics.policy]
-        fctx.numerics, fctx.name, fctx.scale, fctx.mechanism = numerics, name, softmax_scale, numerics.mechanism
+        fctx.numerics, fctx.name, fctx.scale, fctx.gemm = numerics, name, softmax_scale, gemm
+        fctx.mechanism = numerics.mechanism
         fctx.oq = oq
         fctx.q_for_dk = {"rounded": qq}[reads["dK"]]
         fctx.k_for_dq = {"rounded": k_groups}[reads["dQ"]]
         fctx.v_for_dp = {"rounded": v_groups}[reads["dP"]]
-        fctx.p_for_dv = pq if reads["dV"] == "rounded" else probs
-        fctx.p_for_ds = probs if reads["dS"] == "original" else pq
+        fctx.p_for_dv = {"rounded": pq}[reads["dV"]]
+        # dS reads the original P: recomputed in the backward from Q8 and K8 (saved for dK and dQ)
+        fctx.p_for_ds = {"original": None, "rounded": pq}[reads["dS"]]
         fctx.out = out if reads["D"] in ("original", "fresh") else None
         # output_fp8 is the O8 copy shared with the projection (which does not count it again).
-        numerics.account("attention", q=fctx.q_for_dk, k=fctx.k_for_dq, v=fctx.v_for_dp, probs=fctx.p_for_ds,
+        numerics.account("attention", q=fctx.q_for_dk, k=fctx.k_for_dq, v=fctx.v_for_dp,
                          probs_fp8=fctx.p_for_dv, output_fp8=oq, out=fctx.out)
         fctx.mark_non_differentiable(oq.data, oq.scale)
         return oq.dequantize(dtype), oq.data, oq.scale
@@ -92,15 +100,41 @@ class _Attention(torch.autograd.Function):
 
         kq, vq = _expand_groups(fctx.k_for_dq, heads), _expand_groups(fctx.v_for_dp, heads)
         d_v = matmul(fctx.p_for_dv.mT, d_out_operand, precision)
-        d_p = matmul(d_out_operand, vq.mT, precision)
         o_read = _o_read(fctx)
-        probs = _value(fctx.p_for_ds, dtype)
-        row_term = (d_out * o_read if o_read is not None else probs * d_p).sum(-1, keepdim=True)
-        d_s = probs * (d_p - row_term)
-        numerics.observe(f"attn_rowsum/{name}", d_s.sum(-1))
-        if fctx.mechanism:
-            mechanism.observe_dterm(numerics, name, probs, row_term, _value(kq, dtype))
-        d_s_operand = numerics.site(f"{name}.grad_scores", "bwd").quantize(d_s) if precision == "fp8" else d_s
+
+        def d_scores(rows: slice, d_term: mechanism.DTermCosine | None = None) -> torch.Tensor:
+            """dS = P (dP - D) of query rows ``rows``, all heads, in ``dtype``; ``d_term``
+            accumulates the block's share of the mechanism's D-term cosine."""
+            if fctx.p_for_ds is None:
+                probs = _softmax(_scores(fctx.q_for_dk.map(lambda d: d[:, :, rows]), kq, fctx.scale, fctx.gemm), rows.start, dtype)
+            else:
+                probs = _value(fctx.p_for_ds.map(lambda d: d[:, :, rows]), dtype)
+            d_p = matmul(_rows(d_out_operand, rows), vq.mT, precision)
+            read = d_out[:, :, rows] * o_read[:, :, rows] if o_read is not None else probs * d_p
+            row_term = read.sum(-1, keepdim=True)
+            if d_term is not None:
+                d_term.add(probs, row_term)
+            return probs * (d_p - row_term)
+
+        blocks = [slice(i, min(i + ROW_BLOCK, seq)) for i in range(0, seq, ROW_BLOCK)]
+        site = numerics.site(f"{name}.grad_scores", "bwd") if precision == "fp8" else None
+        # a scale computed from the whole of dS (current scaling) needs its amax before any block
+        amax = torch.stack([abs_max(d_scores(rows)) for rows in blocks]).amax() if site and site.reads_amax_first else None
+        operand = torch.empty(batch, heads, seq, seq, dtype=site.fmt.dtype if site else _DTYPES[precision], device=d_out.device)
+        rowsums, d_s_scale = [], None
+        d_term = mechanism.DTermCosine(_value(kq, dtype)) if fctx.mechanism else None
+        for rows in blocks:
+            d_s = d_scores(rows, d_term)
+            rowsums.append(d_s.sum(-1))
+            if site is None:
+                operand[:, :, rows] = d_s
+            else:
+                d_s_q = site.quantize(d_s, amax=amax)
+                operand[:, :, rows], d_s_scale = d_s_q.data, d_s_q.scale
+        numerics.observe(f"attn_rowsum/{name}", torch.cat(rowsums, -1))
+        if d_term is not None:
+            d_term.observe(numerics, name)
+        d_s_operand = operand if site is None else QTensor(operand, d_s_scale, site.fmt)
 
         d_q = matmul(d_s_operand, kq, precision) * fctx.scale
         d_k = matmul(d_s_operand.mT, fctx.q_for_dk, precision) * fctx.scale
@@ -108,6 +142,26 @@ class _Attention(torch.autograd.Function):
         d_k = d_k.reshape(batch, groups, heads // groups, seq, dim).sum(2)
         d_v = d_v.reshape(batch, groups, heads // groups, seq, dim).sum(2)
         return d_q, d_k, d_v, None, None, None
+
+
+_DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32, "fp64": torch.float64}
+
+
+def _scores(q: QTensor, k: QTensor, softmax_scale: float, gemm: str) -> torch.Tensor:
+    """``S = c Q8 K8^T`` of the given query rows."""
+    return matmul(q, k.mT, gemm) * softmax_scale
+
+
+def _softmax(scores: torch.Tensor, first_row: int, dtype: torch.dtype) -> torch.Tensor:
+    """Causal softmax of score rows ``first_row ...`` (query ``i`` sees keys ``<= i``)."""
+    rows, seq = scores.shape[-2:]
+    query = torch.arange(first_row, first_row + rows, device=scores.device)[:, None]
+    causal = torch.arange(seq, device=scores.device)[None, :] > query
+    return torch.softmax(scores.masked_fill(causal, float("-inf")), dim=-1).to(dtype)
+
+
+def _rows(t: torch.Tensor | QTensor, rows: slice) -> torch.Tensor | QTensor:
+    return t.map(lambda d: d[:, :, rows]) if isinstance(t, QTensor) else t[:, :, rows]
 
 
 def _value(t: torch.Tensor | QTensor, dtype: torch.dtype) -> torch.Tensor:

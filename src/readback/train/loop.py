@@ -40,6 +40,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from readback.backends import site_implementations
 from readback.errors import ConfigError
+from readback.model import ActivationStats
 from readback.probe import GradientProbe
 from readback.train.checkpoint import (
     atomic_write_text,
@@ -150,7 +151,7 @@ def _dry_run(cfg: DictConfig, run_dir: Path, experiment: str, rank: int) -> dict
     t0 = time.time()
     if cfg.model.vocab_size is None:
         _set_vocab_from_stream(cfg, _build_stream(cfg, rank=0, world_size=1))
-    from readback.model import build_model
+    from readback.backends import build_model
 
     torch.manual_seed(cfg.seed)
     model = build_model(cfg, "meta")
@@ -266,10 +267,11 @@ class _Trainer:
         self.stream = _build_stream(cfg, rank=env.rank, world_size=env.world_size)
         if cfg.model.vocab_size is None:
             _set_vocab_from_stream(cfg, self.stream)
-        from readback.model import build_model
+        from readback.backends import build_model
 
         torch.manual_seed(cfg.seed)
         self.model = build_model(cfg, str(env.device))
+        self.activation_stats = ActivationStats(self.model)
         self.n_params = int(self.model.n_params())
         self.flops_per_token = float(self.model.flops_per_token())
         self.params = [p for p in self.model.parameters() if p.requires_grad]
@@ -362,15 +364,14 @@ class _Trainer:
     def _train_step(self, step: int, track_stats: bool) -> tuple[float, float, torch.Tensor]:
         """Forward/backward over ``accum`` micro-batches; ``(loss, grad norm, grad norm tensor)``.
 
-        With ``track_stats`` a model that has a ``track_stats`` switch measures its activation
-        statistics in the last micro-batch only (they cost a device sync per layer). On probe
-        steps the first micro-batch is measured by the probe before it trains.
+        With ``track_stats`` the activation statistics are measured in the last micro-batch only
+        (they cost a device sync per layer). On probe steps the first micro-batch is measured by
+        the probe before it trains.
         """
         lr = self.schedule(step)
         set_lr(self.optimizer, lr)
         dev = self.env.device
         loss_sum = torch.zeros((), device=dev)
-        has_switch = hasattr(self.model, "track_stats")
         for micro in range(self.accum):
             x, y = self.stream.next_batch()
             x, y = x.to(dev, non_blocking=True), y.to(dev, non_blocking=True)
@@ -379,15 +380,13 @@ class _Trainer:
             if micro == 0:
                 self.instruments.measure(step, self.model, self.stream)
             last = micro == self.accum - 1
-            if has_switch:
-                self.model.track_stats = bool(track_stats and last)
+            self.activation_stats.active = self.model.numerics.mechanism = bool(track_stats and last)
             sync = self.ddp_model.no_sync() if self.env.distributed and not last else nullcontext()
             with sync:
                 loss = self.ddp_model(x, y)
                 (loss / self.accum).backward()
             loss_sum += loss.detach().float()
-        if has_switch:
-            self.model.track_stats = False
+        self.activation_stats.active = self.model.numerics.mechanism = False
         signalled = torch.tensor(float(self.guard.requested is not None), device=dev)
         mean_loss, preempt = all_reduce_mean(torch.stack([loss_sum / self.accum, signalled]), self.env)
         gnorm = grad_norm(self.params).to(dev)
@@ -433,9 +432,7 @@ class _Trainer:
             rec["mfu"] = self.flops_per_token * tps / (self.peak_flops * self.env.world_size)
             rec["mem_gib"] = torch.cuda.max_memory_allocated(self.env.device) / 2**30
         numerics = self.model.numerics
-        stats = getattr(self.model, "activation_stats", None)
-        if stats is not None:
-            rec.update({k: float(v) for k, v in stats().items()})
+        rec.update(self.activation_stats.pop())
         saturation = getattr(numerics, "saturation_counts", None)
         if saturation is not None:
             rec.update({f"fp8_saturation/{site}": int(n) for site, n in saturation().items()})

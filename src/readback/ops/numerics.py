@@ -2,7 +2,11 @@
 
 A ``Site`` is one named tensor the run rounds (``layer0.attn.output``, ``layer0.mlp.up.weight``,
 ...): it owns the tensor's format, its scaling state and its random streams. ``Numerics`` creates
-sites on first use and advances them together at the end of each optimizer step.
+sites on first use and advances them together at the end of each optimizer step;
+``build_numerics`` makes the run's ``Numerics`` from its config.
+
+It lives with the ops, not in ``readback.numerics``: it checks the policy names of
+``readback.policy``, and the layers import downward only (numerics -> policy -> ops).
 """
 
 from __future__ import annotations
@@ -18,10 +22,12 @@ from readback.numerics import (
     GEMM_PRECISIONS,
     ROUNDINGS,
     CurrentScaling,
+    CurrentScalingState,
     DelayedScaling,
     DelayedScalingState,
     FP8Format,
     QTensor,
+    abs_max,
     quantize,
 )
 from readback.policy import POLICIES
@@ -35,7 +41,7 @@ class _UnitScale:
 
     scale = torch.ones(())
 
-    def scale_for(self, x: torch.Tensor) -> torch.Tensor:
+    def scale_for(self, x: torch.Tensor, amax: torch.Tensor | None = None) -> torch.Tensor:
         return torch.ones((), device=x.device)
 
     def end_step(self) -> None:
@@ -58,25 +64,48 @@ class Site:
         self.saturated = 0  # elements clipped to +-fmt.max since the last saturation_counts()
         self.underflowed = self.nonzero = 0  # nonzero elements rounded to 0 or a subnormal, of all nonzero
 
+    @property
+    def reads_amax_first(self) -> bool:
+        """Whether the scale depends on the tensor being rounded (current scaling): a tensor
+        rounded block by block then needs its whole amax before the first block."""
+        return isinstance(self.state, CurrentScalingState)
+
     def quantize(self, x: torch.Tensor, rounding: str = "nearest", scale: torch.Tensor | None = None,
-                 stream: str = "forward") -> QTensor:
+                 stream: str = "forward", amax: torch.Tensor | None = None) -> QTensor:
         """Round ``x`` at this site. ``scale`` reuses an earlier scale (a re-rounding) instead
-        of the site's own; ``stream`` names the random stream of a stochastic rounding."""
+        of the site's own; ``stream`` names the random stream of a stochastic rounding;
+        ``amax`` is that of the whole tensor when ``x`` is one block of it."""
         if self.fmt is None:  # rounding switched off: the identity, in x's own precision
             return QTensor(x, torch.ones((), dtype=x.dtype, device=x.device), None)
-        if self.fmt is BF16:  # BF16 sites round to nearest, as BF16 GEMM inputs do
-            rounding = "nearest"
+        if self.fmt is BF16:  # BF16 sites round to nearest, as BF16 GEMM inputs do, unscaled
+            return quantize(x, BF16, self.state.scale_for(x) if scale is None else scale)
+        amax = abs_max(x) if amax is None else amax
         if scale is None:  # the site margin divides the scale like the recipe's margin (2**-k)
-            scale = self.state.scale_for(x) * 2.0**-self.margin if self.margin else self.state.scale_for(x)
+            scale = self.state.scale_for(x, amax)
+            if self.margin:
+                scale = scale * 2.0**-self.margin
         generator = self.numerics.generator(self.name, stream, x.device) if rounding == "stochastic" else None
+        self.saturated = self.saturated + _count_saturated(x, amax, scale, self.fmt)
         q = quantize(x, self.fmt, scale, rounding, generator)
-        if self.fmt is not BF16:
-            self.saturated = self.saturated + (x.detach().abs() * scale > self.fmt.max).sum()
-            nonzero = x.detach() != 0
-            small = q.data.to(torch.float32).abs() < 2.0**self.fmt.min_exponent  # zero or subnormal
-            self.underflowed = self.underflowed + (small & nonzero).sum()
-            self.nonzero = self.nonzero + nonzero.sum()
+        self._count_underflow(x, q)
         return q
+
+    def _count_underflow(self, x: torch.Tensor, q: QTensor) -> None:
+        """Add the nonzero elements of ``x`` that ``q`` holds as zero or a subnormal. No amax
+        shortcut exists here (any tensor may hold tiny elements), so it is always counted."""
+        nonzero = x.detach() != 0
+        small = q.data.to(torch.float32).abs() < 2.0**self.fmt.min_exponent
+        self.underflowed = self.underflowed + (small & nonzero).sum()
+        self.nonzero = self.nonzero + nonzero.sum()
+
+
+def _count_saturated(x: torch.Tensor, amax: torch.Tensor, scale: torch.Tensor, fmt: FP8Format) -> torch.Tensor | int:
+    """Elements of ``x`` beyond ``+-fmt.max`` once scaled. On the CPU the counting pass is
+    skipped when ``amax * scale`` shows that none is (the usual case); on a GPU, or while
+    compiling, reading that flag would stall the device, so the count is always taken."""
+    if x.device.type == "cpu" and not torch.compiler.is_compiling() and not amax * scale > fmt.max:
+        return 0
+    return (x.detach().abs() * scale > fmt.max).sum()
 
 
 class Numerics:
@@ -316,3 +345,26 @@ def site_matches(name: str, pattern: str) -> bool:
     """A site pattern is a glob over the site name, matching whole trailing components too:
     ``attn.core.output`` matches ``layers.3.attn.core.output``."""
     return fnmatch.fnmatchcase(name, pattern) or fnmatch.fnmatchcase(name, f"*.{pattern}")
+
+
+def build_numerics(cfg) -> Numerics:
+    """The run's ``Numerics`` from the ``precision``, ``policy`` and ``attention`` groups."""
+    p = cfg.precision
+    recipe = None
+    if p.name == "fp8":
+        common = dict(margin=p.margin, fp8_format=p.fp8_format, override_linear_precision=tuple(p.override_linear_precision))
+        if p.recipe == "delayed":
+            recipe = DelayedScaling(interval=p.interval, amax_history_len=p.amax_history_len,
+                                    amax_compute_algo=p.amax_compute_algo, **common)
+        else:
+            recipe = CurrentScaling(**common)
+    return Numerics(
+        precision=p.name,
+        recipe=recipe,
+        policy=cfg.policy.name,
+        attention_bwd=cfg.attention.bwd_precision,
+        rounding=p.rounding if p.name == "fp8" else "nearest",
+        seed=cfg.seed,
+        bf16_sites=tuple(p.bf16_layers) if p.name == "fp8" else (),
+        site_margin=dict(p.site_margin or {}) if p.name == "fp8" else {},
+    )

@@ -1,0 +1,190 @@
+"""Training-step speed and memory on the CPU: readback BF16, each FP8 policy, and a plain GPT.
+
+    python benchmarks/step.py                       # tiny and small, 1 and 2 threads
+    python benchmarks/step.py --sizes small --threads 1 --rounds 9
+
+A step is forward + backward (+ ``numerics.end_step()`` for readback), gradients cleared after.
+The variants run interleaved, one step each per round, so a busy machine slows them alike; the
+table gives the median, min and max over the rounds. GFLOP/s use one formula for every variant
+(``FOG.flops_per_token``: 6 per GEMM weight plus the causal attention products), so they compare
+like tokens/s. The plain GPT has FOG's dimensions (width, depth, heads, KV groups, FFN width,
+sequence, tied vocabulary) and none of its numerics: pre-norm LayerNorm, GELU MLP, torch's
+``scaled_dot_product_attention``, learned positions; it runs in FP32 and under BF16 autocast.
+``probe`` is the gradient probe with one repeat on the reuse_rounded model. Memory is each
+variant's peak RSS over a few steps, measured in its own process, as its rise over the RSS
+after building the model: once with glibc's default malloc (whose heap keeps freed blocks, so
+the figure includes fragmentation) and once with ``MALLOC_MMAP_THRESHOLD_=65536`` (large
+tensors are mapped and unmapped, so the RSS follows the live tensors).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import statistics
+import subprocess
+import sys
+import time
+from contextlib import nullcontext
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from hydra import compose, initialize_config_dir
+
+from readback.backends import build_model
+from readback.config import CONF_DIR
+from readback.probe import GradientProbe
+
+VOCAB = 2048
+READBACK = {"bf16": "bf16_baseline", "reuse_rounded": "reuse_rounded", "fresh_reround": "fresh_reround",
+            "no_saved_copy": "no_saved_copy"}
+PLAIN = ("plain_fp32", "plain_bf16")
+
+
+class PlainBlock(nn.Module):
+    def __init__(self, c):
+        super().__init__()
+        self.c = c
+        hd = c.head_dim
+        self.norm1, self.norm2 = nn.LayerNorm(c.d_model, bias=False), nn.LayerNorm(c.d_model, bias=False)
+        self.qkv = nn.Linear(c.d_model, (c.n_heads + 2 * c.n_kv_groups) * hd, bias=False)
+        self.proj = nn.Linear(c.n_heads * hd, c.d_model, bias=False)
+        self.up, self.down = nn.Linear(c.d_model, c.ffn_dim, bias=False), nn.Linear(c.ffn_dim, c.d_model, bias=False)
+
+    def forward(self, x):
+        c, (batch, seq, _) = self.c, x.shape
+        q, k, v = self.qkv(self.norm1(x)).split([c.n_heads * c.head_dim, *[c.n_kv_groups * c.head_dim] * 2], -1)
+        q, k, v = (t.view(batch, seq, -1, c.head_dim).transpose(1, 2) for t in (q, k, v))
+        o = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+        x = x + self.proj(o.transpose(1, 2).reshape(batch, seq, -1))
+        return x + self.down(F.gelu(self.up(self.norm2(x))))
+
+
+class PlainGPT(nn.Module):
+    """A pre-norm GPT with FOG's dimensions, for the throughput comparison."""
+
+    def __init__(self, c):
+        super().__init__()
+        self.embedding = nn.Embedding(c.vocab_size, c.d_model)
+        self.position = nn.Embedding(c.seq_len, c.d_model)
+        self.layers = nn.ModuleList(PlainBlock(c) for _ in range(c.n_layers))
+        self.norm = nn.LayerNorm(c.d_model, bias=False)
+
+    def forward(self, idx, targets):
+        x = self.embedding(idx) + self.position(torch.arange(idx.shape[1]))
+        for layer in self.layers:
+            x = layer(x)
+        logits = self.norm(x) @ self.embedding.weight.t()  # tied
+        return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
+
+
+def build(variant: str, size: str, batch: int):
+    """``(step function, FOG for the FLOP formula)`` of one variant, on fixed random tokens."""
+    experiment = READBACK.get(variant, "reuse_rounded")
+    with initialize_config_dir(str(CONF_DIR), version_base="1.3"):
+        cfg = compose("train", overrides=[f"model={size}", f"+experiment={experiment}", f"model.vocab_size={VOCAB}"])
+    torch.manual_seed(0)
+    fog = build_model(cfg)
+    x = torch.randint(0, VOCAB, (batch, cfg.model.seq_len))
+    y = x.roll(-1, 1)
+    model = PlainGPT(fog.cfg) if variant in PLAIN else fog
+    autocast = torch.autocast("cpu", torch.bfloat16) if variant == "plain_bf16" else nullcontext()
+
+    def step():
+        with autocast:
+            loss = model(x, y)
+        loss.backward()
+        if model is fog:
+            fog.numerics.end_step()
+        model.zero_grad(set_to_none=True)
+
+    if variant == "probe":
+        probe = GradientProbe(every=1, repeats=1)
+        return (lambda: probe.measure(fog, x, y)), fog
+    return step, fog
+
+
+def peak_memory(variant: str, size: str, batch: int, steps: int = 3) -> dict:
+    """Peak RSS (MiB) of ``steps`` steps in this process, and its rise over the RSS after building."""
+    step, _ = build(variant, size, batch)
+    with open("/proc/self/statm") as f:
+        built = int(f.read().split()[1]) * resource.getpagesize() / 2**20
+    for _ in range(steps):
+        step()
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**10
+    return {"peak_mib": peak, "rise_mib": peak - built}
+
+
+def time_table(size: str, threads: int, batch: int, rounds: int, variants: list[str]) -> dict:
+    torch.set_num_threads(threads)
+    built = {v: build(v, size, batch) for v in variants}
+    fog = next(iter(built.values()))[1]
+    tokens = batch * fog.cfg.seq_len
+    flops = fog.flops_per_token() * tokens
+    times = {v: [] for v in variants}
+    for fn, _ in built.values():
+        fn()  # warm-up
+    for _ in range(rounds):
+        for v, (fn, _) in built.items():
+            start = time.perf_counter()
+            fn()
+            times[v].append(time.perf_counter() - start)
+    return {v: {"median_ms": 1e3 * statistics.median(t), "min_ms": 1e3 * min(t), "max_ms": 1e3 * max(t),
+                "tokens_per_s": tokens / statistics.median(t), "gflops": flops / statistics.median(t) / 1e9}
+            for v, t in times.items()}
+
+
+def print_table(size: str, threads: int, batch: int, rounds: int, rows: dict, memory: dict) -> None:
+    print(f"\n{size}, batch {batch}, {threads} thread(s), {rounds} interleaved rounds, torch {torch.__version__}")
+    print(f"  {'variant':<15}{'median ms':>10}{'min':>9}{'max':>9}{'tok/s':>9}{'GFLOP/s':>9}"
+          f"{'x bf16':>8}{'rise MiB':>10}{'live MiB':>10}")
+    for v, r in rows.items():
+        mem = memory.get(v, {})
+        print(f"  {v:<15}{r['median_ms']:10.1f}{r['min_ms']:9.1f}{r['max_ms']:9.1f}{r['tokens_per_s']:9.0f}"
+              f"{r['gflops']:9.2f}{r['median_ms'] / rows['bf16']['median_ms']:8.2f}"
+              f"{mem.get('rise_mib', float('nan')):10.0f}{mem.get('live_rise_mib', float('nan')):10.0f}")
+    bf16 = rows["bf16"]["gflops"]
+    print("  readback bf16 / plain GFLOP/s: " + ", ".join(f"{p} {bf16 / rows[p]['gflops']:.2f}" for p in PLAIN if p in rows))
+    if "probe" in rows:
+        print(f"  probe (1 repeat) / reuse_rounded step: {rows['probe']['median_ms'] / rows['reuse_rounded']['median_ms']:.2f}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--sizes", nargs="+", default=["tiny", "small"])
+    parser.add_argument("--threads", type=int, nargs="+", default=[1, 2])
+    parser.add_argument("--batch", type=int, nargs="+", default=[8, 4], help="micro-batch per size")
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--variants", nargs="+", default=[*READBACK, *PLAIN, "probe"])
+    parser.add_argument("--no-memory", action="store_true", help="skip the peak-RSS processes")
+    parser.add_argument("--memory-of", nargs=3, metavar=("VARIANT", "SIZE", "BATCH"), help=argparse.SUPPRESS)
+    parser.add_argument("--json", help="also write the results here")
+    args = parser.parse_args()
+    if args.memory_of:
+        torch.set_num_threads(1)
+        print(json.dumps(peak_memory(args.memory_of[0], args.memory_of[1], int(args.memory_of[2]))))
+        return
+    results = {}
+    for size, batch in zip(args.sizes, args.batch * len(args.sizes)):
+        memory = {}
+        if not args.no_memory:
+            for v in args.variants:
+                memory[v] = {}
+                for prefix, malloc in (("", {}), ("live_", {"MALLOC_MMAP_THRESHOLD_": "65536"})):
+                    out = subprocess.run([sys.executable, __file__, "--memory-of", v, size, str(batch)], check=True,
+                                         capture_output=True, text=True, env={**os.environ, **malloc}).stdout
+                    memory[v].update({prefix + k: n for k, n in json.loads(out.splitlines()[-1]).items()})
+        for threads in args.threads:
+            rows = time_table(size, threads, batch, args.rounds, args.variants)
+            print_table(size, threads, batch, args.rounds, rows, memory)
+            results[f"{size}/{threads}"] = {"rows": rows, "memory": memory}
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(results, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,86 @@
+"""The experiment -> Transformer Engine table of README.md and docs/te_backend.md, rendered from
+``te_plan`` so that the documents and the plan cannot disagree (a test compares them).
+
+    python -m readback.backends.te_table     # prints the table that goes between the markers
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from readback.backends.te_facts import Hardware
+from readback.backends.te_plan import PINNED_BACKEND, te_plan
+from readback.errors import ConfigError
+
+START, END = "<!-- te-plan-table:start -->", "<!-- te-plan-table:end -->"
+TE_VERSION = "2.8.0"
+GPUS = {"sm90 (H100, H200)": Hardware((9, 0), (9, 13, 0)), "sm100 (B200)": Hardware((10, 0), (9, 14, 0))}
+MODEL = ("model=fog_390m",)  # head dim 128, sequence 4096
+# (row label, config overrides)
+ROWS = [
+    ("`reuse_rounded`", ("+experiment=reuse_rounded",)),
+    ("`reuse_rounded_bf16_bwd`", ("+experiment=reuse_rounded_bf16_bwd",)),
+    ("`reuse_rounded backend.fp8_mha=true`", ("+experiment=reuse_rounded", "backend.fp8_mha=true")),
+    ("`fresh_reround`", ("+experiment=fresh_reround",)),
+    ("`no_saved_copy`", ("+experiment=no_saved_copy",)),
+    ("`bf16_baseline`", ("+experiment=bf16_baseline",)),
+    ("`policy=original precision.recipe=current`",
+     ("+experiment=reuse_rounded", "policy=original", "precision.recipe=current")),
+    ("`policy=original precision.recipe=current attention.bwd_precision=bf16`",
+     ("+experiment=reuse_rounded", "policy=original", "precision.recipe=current", "attention.bwd_precision=bf16")),
+    ("`reuse_rounded precision.recipe=current`", ("+experiment=reuse_rounded", "precision.recipe=current")),
+    ("`reuse_rounded precision.recipe=current attention.bwd_precision=bf16`",
+     ("+experiment=reuse_rounded", "precision.recipe=current", "attention.bwd_precision=bf16")),
+    ("`policy=original` (delayed scaling)", ("+experiment=reuse_rounded", "policy=original")),
+    ("`precision.recipe=mxfp8`", ("+experiment=reuse_rounded", "precision.recipe=mxfp8")),
+]
+
+
+def _recipe(plan) -> str:
+    if plan.recipe is None:
+        return "none (FP8 off)"
+    flags = [f"{k}=True" for k in ("fp8_dpa", "fp8_mha") if plan.recipe_kwargs.get(k)]
+    return f"`{plan.recipe}({', '.join(flags)})`"
+
+
+def _switches(plan) -> str:
+    env = [f"`{k}={v}`" for k, v in plan.env.items() if k not in PINNED_BACKEND]
+    if set(PINNED_BACKEND.items()) <= set(plan.env.items()):
+        env.append("fused attention pinned")
+    return ", ".join(env) or "none"
+
+
+def _on(cfg, hardware: Hardware) -> str:
+    try:
+        te_plan(cfg, TE_VERSION, hardware)
+    except ConfigError as error:
+        reason = str(error).rsplit(": ", 1)[-1]
+        return "refused: " + (reason[:-1] if reason.endswith(")") else reason)
+    return "runs"
+
+
+def render(compose: Callable[[list[str]], object]) -> str:
+    """The markdown table; ``compose(overrides)`` composes a run's config (``backend=te``)."""
+    header = ["experiment", "TE recipe", "TE switches", "attention core", "D reads", "dK, dQ, dP read",
+              "output projection", *GPUS]
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    for label, overrides in ROWS:
+        cfg = compose([*overrides, "backend=te", *MODEL])
+        plan = te_plan(cfg, TE_VERSION, Hardware())
+        s = plan.sites
+        core = "`te.DotProductAttention`" if plan.te_attention else "`readback.ops.attention`"
+        qkv = ", ".join(s[f"attention_core.{g}"] for g in ("dK", "dQ", "dP"))  # Q, K, V
+        cells = [label, _recipe(plan), _switches(plan), core, s["attention_core.D"], qkv, s["attn_proj"],
+                 *(_on(cfg, hw) for hw in GPUS.values())]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    from hydra import compose as hydra_compose
+    from hydra import initialize_config_dir
+
+    from readback.config import CONF_DIR
+
+    with initialize_config_dir(str(CONF_DIR), version_base="1.3"):
+        print(render(lambda overrides: hydra_compose("train", overrides=overrides)))
