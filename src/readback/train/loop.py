@@ -364,9 +364,9 @@ class _Trainer:
     def _train_step(self, step: int, track_stats: bool) -> tuple[float, float, torch.Tensor]:
         """Forward/backward over ``accum`` micro-batches; ``(loss, grad norm, grad norm tensor)``.
 
-        With ``track_stats`` the activation statistics are measured in the last micro-batch only
-        (they cost a device sync per layer). On probe steps the first micro-batch is measured by
-        the probe before it trains.
+        With ``track_stats`` the activation statistics and attention's mechanism statistics are
+        measured in the last micro-batch only (they cost a device sync per layer). On probe steps
+        the first micro-batch is measured by the probe before it trains.
         """
         lr = self.schedule(step)
         set_lr(self.optimizer, lr)
