@@ -34,8 +34,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 from hydra import compose, initialize_config_dir
 
+from readback.backends import build_model
 from readback.config import CONF_DIR
-from readback.model import build_model
 from readback.probe import GradientProbe
 
 VOCAB = 2048

@@ -45,6 +45,8 @@ CASES = [
      "data.noise='0.5' is not a key of data=shakespeare; it is one of data=synthetic"),
     ("steps_not_int", ["trainer.steps=abc"], {}, "trainer.steps='abc' is not valid; valid: an integer >= 1"),
     ("margin_float", ["precision.margin=1.5"], {}, "precision.margin=1.5 is not valid; valid: an integer >= 0"),
+    ("site_margin_unknown", ["precision.site_margin={{attn.kore.output:14}}"], {},
+     "precision.site_margin='attn.kore.output' is not valid; valid: site patterns (globs) matching attn.qkv.input"),
     ("data_value_type", ["data.n_tokens=lots"], {}, "data.n_tokens='lots' is not valid; valid: an integer"),
     ("resume_not_bool", ["trainer.resume=maybe"], {}, "trainer.resume='maybe' is not valid; valid: true, false"),
     ("zero_steps", ["trainer.steps=0"], {}, "trainer.steps=0 is not valid; valid: an integer >= 1"),

@@ -46,6 +46,7 @@ class ToyNumerics:
     def __init__(self) -> None:
         self.step = 0
         self.eval_forwards = 0
+        self.mechanism = False
 
     def end_step(self) -> None:
         self.step += 1
@@ -59,6 +60,9 @@ class ToyNumerics:
 
     def saturation_counts(self) -> dict[str, int]:
         return {"toy.out": self.step % 3}
+
+    def underflow_fractions(self) -> dict[str, float]:
+        return {"toy.out": 0.0}
 
     def pop_observations(self) -> dict[str, float]:
         return {}

@@ -306,6 +306,35 @@ def plot_attn_rowsum(runs: Runs, *, stat: str = "z", x: str = "tokens", band: st
     return _save(fig, path)
 
 
+MECHANISM = (("attn_logit/max/", "max logit"), ("attn_entropy/mean/", "attention entropy"),
+             ("attn_dq_dterm_cos/mean/", "cos(dQ D-term, mean key)"), ("fp8_underflow/", "O underflow fraction"))
+
+
+def plot_mechanism(runs: Runs, *, x: str = "tokens", band: str | None = "minmax",
+                   path: str | os.PathLike | None = None) -> Figure:
+    """Per attention layer (one row each): max logit, attention entropy, the cosine between dQ's
+    D-term component and the mean attended key, and the fraction of O that FP8 flushes to zero
+    or subnormals; last panel: O's kurtosis. A divergence driven by the D-term shows as the
+    cosine leaving 0 with one sign while the logits grow."""
+    layers = _layer_sites(runs, "attn_logit/max/", "*")
+    fig, axes = _grid(4 * len(layers) + 1, 4, w=4.2, h=3.0)
+    cmap = colors(runs)
+    for row, layer in enumerate(layers):
+        for col, (prefix, title) in enumerate(MECHANISM):
+            ax = axes[4 * row + col]
+            key = f"{prefix}{layer}.output" if prefix == "fp8_underflow/" else f"{prefix}{layer}"
+            if not _draw(ax, runs, key, x=x, band=band, cmap=cmap):
+                _empty(ax, f"no {key} records")
+            ax.set_title(f"{title} / {_short(layer)}", fontsize=9)
+            ax.grid(alpha=0.3)
+    ax = axes[4 * len(layers)]
+    if not _draw(ax, runs, "kurtosis/attn_out_max", x=x, band=band, cmap=cmap, logy=True):
+        _empty(ax, "no kurtosis/attn_out_max records")
+    ax.set_title("O kurtosis (max over layers)", fontsize=9)
+    _legend(axes[0], runs)
+    return _save(fig, path)
+
+
 def plot_metric(runs: Runs, pattern: str, *, x: str = "tokens", band: str | None = "minmax", logy: bool = False,
                 path: str | os.PathLike | None = None) -> Figure:
     """Any logged key (a glob: one panel per matching key), e.g. ``grad_norm`` or
@@ -336,6 +365,7 @@ PLOTS = {
     "grad_error": plot_grad_error,
     "kurtosis": plot_kurtosis,
     "attn_rowsum": plot_attn_rowsum,
+    "mechanism": plot_mechanism,
 }
 
 

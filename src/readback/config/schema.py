@@ -92,6 +92,7 @@ class Fp8Precision(Precision):
     override_linear_precision: list[bool] = items("three booleans [fprop, dgrad, wgrad]", lambda v: len(v) == 3)
     rounding: str = one_of(ROUNDINGS)
     bf16_layers: list[str] = MISSING  # checked against the model's layers in Config.check
+    site_margin: Any = None  # {site pattern: k} (untyped: Hydra replaces the whole mapping); checked in Config.check
 
 
 @dataclass
@@ -229,6 +230,8 @@ class Probe(Checked):
     repeats: int = integer()
     dtype: str = one_of(DTYPES)
     params: list[str] = MISSING
+    bias_every: int = integer(minimum=0)  # 0: off
+    bias_batches: int = integer()
 
 
 @dataclass
@@ -267,11 +270,34 @@ class Config(Checked):
         if p.recipe in TE_ONLY_RECIPES:
             require(self.backend.name == "te", "precision.recipe", p.recipe,
                     [r for r in RECIPES if r not in TE_ONLY_RECIPES] + ["mxfp8 with backend=te"])
+        self._check_site_margin(p)
         owners = rounding_owners(m.n_layers)
         for entry in p.bf16_layers:
             matches = any(o.startswith(entry) or entry.startswith(o + ".") for o in owners)
             require(matches, "precision.bf16_layers", entry,
                     f"names of layers or sites, e.g. lm_head, layers.0.attn, layers.{m.n_layers - 1}.mlp.down")
+
+
+    def _check_site_margin(self, p: Fp8Precision) -> None:
+        """Every pattern matches some site of the model; margins >= 0; emulated backend only."""
+        import re
+
+        from readback.model.fog import rounding_sites
+        from readback.ops.numerics import site_matches
+
+        if p.site_margin is None:
+            return
+        require(isinstance(p.site_margin, dict) and all(isinstance(k, str) for k in p.site_margin),
+                "precision.site_margin", p.site_margin, "a mapping {site pattern: margin}, e.g. {attn.core.output: 14}")
+        require(self.backend.name == "emulated", "precision.site_margin", dict(p.site_margin),
+                "null with backend=te (Transformer Engine has one margin per recipe)")
+        sites = rounding_sites(self.model.n_layers)
+        kinds = list(dict.fromkeys(re.sub(r"^layers\.\d+\.", "", s) for s in sites))
+        for pattern, margin in p.site_margin.items():
+            require(any(site_matches(s, pattern) for s in sites), "precision.site_margin", pattern,
+                    "site patterns (globs) matching " + ", ".join(kinds))
+            require(isinstance(margin, int) and not isinstance(margin, bool) and margin >= 0,
+                    f"precision.site_margin.{pattern}", margin, "an integer >= 0")
 
 
 # Option schemas of the groups whose options differ in keys: conf/<group>/<option>.yaml names

@@ -5,10 +5,10 @@
 
 from __future__ import annotations
 
-from readback.model.fog import FOG, FOGConfig, Parts
+from readback.model.fog import FOG, FOGConfig, Parts, rounding_sites
 from readback.model.stats import ActivationStats, kurtosis
 
-__all__ = ["FOG", "ActivationStats", "FOGConfig", "Parts", "fog_config", "kurtosis"]
+__all__ = ["FOG", "ActivationStats", "FOGConfig", "Parts", "fog_config", "kurtosis", "rounding_sites"]
 
 
 def fog_config(model_cfg) -> FOGConfig:

@@ -37,6 +37,20 @@ def rounding_owners(n_layers: int) -> list[str]:
     return [f"layers.{i}.{op}" for i in range(n_layers) for op in BLOCK_ROUNDING_OPS] + ["lm_head"]
 
 
+_LINEAR_SITES = ("input", "weight", "grad_output")
+# the sites each rounding op owns; the projection's input is the core's output, rounded there
+_OP_SITES = {"attn.qkv": _LINEAR_SITES, "attn.core": ("q", "k", "v", "probs", "output", "grad_output", "grad_scores"),
+             "attn.proj": ("weight", "grad_output"), "mlp.up": _LINEAR_SITES, "mlp.down": _LINEAR_SITES,
+             "lm_head": _LINEAR_SITES}
+
+
+def rounding_sites(n_layers: int) -> list[str]:
+    """Names of the sites a training step of FOG rounds at (forward and backward), in model
+    order; config checks match site patterns against them without building the model."""
+    return [f"{owner}.{site}" for owner in rounding_owners(n_layers)
+            for site in _OP_SITES[owner.split(".", 2)[-1] if owner.startswith("layers.") else owner]]
+
+
 @dataclass(frozen=True)
 class FOGConfig:
     n_layers: int

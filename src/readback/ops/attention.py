@@ -24,6 +24,7 @@ from __future__ import annotations
 import torch
 
 from readback.numerics import QTensor, abs_max, matmul, pinned
+from readback.ops import mechanism
 
 ROW_BLOCK = 64  # query rows per block of the backward
 
@@ -59,6 +60,8 @@ class _Attention(torch.autograd.Function):
 
         scores = _scores(qq, kq, softmax_scale, gemm)
         probs = _softmax(scores, 0, dtype)
+        if numerics.mechanism:
+            mechanism.observe_logits(numerics, name, scores, probs)
         pq = numerics.site(f"{name}.probs").quantize(probs, rounding)
         out = matmul(pq, vq, gemm)  # (B, H, T, hd)
         out = out.transpose(1, 2).reshape(batch, seq, heads * dim)
@@ -67,6 +70,7 @@ class _Attention(torch.autograd.Function):
 
         reads = READS[numerics.policy]
         fctx.numerics, fctx.name, fctx.scale, fctx.gemm = numerics, name, softmax_scale, gemm
+        fctx.mechanism = numerics.mechanism
         fctx.oq = oq
         fctx.q_for_dk = {"rounded": qq}[reads["dK"]]
         fctx.k_for_dq = {"rounded": k_groups}[reads["dQ"]]
@@ -98,15 +102,19 @@ class _Attention(torch.autograd.Function):
         d_v = matmul(fctx.p_for_dv.mT, d_out_operand, precision)
         o_read = _o_read(fctx)
 
-        def d_scores(rows: slice) -> torch.Tensor:
-            """dS = P (dP - D) of query rows ``rows``, all heads, in ``dtype``."""
+        def d_scores(rows: slice, d_term: mechanism.DTermCosine | None = None) -> torch.Tensor:
+            """dS = P (dP - D) of query rows ``rows``, all heads, in ``dtype``; ``d_term``
+            accumulates the block's share of the mechanism's D-term cosine."""
             if fctx.p_for_ds is None:
                 probs = _softmax(_scores(fctx.q_for_dk.map(lambda d: d[:, :, rows]), kq, fctx.scale, fctx.gemm), rows.start, dtype)
             else:
                 probs = _value(fctx.p_for_ds.map(lambda d: d[:, :, rows]), dtype)
             d_p = matmul(_rows(d_out_operand, rows), vq.mT, precision)
             read = d_out[:, :, rows] * o_read[:, :, rows] if o_read is not None else probs * d_p
-            return probs * (d_p - read.sum(-1, keepdim=True))
+            row_term = read.sum(-1, keepdim=True)
+            if d_term is not None:
+                d_term.add(probs, row_term)
+            return probs * (d_p - row_term)
 
         blocks = [slice(i, min(i + ROW_BLOCK, seq)) for i in range(0, seq, ROW_BLOCK)]
         site = numerics.site(f"{name}.grad_scores", "bwd") if precision == "fp8" else None
@@ -114,8 +122,9 @@ class _Attention(torch.autograd.Function):
         amax = torch.stack([abs_max(d_scores(rows)) for rows in blocks]).amax() if site and site.reads_amax_first else None
         operand = torch.empty(batch, heads, seq, seq, dtype=site.fmt.dtype if site else _DTYPES[precision], device=d_out.device)
         rowsums, d_s_scale = [], None
+        d_term = mechanism.DTermCosine(_value(kq, dtype)) if fctx.mechanism else None
         for rows in blocks:
-            d_s = d_scores(rows)
+            d_s = d_scores(rows, d_term)
             rowsums.append(d_s.sum(-1))
             if site is None:
                 operand[:, :, rows] = d_s
@@ -123,6 +132,8 @@ class _Attention(torch.autograd.Function):
                 d_s_q = site.quantize(d_s, amax=amax)
                 operand[:, :, rows], d_s_scale = d_s_q.data, d_s_q.scale
         numerics.observe(f"attn_rowsum/{name}", torch.cat(rowsums, -1))
+        if d_term is not None:
+            d_term.observe(numerics, name)
         d_s_operand = operand if site is None else QTensor(operand, d_s_scale, site.fmt)
 
         d_q = matmul(d_s_operand, kq, precision) * fctx.scale

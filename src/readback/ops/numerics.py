@@ -1,9 +1,9 @@
 """The numerics of one run: recipe, policy and every rounding site. All ops round through it.
 
-A ``Site`` is one named tensor the run rounds (``layer0.attn.output``, ``layer0.mlp.up.weight``,
-...): it owns the tensor's format, its scaling state and its random streams. ``Numerics`` creates
-sites on first use and advances them together at the end of each optimizer step;
-``build_numerics`` makes the run's ``Numerics`` from its config.
+A ``Site`` (``readback.ops.site``) is one named tensor the run rounds (``layer0.attn.output``,
+``layer0.mlp.up.weight``, ...): it owns the tensor's format and scaling state; its random streams
+come from here. ``Numerics`` creates sites on first use and advances them together at the end of
+each optimizer step; ``build_numerics`` makes the run's ``Numerics`` from its config.
 
 It lives with the ops, not in ``readback.numerics``: it checks the policy names of
 ``readback.policy``, and the layers import downward only (numerics -> policy -> ops).
@@ -12,6 +12,7 @@ It lives with the ops, not in ``readback.numerics``: it checks the policy names 
 from __future__ import annotations
 
 import contextlib
+import fnmatch
 import hashlib
 
 import torch
@@ -21,76 +22,15 @@ from readback.numerics import (
     GEMM_PRECISIONS,
     ROUNDINGS,
     CurrentScaling,
-    CurrentScalingState,
     DelayedScaling,
     DelayedScalingState,
-    FP8Format,
     QTensor,
-    abs_max,
-    quantize,
 )
+from readback.ops.site import Site, UnitScale
 from readback.policy import POLICIES
 
 PRECISIONS = ("fp8", "bf16", "off")
 ATTENTION_BWD = GEMM_PRECISIONS[:3]  # fp8, bf16, fp32
-
-
-class _UnitScale:
-    """Scaling state of a site with no scaling (BF16 baseline, rounding off)."""
-
-    scale = torch.ones(())
-
-    def scale_for(self, x: torch.Tensor, amax: torch.Tensor | None = None) -> torch.Tensor:
-        return torch.ones((), device=x.device)
-
-    def end_step(self) -> None:
-        pass
-
-    def state_dict(self) -> dict:
-        return {}
-
-    def load_state_dict(self, state: dict) -> None:
-        pass
-
-
-class Site:
-    """One rounding site. ``quantize`` is the only way a tensor of the model gets rounded."""
-
-    def __init__(self, numerics: Numerics, name: str, direction: str, fmt: FP8Format | None, state):
-        self.numerics, self.name, self.direction = numerics, name, direction
-        self.fmt, self.state = fmt, state
-        self.saturated = 0  # elements clipped to +-fmt.max since the last saturation_counts()
-
-    @property
-    def reads_amax_first(self) -> bool:
-        """Whether the scale depends on the tensor being rounded (current scaling): a tensor
-        rounded block by block then needs its whole amax before the first block."""
-        return isinstance(self.state, CurrentScalingState)
-
-    def quantize(self, x: torch.Tensor, rounding: str = "nearest", scale: torch.Tensor | None = None,
-                 stream: str = "forward", amax: torch.Tensor | None = None) -> QTensor:
-        """Round ``x`` at this site. ``scale`` reuses an earlier scale (a re-rounding) instead
-        of the site's own; ``stream`` names the random stream of a stochastic rounding;
-        ``amax`` is that of the whole tensor when ``x`` is one block of it."""
-        if self.fmt is None:  # rounding switched off: the identity, in x's own precision
-            return QTensor(x, torch.ones((), dtype=x.dtype, device=x.device), None)
-        if self.fmt is BF16:  # BF16 sites round to nearest, as BF16 GEMM inputs do, unscaled
-            return quantize(x, BF16, self.state.scale_for(x) if scale is None else scale)
-        amax = abs_max(x) if amax is None else amax
-        if scale is None:
-            scale = self.state.scale_for(x, amax)
-        generator = self.numerics.generator(self.name, stream, x.device) if rounding == "stochastic" else None
-        self.saturated = self.saturated + _count_saturated(x, amax, scale, self.fmt)
-        return quantize(x, self.fmt, scale, rounding, generator)
-
-
-def _count_saturated(x: torch.Tensor, amax: torch.Tensor, scale: torch.Tensor, fmt: FP8Format) -> torch.Tensor | int:
-    """Elements of ``x`` beyond ``+-fmt.max`` once scaled. On the CPU the counting pass is
-    skipped when ``amax * scale`` shows that none is (the usual case); on a GPU, or while
-    compiling, reading that flag would stall the device, so the count is always taken."""
-    if x.device.type == "cpu" and not torch.compiler.is_compiling() and not amax * scale > fmt.max:
-        return 0
-    return (x.detach().abs() * scale > fmt.max).sum()
 
 
 class Numerics:
@@ -99,6 +39,9 @@ class Numerics:
     ``precision``: ``fp8`` (recipe required), ``bf16`` (every site rounds to BF16, no scaling) or
     ``off`` (no rounding at all, GEMMs in FP64: for gradcheck and references).
     ``bf16_sites``: name prefixes of sites kept in BF16 under FP8 (the study's LM head).
+    ``site_margin``: ``{site pattern: k}``, an extra margin at the FP8 sites a pattern matches
+    (:func:`site_matches`): their scale is divided by ``2**k`` wherever it is used, so a stress
+    reaches every read of the site (the forward's copy and any re-rounding on its grid).
     """
 
     def __init__(
@@ -110,6 +53,7 @@ class Numerics:
         rounding: str = "nearest",
         seed: int = 0,
         bf16_sites: tuple[str, ...] = (),
+        site_margin: dict[str, int] | None = None,
     ):
         for key, value, valid in (
             ("precision", precision, PRECISIONS),
@@ -126,12 +70,15 @@ class Numerics:
         self.attention_bwd = {"fp8": attention_bwd, "bf16": "bf16" if attention_bwd == "fp8" else attention_bwd,
                               "off": "fp64"}[precision]
         self.seed, self.bf16_sites = seed, tuple(bf16_sites)
+        self.site_margin = dict(site_margin or {})
         self.step = 0
         self.sites: dict[str, Site] = {}
         self.saved_bytes: dict[str, int] = {}
         self.tape: list | None = None
         self.watched: dict[str, torch.Tensor] | None = None
         self.observations: dict[str, torch.Tensor] = {}
+        self.maxima: dict[str, torch.Tensor] = {}
+        self.mechanism = False  # ops measure their mechanism statistics (readback.ops.mechanism)
         self.stream_salt = ""
         self._generators: dict[tuple, torch.Generator] = {}
         self._replay: tuple | None = None  # (records iterator, dtype) while replaying a tape
@@ -199,13 +146,14 @@ class Numerics:
         picks the recipe's format for it on first use."""
         if name not in self.sites:
             if self.precision == "off":
-                fmt, state = None, _UnitScale()
+                fmt, state = None, UnitScale()
             elif self.precision == "bf16" or name.startswith(self.bf16_sites):
-                fmt, state = BF16, _UnitScale()
+                fmt, state = BF16, UnitScale()
             else:
                 fmt = self.recipe.fp8_format.fwd if direction == "fwd" else self.recipe.fp8_format.bwd
                 state = self.recipe.new_state(fmt)
-            self.sites[name] = Site(self, name, direction, fmt, state)
+            margin = sum(k for pattern, k in self.site_margin.items() if site_matches(name, pattern))
+            self.sites[name] = Site(self, name, direction, fmt, state, margin if fmt not in (None, BF16) else 0)
         return self.sites[name]
 
     def generator(self, site: str, stream: str, device: torch.device) -> torch.Generator:
@@ -241,6 +189,16 @@ class Numerics:
             site.saturated = 0
         return {name: n for name, n in counts.items() if n}
 
+    def underflow_fractions(self) -> dict[str, float]:
+        """Fraction of the nonzero elements that each FP8 site rounded to zero or to a subnormal
+        since the last call: how much of a tensor a too small scale (a margin, an amax set by
+        rare outliers) pushes off the format's normal range."""
+        fractions = {name: float(site.underflowed) / float(site.nonzero)
+                     for name, site in self.sites.items() if float(site.nonzero) > 0}
+        for site in self.sites.values():
+            site.underflowed = site.nonzero = 0
+        return fractions
+
     def observe(self, key: str, values: torch.Tensor) -> None:
         """Accumulate count, sum and sum of squares of ``values`` under ``key`` (in FP64)."""
         v = values.detach().to(torch.float64).flatten()
@@ -249,10 +207,20 @@ class Numerics:
             moments = moments + self.observations[key].to(moments.device)
         self.observations[key] = moments
 
+    def observe_max(self, key: str, value: torch.Tensor) -> None:
+        """Keep the largest ``value`` under ``key`` (popped as ``<kind>/max/<site>``)."""
+        value = value.detach().to(torch.float64)
+        self.maxima[key] = torch.maximum(self.maxima[key].to(value.device), value) if key in self.maxima else value
+
     def pop_observations(self) -> dict[str, float]:
         """``{"<kind>/mean/<site>": mean, "<kind>/z/<site>": mean / standard error}`` of everything
-        observed since the last call, then forget it. The z-score tests "mean is zero"."""
+        observed since the last call (and ``<kind>/max/<site>`` of ``observe_max``), then forget
+        it. The z-score tests "mean is zero"."""
         stats = {}
+        for key, value in self.maxima.items():
+            kind, site = key.split("/", 1)
+            stats[f"{kind}/max/{site}"] = float(value)
+        self.maxima.clear()
         for key, (count, total, squares) in ((k, m.tolist()) for k, m in self.observations.items()):
             kind, site = key.split("/", 1)
             mean = total / count
@@ -282,9 +250,9 @@ class Numerics:
     def state_dict(self) -> dict:
         """Step, scaling states, and what was counted or observed since the last log record
         (so a resume between two records logs what the uninterrupted run would have)."""
-        sites = {name: {"direction": s.direction, "state": s.state.state_dict(), "saturated": s.saturated}
-                 for name, s in self.sites.items()}
-        return {"step": self.step, "sites": sites, "observations": dict(self.observations)}
+        sites = {name: {"direction": s.direction, "state": s.state.state_dict(), "saturated": s.saturated,
+                        "underflow": (s.underflowed, s.nonzero)} for name, s in self.sites.items()}
+        return {"step": self.step, "sites": sites, "observations": dict(self.observations), "maxima": dict(self.maxima)}
 
     def load_state_dict(self, state: dict) -> None:
         self.step = state["step"]
@@ -293,7 +261,15 @@ class Numerics:
             site = self.site(name, saved["direction"])
             site.state.load_state_dict(saved["state"])
             site.saturated = saved.get("saturated", 0)
+            site.underflowed, site.nonzero = saved.get("underflow", (0, 0))
         self.observations = dict(state.get("observations", {}))
+        self.maxima = dict(state.get("maxima", {}))
+
+
+def site_matches(name: str, pattern: str) -> bool:
+    """A site pattern is a glob over the site name, matching whole trailing components too:
+    ``attn.core.output`` matches ``layers.3.attn.core.output``."""
+    return fnmatch.fnmatchcase(name, pattern) or fnmatch.fnmatchcase(name, f"*.{pattern}")
 
 
 def build_numerics(cfg) -> Numerics:
@@ -315,4 +291,5 @@ def build_numerics(cfg) -> Numerics:
         rounding=p.rounding if p.name == "fp8" else "nearest",
         seed=cfg.seed,
         bf16_sites=tuple(p.bf16_layers) if p.name == "fp8" else (),
+        site_margin=dict(p.site_margin or {}) if p.name == "fp8" else {},
     )

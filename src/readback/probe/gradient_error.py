@@ -65,20 +65,41 @@ class GradientProbe:
         numerics = model.numerics
         for p in params.values():
             p.grad = None
-        numerics.tape, numerics.watched = [], {}
+        numerics.watched = {}
         try:
-            model(inputs, targets).backward()
+            _, tape = taped_backward(model, inputs, targets)
             executed = {n: p.grad for n, p in params.items() if p.grad is not None}
             executed |= {n: t.grad for n, t in numerics.watched.items()}
-            tape, numerics.tape, numerics.watched = numerics.tape, None, {}
-            with numerics.replay(tape, DTYPES[self.dtype]):
-                loss = model(inputs, targets)
-                leaves = {**{n: params[n] for n in executed if n in params}, **numerics.watched}
-                grads = torch.autograd.grad(loss, list(leaves.values()), allow_unused=True)
+            numerics.watched = {}
+            reference = reference_gradients(model, {n: params[n] for n in executed if n in params}, tape,
+                                            inputs, targets, DTYPES[self.dtype])
         finally:
-            numerics.tape, numerics.watched = None, None
-        reference = {n: g.detach().double() for n, g in zip(leaves, grads) if g is not None}
+            numerics.watched = None
         return {n: executed[n].detach().double() for n in reference}, reference
+
+
+def taped_backward(model, inputs: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, list]:
+    """One training forward and backward (gradients into ``.grad``), recording the executed
+    forward's tape: ``(loss, tape)``."""
+    numerics = model.numerics
+    numerics.tape = []
+    try:
+        loss = model(inputs, targets)
+        loss.backward()
+        return loss.detach(), numerics.tape
+    finally:
+        numerics.tape = None
+
+
+def reference_gradients(model, params: dict, tape: list, inputs, targets, dtype=torch.float32) -> dict:
+    """Plain autograd over the replay of ``tape`` (every rounding pinned to the executed bits),
+    by name: the parameters in ``params``, and the op inputs in ``numerics.watched`` when on."""
+    numerics = model.numerics
+    with numerics.replay(tape, dtype):
+        loss = model(inputs, targets)
+        leaves = {**params, **(numerics.watched or {})}
+        grads = torch.autograd.grad(loss, list(leaves.values()), allow_unused=True)
+    return {n: g.detach().double() for n, g in zip(leaves, grads) if g is not None}
 
 
 def compare(errors: list[dict[str, torch.Tensor]], references: list[dict[str, torch.Tensor]]) -> dict[str, float]:

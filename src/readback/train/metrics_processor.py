@@ -83,6 +83,7 @@ class MetricsProcessor:
             rec["mfu"] = self.flops_per_token * tps / (self.peak_flops * self.env.world_size)
             rec["mem_gib"] = torch.cuda.max_memory_allocated(self.env.device) / 2**30
         rec.update({f"fp8_saturation/{site}": int(n) for site, n in model.numerics.saturation_counts().items()})
+        rec.update({f"fp8_underflow/{site}": f for site, f in model.numerics.underflow_fractions().items()})
         rec.update({k: float(v) for k, v in model.numerics.pop_observations().items()})  # e.g. attn_rowsum/z/<layer>
         rec.update(extra)
         return rec

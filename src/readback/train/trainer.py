@@ -49,6 +49,7 @@ from readback.train.checkpoint_manager import (
 from readback.train.contract import Builders, check_model
 from readback.train.distributed import DistEnv, all_reduce_mean
 from readback.train.divergence import DivergenceDetector
+from readback.train.instruments import TrainingBiasMeter
 from readback.train.dry_run import check_memory
 from readback.train.metrics import build_metrics_logger
 from readback.train.metrics_processor import MetricsProcessor
@@ -79,6 +80,7 @@ class Trainer:
         self.grad_clip = t.optim.grad_clip
         self.detector = DivergenceDetector.from_config(t.divergence)
         self.probe = GradientProbe.from_config(cfg.probe)
+        self.bias_meter = TrainingBiasMeter(cfg)
         self.summary = SummaryWriter(self.run_dir, is_main=env.is_main)
         self.metrics: MetricsProcessor | None = None
         self.n_params: int | None = None
@@ -170,13 +172,16 @@ class Trainer:
             if micro == 0 and self.probe.due(step):
                 with whole_parameters(self.forward):
                     self.probe_metrics = self.probe.measure(self.model, x, y)
+            if micro == 0 and self.bias_meter.due(step):
+                with whole_parameters(self.forward):
+                    self.bias_meter.measure(step, self.model, self.stream)
             last = micro == self.accum - 1
-            self.activation_stats.active = track_stats and last
+            self.activation_stats.active = self.model.numerics.mechanism = track_stats and last
             with nullcontext() if last else no_gradient_sync(self.forward, self.env):
                 loss = self.forward(x, y)
                 (loss / self.accum).backward()
             loss_sum += loss.detach().float()
-        self.activation_stats.active = False
+        self.activation_stats.active = self.model.numerics.mechanism = False
         signalled = torch.tensor(float(self.guard.requested is not None), device=dev)
         mean_loss, preempt = all_reduce_mean(torch.stack([loss_sum / self.accum, signalled]), self.env)
         gnorm = clip_gradients(self.params, self.grad_clip).to(dev)
@@ -215,9 +220,9 @@ class Trainer:
             log.error("stopping: %s; non-finite: %s", self.detector.reason, ", ".join(self.detector.nonfinite_tensors))
 
     def _pop_probe(self) -> dict[str, float]:
-        """This record's activation statistics and probe results (each measured once)."""
+        """This record's activation statistics, probe and bias-meter results (each measured once)."""
         found, self.probe_metrics = self.probe_metrics, {}
-        return {**self.activation_stats.pop(), **found}
+        return {**self.activation_stats.pop(), **found, **self.bias_meter.pop()}
 
     def _loop(self, start: int) -> str:
         env, m = self.env, self.metrics
@@ -229,7 +234,7 @@ class Trainer:
         for step in range(start + 1, self.steps + 1):
             t0 = time.perf_counter()
             is_eval = step % self.eval_every == 0 or step == self.steps
-            is_log = step % self.log_every == 0 or is_eval or self.probe.due(step)
+            is_log = step % self.log_every == 0 or is_eval or self.probe.due(step) or self.bias_meter.due(step)
             lr = self.scheduler.get_last_lr()[0]
             loss, gnorm = self._train_step(step, track_stats=is_log)
             self.step = step

@@ -1,0 +1,75 @@
+"""The bias meter's outputs: JSON, a Markdown table and a plot."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+from readback.bias.meter import BiasResult
+
+
+def _pm(value: float, se: float, digits: int = 4) -> str:
+    return f"{value:.{digits}f}" + ("" if math.isnan(se) else f" ± {se:.{digits}f}")
+
+
+def to_markdown(result: BiasResult, groups: list[str] | None = None) -> str:
+    """One row per (variant, group): relative bias ± SE, cosine with the exact gradient ± SE, and
+    the per-batch relative error. ``groups`` defaults to every group."""
+    groups = groups or result.groups
+    lines = [f"Bias meter: policy {result.policy}, {result.batches} batches, "
+             f"{result.seconds_per_batch:.2f} s a batch = {result.steps_per_batch:.1f} plain training steps.",
+             "",
+             "| variant | group | bias / mean exact gradient | cosine with it | rel. error per batch |",
+             "|---|---|---|---|---|"]
+    for variant, stats in result.stats.items():
+        for group in groups:
+            s = stats[group]
+            lines.append(f"| {variant} | {group} | {_pm(s['bias'], s['bias_se'])} | "
+                         f"{_pm(s['cosine'], s['cosine_se'], 3)} | {s['rel_err']:.4f} |")
+    return "\n".join(lines) + "\n"
+
+
+def plot(result: BiasResult, path: str | Path | None = None):
+    """Bias of the total gradient per variant (bars with SE), and a variant x group map of the bias."""
+    import numpy as np
+    from matplotlib.figure import Figure
+
+    names = list(result.stats)
+    fig = Figure(figsize=(12, 4 + 0.25 * len(names)))
+    bars, grid = fig.subplots(1, 2, gridspec_kw={"width_ratios": [1, 2]})
+    totals = [result.stats[n]["total"] for n in names]
+    bars.barh(names, [t["bias"] for t in totals], xerr=[0 if math.isnan(t["bias_se"]) else t["bias_se"] for t in totals],
+              color=["tab:red" if t["cosine"] < 0 else "tab:blue" for t in totals])
+    bars.invert_yaxis()
+    bars.set_xlabel("|mean error| / |mean exact gradient| (total; red: cosine < 0)")
+    values = np.array([[max(result.stats[n][g]["bias"], 1e-12) for g in result.groups] for n in names])
+    image = grid.imshow(np.log10(values), aspect="auto", cmap="viridis")
+    grid.set_xticks(range(len(result.groups)), result.groups, rotation=60, ha="right", fontsize=7)
+    grid.set_yticks(range(len(names)), names, fontsize=7)
+    fig.colorbar(image, ax=grid, label="log10 relative bias")
+    fig.suptitle(f"bias meter, policy {result.policy}, {result.batches} batches")
+    fig.tight_layout()
+    if path is not None:
+        fig.savefig(path, dpi=110)
+    return fig
+
+
+def _finite(tree):
+    """NaN (a standard error of one batch) as null, so the JSON is standard."""
+    if isinstance(tree, dict):
+        return {k: _finite(v) for k, v in tree.items()}
+    if isinstance(tree, list):
+        return [_finite(v) for v in tree]
+    return None if isinstance(tree, float) and math.isnan(tree) else tree
+
+
+def write(result: BiasResult, out: str | Path) -> dict[str, Path]:
+    """``bias.json``, ``bias.md`` and ``bias.png`` in ``out``."""
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    paths = {"json": out / "bias.json", "markdown": out / "bias.md", "plot": out / "bias.png"}
+    paths["json"].write_text(json.dumps(_finite(result.to_json()), indent=1, allow_nan=False) + "\n")
+    paths["markdown"].write_text(to_markdown(result))
+    plot(result, paths["plot"])
+    return paths

@@ -1,0 +1,45 @@
+"""What a biased D-term does inside attention, measured where it happens (log steps only).
+
+Forward: the largest and the mean causal logit, and the attention entropy. Backward: the cosine
+between dQ's D-term component and the mean attended key. Since ``dS = P * (dP - D)``, dQ's
+D-term part is ``-c * D_i * kbar_i`` with ``kbar_i = sum_j P_ij K_j``, the direction a biased D
+pushes every query along; its cosine with ``kbar`` over a whole layer (flattened) is near 0 when
+D's errors have no sign, and goes to -1 or +1 when they do. Per row it would be just -sign(D_i).
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def observe_logits(numerics, name: str, scores: torch.Tensor, probs: torch.Tensor) -> None:
+    """Logit max and mean over the causally visible scores, and the entropy of each row."""
+    seq = scores.shape[-1]
+    visible = torch.ones(seq, seq, dtype=torch.bool, device=scores.device).tril().expand_as(scores)
+    logits = scores.detach()[visible]
+    numerics.observe_max(f"attn_logit/{name}", logits.max())
+    numerics.observe(f"attn_logit/{name}", logits)
+    p = probs.detach()
+    entropy = -(p * torch.log(p.clamp_min(1e-30))).sum(-1)
+    numerics.observe(f"attn_entropy/{name}", entropy)
+
+
+class DTermCosine:
+    """The layer's D-term cosine, accumulated over the query-row blocks of the backward: the
+    cosine of the whole flattened tensors is ``sum(d.k) / sqrt(sum(d.d) sum(k.k))``, and each
+    of the three sums adds over blocks, so no T x T matrix is kept for it."""
+
+    def __init__(self, keys: torch.Tensor):
+        self.keys = keys.detach()  # (B, H, T, hd), the K the backward's dQ GEMM reads
+        self.sums = torch.zeros(3, dtype=torch.float64, device=keys.device)
+
+    def add(self, probs: torch.Tensor, row_term: torch.Tensor) -> None:
+        """One block: its probabilities (B, H, rows, T) and D (B, H, rows, 1)."""
+        mean_key = (probs.detach() @ self.keys).double()  # (B, H, rows, hd)
+        d_term = -row_term.detach().double() * mean_key
+        self.sums += torch.stack([(d_term * mean_key).sum(), d_term.square().sum(), mean_key.square().sum()])
+
+    def observe(self, numerics, name: str) -> None:
+        dot, d_norm2, k_norm2 = self.sums
+        cosine = dot / (d_norm2 * k_norm2).sqrt().clamp_min(1e-30)
+        numerics.observe(f"attn_dq_dterm_cos/{name}", cosine)

@@ -1,0 +1,89 @@
+"""A rounding site: one named tensor the run rounds, with its format and scaling state.
+
+``Site.quantize`` is the only way a tensor of the model gets rounded; it also counts what the
+run logs about each site (``fp8_saturation/<site>``, ``fp8_underflow/<site>``). Sites are made
+and owned by ``readback.ops.numerics.Numerics``.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+from readback.numerics import BF16, CurrentScalingState, FP8Format, QTensor, abs_max, quantize
+
+if TYPE_CHECKING:
+    from readback.ops.numerics import Numerics
+
+
+class UnitScale:
+    """Scaling state of a site with no scaling (BF16 baseline, rounding off)."""
+
+    scale = torch.ones(())
+
+    def scale_for(self, x: torch.Tensor, amax: torch.Tensor | None = None) -> torch.Tensor:
+        return torch.ones((), device=x.device)
+
+    def end_step(self) -> None:
+        pass
+
+    def state_dict(self) -> dict:
+        return {}
+
+    def load_state_dict(self, state: dict) -> None:
+        pass
+
+
+class Site:
+    """One rounding site. ``quantize`` is the only way a tensor of the model gets rounded."""
+
+    def __init__(self, numerics: Numerics, name: str, direction: str, fmt: FP8Format | None, state,
+                 margin: int = 0):
+        self.numerics, self.name, self.direction = numerics, name, direction
+        self.fmt, self.state, self.margin = fmt, state, margin
+        self.saturated = 0  # elements clipped to +-fmt.max since the last saturation_counts()
+        self.underflowed = self.nonzero = 0  # nonzero elements rounded to 0 or a subnormal, of all nonzero
+
+    @property
+    def reads_amax_first(self) -> bool:
+        """Whether the scale depends on the tensor being rounded (current scaling): a tensor
+        rounded block by block then needs its whole amax before the first block."""
+        return isinstance(self.state, CurrentScalingState)
+
+    def quantize(self, x: torch.Tensor, rounding: str = "nearest", scale: torch.Tensor | None = None,
+                 stream: str = "forward", amax: torch.Tensor | None = None) -> QTensor:
+        """Round ``x`` at this site. ``scale`` reuses an earlier scale (a re-rounding) instead
+        of the site's own; ``stream`` names the random stream of a stochastic rounding;
+        ``amax`` is that of the whole tensor when ``x`` is one block of it."""
+        if self.fmt is None:  # rounding switched off: the identity, in x's own precision
+            return QTensor(x, torch.ones((), dtype=x.dtype, device=x.device), None)
+        if self.fmt is BF16:  # BF16 sites round to nearest, as BF16 GEMM inputs do, unscaled
+            return quantize(x, BF16, self.state.scale_for(x) if scale is None else scale)
+        amax = abs_max(x) if amax is None else amax
+        if scale is None:  # the site margin divides the scale like the recipe's margin (2**-k)
+            scale = self.state.scale_for(x, amax)
+            if self.margin:
+                scale = scale * 2.0**-self.margin
+        generator = self.numerics.generator(self.name, stream, x.device) if rounding == "stochastic" else None
+        self.saturated = self.saturated + _count_saturated(x, amax, scale, self.fmt)
+        q = quantize(x, self.fmt, scale, rounding, generator)
+        self._count_underflow(x, q)
+        return q
+
+    def _count_underflow(self, x: torch.Tensor, q: QTensor) -> None:
+        """Add the nonzero elements of ``x`` that ``q`` holds as zero or a subnormal. No amax
+        shortcut exists here (any tensor may hold tiny elements), so it is always counted."""
+        nonzero = x.detach() != 0
+        small = q.data.to(torch.float32).abs() < 2.0**self.fmt.min_exponent
+        self.underflowed = self.underflowed + (small & nonzero).sum()
+        self.nonzero = self.nonzero + nonzero.sum()
+
+
+def _count_saturated(x: torch.Tensor, amax: torch.Tensor, scale: torch.Tensor, fmt: FP8Format) -> torch.Tensor | int:
+    """Elements of ``x`` beyond ``+-fmt.max`` once scaled. On the CPU the counting pass is
+    skipped when ``amax * scale`` shows that none is (the usual case); on a GPU, or while
+    compiling, reading that flag would stall the device, so the count is always taken."""
+    if x.device.type == "cpu" and not torch.compiler.is_compiling() and not amax * scale > fmt.max:
+        return 0
+    return (x.detach().abs() * scale > fmt.max).sum()
