@@ -113,7 +113,7 @@ def _numerics(precision, policy: str, attention_bwd: str, seed: int) -> Numerics
     except ValidationError as error:
         raise ConfigError(f"precision.{error.key}", values.get(error.key), valid_text(schema, error.key)) from None
     OmegaConf.to_object(node)  # ranges and choices
-    return build_numerics(OmegaConf.create({"precision": values, "policy": {"name": policy},
+    return build_numerics(OmegaConf.create({"precision": node, "policy": {"name": policy},
                                             "attention": {"bwd_precision": attention_bwd}, "seed": seed}))
 
 
