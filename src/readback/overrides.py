@@ -6,7 +6,8 @@ Shared by the wandb run names (:mod:`readback.train.tracking`) and the analysis 
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 #: Keys that never tell two configurations apart: the seed (what a group averages over), the
 #: experiment (named separately), the sweep preset, and how a run resumes, reports and logs.
@@ -40,3 +41,13 @@ def swept_keys(overrides: Sequence[str]) -> list[str]:
     except Exception:  # noqa: BLE001 - an unparsable record names no axes
         return []
     return [o.key_or_group for o in parsed if o.is_sweep_override()]
+
+
+def config_value(cfg: Mapping[str, Any], dotted: str) -> Any:
+    """The value at ``dotted`` (``"precision.rounding"``) of a nested config mapping, or None."""
+    node: Any = cfg
+    for part in dotted.split("."):
+        if not isinstance(node, Mapping) or part not in node:
+            return None
+        node = node[part]
+    return node

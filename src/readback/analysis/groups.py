@@ -15,7 +15,7 @@ from typing import Any
 
 import pandas as pd
 
-from readback.overrides import is_setting
+from readback.overrides import config_value, is_setting
 
 #: Config axes read from each run (column name -> dotted config key).
 CONFIG_AXES: dict[str, str] = {
@@ -29,15 +29,6 @@ CONFIG_AXES: dict[str, str] = {
 }
 #: Axes that split an experiment into several groups when they vary within it.
 GROUP_AXES = ("model", "precision", "rounding", "policy", "bwd_precision")
-def config_value(cfg: Mapping[str, Any], dotted: str) -> Any:
-    node: Any = cfg
-    for part in dotted.split("."):
-        if not isinstance(node, Mapping) or part not in node:
-            return None
-        node = node[part]
-    return node
-
-
 def setting(override: Mapping[str, str], cfg: Mapping[str, Any], key: str) -> str:
     """A run's value of ``key``: its override, else its config value (``model`` -> ``model.name``),
     else ``default``."""

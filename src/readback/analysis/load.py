@@ -43,12 +43,8 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from readback.analysis.groups import (
-    CONFIG_AXES,
-    assign_groups,
-    config_value,
-)
-from readback.overrides import override_map
+from readback.analysis.groups import CONFIG_AXES, assign_groups
+from readback.overrides import config_value, override_map
 
 SUMMARY_FIELDS = (
     "status", "final_loss", "val_loss", "steps", "tokens", "diverged_at_step",

@@ -32,7 +32,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlparse
 
-from readback.overrides import is_setting, override_map, swept_keys
+from readback.overrides import config_value, is_setting, override_map, swept_keys
 
 log = logging.getLogger(__name__)
 
@@ -145,12 +145,9 @@ def run_identity(config: Mapping[str, Any], launch: Mapping[str, Any], *, user_t
 
 
 def _dotted(cfg: Mapping[str, Any], dotted: str) -> Any:
-    node: Any = cfg
-    for part in dotted.split("."):
-        if not isinstance(node, Mapping) or part not in node:
-            return None
-        node = node[part]
-    return node if isinstance(node, (str, int, float, bool)) else None
+    """A scalar config value for a tag, or None."""
+    value = config_value(cfg, dotted)
+    return value if isinstance(value, (str, int, float, bool)) else None
 
 
 def define_metrics(run: Any) -> None:
