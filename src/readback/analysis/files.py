@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from readback.analysis.load import Runs, natural_key, runs_from_records
+from readback.train.metrics import read_jsonl_counted
 
 log = logging.getLogger(__name__)
 
@@ -31,30 +32,6 @@ def find_run_dirs(*roots: str | os.PathLike) -> list[Path]:
             else:
                 dirs[:] = sorted(d for d in dirs if not d.startswith("."))
     return sorted(dict.fromkeys(found), key=lambda p: natural_key(str(p)))
-
-
-def read_jsonl(path: Path) -> tuple[list[dict[str, Any]], int]:
-    """The JSON objects of a ``.jsonl`` file and how many lines could not be read (a run killed
-    mid-write leaves a truncated last line)."""
-    records, bad = [], 0
-    try:
-        text = path.read_text(encoding="utf-8", errors="replace")
-    except FileNotFoundError:
-        return [], 0
-    for line in text.splitlines():
-        line = line.strip()
-        if not line:
-            continue
-        try:
-            obj = json.loads(line)
-        except json.JSONDecodeError:
-            bad += 1
-            continue
-        if isinstance(obj, dict):
-            records.append(obj)
-        else:
-            bad += 1
-    return records, bad
 
 
 def _read_json(path: Path) -> dict[str, Any] | None:
@@ -118,7 +95,7 @@ def load_runs(*sweep_dirs: str | os.PathLike, keys: Sequence[str] | None = None,
             run_id = rel if rel != "." else run_dir.name
             if prefix:
                 run_id = f"{root.name}/{run_id}" if rel != "." else run_dir.name
-            records, bad = read_jsonl(run_dir / "metrics.jsonl")
+            records, bad = read_jsonl_counted(run_dir / "metrics.jsonl")
             summary = _read_json(run_dir / "summary.json")
             fallback = "running" if now - _newest_mtime(run_dir) < running_within_s else "failed"
             entries.append(dict(
