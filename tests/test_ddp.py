@@ -124,8 +124,9 @@ PREEMPT_WORKER = WORKER.replace(
         toys.ToyStream.next_batch = next_batch
         try:
             toys.train(toys.make_cfg(**json.loads(sys.argv[2])), Path(sys.argv[1]))
-        except Preempted as p:
-            print(json.dumps(dict(rank=int(os.environ["RANK"]), step=p.step)), flush=True)
+        except Preempted as p:  # one file per rank: the ranks share torchrun's stdout, where lines interleave
+            rank = int(os.environ["RANK"])
+            (Path(sys.argv[1]).parent / ("stopped_rank%d.json" % rank)).write_text(json.dumps(dict(rank=rank, step=p.step)))
             sys.exit(p.exit_code)
         """
     ),
@@ -139,8 +140,8 @@ def test_a_signal_to_one_rank_stops_every_rank_after_the_same_step(tmp_path, mon
     toys.train(toys.make_cfg(**OVERRIDES), one)
     proc = _torchrun(tmp_path, two, OVERRIDES, worker=PREEMPT_WORKER)
     assert proc.returncode != 0  # the workers exit 143: torchrun reports the failure for requeueing
-    stops = sorted(json.loads(line)["rank"] for line in proc.stdout.splitlines() if line.startswith('{"rank"'))
-    steps = {json.loads(line)["step"] for line in proc.stdout.splitlines() if line.startswith('{"rank"')}
+    reports = [json.loads(p.read_text()) for p in sorted(tmp_path.glob("stopped_rank*.json"))]
+    stops, steps = [r["rank"] for r in reports], {r["step"] for r in reports}
     assert stops == [0, 1] and steps == {3}, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert [s for s, _ in list_checkpoints(two / "checkpoints")] == [3]
     state = load_checkpoint(checkpoint_path(two / "checkpoints", 3))
