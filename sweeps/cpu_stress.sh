@@ -4,11 +4,11 @@
 # on the embedded Shakespeare text, 2,000 steps of 16 x 128 tokens at LR 1e-2, validation on the
 # same 8 batches for every run, the bias meter every 500 steps. Runs are paired by seed (same
 # initialisation, data order and validation batches), so the analysis compares each experiment
-# with no_saved_copy seed by seed. 18 runs; several hours on 2 cores (STRESS=14 halves it).
+# with no_saved_copy seed by seed. The fixed settings live in conf/sweep/cpu_stress.yaml. 18 runs; several hours on 2 cores (STRESS=14 halves it).
 #
 #   sweeps/cpu_stress.sh [OVERRIDES...]      e.g. trainer.steps=600
 #
-# Runs land in multirun/cpu_stress/<experiment>/seed<N>/<job>/; the results page (paired-seed
+# Runs land in multirun/cpu_stress/<experiment>/<precision.site_margin,seed>/; the results page (paired-seed
 # table per stress, loss, row-sum, mechanism plots):
 #   python -m readback.analysis multirun/cpu_stress --html
 set -euo pipefail
@@ -21,9 +21,6 @@ exec "$PY" train.py --multirun \
     +experiment="${EXPERIMENTS:-reuse_rounded,fresh_reround,no_saved_copy}" \
     seed="${SEEDS:-0,1,2}" \
     "precision.site_margin=${MARGINS%,}" \
-    model=tiny data=shakespeare model.lr=1e-2 \
-    trainer.steps=2000 trainer.micro_batch=16 trainer.optim.warmup_steps=100 \
-    trainer.log_every=20 trainer.eval_every=250 trainer.eval_batches=8 trainer.ckpt_every=500 \
-    probe.bias_every=500 probe.bias_batches=2 \
+    +sweep=cpu_stress \
     trainer.resume=true trainer.progress=false \
     "$@"
