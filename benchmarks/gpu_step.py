@@ -31,8 +31,10 @@ PEAK_BF16_FLOPS = {"H200": 989e12, "H100": 989e12, "A100": 312e12}
 CASES = {
     "te_bf16": ("bf16_baseline", "te", ()),
     "te_fp8": ("reuse_rounded", "te", ()),  # DelayedScaling(fp8_dpa=True): TE's FP8 attention
-    **{f"emulated_{policy}": ("reuse_rounded", "emulated", (f"policy={policy}",))
-       for policy in ("reuse_rounded", "fresh_reround", "no_saved_copy", "original", "exact")},
+    **{
+        f"emulated_{policy}": ("reuse_rounded", "emulated", (f"policy={policy}",))
+        for policy in ("reuse_rounded", "fresh_reround", "no_saved_copy", "original", "exact")
+    },
 }
 DESCRIPTIONS = {
     "te_bf16": "TE modules, no FP8",
@@ -52,8 +54,14 @@ def _compose(case: str, args) -> object:
     from readback.config import CONF_DIR  # registers the schema conf/train.yaml names
 
     experiment, backend, extra = CASES[case]
-    overrides = [f"+experiment={experiment}", f"backend={backend}", f"model={args.model}",
-                 f"model.seq_len={args.seq}", f"seed={args.seed}", *extra]
+    overrides = [
+        f"+experiment={experiment}",
+        f"backend={backend}",
+        f"model={args.model}",
+        f"model.seq_len={args.seq}",
+        f"seed={args.seed}",
+        *extra,
+    ]
     if args.vocab:
         overrides.append(f"model.vocab_size={args.vocab}")
     with initialize_config_dir(str(CONF_DIR), version_base="1.3"):
@@ -141,15 +149,25 @@ def _table(results: list[dict]) -> str:
             continue
         mfu = f"{100 * r['mfu']:.1f}%" if r.get("mfu") is not None else "n/a"
         note = DESCRIPTIONS.get(r["case"], "emulated FP8, policy " + r["case"].removeprefix("emulated_"))
-        lines.append(f"{r['case']:<24} {r['steps']:>5} {r['tokens_per_s']:>10.0f} {r['step_ms']:>8.1f} {mfu:>6} "
-                     f"{r['peak_mem_gib']:>8.1f} {r['final_loss']:>7.3f}  {note}")
+        lines.append(
+            f"{r['case']:<24} {r['steps']:>5} {r['tokens_per_s']:>10.0f} {r['step_ms']:>8.1f} {mfu:>6} "
+            f"{r['peak_mem_gib']:>8.1f} {r['final_loss']:>7.3f}  {note}"
+        )
     return "\n".join(lines)
 
 
 def _parse(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--cases", nargs="+", default=list(CASES), choices=list(CASES), metavar="CASE",
-                        help=f"cases to run (default: all of {', '.join(CASES)})")
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument(
+        "--cases",
+        nargs="+",
+        default=list(CASES),
+        choices=list(CASES),
+        metavar="CASE",
+        help=f"cases to run (default: all of {', '.join(CASES)})",
+    )
     parser.add_argument("--model", default="fog_390m")
     parser.add_argument("--seq", type=int, default=1024, help="sequence length (default 1024)")
     parser.add_argument("--micro-batch", type=int, default=8)
@@ -179,8 +197,10 @@ def main(argv=None) -> int:
 
     forwarded = [a for a in (argv if argv is not None else sys.argv[1:])]
     results = []
-    print(f"gpu_step: model={args.model} seq={args.seq} micro_batch={args.micro_batch} on {torch.cuda.get_device_name()}",
-          flush=True)
+    print(
+        f"gpu_step: model={args.model} seq={args.seq} micro_batch={args.micro_batch} on {torch.cuda.get_device_name()}",
+        flush=True,
+    )
     for case in args.cases:
         command = [sys.executable, str(Path(__file__).resolve()), *forwarded, "--worker", case]
         try:

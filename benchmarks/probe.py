@@ -9,13 +9,12 @@ A probe with K repeats runs K executed forward/backward passes and K reference r
 import argparse
 
 import torch
-from timing import median_ms
 from hydra import compose, initialize_config_dir
+from timing import median_ms
 
-from readback.config import CONF_DIR
 from readback.backends import build_model
+from readback.config import CONF_DIR
 from readback.probe import GradientProbe
-
 
 
 def main() -> None:
@@ -28,7 +27,9 @@ def main() -> None:
     args = parser.parse_args()
 
     with initialize_config_dir(str(CONF_DIR), version_base="1.3"):
-        cfg = compose("train", overrides=[f"model={args.model}", f"+experiment={args.experiment}", "model.vocab_size=2048"])
+        cfg = compose(
+            "train", overrides=[f"model={args.model}", f"+experiment={args.experiment}", "model.vocab_size=2048"]
+        )
     torch.manual_seed(0)
     model = build_model(cfg)
     x = torch.randint(0, 2048, (args.batch, cfg.model.seq_len))
@@ -39,7 +40,9 @@ def main() -> None:
         model.zero_grad(set_to_none=True)
 
     plain = median_ms(step, args.steps)
-    print(f"{args.model} {args.experiment}, batch {args.batch} x {cfg.model.seq_len}, {torch.get_num_threads()} threads")
+    print(
+        f"{args.model} {args.experiment}, batch {args.batch} x {cfg.model.seq_len}, {torch.get_num_threads()} threads"
+    )
     print(f"  plain step (forward + backward)   {plain:9.1f} ms   1.00x")
     for k in args.repeats:
         probe = GradientProbe(every=1, repeats=k)

@@ -16,7 +16,6 @@ from timing import median_ms
 from readback.numerics import E4M3, quantize
 
 
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--size", type=int, default=4096, help="the tensor is size x size FP32")
@@ -33,8 +32,10 @@ def main() -> None:
         "quantize(..., 'nearest')": lambda: quantize(x, E4M3, scale, "nearest"),
         "quantize(..., 'stochastic', generator)": lambda: quantize(x, E4M3, scale, "stochastic", generator),
     }
-    print(f"{args.size}x{args.size} fp32 -> E4M3, median of {args.repeats} after a warm-up, "
-          f"{torch.get_num_threads()} threads, torch {torch.__version__}")
+    print(
+        f"{args.size}x{args.size} fp32 -> E4M3, median of {args.repeats} after a warm-up, "
+        f"{torch.get_num_threads()} threads, torch {torch.__version__}"
+    )
     baseline = None
     for name, fn in cases.items():
         ms = median_ms(fn, args.repeats)

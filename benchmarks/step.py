@@ -39,8 +39,12 @@ from readback.config import CONF_DIR
 from readback.probe import GradientProbe
 
 VOCAB = 2048
-READBACK = {"bf16": "bf16_baseline", "reuse_rounded": "reuse_rounded", "fresh_reround": "fresh_reround",
-            "no_saved_copy": "no_saved_copy"}
+READBACK = {
+    "bf16": "bf16_baseline",
+    "reuse_rounded": "reuse_rounded",
+    "fresh_reround": "fresh_reround",
+    "no_saved_copy": "no_saved_copy",
+}
 PLAIN = ("plain_fp32", "plain_bf16")
 
 
@@ -132,24 +136,40 @@ def time_table(size: str, threads: int, batch: int, rounds: int, variants: list[
             start = time.perf_counter()
             fn()
             times[v].append(time.perf_counter() - start)
-    return {v: {"median_ms": 1e3 * statistics.median(t), "min_ms": 1e3 * min(t), "max_ms": 1e3 * max(t),
-                "tokens_per_s": tokens / statistics.median(t), "gflops": flops / statistics.median(t) / 1e9}
-            for v, t in times.items()}
+    return {
+        v: {
+            "median_ms": 1e3 * statistics.median(t),
+            "min_ms": 1e3 * min(t),
+            "max_ms": 1e3 * max(t),
+            "tokens_per_s": tokens / statistics.median(t),
+            "gflops": flops / statistics.median(t) / 1e9,
+        }
+        for v, t in times.items()
+    }
 
 
 def print_table(size: str, threads: int, batch: int, rounds: int, rows: dict, memory: dict) -> None:
     print(f"\n{size}, batch {batch}, {threads} thread(s), {rounds} interleaved rounds, torch {torch.__version__}")
-    print(f"  {'variant':<15}{'median ms':>10}{'min':>9}{'max':>9}{'tok/s':>9}{'GFLOP/s':>9}"
-          f"{'x bf16':>8}{'rise MiB':>10}{'live MiB':>10}")
+    print(
+        f"  {'variant':<15}{'median ms':>10}{'min':>9}{'max':>9}{'tok/s':>9}{'GFLOP/s':>9}"
+        f"{'x bf16':>8}{'rise MiB':>10}{'live MiB':>10}"
+    )
     for v, r in rows.items():
         mem = memory.get(v, {})
-        print(f"  {v:<15}{r['median_ms']:10.1f}{r['min_ms']:9.1f}{r['max_ms']:9.1f}{r['tokens_per_s']:9.0f}"
-              f"{r['gflops']:9.2f}{r['median_ms'] / rows['bf16']['median_ms']:8.2f}"
-              f"{mem.get('rise_mib', float('nan')):10.0f}{mem.get('live_rise_mib', float('nan')):10.0f}")
+        print(
+            f"  {v:<15}{r['median_ms']:10.1f}{r['min_ms']:9.1f}{r['max_ms']:9.1f}{r['tokens_per_s']:9.0f}"
+            f"{r['gflops']:9.2f}{r['median_ms'] / rows['bf16']['median_ms']:8.2f}"
+            f"{mem.get('rise_mib', float('nan')):10.0f}{mem.get('live_rise_mib', float('nan')):10.0f}"
+        )
     bf16 = rows["bf16"]["gflops"]
-    print("  readback bf16 / plain GFLOP/s: " + ", ".join(f"{p} {bf16 / rows[p]['gflops']:.2f}" for p in PLAIN if p in rows))
+    print(
+        "  readback bf16 / plain GFLOP/s: "
+        + ", ".join(f"{p} {bf16 / rows[p]['gflops']:.2f}" for p in PLAIN if p in rows)
+    )
     if "probe" in rows:
-        print(f"  probe (1 repeat) / reuse_rounded step: {rows['probe']['median_ms'] / rows['reuse_rounded']['median_ms']:.2f}")
+        print(
+            f"  probe (1 repeat) / reuse_rounded step: {rows['probe']['median_ms'] / rows['reuse_rounded']['median_ms']:.2f}"
+        )
 
 
 def main() -> None:
@@ -174,8 +194,13 @@ def main() -> None:
             for v in args.variants:
                 memory[v] = {}
                 for prefix, malloc in (("", {}), ("live_", {"MALLOC_MMAP_THRESHOLD_": "65536"})):
-                    out = subprocess.run([sys.executable, __file__, "--memory-of", v, size, str(batch)], check=True,
-                                         capture_output=True, text=True, env={**os.environ, **malloc}).stdout
+                    out = subprocess.run(
+                        [sys.executable, __file__, "--memory-of", v, size, str(batch)],
+                        check=True,
+                        capture_output=True,
+                        text=True,
+                        env={**os.environ, **malloc},
+                    ).stdout
                     memory[v].update({prefix + k: n for k, n in json.loads(out.splitlines()[-1]).items()})
         for threads in args.threads:
             rows = time_table(size, threads, batch, args.rounds, args.variants)

@@ -16,14 +16,18 @@ spec.loader.exec_module(facts)
 
 try:
     import torch
-except Exception as error:  # noqa: BLE001 - a missing or broken install
-    print(f"torch MISSING ({' '.join(str(error).split())[:120]}), Transformer Engine "
-          f"{facts.installed_te_version() or 'MISSING'}")
+except Exception as error:
+    print(
+        f"torch MISSING ({' '.join(str(error).split())[:120]}), Transformer Engine "
+        f"{facts.installed_te_version() or 'MISSING'}"
+    )
     sys.exit(1)
 
 hw = facts.installed_hardware()
 cudnn = facts.cudnn_version(torch.backends.cudnn.version() if torch.backends.cudnn.is_available() else None)
 gpu = f"{torch.cuda.get_device_name()} {hw.describe().split(',')[0]}" if hw.capability else "none"
-print(f"torch {torch.__version__}, CUDA {torch.version.cuda or 'none (CPU build)'}, "
-      f"cuDNN {'.'.join(map(str, cudnn)) if cudnn else 'none'}, "
-      f"Transformer Engine {facts.installed_te_version() or 'MISSING'}, GPU {gpu}")
+print(
+    f"torch {torch.__version__}, CUDA {torch.version.cuda or 'none (CPU build)'}, "
+    f"cuDNN {'.'.join(map(str, cudnn)) if cudnn else 'none'}, "
+    f"Transformer Engine {facts.installed_te_version() or 'MISSING'}, GPU {gpu}"
+)

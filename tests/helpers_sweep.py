@@ -37,18 +37,27 @@ _cache: dict[str, object] = {}
 def sweep_args(conf_dir: Path, sweep_dir: Path, seeds: tuple[int, ...] = SEEDS) -> list[str]:
     """The command line of the test sweep (``train.py`` arguments)."""
     return [
-        "-m", f"+experiment={','.join(EXPERIMENTS)}", f"seed={','.join(map(str, seeds))}", "+sweep=test_tiny",
-        "logger=wandb", "logger.mode=offline", "logger.project=readback-tests", "logger.tags=[ci]",
-        "trainer.resume=true", "trainer.progress=false",
-        f"hydra.searchpath=[file://{conf_dir}]", f"hydra.sweep.dir={sweep_dir}",
+        "-m",
+        f"+experiment={','.join(EXPERIMENTS)}",
+        f"seed={','.join(map(str, seeds))}",
+        "+sweep=test_tiny",
+        "logger=wandb",
+        "logger.mode=offline",
+        "logger.project=readback-tests",
+        "logger.tags=[ci]",
+        "trainer.resume=true",
+        "trainer.progress=false",
+        f"hydra.searchpath=[file://{conf_dir}]",
+        f"hydra.sweep.dir={sweep_dir}",
     ]
 
 
 def run_train(args: list[str], cwd: Path) -> subprocess.CompletedProcess:
     env = {**os.environ, "WANDB_MODE": "offline", "WANDB_SILENT": "true", "HYDRA_FULL_ERROR": "1"}
     env.pop("WANDB_DISABLED", None)
-    proc = subprocess.run([sys.executable, str(REPO / "train.py"), *args], cwd=cwd, env=env,
-                          capture_output=True, text=True, timeout=900)
+    proc = subprocess.run(
+        [sys.executable, str(REPO / "train.py"), *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=900
+    )
     if proc.returncode != 0:
         raise AssertionError(f"train.py failed ({proc.returncode}):\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}")
     return proc

@@ -19,7 +19,6 @@ import numpy as np
 import pandas as pd
 import pytest
 import yaml
-
 from helpers_sweep import EXPERIMENTS, REPO, real_sweep
 
 from readback.analysis import (
@@ -41,8 +40,7 @@ TOKENS_PER_STEP = 100
 OLD = time.time() - 7 * 24 * 3600  # a week ago: a run without summary this old has failed
 
 
-def config(experiment: str, seed: int, rounding: str = "nearest", policy: str | None = None,
-           bwd: str = "fp8") -> dict:
+def config(experiment: str, seed: int, rounding: str = "nearest", policy: str | None = None, bwd: str = "fp8") -> dict:
     return {
         "model": {"name": "tiny", "n_layers": 2},
         "precision": {"name": "fp8", "rounding": rounding},
@@ -58,11 +56,21 @@ def records(losses, *, probe_every: int = 20, eval_every: int = 20, every: int =
     out = []
     for i, loss in enumerate(losses):
         step = (i + 1) * every
-        r = {"step": step, "loss": loss, "lr": 1e-3, "tokens": step * TOKENS_PER_STEP, "grad_norm": 1.0,
-             "tokens_per_s": 1000.0, "kurtosis/attn_out_max": 3.0 + i + shift, "kurtosis/ffn_in_max": 3.5 + i,
-             "attn_rowsum/mean/layers.0.attn.core": -1e-8 * i, "attn_rowsum/z/layers.0.attn.core": -float(i) - shift,
-             "attn_rowsum/mean/layers.1.attn.core": 1e-9, "attn_rowsum/z/layers.1.attn.core": 0.5,
-             "fp8_saturation/layers.0.attn.core.output": i}
+        r = {
+            "step": step,
+            "loss": loss,
+            "lr": 1e-3,
+            "tokens": step * TOKENS_PER_STEP,
+            "grad_norm": 1.0,
+            "tokens_per_s": 1000.0,
+            "kurtosis/attn_out_max": 3.0 + i + shift,
+            "kurtosis/ffn_in_max": 3.5 + i,
+            "attn_rowsum/mean/layers.0.attn.core": -1e-8 * i,
+            "attn_rowsum/z/layers.0.attn.core": -float(i) - shift,
+            "attn_rowsum/mean/layers.1.attn.core": 1e-9,
+            "attn_rowsum/z/layers.1.attn.core": 0.5,
+            "fp8_saturation/layers.0.attn.core.output": i,
+        }
         if step % eval_every == 0:
             r["val_loss"] = None if loss is None else loss - 0.1
         if step % probe_every == 0:
@@ -77,13 +85,32 @@ def records(losses, *, probe_every: int = 20, eval_every: int = 20, every: int =
 
 
 def summary(status: str, final_loss, val_loss, steps: int, experiment: str, diverged_at=None, **extra) -> dict:
-    return {"status": status, "final_loss": final_loss, "val_loss": val_loss, "steps": steps,
-            "tokens": steps * TOKENS_PER_STEP, "diverged_at_step": diverged_at, "divergence_reason": None,
-            "skipped_updates": [], "wall_time_s": 12.5, "n_params": 1234, "experiment": experiment, **extra}
+    return {
+        "status": status,
+        "final_loss": final_loss,
+        "val_loss": val_loss,
+        "steps": steps,
+        "tokens": steps * TOKENS_PER_STEP,
+        "diverged_at_step": diverged_at,
+        "divergence_reason": None,
+        "skipped_updates": [],
+        "wall_time_s": 12.5,
+        "n_params": 1234,
+        "experiment": experiment,
+        **extra,
+    }
 
 
-def write_run(root: Path, rel: str, cfg: dict | None, recs: list[dict] | None, summ: dict | None,
-              *, extra_lines: str = "", mtime: float | None = OLD) -> Path:
+def write_run(
+    root: Path,
+    rel: str,
+    cfg: dict | None,
+    recs: list[dict] | None,
+    summ: dict | None,
+    *,
+    extra_lines: str = "",
+    mtime: float | None = OLD,
+) -> Path:
     d = root / rel
     (d / ".hydra").mkdir(parents=True, exist_ok=True)
     if cfg is not None:
@@ -115,23 +142,46 @@ def sweep(tmp_path) -> Path:
     root = tmp_path / "sweep"
     # reuse_rounded: one completed (high loss), one diverged at step 30 with a NaN loss logged
     # (null in JSON) and a truncated last line
-    write_run(root, "reuse_rounded/seed0/0", config("reuse_rounded", 0),
-              records([5.0, 4.0, 6.0, 7.0, 7.3], shift=1.0),
-              summary("completed", REUSE_FINAL[0], REUSE_VAL[0], 50, "reuse_rounded"))
-    write_run(root, "reuse_rounded/seed1/1", config("reuse_rounded", 1),
-              records([5.0, 4.1, 9.0, None, 7.5], shift=1.0),
-              summary("diverged", REUSE_FINAL[1], REUSE_VAL[1], 50, "reuse_rounded", diverged_at=30),
-              extra_lines='{"step": 60, "loss": 7.')
+    write_run(
+        root,
+        "reuse_rounded/seed0/0",
+        config("reuse_rounded", 0),
+        records([5.0, 4.0, 6.0, 7.0, 7.3], shift=1.0),
+        summary("completed", REUSE_FINAL[0], REUSE_VAL[0], 50, "reuse_rounded"),
+    )
+    write_run(
+        root,
+        "reuse_rounded/seed1/1",
+        config("reuse_rounded", 1),
+        records([5.0, 4.1, 9.0, None, 7.5], shift=1.0),
+        summary("diverged", REUSE_FINAL[1], REUSE_VAL[1], 50, "reuse_rounded", diverged_at=30),
+        extra_lines='{"step": 60, "loss": 7.',
+    )
     # no_saved_copy: two completed, one killed (no summary; its files are old) after 2 records
-    write_run(root, "no_saved_copy/seed0/2", config("no_saved_copy", 0), records([5.0, 4.0, 3.6, 3.4, 3.25]),
-              summary("completed", CONTROL_FINAL[0], CONTROL_VAL[0], 50, "no_saved_copy"))
-    write_run(root, "no_saved_copy/seed1/3", config("no_saved_copy", 1), records([5.0, 4.0, 3.6, 3.4, 3.26]),
-              summary("completed", CONTROL_FINAL[1], CONTROL_VAL[1], 50, "no_saved_copy"))
+    write_run(
+        root,
+        "no_saved_copy/seed0/2",
+        config("no_saved_copy", 0),
+        records([5.0, 4.0, 3.6, 3.4, 3.25]),
+        summary("completed", CONTROL_FINAL[0], CONTROL_VAL[0], 50, "no_saved_copy"),
+    )
+    write_run(
+        root,
+        "no_saved_copy/seed1/3",
+        config("no_saved_copy", 1),
+        records([5.0, 4.0, 3.6, 3.4, 3.26]),
+        summary("completed", CONTROL_FINAL[1], CONTROL_VAL[1], 50, "no_saved_copy"),
+    )
     write_run(root, "no_saved_copy/seed2/4", config("no_saved_copy", 2), records([5.1, 4.2]), None)
     # fresh_reround: one failed with a summary (an exception), one still running (fresh files);
     # the running one has no config: experiment and seed come from the path
-    write_run(root, "fresh_reround/seed0/5", config("fresh_reround", 0), records([5.0]),
-              summary("failed", 5.0, None, 10, "fresh_reround", error="RuntimeError: boom"))
+    write_run(
+        root,
+        "fresh_reround/seed0/5",
+        config("fresh_reround", 0),
+        records([5.0]),
+        summary("failed", 5.0, None, 10, "fresh_reround", error="RuntimeError: boom"),
+    )
     write_run(root, "fresh_reround/seed1/6", None, records([5.0, 4.5]), None, mtime=None)
     return root
 
@@ -139,8 +189,13 @@ def sweep(tmp_path) -> Path:
 def test_find_run_dirs_stops_at_run_dirs(sweep):
     dirs = find_run_dirs(sweep)
     assert [d.relative_to(sweep).as_posix() for d in dirs] == [
-        "fresh_reround/seed0/5", "fresh_reround/seed1/6", "no_saved_copy/seed0/2", "no_saved_copy/seed1/3",
-        "no_saved_copy/seed2/4", "reuse_rounded/seed0/0", "reuse_rounded/seed1/1",
+        "fresh_reround/seed0/5",
+        "fresh_reround/seed1/6",
+        "no_saved_copy/seed0/2",
+        "no_saved_copy/seed1/3",
+        "no_saved_copy/seed2/4",
+        "reuse_rounded/seed0/0",
+        "reuse_rounded/seed1/1",
     ]
     with pytest.raises(FileNotFoundError):
         find_run_dirs(sweep / "nope")
@@ -153,15 +208,24 @@ def test_load_runs_summary(sweep):
     assert runs.groups == ["reuse_rounded", "fresh_reround", "no_saved_copy"]  # the study's order
     status = s["status"].to_dict()
     assert status == {
-        "fresh_reround/seed0/5": "failed", "fresh_reround/seed1/6": "running",
-        "no_saved_copy/seed0/2": "completed", "no_saved_copy/seed1/3": "completed",
-        "no_saved_copy/seed2/4": "failed", "reuse_rounded/seed0/0": "completed",
+        "fresh_reround/seed0/5": "failed",
+        "fresh_reround/seed1/6": "running",
+        "no_saved_copy/seed0/2": "completed",
+        "no_saved_copy/seed1/3": "completed",
+        "no_saved_copy/seed2/4": "failed",
+        "reuse_rounded/seed0/0": "completed",
         "reuse_rounded/seed1/1": "diverged",
     }
     r = s.loc["reuse_rounded/seed1/1"]
     assert r["diverged"] and r["diverged_at_step"] == 30 and r["final_loss"] == 7.5 and r["bad_lines"] == 1
     assert (r["experiment"], r["seed"], r["model"], r["rounding"], r["policy"], r["bwd_precision"]) == (
-        "reuse_rounded", 1, "tiny", "nearest", "reuse_rounded", "fp8")
+        "reuse_rounded",
+        1,
+        "tiny",
+        "nearest",
+        "reuse_rounded",
+        "fp8",
+    )
     assert not s.loc["reuse_rounded/seed0/0", "diverged"]
     killed = s.loc["no_saved_copy/seed2/4"]  # no summary: last logged loss and step
     assert killed["final_loss"] == 4.2 and killed["steps"] == 20 and killed["last_step"] == 20
@@ -233,10 +297,20 @@ def test_final_loss_table_numbers(sweep):
 
 
 def test_single_seed_has_no_std(tmp_path):
-    write_run(tmp_path, "a/seed0/0", config("reuse_rounded", 0), records([5.0, 7.314]),
-              summary("diverged", 7.314, None, 20, "reuse_rounded", diverged_at=20))
-    write_run(tmp_path, "b/seed0/1", config("no_saved_copy", 0), records([5.0, 3.256]),
-              summary("completed", 3.256, 3.2, 20, "no_saved_copy"))
+    write_run(
+        tmp_path,
+        "a/seed0/0",
+        config("reuse_rounded", 0),
+        records([5.0, 7.314]),
+        summary("diverged", 7.314, None, 20, "reuse_rounded", diverged_at=20),
+    )
+    write_run(
+        tmp_path,
+        "b/seed0/1",
+        config("no_saved_copy", 0),
+        records([5.0, 3.256]),
+        summary("completed", 3.256, 3.2, 20, "no_saved_copy"),
+    )
     table = final_loss_table(load_runs(tmp_path))
     assert math.isnan(table.loc[0, "final_loss_std"])
     md = format_final_loss_table(table)
@@ -246,12 +320,27 @@ def test_single_seed_has_no_std(tmp_path):
 
 
 def test_groups_split_on_varying_axes(tmp_path):
-    write_run(tmp_path, "r/seed0/0", config("reuse_rounded", 0, rounding="nearest"), records([5.0, 4.0]),
-              summary("completed", 4.0, 3.9, 20, "reuse_rounded"))
-    write_run(tmp_path, "r/seed0/1", config("reuse_rounded", 0, rounding="stochastic"), records([5.0, 4.5]),
-              summary("completed", 4.5, 4.4, 20, "reuse_rounded"))
-    write_run(tmp_path, "n/seed0/2", config("no_saved_copy", 0), records([5.0, 4.0]),
-              summary("completed", 4.0, 3.9, 20, "no_saved_copy"))
+    write_run(
+        tmp_path,
+        "r/seed0/0",
+        config("reuse_rounded", 0, rounding="nearest"),
+        records([5.0, 4.0]),
+        summary("completed", 4.0, 3.9, 20, "reuse_rounded"),
+    )
+    write_run(
+        tmp_path,
+        "r/seed0/1",
+        config("reuse_rounded", 0, rounding="stochastic"),
+        records([5.0, 4.5]),
+        summary("completed", 4.5, 4.4, 20, "reuse_rounded"),
+    )
+    write_run(
+        tmp_path,
+        "n/seed0/2",
+        config("no_saved_copy", 0),
+        records([5.0, 4.0]),
+        summary("completed", 4.0, 3.9, 20, "no_saved_copy"),
+    )
     runs = load_runs(tmp_path)
     assert runs.groups == ["reuse_rounded [rounding=nearest]", "reuse_rounded [rounding=stochastic]", "no_saved_copy"]
     t = final_loss_table(runs, by="experiment").set_index("group")
@@ -260,8 +349,13 @@ def test_groups_split_on_varying_axes(tmp_path):
 
 def test_several_sweep_dirs_are_prefixed(tmp_path):
     for name in ("s1", "s2"):
-        write_run(tmp_path / name, "x/seed0/0", config("no_saved_copy", 0), records([5.0]),
-                  summary("completed", 5.0, None, 10, "no_saved_copy"))
+        write_run(
+            tmp_path / name,
+            "x/seed0/0",
+            config("no_saved_copy", 0),
+            records([5.0]),
+            summary("completed", 5.0, None, 10, "no_saved_copy"),
+        )
     runs = load_runs(tmp_path / "s1", tmp_path / "s2")
     assert sorted(runs.summary.index) == ["s1/x/seed0/0", "s2/x/seed0/0"]
     assert final_loss_table(runs).loc[0, "n"] == 2
@@ -271,15 +365,30 @@ def test_several_sweep_dirs_are_prefixed(tmp_path):
 
 def test_runs_from_records_like_wandb():
     """load_wandb's conversion (no network): underscore keys dropped, unfinished state kept."""
-    hist = [{"_step": 0, "_runtime": 1.0, "step": 10, "loss": 5.0, "tokens": 1000, "note": "text"},
-            {"_step": 1, "step": 20, "loss": 4.0, "tokens": 2000, "val_loss": 3.9, "note": "x"}]
-    runs = runs_from_records([
-        dict(run_id="ent/proj/abc", config=config("fresh_reround", 3), summary=None, records=hist,
-             status_without_summary="running"),
-    ])
+    hist = [
+        {"_step": 0, "_runtime": 1.0, "step": 10, "loss": 5.0, "tokens": 1000, "note": "text"},
+        {"_step": 1, "step": 20, "loss": 4.0, "tokens": 2000, "val_loss": 3.9, "note": "x"},
+    ]
+    runs = runs_from_records(
+        [
+            dict(
+                run_id="ent/proj/abc",
+                config=config("fresh_reround", 3),
+                summary=None,
+                records=hist,
+                status_without_summary="running",
+            ),
+        ]
+    )
     s = runs.summary.loc["ent/proj/abc"]
     assert (s["status"], s["experiment"], s["seed"], s["final_loss"], s["val_loss"], s["steps"]) == (
-        "running", "fresh_reround", 3, 4.0, 3.9, 20)
+        "running",
+        "fresh_reround",
+        3,
+        4.0,
+        3.9,
+        20,
+    )
     assert set(runs.metrics["key"].astype(str)) == {"loss", "val_loss"}
 
 
@@ -322,8 +431,14 @@ def test_plots_write_pngs(sweep, tmp_path, x, band):
     assert xs == [30 * (TOKENS_PER_STEP if x == "tokens" else 1)]
     # grad error: rows total + 2 dq sites, columns rel_err and bias, log scale
     titles = [a.get_title() for a in figs["grad_error"].axes if a.get_visible()]
-    assert titles == ["rel_err / total", "bias / total", "rel_err / layers.0.attn.core.dq",
-                      "bias / layers.0.attn.core.dq", "rel_err / layers.1.attn.core.dq", "bias / layers.1.attn.core.dq"]
+    assert titles == [
+        "rel_err / total",
+        "bias / total",
+        "rel_err / layers.0.attn.core.dq",
+        "bias / layers.0.attn.core.dq",
+        "rel_err / layers.1.attn.core.dq",
+        "bias / layers.1.attn.core.dq",
+    ]
     assert figs["grad_error"].axes[0].get_yscale() == "log"
     assert len([a for a in figs["attn_rowsum"].axes if a.get_visible()]) == 2
     assert len([a for a in figs["kurtosis"].axes if a.get_visible()]) == 2
@@ -341,7 +456,9 @@ def test_loss_mean_and_band_values(sweep):
 
 def test_plots_without_probe_or_stats(tmp_path):
     recs = [{"step": s, "loss": 5.0 - s / 100, "tokens": s * 10} for s in (10, 20)]
-    write_run(tmp_path, "e/seed0/0", config("bf16_baseline", 0), recs, summary("completed", 4.8, None, 20, "bf16_baseline"))
+    write_run(
+        tmp_path, "e/seed0/0", config("bf16_baseline", 0), recs, summary("completed", 4.8, None, 20, "bf16_baseline")
+    )
     runs = load_runs(tmp_path)
     paths = write_report(runs, tmp_path / "out")
     for name in ("loss", "grad_error", "kurtosis", "attn_rowsum"):
@@ -366,8 +483,13 @@ def test_cli(sweep, tmp_path, capsys):
 
 
 def test_cli_module_default_out(sweep):
-    proc = subprocess.run([sys.executable, "-m", "readback.analysis", str(sweep)], capture_output=True, text=True,
-                          timeout=120, env={**os.environ, "MPLBACKEND": "Agg"})
+    proc = subprocess.run(
+        [sys.executable, "-m", "readback.analysis", str(sweep)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "MPLBACKEND": "Agg"},
+    )
     assert proc.returncode == 0, proc.stderr
     assert (sweep / "analysis" / "final_loss.md").is_file() and _is_png(sweep / "analysis" / "loss.png")
     # the report dir holds no run, so a second pass finds the same runs
@@ -386,9 +508,19 @@ def test_real_sweep_loads(tmp_path_factory, tmp_path):
     assert s["final_loss"].notna().all() and s["val_loss"].notna().all()
     assert runs.groups == ["reuse_rounded", "no_saved_copy"]
     keys = set(runs.keys())
-    for k in ("loss", "val_loss", "lr", "grad_norm", "kurtosis/attn_out_max", "kurtosis/ffn_in_max",
-              "attn_rowsum/z/layers.0.attn.core", "attn_rowsum/z/layers.1.attn.core",
-              "grad_error/rel_err/total", "grad_error/bias/total", "grad_error/bias/layers.1.attn.core.dq"):
+    for k in (
+        "loss",
+        "val_loss",
+        "lr",
+        "grad_norm",
+        "kurtosis/attn_out_max",
+        "kurtosis/ffn_in_max",
+        "attn_rowsum/z/layers.0.attn.core",
+        "attn_rowsum/z/layers.1.attn.core",
+        "grad_error/rel_err/total",
+        "grad_error/bias/total",
+        "grad_error/bias/layers.1.attn.core.dq",
+    ):
         assert k in keys, k
     assert sorted(runs.curve("grad_error/rel_err/total")["step"].unique()) == [5, 10]
     assert sorted(runs.curve("loss")["step"].unique()) == [5, 10]

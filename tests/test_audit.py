@@ -59,8 +59,13 @@ def test_sdpa_d_term_original_and_none_are_a_tie(audited):
 @pytest.mark.parametrize("op", ["readback.attention", "readback.attention (stochastic fwd)"])
 def test_attention_d_term_per_policy(audited, op):
     rows, _ = audited
-    wants = {"reuse_rounded": "rounded", "fresh_reround": "fresh", "no_saved_copy": "none", "original": "original",
-             "exact": "none"}
+    wants = {
+        "reuse_rounded": "rounded",
+        "fresh_reround": "fresh",
+        "no_saved_copy": "none",
+        "original": "original",
+        "exact": "none",
+    }
     for policy in [p for p in wants if any(r.op == op and r.policy == p for r in rows)]:
         row = find(rows, op, "D", policy)
         assert row.reads == wants[policy], (policy, row)
@@ -114,7 +119,10 @@ def test_te_rows_skipped_with_one_note_without_te(audited):
 def test_te_rows(audited):
     rows, _ = audited
     assert {r.op.split(" ")[0] for r in rows if r.op.startswith("te.")} == {
-        "te.Linear", "te.LayerNormLinear", "te.DotProductAttention"}
+        "te.Linear",
+        "te.LayerNormLinear",
+        "te.DotProductAttention",
+    }
     assert find(rows, "te.LayerNormLinear", "gain").reads == "original"
     assert find(rows, "te.LayerNormLinear", "wgrad").reads == "rounded"
 
@@ -141,8 +149,12 @@ def test_match_reports_ties_and_misses():
 
 def test_cli_json(tmp_path):
     path = tmp_path / "audit.json"
-    done = subprocess.run([sys.executable, "-m", "readback.audit", "--json", str(path), "--seed", "1"],
-                          capture_output=True, text=True, timeout=120)
+    done = subprocess.run(
+        [sys.executable, "-m", "readback.audit", "--json", str(path), "--seed", "1"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert done.returncode == 0, done.stderr  # rows that differ do not fail the audit
     assert "rule wants" in done.stdout and "DIFFERS" in done.stdout
     rows = json.loads(path.read_text())
@@ -152,8 +164,9 @@ def test_cli_json(tmp_path):
     policies = {row["policy"] for row in rows if row["op"].startswith("readback.")}
     assert policies == set(POLICIES)
     assert all("policy" not in row for row in rows if not row["op"].startswith("readback."))
-    reuse = [r for r in rows if r["op"] == "readback.attention" and r["gradient"] == "D"
-             and r["policy"] == "reuse_rounded"]
+    reuse = [
+        r for r in rows if r["op"] == "readback.attention" and r["gradient"] == "D" and r["policy"] == "reuse_rounded"
+    ]
     assert reuse[0]["ok"] is False and reuse[0]["reads"] == "rounded"
 
 
@@ -167,8 +180,9 @@ def test_bad_arguments_exit_2_with_one_line(argv, capsys):
 
 
 def test_bad_argument_exit_2_as_a_process():
-    done = subprocess.run([sys.executable, "-m", "readback.audit", "--seed", "x"], capture_output=True, text=True,
-                          timeout=60)
+    done = subprocess.run(
+        [sys.executable, "-m", "readback.audit", "--seed", "x"], capture_output=True, text=True, timeout=60
+    )
     assert done.returncode == 2
     assert len(done.stderr.strip().splitlines()) == 1
     assert done.stdout == ""
@@ -220,16 +234,18 @@ def _fake_te():
             return fp8_linear(x, self.weight)
 
     class LayerNormLinear(Linear):
-        def __init__(self, d_in, d_out, eps=1e-5, bias=False, normalization="LayerNorm", params_dtype=None,
-                     device=None):
+        def __init__(
+            self, d_in, d_out, eps=1e-5, bias=False, normalization="LayerNorm", params_dtype=None, device=None
+        ):
             super().__init__(d_in, d_out, params_dtype=params_dtype, device=device)
             self.eps = eps
             self.layer_norm_weight = nn.Parameter(torch.ones(d_in))
             self.layer_norm_bias = nn.Parameter(torch.zeros(d_in))
 
         def forward(self, x):
-            return fp8_linear(F.layer_norm(x, x.shape[-1:], self.layer_norm_weight, self.layer_norm_bias, self.eps),
-                              self.weight)
+            return fp8_linear(
+                F.layer_norm(x, x.shape[-1:], self.layer_norm_weight, self.layer_norm_bias, self.eps), self.weight
+            )
 
     class ReuseO8(torch.autograd.Function):
         @staticmethod
@@ -253,14 +269,23 @@ def _fake_te():
             return (*(g.transpose(1, 2).to(ctx.saved_tensors[0].dtype) for g in grads), None, None)
 
     class DotProductAttention(nn.Module):
-        def __init__(self, heads, head_dim, num_gqa_groups=None, attention_dropout=0.0, qkv_format="bshd",
-                     attn_mask_type="causal", softmax_scale=None):
+        def __init__(
+            self,
+            heads,
+            head_dim,
+            num_gqa_groups=None,
+            attention_dropout=0.0,
+            qkv_format="bshd",
+            attn_mask_type="causal",
+            softmax_scale=None,
+        ):
             super().__init__()
             self.scale = softmax_scale
 
         def forward(self, q, k, v):
-            o = F.scaled_dot_product_attention(*(t.transpose(1, 2).float() for t in (q, k, v)), is_causal=True,
-                                               scale=self.scale, enable_gqa=True)
+            o = F.scaled_dot_product_attention(
+                *(t.transpose(1, 2).float() for t in (q, k, v)), is_causal=True, scale=self.scale, enable_gqa=True
+            )
             o = o.transpose(1, 2).reshape(q.shape[0], q.shape[1], -1)
             if getattr(state["recipe"], "fp8_dpa", False):
                 return ReuseO8.apply(q, k, v, self.scale, rounded(o, E4M3, state["recipe"]).to(q.dtype))
@@ -276,16 +301,26 @@ def _fake_te():
 
     recipe = types.SimpleNamespace(
         Format=types.SimpleNamespace(HYBRID="HYBRID"),
-        DelayedScaling=type("DelayedScaling", (), {"__init__": lambda self, fp8_format=None, fp8_dpa=False:
-                                                   setattr(self, "fp8_dpa", fp8_dpa)}),
+        DelayedScaling=type(
+            "DelayedScaling",
+            (),
+            {"__init__": lambda self, fp8_format=None, fp8_dpa=False: setattr(self, "fp8_dpa", fp8_dpa)},
+        ),
         Float8CurrentScaling=type("Float8CurrentScaling", (), {"__init__": lambda self, fp8_format=None: None}),
     )
-    pytorch = types.SimpleNamespace(Linear=Linear, LayerNormLinear=LayerNormLinear,
-                                    DotProductAttention=DotProductAttention, fp8_autocast=fp8_autocast)
+    pytorch = types.SimpleNamespace(
+        Linear=Linear,
+        LayerNormLinear=LayerNormLinear,
+        DotProductAttention=DotProductAttention,
+        fp8_autocast=fp8_autocast,
+    )
     common = types.SimpleNamespace(recipe=recipe)
-    return {"transformer_engine": types.SimpleNamespace(pytorch=pytorch, common=common),
-            "transformer_engine.pytorch": pytorch, "transformer_engine.common": common,
-            "transformer_engine.common.recipe": recipe}
+    return {
+        "transformer_engine": types.SimpleNamespace(pytorch=pytorch, common=common),
+        "transformer_engine.pytorch": pytorch,
+        "transformer_engine.common": common,
+        "transformer_engine.common.recipe": recipe,
+    }
 
 
 def test_te_path_against_a_stand_in(monkeypatch):

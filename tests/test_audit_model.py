@@ -24,8 +24,12 @@ def fog_rows():
 def test_fog_verdicts_agree_with_the_reads_tables(fog_rows):
     compared = compare_reads(fog_rows, "exact")
     matched = {(c["op"], c["gradient"]) for c in compared}
-    assert matched == {("linear", "wgrad"), ("linear", "dgrad"), ("rms_norm", "gain"), *(
-        ("attention", g) for g in ("dQ", "dK", "dV", "dP", "dS"))}
+    assert matched == {
+        ("linear", "wgrad"),
+        ("linear", "dgrad"),
+        ("rms_norm", "gain"),
+        *(("attention", g) for g in ("dQ", "dK", "dV", "dP", "dS")),
+    }
     assert all(c["agrees"] for c in compared), [c for c in compared if not c["agrees"]]
     assert all(r.verdicts["original"] == "free" for r in fog_rows)  # the control changes nothing
 
@@ -57,8 +61,10 @@ def test_plain_modules_by_hand(tmp_path):
     assert "TanhBackward0.result" in paths["markdown"].read_text() and paths["plot"].stat().st_size > 0
 
 
-@pytest.mark.skipif(importlib.util.find_spec("transformers") is None,
-                    reason="transformers not installed (pip install 'readback[audit]')")
+@pytest.mark.skipif(
+    importlib.util.find_spec("transformers") is None,
+    reason="transformers not installed (pip install 'readback[audit]')",
+)
 def test_hugging_face_llama_from_a_tiny_config():
     from readback.audit_model.examples import hf_example
 
@@ -72,8 +78,9 @@ def test_hugging_face_llama_from_a_tiny_config():
     assert "| saved tensor" in to_markdown(rows)
 
 
-@pytest.mark.skipif(importlib.util.find_spec("torchao") is None,
-                    reason="torchao not installed (pip install 'readback[audit]')")
+@pytest.mark.skipif(
+    importlib.util.find_spec("torchao") is None, reason="torchao not installed (pip install 'readback[audit]')"
+)
 def test_torchao_float8_linear_reads_a_recast_of_its_saved_input():
     """torchao saves the high-precision input and casts it to E4M3 (current scaling) in backward:
     storing that input as its E4M3 rounding changes no gradient, E5M2 does."""

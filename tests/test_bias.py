@@ -23,9 +23,19 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def _model(*overrides):
     with initialize_config_dir(str(CONF_DIR), version_base="1.3"):
-        cfg = compose("train", overrides=["model.vocab_size=64", "model.seq_len=16", "model.d_model=32",
-                                          "model.n_heads=2", "model.n_kv_groups=1", "model.ffn_dim=48",
-                                          "precision.recipe=current", *overrides])
+        cfg = compose(
+            "train",
+            overrides=[
+                "model.vocab_size=64",
+                "model.seq_len=16",
+                "model.d_model=32",
+                "model.n_heads=2",
+                "model.n_kv_groups=1",
+                "model.ffn_dim=48",
+                "precision.recipe=current",
+                *overrides,
+            ],
+        )
     torch.manual_seed(0)
     return build_model(cfg)
 
@@ -44,8 +54,10 @@ def test_everything_exact_is_the_reference_and_the_run_is_untouched():
     assert all(p.grad is None for p in model.parameters())
     after = model.numerics.state_dict()
     assert after["step"] == before["step"] and set(after["sites"]) == set(before["sites"])
-    assert result.steps_per_batch > 1 and set(result.metrics()) >= {"grad_bias/reuse_rounded/total",
-                                                                   "grad_bias_cos/all_exact/total"}
+    assert result.steps_per_batch > 1 and set(result.metrics()) >= {
+        "grad_bias/reuse_rounded/total",
+        "grad_bias_cos/all_exact/total",
+    }
 
 
 def test_a_planted_wrong_read_is_found_where_it_acts():
@@ -85,13 +97,35 @@ def test_the_d_term_read_is_its_own_contribution():
 @pytest.mark.slow
 def test_bias_in_training_and_from_a_checkpoint(tmp_path):
     run = tmp_path / "run"
-    tiny = ["data=synthetic", "logger=none", "trainer.progress=false", "model.n_layers=1", "model.d_model=32",
-            "model.n_heads=2", "model.n_kv_groups=1", "model.ffn_dim=64", "model.seq_len=32", "model.global_batch=4",
-            "trainer.micro_batch=2", "trainer.steps=2", "trainer.log_every=1", "trainer.eval_every=2",
-            "trainer.eval_batches=1", "trainer.ckpt_every=2", "+experiment=reuse_rounded",
-            "precision.site_margin={attn.core.output:12}", "probe.bias_every=2", "probe.bias_batches=1"]
-    subprocess.run([sys.executable, "train.py", *tiny, f"hydra.run.dir={run}"], cwd=ROOT, check=True,
-                   capture_output=True, timeout=300)
+    tiny = [
+        "data=synthetic",
+        "logger=none",
+        "trainer.progress=false",
+        "model.n_layers=1",
+        "model.d_model=32",
+        "model.n_heads=2",
+        "model.n_kv_groups=1",
+        "model.ffn_dim=64",
+        "model.seq_len=32",
+        "model.global_batch=4",
+        "trainer.micro_batch=2",
+        "trainer.steps=2",
+        "trainer.log_every=1",
+        "trainer.eval_every=2",
+        "trainer.eval_batches=1",
+        "trainer.ckpt_every=2",
+        "+experiment=reuse_rounded",
+        "precision.site_margin={attn.core.output:12}",
+        "probe.bias_every=2",
+        "probe.bias_batches=1",
+    ]
+    subprocess.run(
+        [sys.executable, "train.py", *tiny, f"hydra.run.dir={run}"],
+        cwd=ROOT,
+        check=True,
+        capture_output=True,
+        timeout=300,
+    )
     records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert "grad_bias/reuse_rounded/layers.0.attn.qkv" in records[-1]
     assert "grad_bias/contrib.exact_read.attention.D/total" in records[-1]

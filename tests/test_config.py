@@ -60,7 +60,12 @@ def test_experiment_axes(experiment, precision, policy, bwd):
 def test_the_study_recipe_is_transformer_engine_default_delayed_scaling():
     p = _compose("+experiment=reuse_rounded").precision
     assert (p.recipe, p.fp8_format, p.margin, p.amax_history_len, p.amax_compute_algo) == (
-        "delayed", "HYBRID", 0, 1024, "max")
+        "delayed",
+        "HYBRID",
+        0,
+        1024,
+        "max",
+    )
     assert list(p.bf16_layers) == ["lm_head"] and p.rounding == "nearest"
 
 
@@ -80,9 +85,14 @@ def test_validate_names_the_bad_key(override, key):
     assert error.value.key == key and "valid:" in str(error.value)
 
 
-@pytest.mark.parametrize("override", [f"{group}={option}" for group in
-                                      ("model", "precision", "policy", "data", "backend", "logger")
-                                      for option in options(group)])
+@pytest.mark.parametrize(
+    "override",
+    [
+        f"{group}={option}"
+        for group in ("model", "precision", "policy", "data", "backend", "logger")
+        for option in options(group)
+    ],
+)
 def test_every_option_sets_every_key_of_its_schema(override):
     """``to_object`` refuses a field no YAML file sets (``???``) and runs every range check."""
     assert isinstance(OmegaConf.to_object(_compose(override)), Config)
@@ -104,9 +114,20 @@ def test_bf16_allows_widths_fp8_refuses():
 @pytest.mark.parametrize("experiment", EXPERIMENTS)
 def test_every_experiment_trains_through_train_py(experiment, tmp_path):
     run_dir = tmp_path / experiment
-    cmd = [sys.executable, "train.py", f"+experiment={experiment}", "data=synthetic", "data.n_tokens=32768",
-           "logger=none", "trainer.steps=3", "trainer.log_every=1", "trainer.eval_every=3", "trainer.eval_batches=1",
-           "trainer.progress=false", f"hydra.run.dir={run_dir}"]
+    cmd = [
+        sys.executable,
+        "train.py",
+        f"+experiment={experiment}",
+        "data=synthetic",
+        "data.n_tokens=32768",
+        "logger=none",
+        "trainer.steps=3",
+        "trainer.log_every=1",
+        "trainer.eval_every=3",
+        "trainer.eval_batches=1",
+        "trainer.progress=false",
+        f"hydra.run.dir={run_dir}",
+    ]
     env = dict(os.environ, OMP_NUM_THREADS="1", WANDB_MODE="disabled")
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]

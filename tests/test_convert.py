@@ -32,8 +32,15 @@ FP32_BACKWARD = {"recipe": "current", "override_linear_precision": [False, True,
 
 def sequential(seed: int = 0) -> nn.Sequential:
     torch.manual_seed(seed)
-    return nn.Sequential(nn.Linear(32, 64), nn.LayerNorm(64), nn.Linear(64, 48, bias=False), nn.GELU(),
-                         nn.LayerNorm(48), nn.Linear(48, 16), nn.Linear(16, 3))
+    return nn.Sequential(
+        nn.Linear(32, 64),
+        nn.LayerNorm(64),
+        nn.Linear(64, 48, bias=False),
+        nn.GELU(),
+        nn.LayerNorm(48),
+        nn.Linear(48, 16),
+        nn.Linear(16, 3),
+    )
 
 
 class LossOf(nn.Module):
@@ -50,9 +57,18 @@ class LossOf(nn.Module):
 def llama(seed: int = 0, vocab: int = 64) -> nn.Module:
     transformers = pytest.importorskip("transformers", reason="transformers not installed (extra hf)")
     torch.manual_seed(seed)
-    config = transformers.LlamaConfig(vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-                                      attn_implementation="sdpa", use_cache=False, tie_word_embeddings=False)
+    config = transformers.LlamaConfig(
+        vocab_size=vocab,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        attn_implementation="sdpa",
+        use_cache=False,
+        tie_word_embeddings=False,
+    )
     return transformers.LlamaForCausalLM(config)
 
 
@@ -105,7 +121,7 @@ def test_sequential_fp8_gradients_read_what_the_rules_declare():
     numerics.tape = []
     x = torch.randn(4, 7, 32, generator=torch.Generator().manual_seed(2))
     norm_out = {}
-    model[1].register_forward_hook(lambda m, i, o: norm_out.setdefault("y", o) .retain_grad())
+    model[1].register_forward_hook(lambda m, i, o: norm_out.setdefault("y", o).retain_grad())
     model[2].register_forward_hook(lambda m, i, o: norm_out.setdefault("dy", o).retain_grad())
     model(x).square().sum().backward()
     tape = dict(numerics.tape)
@@ -119,12 +135,23 @@ def test_sequential_fp8_gradients_read_what_the_rules_declare():
     wgrad = {"rounded": d_out.mT @ rounded, "original": d_out.mT @ original}
     normalized = F.layer_norm(model[0](x).detach().double(), (64,))
     d_y = y.grad.reshape(-1, 64).double()
-    gain = {"original": (d_y * normalized.reshape(-1, 64)).sum(0),
-            "rounded": (d_y * (rounded - model[1].bias.double()) / model[1].weight.double()).sum(0)}
-    rows = [*audit("converted Linear after LayerNorm", "wgrad", model[2].weight.grad, wgrad["rounded"], wgrad,
-                   declared=linear_op.READS["exact"]),
-            *audit("converted LayerNorm", "gain", model[1].weight.grad, gain["original"], gain,
-                   declared=norm_op.READS["exact"])]
+    gain = {
+        "original": (d_y * normalized.reshape(-1, 64)).sum(0),
+        "rounded": (d_y * (rounded - model[1].bias.double()) / model[1].weight.double()).sum(0),
+    }
+    rows = [
+        *audit(
+            "converted Linear after LayerNorm",
+            "wgrad",
+            model[2].weight.grad,
+            wgrad["rounded"],
+            wgrad,
+            declared=linear_op.READS["exact"],
+        ),
+        *audit(
+            "converted LayerNorm", "gain", model[1].weight.grad, gain["original"], gain, declared=norm_op.READS["exact"]
+        ),
+    ]
     assert [(r.reads, r.declared, r.ok) for r in rows] == [("rounded", "rounded", True), ("original", "original", True)]
 
 
@@ -155,7 +182,7 @@ def test_llama_with_rounding_off_equals_the_unconverted_model_and_reports_every_
     for lm in (reference, model):
         F.cross_entropy(lm(input_ids=ids).logits.flatten(0, 1), targets.flatten()).backward()
     assert torch.allclose(model(input_ids=ids).logits, reference(input_ids=ids).logits, rtol=1e-4, atol=1e-5)
-    assert report.attention == {name: 2 for name in attention}  # every SDPA call ran readback's op
+    assert report.attention == dict.fromkeys(attention, 2)  # every SDPA call ran readback's op
     expected = grads(reference)
     got = grads(model)
     assert set(got) == set(expected)
@@ -173,10 +200,18 @@ def _o_proj_audit(policy: str):
     model(*tokens()).backward()
     record = dict(numerics.tape)["model.layers.0.self_attn.core"]
     d_out = seen["out"].grad.reshape(-1, 64).double()
-    candidates = {"rounded": d_out.mT @ record["output"].dequantize(torch.float64).reshape(-1, 64),
-                  "original": d_out.mT @ record["out"].double().reshape(-1, 64)}
-    rows = audit("converted o_proj", "wgrad", o_proj.weight.grad, candidates["rounded"], candidates,
-                 declared=linear_op.READS[policy])
+    candidates = {
+        "rounded": d_out.mT @ record["output"].dequantize(torch.float64).reshape(-1, 64),
+        "original": d_out.mT @ record["out"].double().reshape(-1, 64),
+    }
+    rows = audit(
+        "converted o_proj",
+        "wgrad",
+        o_proj.weight.grad,
+        candidates["rounded"],
+        candidates,
+        declared=linear_op.READS[policy],
+    )
     moments = numerics.observations["attn_rowsum/model.layers.0.self_attn.core"]
     return rows[0], (moments[2] / moments[0]).sqrt().item()
 
@@ -265,13 +300,16 @@ def test_sdpa_calls_readback_cannot_express_run_torchs_sdpa_and_are_reported():
     assert not isinstance(F.scaled_dot_product_attention, SDPARouter)  # torch's again after the forward
 
 
-@pytest.mark.parametrize("precision, key", [
-    ({"marginn": 1}, "precision"),
-    ({"fp8_format": "E5M2"}, "precision.fp8_format"),
-    ({"amax_history_len": 0}, "precision.amax_history_len"),
-    ({"override_linear_precision": [True]}, "precision.override_linear_precision"),
-    ("fp4", "precision.name"),
-])
+@pytest.mark.parametrize(
+    "precision, key",
+    [
+        ({"marginn": 1}, "precision"),
+        ({"fp8_format": "E5M2"}, "precision.fp8_format"),
+        ({"amax_history_len": 0}, "precision.amax_history_len"),
+        ({"override_linear_precision": [True]}, "precision.override_linear_precision"),
+        ("fp4", "precision.name"),
+    ],
+)
 def test_a_bad_recipe_is_one_line_naming_the_key(precision, key):
     with pytest.raises(ConfigError) as error:
         readback.convert(sequential(), precision=precision)
@@ -329,8 +367,10 @@ def test_converted_linear_multiplies_torchaos_fp8_operands_bit_for_bit(monkeypat
     x, upstream = torch.randn(8, 16, 64, generator=g) * 3, torch.randn(8, 16, 32, generator=g)
     ao(x).backward(upstream)
     ours(x).backward(upstream)
-    mine = {role: (rounded[f"0.{site}"].data, rounded[f"0.{site}"].scale)
-            for role, site in (("INPUT", "input"), ("WEIGHT", "weight"), ("GRAD_OUTPUT", "grad_output"))}
+    mine = {
+        role: (rounded[f"0.{site}"].data, rounded[f"0.{site}"].scale)
+        for role, site in (("INPUT", "input"), ("WEIGHT", "weight"), ("GRAD_OUTPUT", "grad_output"))
+    }
     mine["WEIGHT"] = (mine["WEIGHT"][0].t(), mine["WEIGHT"][1])  # torchao casts the transposed weight
     assert set(casts) >= set(mine)
     for role, (codes, scale) in mine.items():
@@ -344,11 +384,15 @@ def test_converted_linear_multiplies_torchaos_fp8_operands_bit_for_bit(monkeypat
 def test_readmes_own_model_example_runs():
     pytest.importorskip("transformers", reason="transformers not installed (extra hf)")
     text = (ROOT / "README.md").read_text()
-    section = text[text.index("## Your own model"):]
-    code = section[section.index("```python") + len("```python"):section.index("```\n", section.index("```python") + 9)]
+    section = text[text.index("## Your own model") :]
+    code = section[
+        section.index("```python") + len("```python") : section.index("```\n", section.index("```python") + 9)
+    ]
     namespace: dict = {}
-    exec(compile(code.replace("print(report)", "first = model.model.layers[0].self_attn.q_proj"), "README", "exec"),
-         namespace)
+    exec(
+        compile(code.replace("print(report)", "first = model.model.layers[0].self_attn.q_proj"), "README", "exec"),
+        namespace,
+    )
     assert type(namespace["first"]).__name__ == "ConvertedLinear"
     assert namespace["loss"].item() < 5.5  # from ln(256) = 5.55 at the start
 
@@ -357,9 +401,22 @@ def test_readmes_own_model_example_runs():
 def test_train_py_trains_a_converted_transformers_model(tmp_path):
     pytest.importorskip("transformers", reason="transformers not installed (extra hf)")
     run_dir = tmp_path / "run"
-    cmd = [sys.executable, "train.py", "model=hf", "+experiment=no_saved_copy", "logger=none", "data=synthetic",
-           "data.n_tokens=32768", "model.seq_len=32", "model.global_batch=4", "trainer.micro_batch=4",
-           "trainer.steps=3", "trainer.log_every=1", "probe.every=2", f"hydra.run.dir={run_dir}"]
+    cmd = [
+        sys.executable,
+        "train.py",
+        "model=hf",
+        "+experiment=no_saved_copy",
+        "logger=none",
+        "data=synthetic",
+        "data.n_tokens=32768",
+        "model.seq_len=32",
+        "model.global_batch=4",
+        "trainer.micro_batch=4",
+        "trainer.steps=3",
+        "trainer.log_every=1",
+        "probe.every=2",
+        f"hydra.run.dir={run_dir}",
+    ]
     env = {**os.environ, "WANDB_MODE": "disabled", "PYTHONPATH": str(ROOT / "src")}
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
@@ -371,9 +428,14 @@ def test_train_py_trains_a_converted_transformers_model(tmp_path):
 
 def test_model_hf_with_an_unknown_architecture_is_one_line_exit_2(tmp_path):
     pytest.importorskip("transformers", reason="transformers not installed (extra hf)")
-    proc = subprocess.run([sys.executable, "train.py", "model=hf", "model.architecture=gpt9",
-                           f"hydra.run.dir={tmp_path / 'run'}"], cwd=ROOT, capture_output=True, text=True,
-                          env={**os.environ, "PYTHONPATH": str(ROOT / "src")}, timeout=120)
+    proc = subprocess.run(
+        [sys.executable, "train.py", "model=hf", "model.architecture=gpt9", f"hydra.run.dir={tmp_path / 'run'}"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        env={**os.environ, "PYTHONPATH": str(ROOT / "src")},
+        timeout=120,
+    )
     assert proc.returncode == 2 and not (tmp_path / "run").exists()
     assert proc.stderr.strip().splitlines()[-1] == "error: model.architecture='gpt9' is not valid; valid: llama"
 
@@ -384,8 +446,10 @@ def test_readbacks_own_modules_are_not_converted_again():
     from readback.model import FOG, FOGConfig
     from readback.ops import Numerics
 
-    fog = FOG(FOGConfig(n_layers=1, d_model=32, n_heads=2, n_kv_groups=1, ffn_dim=48, vocab_size=64, seq_len=8),
-              Numerics("off"))
+    fog = FOG(
+        FOGConfig(n_layers=1, d_model=32, n_heads=2, n_kv_groups=1, ffn_dim=48, vocab_size=64, seq_len=8),
+        Numerics("off"),
+    )
     model = sequential()
     readback.convert(model)
     for converted in (fog, model):

@@ -40,7 +40,8 @@ def take(stream, n):
 
 def same(batches_a, batches_b) -> bool:
     return len(batches_a) == len(batches_b) and all(
-        torch.equal(xa, xb) and torch.equal(ya, yb) for (xa, ya), (xb, yb) in zip(batches_a, batches_b))
+        torch.equal(xa, xb) and torch.equal(ya, yb) for (xa, ya), (xb, yb) in zip(batches_a, batches_b)
+    )
 
 
 @pytest.fixture(scope="module")
@@ -66,6 +67,7 @@ def text_cfg(tmp_path_factory):
 
 # --- configs -------------------------------------------------------------------------------
 
+
 def test_every_dataset_has_a_config_that_composes(monkeypatch, tmp_path):
     from hydra import compose, initialize_config_dir
 
@@ -90,6 +92,7 @@ def test_cache_dir_follows_env_var_and_defaults_to_home(monkeypatch, tmp_path):
 
 
 # --- corpus and tokenizer ------------------------------------------------------------------
+
 
 def test_tokenizer_round_trips_and_compresses_real_shakespeare(text_cfg):
     stream = build_data(text_cfg, seq_len=128, micro_batch=4, seed=0)
@@ -145,8 +148,9 @@ def _build_in_child(cfg_yaml: str, barrier, queue) -> None:
     barrier.wait(timeout=120)  # both look at the empty cache at the same moment
     stream = build(cfg, seq_len=32, micro_batch=2, seed=0)
     json_path = next(Path(cfg.cache_dir, "text").iterdir()) / "tokenizer.json"
-    queue.put((t.BUILDS["tokenizer"], hashlib.sha256(json_path.read_bytes()).hexdigest(),
-               stream.next_batch()[0].tolist()))
+    queue.put(
+        (t.BUILDS["tokenizer"], hashlib.sha256(json_path.read_bytes()).hexdigest(), stream.next_batch()[0].tolist())
+    )
 
 
 def test_two_processes_building_at_once_train_once_and_agree(tmp_path):
@@ -168,6 +172,7 @@ def test_two_processes_building_at_once_train_once_and_agree(tmp_path):
 
 # --- packing and split ---------------------------------------------------------------------
 
+
 def test_split_blocks_closes_each_run_with_eos():
     ids = np.array([1, 2, 3, 4, 5, 6], dtype=np.uint16)
     offsets = np.array([0, 2, 3, 5, 6])  # blocks [1 2] [3] [4 5] [6]
@@ -182,7 +187,7 @@ def test_batches_are_windows_of_the_train_stream_shifted_by_one():
     train, _, _, _ = synthetic_split(cfg)
     seq_len = 16
     n = (len(train) - 1) // seq_len
-    expected = sorted(tuple(train[i * seq_len:i * seq_len + seq_len + 1]) for i in range(n))
+    expected = sorted(tuple(train[i * seq_len : i * seq_len + seq_len + 1]) for i in range(n))
     stream = build_data(cfg, seq_len=seq_len, micro_batch=1, seed=3)
     assert stream.tokens_per_batch == seq_len
     rows = []
@@ -222,6 +227,7 @@ def test_validation_text_does_not_occur_in_training_text(text_cfg):
 
 
 # --- order, ranks, resumption --------------------------------------------------------------
+
 
 @pytest.fixture(params=["shakespeare", "synthetic"])
 def data_cfg(request, text_cfg):
@@ -287,8 +293,10 @@ def test_ranks_together_see_what_one_rank_sees_in_consecutive_calls(data_cfg, wo
         data_cfg = synth(n_tokens=2_000)  # 120 windows: the calls below cross epochs
     m, calls = 3, 30
     single = take(build_data(data_cfg, seq_len=16, micro_batch=m, seed=5), calls * world_size)
-    ranks = [build_data(data_cfg, seq_len=16, micro_batch=m, seed=5, rank=r, world_size=world_size)
-             for r in range(world_size)]
+    ranks = [
+        build_data(data_cfg, seq_len=16, micro_batch=m, seed=5, rank=r, world_size=world_size)
+        for r in range(world_size)
+    ]
     for k in range(calls):
         per_rank = [s.next_batch() for s in ranks]
         for i in (0, 1):
@@ -317,6 +325,7 @@ def test_val_batches_do_not_move_training():
 
 # --- synthetic -----------------------------------------------------------------------------
 
+
 def test_synthetic_is_deterministic_from_its_seed():
     a, b, c = synthetic_split(synth()), synthetic_split(synth()), synthetic_split(synth(data_seed=1))
     assert np.array_equal(a[0], b[0]) and np.array_equal(a[1], b[1])
@@ -334,8 +343,14 @@ def test_a_tiny_model_learns_synthetic_data():
 
     def val_loss() -> float:
         with torch.no_grad():
-            return float(np.mean([torch.nn.functional.cross_entropy(model(x).flatten(0, 1), y.flatten()).item()
-                                  for x, y in stream.val_batches(4)]))
+            return float(
+                np.mean(
+                    [
+                        torch.nn.functional.cross_entropy(model(x).flatten(0, 1), y.flatten()).item()
+                        for x, y in stream.val_batches(4)
+                    ]
+                )
+            )
 
     before = val_loss()
     for _ in range(150):
@@ -352,6 +367,7 @@ def test_a_tiny_model_learns_synthetic_data():
 
 # --- fineweb_edu (no network: the stream logic on an in-memory dataset) ----------------------
 
+
 def _docs_stream(n_docs: int, shards: int = 2):
     from datasets import Dataset
 
@@ -364,8 +380,20 @@ def _token_stream(text_cfg, rank=0, world_size=1, seed=0):
 
     tok = build_data(text_cfg, seq_len=16, micro_batch=2, seed=0).tokenizer
     ds = _docs_stream(60)
-    return TokenStream(ds.skip(10), ds.take(10), tok, eos=0, vocab_size=text_cfg.vocab_size, seq_len=16,
-                       micro_batch=2, seed=seed, rank=rank, world_size=world_size, doc_batch=4, fingerprint="t")
+    return TokenStream(
+        ds.skip(10),
+        ds.take(10),
+        tok,
+        eos=0,
+        vocab_size=text_cfg.vocab_size,
+        seq_len=16,
+        micro_batch=2,
+        seed=seed,
+        rank=rank,
+        world_size=world_size,
+        doc_batch=4,
+        fingerprint="t",
+    )
 
 
 def test_streaming_ranks_resume_and_validation(text_cfg):
@@ -384,7 +412,7 @@ def test_streaming_ranks_resume_and_validation(text_cfg):
         state = s.state_dict()
         fresh = _token_stream(text_cfg)
         fresh.load_state_dict(state)
-        assert same(take(fresh, 5), batches[k:k + 5])
+        assert same(take(fresh, 5), batches[k : k + 5])
     val = list(single.val_batches(3))
     assert same(list(single.val_batches(3)), val)
     val_text = single.tokenizer.decode(val[0][0][0].tolist())
@@ -405,12 +433,16 @@ def test_fineweb_without_network_fails_with_a_config_error(monkeypatch):
 
 # --- errors --------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("cfg, key", [
-    ({"name": "tiny_stories"}, "data.name"),
-    ({}, "data.name"),
-    ({"name": "synthetic", "val_fraction": 1.0}, "data.val_fraction"),
-    ({"name": "shakespeare", "editions": "quarto"}, "data.editions"),
-])
+
+@pytest.mark.parametrize(
+    "cfg, key",
+    [
+        ({"name": "tiny_stories"}, "data.name"),
+        ({}, "data.name"),
+        ({"name": "synthetic", "val_fraction": 1.0}, "data.val_fraction"),
+        ({"name": "shakespeare", "editions": "quarto"}, "data.editions"),
+    ],
+)
 def test_bad_config_raises_config_error(cfg, key, tmp_path):
     with pytest.raises(ConfigError) as info:
         build_data({"cache_dir": str(tmp_path), **cfg}, seq_len=16, micro_batch=2, seed=0)

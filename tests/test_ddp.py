@@ -19,8 +19,15 @@ from readback.train.checkpoint import checkpoint_path, list_checkpoints, load_ch
 from readback.train.metrics import read_jsonl
 
 TESTS = Path(__file__).resolve().parent
-OVERRIDES = {"trainer.steps": 8, "trainer.log_every": 1, "trainer.eval_every": 4, "trainer.eval_batches": 3,
-             "trainer.ckpt_every": 4, "trainer.keep_last": 2, "trainer.micro_batch": 2}
+OVERRIDES = {
+    "trainer.steps": 8,
+    "trainer.log_every": 1,
+    "trainer.eval_every": 4,
+    "trainer.eval_batches": 3,
+    "trainer.ckpt_every": 4,
+    "trainer.keep_last": 2,
+    "trainer.micro_batch": 2,
+}
 
 
 def _toys():
@@ -50,8 +57,16 @@ def _torchrun(tmp_path: Path, run_dir: Path, overrides: dict, worker: str = WORK
     script.write_text(worker.format(tests=str(TESTS)))
     env = dict(os.environ, OMP_NUM_THREADS="1", WANDB_MODE="disabled")
     env.pop("WORLD_SIZE", None)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(script),
-           str(run_dir), json.dumps(overrides)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc_per_node=2",
+        str(script),
+        str(run_dir),
+        json.dumps(overrides),
+    ]
     return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=180, cwd=tmp_path)
 
 
@@ -89,8 +104,9 @@ def test_two_processes_match_one(tmp_path, monkeypatch, single_thread):
 
     summary = json.loads((two / "summary.json").read_text())
     assert summary["status"] == "completed" and summary["world_size"] == 2 and summary["steps"] == 8
-    assert summary["final_loss"] == pytest.approx(json.loads((one / "summary.json").read_text())["final_loss"],
-                                                  rel=1e-6)
+    assert summary["final_loss"] == pytest.approx(
+        json.loads((one / "summary.json").read_text())["final_loss"], rel=1e-6
+    )
     state = load_checkpoint(checkpoint_path(two / "checkpoints", 8))
     assert state["world_size"] == 2 and len(state["ranks"]) == 2
     assert [r["data"] for r in state["ranks"]] == [{"consumed": 64}, {"consumed": 64}]

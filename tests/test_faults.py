@@ -27,11 +27,22 @@ from readback.train.preemption import Preempted, PreemptionGuard, exit_for_reque
 ROOT = Path(__file__).resolve().parents[1]
 TESTS = ROOT / "tests"
 TINY = [
-    "data=synthetic", "data.n_tokens=65536",
-    "model.n_layers=2", "model.d_model=32", "model.n_heads=2", "model.n_kv_groups=1", "model.ffn_dim=64",
-    "model.seq_len=32", "model.global_batch=4", "trainer.micro_batch=2",
-    "trainer.steps=6", "trainer.log_every=1", "trainer.eval_every=6", "trainer.eval_batches=1",
-    "trainer.ckpt_every=3", "trainer.progress=false",
+    "data=synthetic",
+    "data.n_tokens=65536",
+    "model.n_layers=2",
+    "model.d_model=32",
+    "model.n_heads=2",
+    "model.n_kv_groups=1",
+    "model.ffn_dim=64",
+    "model.seq_len=32",
+    "model.global_batch=4",
+    "trainer.micro_batch=2",
+    "trainer.steps=6",
+    "trainer.log_every=1",
+    "trainer.eval_every=6",
+    "trainer.eval_batches=1",
+    "trainer.ckpt_every=3",
+    "trainer.progress=false",
 ]
 
 
@@ -43,11 +54,13 @@ def _env(**extra: str) -> dict[str, str]:
     return env
 
 
-def _train(*args: str, env: dict[str, str] | None = None, multirun: bool = False,
-           timeout: float = 240) -> subprocess.CompletedProcess:
+def _train(
+    *args: str, env: dict[str, str] | None = None, multirun: bool = False, timeout: float = 240
+) -> subprocess.CompletedProcess:
     cmd = [sys.executable, "train.py", *(["-m"] if multirun else []), *TINY, *args]
-    return subprocess.run(cmd, cwd=ROOT, env=env or _env(WANDB_MODE="disabled"), capture_output=True, text=True,
-                          timeout=timeout)
+    return subprocess.run(
+        cmd, cwd=ROOT, env=env or _env(WANDB_MODE="disabled"), capture_output=True, text=True, timeout=timeout
+    )
 
 
 # --------------------------------------------------------------------------- divergence, end to end
@@ -55,9 +68,16 @@ def test_nan_run_is_diverged_exits_0_and_the_sweep_goes_on(tmp_path):
     """A multirun whose first job blows up (LR 1e30: FP8 saturates, then the loss is NaN) and
     whose second job trains: the sweep runs both, and exits 0."""
     sweep = tmp_path / "sweep"
-    proc = _train("model.lr=1e30,3e-3", "trainer.optim.warmup_steps=0", "trainer.optim.grad_clip=0",
-                  "+experiment=fresh_reround", "logger=none", f"hydra.sweep.dir={sweep}",
-                  "hydra.sweep.subdir=${hydra.job.num}", multirun=True)
+    proc = _train(
+        "model.lr=1e30,3e-3",
+        "trainer.optim.warmup_steps=0",
+        "trainer.optim.grad_clip=0",
+        "+experiment=fresh_reround",
+        "logger=none",
+        f"hydra.sweep.dir={sweep}",
+        "hydra.sweep.subdir=${hydra.job.num}",
+        multirun=True,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     diverged = json.loads((sweep / "0" / "summary.json").read_text())
     assert diverged["status"] == "diverged" and diverged["diverged_at_step"] == diverged["steps"] <= 3
@@ -76,8 +96,13 @@ def test_nan_run_is_diverged_exits_0_and_the_sweep_goes_on(tmp_path):
 
 def test_a_bad_job_in_a_sweep_is_one_line_and_the_sweep_goes_on(tmp_path):
     sweep = tmp_path / "sweep"
-    proc = _train("trainer.steps=0,2", "logger=none", f"hydra.sweep.dir={sweep}",
-                  "hydra.sweep.subdir=${hydra.job.num}", multirun=True)
+    proc = _train(
+        "trainer.steps=0,2",
+        "logger=none",
+        f"hydra.sweep.dir={sweep}",
+        "hydra.sweep.subdir=${hydra.job.num}",
+        multirun=True,
+    )
     assert proc.returncode == 2, proc.stderr[-3000:]
     errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
     assert errors == ["error: trainer.steps=0 is not valid; valid: an integer >= 1"]
@@ -93,8 +118,10 @@ WANDB_CASES = {
     # a malformed key, online asked: wandb refuses it, offline instead
     "bad_key": ({"WANDB_API_KEY": "bad"}, ["logger.mode=online"]),
     # a well-formed key but no server to reach: online times out, offline under the same run id
-    "no_network": ({"WANDB_API_KEY": "0123456789" * 4, "WANDB_BASE_URL": "http://127.0.0.1:9"},
-                   ["logger.mode=online", "logger.init_timeout=3"]),
+    "no_network": (
+        {"WANDB_API_KEY": "0123456789" * 4, "WANDB_BASE_URL": "http://127.0.0.1:9"},
+        ["logger.mode=online", "logger.init_timeout=3"],
+    ),
 }
 
 
@@ -253,8 +280,18 @@ def test_guard_parses_signals_and_restores_handlers():
 def test_checkpoint_holds_every_state_a_resume_needs(tmp_path, toys):
     toys.train(toys.make_cfg(), tmp_path)
     state = load_checkpoint(list_checkpoints(tmp_path / "checkpoints")[-1][1])
-    assert {"model", "optimizer", "schedule", "step", "ranks", "divergence", "progress", "wandb_run_id",
-            "config", "world_size"} <= state.keys()
+    assert {
+        "model",
+        "optimizer",
+        "schedule",
+        "step",
+        "ranks",
+        "divergence",
+        "progress",
+        "wandb_run_id",
+        "config",
+        "world_size",
+    } <= state.keys()
     rank = state["ranks"][0]
     assert {"data", "numerics", "rng"} <= rank.keys()
     assert {"torch", "python", "numpy"} <= rank["rng"].keys()

@@ -28,7 +28,9 @@ def _quantized(shape, fmt, std, generator):
     return quantize(x, fmt, compute_scale(x.abs().amax(), fmt))
 
 
-@pytest.mark.parametrize("fmt_a, fmt_b", [(E4M3, E4M3), (E5M2, E4M3), (E4M3, E5M2)], ids=["e4m3-e4m3", "e5m2-e4m3", "e4m3-e5m2"])
+@pytest.mark.parametrize(
+    "fmt_a, fmt_b", [(E4M3, E4M3), (E5M2, E4M3), (E4M3, E5M2)], ids=["e4m3-e4m3", "e5m2-e4m3", "e4m3-e5m2"]
+)
 @pytest.mark.parametrize("m, k, n", [(64, 256, 128), (256, 1024, 512)])
 def test_scaled_mm_agrees_with_bf16_emulation(monkeypatch, fmt_a, fmt_b, m, k, n):
     generator = torch.Generator(device="cuda").manual_seed(m + k + n)

@@ -80,8 +80,9 @@ def test_apptainer_definition_parses_copies_what_exists_and_names_defined_extras
 
 
 def test_versions_line_names_torch_cuda_cudnn_te_and_the_gpu():
-    out = subprocess.run([sys.executable, str(ROOT / "scripts" / "versions.py")], capture_output=True, text=True,
-                         timeout=120, check=True).stdout
+    out = subprocess.run(
+        [sys.executable, str(ROOT / "scripts" / "versions.py")], capture_output=True, text=True, timeout=120, check=True
+    ).stdout
     assert len(out.splitlines()) == 1
     assert re.fullmatch(r"torch \S+, CUDA .+, cuDNN .+, Transformer Engine .+, GPU .+\n", out)
 
@@ -95,9 +96,11 @@ def test_slurm_apptainer_launcher_composes_and_sources_an_existing_script(monkey
     try:
         launcher = cfg.hydra.launcher
         assert launcher._target_.endswith("SlurmLauncher") and launcher.gpus_per_node == 8  # slurm.yaml's
-        assert list(launcher.setup) == [f"export READBACK_IMAGE={ROOT}/readback.sif",
-                                        f"export READBACK_SRC={ROOT}/src",
-                                        f"source {ROOT}/scripts/slurm/apptainer_srun.sh"]
+        assert list(launcher.setup) == [
+            f"export READBACK_IMAGE={ROOT}/readback.sif",
+            f"export READBACK_SRC={ROOT}/src",
+            f"source {ROOT}/scripts/slurm/apptainer_srun.sh",
+        ]
     finally:
         HydraConfig.instance().cfg = None
     assert (ROOT / "scripts/slurm/apptainer_srun.sh").is_file()
@@ -115,17 +118,22 @@ def test_srun_of_a_job_runs_the_image_python_with_the_checkout(tmp_path, image_e
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
     log = tmp_path / "calls"
-    _fake(bin_dir / "srun", f'echo "srun $*" >> {log}\nwhile [ "${{1#-}}" != "$1" ]; do case "$1" in '
-                            '--output|--error) shift 2;; *) shift;; esac; done\nexec "$@"\n')
+    _fake(
+        bin_dir / "srun",
+        f'echo "srun $*" >> {log}\nwhile [ "${{1#-}}" != "$1" ]; do case "$1" in '
+        '--output|--error) shift 2;; *) shift;; esac; done\nexec "$@"\n',
+    )
     _fake(bin_dir / "apptainer", f'echo "apptainer $*" >> {log}\nshift 3\nexec "$@"\n')  # exec --nv IMAGE
     _fake(bin_dir / "python", f'exec {sys.executable} "$@"\n')  # the image's python
     image = tmp_path / "readback.sif"
     if image_exists:
         image.write_text("")
-    script = (f"export READBACK_IMAGE={image} READBACK_SRC=/repo/src\n"
-              f"source {ROOT / 'scripts/slurm/apptainer_srun.sh'}\n"
-              f"srun --unbuffered --output /o/%j.out --error /o/%j.err /host/bin/python3 -c "
-              f"\"import os; print('ran', os.environ['PYTHONPATH'])\"\n")
+    script = (
+        f"export READBACK_IMAGE={image} READBACK_SRC=/repo/src\n"
+        f"source {ROOT / 'scripts/slurm/apptainer_srun.sh'}\n"
+        f"srun --unbuffered --output /o/%j.out --error /o/%j.err /host/bin/python3 -c "
+        f"\"import os; print('ran', os.environ['PYTHONPATH'])\"\n"
+    )
     env = {**os.environ, "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}"}
     result = subprocess.run(["bash", "-c", script], capture_output=True, text=True, env=env, timeout=60)
     if not image_exists:
@@ -142,8 +150,9 @@ def test_srun_of_a_job_runs_the_image_python_with_the_checkout(tmp_path, image_e
 @pytest.mark.skipif(torch.cuda.is_available(), reason="on a GPU machine the check runs for real")
 def test_gpu_check_on_a_machine_without_a_gpu_stops_at_once_naming_what_is_missing(tmp_path):
     env = {**os.environ, "OUT": str(tmp_path), "PYTHON": sys.executable}
-    result = subprocess.run(["bash", str(ROOT / "scripts" / "gpu_check.sh")], capture_output=True, text=True,
-                            env=env, timeout=180)
+    result = subprocess.run(
+        ["bash", str(ROOT / "scripts" / "gpu_check.sh")], capture_output=True, text=True, env=env, timeout=180
+    )
     versions, verdict = result.stdout.splitlines()
     assert result.returncode == 100 and versions.startswith("torch ") and "Transformer Engine" in versions
     assert verdict.startswith("gpu_check: missing: a CUDA")

@@ -62,14 +62,21 @@ def test_dterm_cosine_over_row_blocks_is_that_of_the_whole_layer():
     mean_key = probs @ keys
     expected = torch.nn.functional.cosine_similarity((-row_term * mean_key).flatten(), mean_key.flatten(), dim=0)
     key = "attn_dq_dterm_cos/mean/a"
-    assert blocked.pop_observations()[key] == pytest.approx(whole.pop_observations()[key]) == pytest.approx(float(expected))
-
+    assert (
+        blocked.pop_observations()[key]
+        == pytest.approx(whole.pop_observations()[key])
+        == pytest.approx(float(expected))
+    )
 
 
 @pytest.mark.parametrize("policy", ["reuse_rounded", "no_saved_copy"])
 def test_the_row_blocked_backward_logs_the_cosine_one_block_would(monkeypatch, policy):
     g = torch.Generator().manual_seed(2)
-    q, k, v = torch.randn(1, 4, 100, 16, generator=g), torch.randn(1, 2, 100, 16, generator=g), torch.randn(1, 2, 100, 16, generator=g)
+    q, k, v = (
+        torch.randn(1, 4, 100, 16, generator=g),
+        torch.randn(1, 2, 100, 16, generator=g),
+        torch.randn(1, 2, 100, 16, generator=g),
+    )
     d_o = torch.randn(1, 100, 64, generator=g)
 
     def cosine(row_block: int) -> float:
@@ -81,8 +88,9 @@ def test_the_row_blocked_backward_logs_the_cosine_one_block_would(monkeypatch, p
         return numerics.pop_observations()["attn_dq_dterm_cos/mean/a"]
 
     blocked = cosine(attention_op.ROW_BLOCK)
-    assert 100 > attention_op.ROW_BLOCK and blocked != 0
+    assert attention_op.ROW_BLOCK < 100 and blocked != 0
     assert blocked == pytest.approx(cosine(128), rel=1e-5, abs=1e-7)
+
 
 def test_a_logged_fog_step_records_them_and_the_analysis_plots_them(tmp_path):
     with initialize_config_dir(str(CONF_DIR), version_base="1.3"):
@@ -97,9 +105,11 @@ def test_a_logged_fog_step_records_them_and_the_analysis_plots_them(tmp_path):
     for key in ("attn_logit/max/", "attn_logit/mean/", "attn_entropy/mean/", "attn_dq_dterm_cos/mean/"):
         assert key + "layers.1.attn.core" in stats
     assert -1 <= stats["attn_dq_dterm_cos/mean/layers.0.attn.core"] <= 1
-    records = [{"step": s, "tokens": s, "loss": 1.0, **stats, "fp8_underflow/layers.0.attn.core.output": 0.5}
-               for s in (1, 2)]
-    runs = runs_from_records([{"run_id": "r", "config": {"experiment": "reuse_rounded", "seed": 0}, "summary": None,
-                              "records": records}])
+    records = [
+        {"step": s, "tokens": s, "loss": 1.0, **stats, "fp8_underflow/layers.0.attn.core.output": 0.5} for s in (1, 2)
+    ]
+    runs = runs_from_records(
+        [{"run_id": "r", "config": {"experiment": "reuse_rounded", "seed": 0}, "summary": None, "records": records}]
+    )
     fig = plot_mechanism(runs, x="step", path=tmp_path / "mechanism.png")
     assert len(fig.axes) >= 9 and (tmp_path / "mechanism.png").stat().st_size > 0

@@ -6,8 +6,8 @@ import pytest
 import torch
 from hydra import compose, initialize_config_dir
 
-from readback.config import CONF_DIR
 from readback.backends import build_model
+from readback.config import CONF_DIR
 from readback.model import ActivationStats, kurtosis
 from readback.model.fog import FOG, FOGConfig, Parts, rope, rounding_owners
 from readback.ops.activation import BETA, EPS
@@ -94,7 +94,13 @@ def test_xielu_values_and_gradient_in_the_model():
     x = torch.tensor([-3.0, -1e-7, 0.0, 0.5, 2.0], dtype=torch.float64, requires_grad=True)
     y = act(x)
     a = 0.8
-    expected = [a * math.expm1(-3.0) + 3 * a - 1.5, a * math.expm1(EPS) + a * 1e-7 - 0.5e-7, a * math.expm1(EPS), a * 0.25 + 0.25, a * 4 + 1]
+    expected = [
+        a * math.expm1(-3.0) + 3 * a - 1.5,
+        a * math.expm1(EPS) + a * 1e-7 - 0.5e-7,
+        a * math.expm1(EPS),
+        a * 0.25 + 0.25,
+        a * 4 + 1,
+    ]
     assert torch.allclose(y, torch.tensor(expected, dtype=torch.float64))
     y.sum().backward()
     slope = [a * math.exp(-3.0) - a + 0.5, -a + 0.5, -a + 0.5, 2 * a * 0.5 + 0.5, 2 * a * 2 + 0.5]
@@ -107,8 +113,13 @@ def test_rope_rotates_pairs_and_keeps_norms():
     assert torch.allclose(y[..., 0, :], x[..., 0, :])  # position 0 is not rotated
     assert torch.allclose(y.norm(dim=-1), x.norm(dim=-1))
     angle = 1.0  # position 1, first pair: frequency base**0 = 1
-    rotated = torch.stack([x[..., 1, 0] * math.cos(angle) - x[..., 1, 1] * math.sin(angle),
-                           x[..., 1, 0] * math.sin(angle) + x[..., 1, 1] * math.cos(angle)], -1)
+    rotated = torch.stack(
+        [
+            x[..., 1, 0] * math.cos(angle) - x[..., 1, 1] * math.sin(angle),
+            x[..., 1, 0] * math.sin(angle) + x[..., 1, 1] * math.cos(angle),
+        ],
+        -1,
+    )
     assert torch.allclose(y[..., 1, :2], rotated)
 
 
@@ -161,8 +172,14 @@ def test_fog_takes_every_linear_norm_core_and_activation_from_its_parts():
     numerics = Numerics("off")
     model = FOG(cfg, numerics, Recording(numerics))
     names = ["qkv", "q_norm (frozen)", "k_norm (frozen)", "core", "proj"]
-    assert made == [*(f"layers.0.attn.{n}" for n in names), "layers.0.attn_norm", "layers.0.mlp.up",
-                    "layers.0.mlp.down", "layers.0.mlp_norm", "lm_head"]
+    assert made == [
+        *(f"layers.0.attn.{n}" for n in names),
+        "layers.0.attn_norm",
+        "layers.0.mlp.up",
+        "layers.0.mlp.down",
+        "layers.0.mlp_norm",
+        "lm_head",
+    ]
     assert model.numerics is numerics and model.parts.numerics is numerics
 
 

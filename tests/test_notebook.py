@@ -5,10 +5,8 @@ with the paired-seed columns."""
 
 from __future__ import annotations
 
-
 import nbformat
 import pytest
-
 from helpers_sweep import EXPERIMENTS, REPO, real_sweep
 
 NOTEBOOK = REPO / "notebooks" / "study.ipynb"
@@ -57,8 +55,14 @@ def test_notebook_runs_under_papermill(tmp_path_factory, tmp_path, monkeypatch):
     cwd = tmp_path / "elsewhere"  # no multirun/ and no train.py here or above
     cwd.mkdir()
     executed = tmp_path / "executed.ipynb"
-    papermill.execute_notebook(str(NOTEBOOK), str(executed), kernel_name="python3", cwd=str(cwd),
-                               parameters={"SWEEP_DIRS": [str(sweep)], "OUT_DIR": str(out)}, progress_bar=False)
+    papermill.execute_notebook(
+        str(NOTEBOOK),
+        str(executed),
+        kernel_name="python3",
+        cwd=str(cwd),
+        parameters={"SWEEP_DIRS": [str(sweep)], "OUT_DIR": str(out)},
+        progress_bar=False,
+    )
 
     nb = nbformat.read(executed, as_version=4)
     outputs = [o for c in nb.cells if c.cell_type == "code" for o in c.outputs]

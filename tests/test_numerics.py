@@ -21,8 +21,8 @@ from readback.numerics import (
     CurrentScalingState,
     DelayedScaling,
     DelayedScalingState,
-    FP8Format,
     Format,
+    FP8Format,
     abs_max,
     compute_scale,
     fp8_mm,
@@ -465,7 +465,9 @@ def test_decode_is_torchs_cast_bit_for_bit(fmt, dtype):
         assert torch.equal(got.view(_BITS[dtype]), want.view(_BITS[dtype]))
 
 
-@pytest.mark.parametrize("values", [[1.0, -3.0, 2.0], [-0.0, 0.0], [-0.0], [2.0, float("nan"), -1.0], [float("-inf"), 1.0]])
+@pytest.mark.parametrize(
+    "values", [[1.0, -3.0, 2.0], [-0.0, 0.0], [-0.0], [2.0, float("nan"), -1.0], [float("-inf"), 1.0]]
+)
 def test_abs_max_is_abs_then_amax(values):
     x = torch.tensor(values)
     got, want = abs_max(x), x.abs().amax()
@@ -508,8 +510,9 @@ def test_fp8_mm_equals_float64_product_within_bf16(shape, seed, fmt_b):
 
 def _scaled_mm(qa, qb) -> torch.Tensor:
     """torch's FP8 GEMM (it runs on the CPU too): one (m, k) x (k, n) product, BF16 out."""
-    return torch._scaled_mm(qa.data, qb.data.t().contiguous().t(), scale_a=qa.scale_inv, scale_b=qb.scale_inv,
-                            out_dtype=torch.bfloat16)
+    return torch._scaled_mm(
+        qa.data, qb.data.t().contiguous().t(), scale_a=qa.scale_inv, scale_b=qb.scale_inv, out_dtype=torch.bfloat16
+    )
 
 
 @pytest.mark.parametrize("batch", [(), (3,)], ids=["plain", "batched"])
@@ -532,7 +535,7 @@ def test_fp8_mm_is_not_the_product_rounded_before_scaling():
     """Rounding the unscaled product to BF16 and scaling afterwards (two roundings) would miss
     ``_scaled_mm`` in about a quarter of the outputs: the test above can tell them apart."""
     qa, qb = _operands(3, (96, 128), (128, 112), E4M3, E4M3)
-    two_roundings = (torch.matmul(qa.data.bfloat16(), qb.data.bfloat16()).float() * (qa.scale_inv * qb.scale_inv))
+    two_roundings = torch.matmul(qa.data.bfloat16(), qb.data.bfloat16()).float() * (qa.scale_inv * qb.scale_inv)
     identical = (two_roundings.bfloat16().view(torch.int16) == _scaled_mm(qa, qb).view(torch.int16)).double().mean()
     assert identical < 0.9
 

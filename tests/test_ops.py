@@ -158,10 +158,18 @@ def _run_attention(policy: str, recipe, inputs, warmup: bool):
     q, k, v = (t.clone().requires_grad_() for t in (q0, k0, v0))
     out, oq = attention(q, k, v, numerics, "attn")
     out.backward(d_out)
-    (name, record), = numerics.tape
+    ((name, record),) = numerics.tape
     assert name == "attn"
-    return {"dq": q.grad, "dk": k.grad, "dv": v.grad, "out": out, "oq": oq, "record": record,
-            "numerics": numerics, "obs": numerics.pop_observations()}
+    return {
+        "dq": q.grad,
+        "dk": k.grad,
+        "dv": v.grad,
+        "out": out,
+        "oq": oq,
+        "record": record,
+        "numerics": numerics,
+        "obs": numerics.pop_observations(),
+    }
 
 
 @pytest.mark.parametrize("attention_bwd", ["fp8", "bf16"])
@@ -252,8 +260,11 @@ def test_attention_forwards_agree_and_scales_are_not_one(attention_runs, recipe_
     for policy in POLICIES:
         assert torch.equal(runs[recipe_id, policy]["out"], ref["out"]), policy
         assert torch.equal(runs[recipe_id, policy]["dv"], ref["dv"]), policy  # dV does not read D
-    scales = {name: float(site.state.scale) for name, site in ref["numerics"].sites.items()
-              if name.split(".")[-1] in ("q", "k", "v", "probs", "output")}
+    scales = {
+        name: float(site.state.scale)
+        for name, site in ref["numerics"].sites.items()
+        if name.split(".")[-1] in ("q", "k", "v", "probs", "output")
+    }
     assert len(scales) == 5 and all(s != 1.0 for s in scales.values()), scales
     # the returned copy is the recorded O8 and is on the E4M3 grid
     assert torch.equal(ref["oq"].data.view(torch.uint8), ref["record"]["output"].data.view(torch.uint8))
@@ -402,7 +413,7 @@ def test_linear_high_precision_backward_matches_reference(warmup):
     x, w = x0.clone().requires_grad_(), w0.clone().requires_grad_()
     y = linear(x, w, numerics, "lin")
     y.backward(d_y)
-    (name, record), = numerics.tape
+    ((name, record),) = numerics.tape
     assert name == "lin" and "lin.grad_output" not in numerics.sites  # nothing rounded in backward
     xr, wr = x0.clone().requires_grad_(), w0.clone().requires_grad_()
     y_ref = linear_mod.replay(xr, wr, record)
@@ -422,7 +433,7 @@ def test_linear_fp8_backward_by_hand():
     numerics.tape = []
     x, w = x0.clone().requires_grad_(), w0.clone().requires_grad_()
     linear(x, w, numerics, "lin").backward(d_y)
-    (_, record), = numerics.tape
+    ((_, record),) = numerics.tape
 
     dy2 = d_y.reshape(-1, 24)
     scale = compute_scale(dy2.abs().amax(), E5M2)  # current scaling of the output gradient
@@ -450,7 +461,7 @@ def test_linear_multiplies_the_producers_copy():
     numerics.tape = []
     xq = quantize(x0, E4M3, torch.tensor(3.0))
     linear(xq.dequantize(), w0, numerics, "lin", x_q=xq)
-    (_, record), = numerics.tape
+    ((_, record),) = numerics.tape
     assert torch.equal(record["input"].data.view(torch.uint8), xq.data.reshape(-1, 32).view(torch.uint8))
     assert "lin.input" not in numerics.sites
     assert "linear.input" not in numerics.saved_bytes
@@ -470,7 +481,7 @@ def test_rms_norm_round_output_reads():
     x, gain = x0.clone().requires_grad_(), gain0.clone().requires_grad_()
     y, yq = rms_norm(x, gain, numerics, "norm", round_output=True)
     y.backward(d_y)
-    (_, record), = numerics.tape
+    ((_, record),) = numerics.tape
 
     # the output is on the E4M3 grid: it is the dequantized copy, and rounding it again is a no-op
     assert yq.fmt is E4M3 and yq.data.dtype == torch.float8_e4m3fn
@@ -606,8 +617,11 @@ def test_saturation_counts_the_elements_clipped(recipe):
 def test_numerics_state_dict_restores_scales_and_streams():
     g = _gen(7)
     d = 32
-    params = (torch.rand(d, generator=g) + 0.5, torch.randn((H + 2 * G) * HD, d, generator=g) * 0.2,
-              torch.randn(d, H * HD, generator=g) * 0.2)
+    params = (
+        torch.rand(d, generator=g) + 0.5,
+        torch.randn((H + 2 * G) * HD, d, generator=g) * 0.2,
+        torch.randn(d, H * HD, generator=g) * 0.2,
+    )
     xs = [torch.randn(B, T, d, generator=g) * (i + 1) for i in range(4)]
     recipe = DelayedScaling(amax_history_len=4)
 

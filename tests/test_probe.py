@@ -6,8 +6,8 @@ import pytest
 import torch
 from hydra import compose, initialize_config_dir
 
-from readback.config import CONF_DIR
 from readback.backends import build_model
+from readback.config import CONF_DIR
 from readback.probe import GradientProbe, compare
 
 FP32_BACKWARD = ["attention.bwd_precision=fp32", "precision.override_linear_precision=[false,true,true]"]
@@ -103,9 +103,22 @@ def _losses(run_dir):
 def test_probe_does_not_change_the_training_trajectory(tmp_path):
     from readback.train import run
 
-    common = ["+experiment=fresh_reround", "precision.rounding=stochastic", "data=synthetic", "data.vocab_size=128", "logger=none",
-              "trainer.steps=6", "trainer.log_every=1", "trainer.eval_every=6", "trainer.progress=false",
-              "model.d_model=32", "model.ffn_dim=64", "model.global_batch=4", "trainer.micro_batch=2", "model.seq_len=32"]
+    common = [
+        "+experiment=fresh_reround",
+        "precision.rounding=stochastic",
+        "data=synthetic",
+        "data.vocab_size=128",
+        "logger=none",
+        "trainer.steps=6",
+        "trainer.log_every=1",
+        "trainer.eval_every=6",
+        "trainer.progress=false",
+        "model.d_model=32",
+        "model.ffn_dim=64",
+        "model.global_batch=4",
+        "trainer.micro_batch=2",
+        "model.seq_len=32",
+    ]
     run(_cfg(*common), tmp_path / "plain")
     run(_cfg(*common, "probe.every=2", "probe.repeats=2"), tmp_path / "probed")
     plain, probed = _losses(tmp_path / "plain"), _losses(tmp_path / "probed")

@@ -12,7 +12,6 @@ import subprocess
 
 import pytest
 import yaml
-
 from helpers_sweep import EXPERIMENTS, real_sweep
 from test_analysis import config, records, summary, write_run
 
@@ -32,9 +31,20 @@ FINAL.update({("reuse_rounded", "0.03", s): 7.3 + o for s, o in SEED_OFFSET.item
 def lr_sweep(tmp_path):
     root = tmp_path / "lr_sweep"
     for (exp, lr, seed), loss in FINAL.items():
-        d = write_run(root, f"{exp}/seed={seed},trainer.optim.lr={lr}", config(exp, seed), records([5.0, loss]),
-                      summary("completed", loss, loss - 0.1, 20, exp))
-        overrides = [f"+experiment={exp}", f"seed={seed}", f"trainer.optim.lr={lr}", "trainer.resume=true", "model=tiny"]
+        d = write_run(
+            root,
+            f"{exp}/seed={seed},trainer.optim.lr={lr}",
+            config(exp, seed),
+            records([5.0, loss]),
+            summary("completed", loss, loss - 0.1, 20, exp),
+        )
+        overrides = [
+            f"+experiment={exp}",
+            f"seed={seed}",
+            f"trainer.optim.lr={lr}",
+            "trainer.resume=true",
+            "model=tiny",
+        ]
         (d / ".hydra" / "overrides.yaml").write_text(yaml.safe_dump(overrides))
     return root
 
@@ -42,11 +52,13 @@ def lr_sweep(tmp_path):
 def test_groups_split_on_every_varying_override_but_the_seed(lr_sweep):
     runs = load_runs(lr_sweep)
     assert runs.group_keys == ["trainer.optim.lr"]  # not seed, not resume, not the constant model
-    assert runs.groups == [f"{e} [trainer.optim.lr={lr}]" for e in ("reuse_rounded", "no_saved_copy")
-                           for lr in ("0.001", "0.03")]
+    assert runs.groups == [
+        f"{e} [trainer.optim.lr={lr}]" for e in ("reuse_rounded", "no_saved_copy") for lr in ("0.001", "0.03")
+    ]
     t = final_loss_table(runs).set_index("group")
     assert t.loc["reuse_rounded [trainer.optim.lr=0.03]", "final_loss_mean"] == pytest.approx(
-        sum(FINAL[("reuse_rounded", "0.03", s)] for s in SEED_OFFSET) / 3)
+        sum(FINAL[("reuse_rounded", "0.03", s)] for s in SEED_OFFSET) / 3
+    )
     assert (t["n"] == 3).all()
 
 
@@ -76,10 +88,21 @@ def test_paired_differences_against_the_control(lr_sweep):
 
 def test_paired_drops_seeds_without_a_partner():
     def entry(exp, seed, loss):
-        return {"run_id": f"{exp}/{seed}", "config": config(exp, seed), "records": records([loss]),
-                "summary": summary("completed", loss, None, 10, exp)}
-    runs = runs_from_records([entry("reuse_rounded", 0, 4.1), entry("reuse_rounded", 1, 4.3),
-                              entry("no_saved_copy", 0, 4.0), entry("no_saved_copy", 2, 9.0)])
+        return {
+            "run_id": f"{exp}/{seed}",
+            "config": config(exp, seed),
+            "records": records([loss]),
+            "summary": summary("completed", loss, None, 10, exp),
+        }
+
+    runs = runs_from_records(
+        [
+            entry("reuse_rounded", 0, 4.1),
+            entry("reuse_rounded", 1, 4.3),
+            entry("no_saved_copy", 0, 4.0),
+            entry("no_saved_copy", 2, 9.0),
+        ]
+    )
     row = paired_table(runs, "no_saved_copy").set_index("metric").loc["final_loss"]
     assert row["n_pairs"] == 1 and row["paired_mean"] == pytest.approx(0.1) and math.isnan(row["paired_se"])
     assert row["unpaired_mean"] == pytest.approx(4.2 - 6.5)
@@ -101,11 +124,25 @@ class _StubRun:
     def __init__(self, exp, seed, loss):
         self.path = ["ent", "proj", f"{exp[:3]}{seed}"]
         self.state = "finished"
-        self.config = {"experiment": {"value": exp}, "seed": seed, "policy": {"name": exp},
-                       "launch": {"overrides": [f"+experiment={exp}", f"seed={seed}"], "host": "node7", "cpus": 8,
-                                  "gpus": ["H100"], "platform": "Linux", "torch": "2.13.0", "python": "3.11"}}
+        self.config = {
+            "experiment": {"value": exp},
+            "seed": seed,
+            "policy": {"name": exp},
+            "launch": {
+                "overrides": [f"+experiment={exp}", f"seed={seed}"],
+                "host": "node7",
+                "cpus": 8,
+                "gpus": ["H100"],
+                "platform": "Linux",
+                "torch": "2.13.0",
+                "python": "3.11",
+            },
+        }
         self.summary = {"status": "completed", "final_loss": loss, "val_loss": loss - 0.1, "steps": 20, "_step": 1}
-        self._hist = [{"_step": 0, "step": 10, "loss": 5.0, "tokens": 1000}, {"_step": 1, "step": 20, "loss": loss, "tokens": 2000}]
+        self._hist = [
+            {"_step": 0, "step": 10, "loss": 5.0, "tokens": 1000},
+            {"_step": 1, "step": 20, "loss": loss, "tokens": 2000},
+        ]
 
     def scan_history(self):
         return iter(self._hist)
@@ -122,8 +159,11 @@ def test_cli_reads_a_wandb_project_through_the_loader(monkeypatch, tmp_path, cap
 
         def runs(self, path, filters=None):
             asked["path"] = path
-            return [_StubRun(e, s, 4.0 + 0.1 * s + (0.02 if e == "reuse_rounded" else 0)) for e in EXPERIMENTS
-                    for s in (0, 1)]
+            return [
+                _StubRun(e, s, 4.0 + 0.1 * s + (0.02 if e == "reuse_rounded" else 0))
+                for e in EXPERIMENTS
+                for s in (0, 1)
+            ]
 
     monkeypatch.setattr(wandb, "Api", StubApi)
     out = tmp_path / "w"
@@ -172,11 +212,25 @@ def test_html_report_renders_its_images_and_tables_in_a_browser(tmp_path_factory
     pngs = {p.stem.replace("_", " "): _png_size(p.read_bytes()) for p in out.glob("*.png")}
     checked = tmp_path / "checked.html"
     checked.write_text(page.replace("</body>", CHECK + "</body>"), encoding="utf-8")
-    proc = subprocess.run([browser, "--headless", "--no-sandbox", "--disable-gpu", "--virtual-time-budget=10000",
-                           "--dump-dom", checked.as_uri()], capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        [
+            browser,
+            "--headless",
+            "--no-sandbox",
+            "--disable-gpu",
+            "--virtual-time-budget=10000",
+            "--dump-dom",
+            checked.as_uri(),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     found = re.search(r'<pre id="browser-check">(.*?)</pre>', proc.stdout, re.S)
     assert found, (proc.returncode, proc.stderr[-2000:])
-    seen = json.loads(found.group(1).replace("&quot;", '"').replace("&amp;", "&").replace("&lt;", "<").replace("&gt;", ">"))
+    seen = json.loads(
+        found.group(1).replace("&quot;", '"').replace("&amp;", "&").replace("&lt;", "<").replace("&gt;", ">")
+    )
     # every plot decoded at its own pixel size
     assert sorted(i["alt"] for i in seen["images"]) == sorted(pngs)
     for img in seen["images"]:
@@ -193,8 +247,19 @@ def test_html_report_renders_its_images_and_tables_in_a_browser(tmp_path_factory
     assert how["runs: command"].startswith("python train.py -m +experiment=") and "CPUs" in how["runs: machine"]
     assert how["report: command"].startswith("python -m readback.analysis ")
     shot = tmp_path / "shot.png"
-    subprocess.run([browser, "--headless", "--no-sandbox", "--disable-gpu", "--window-size=1200,1600",
-                    f"--screenshot={shot}", (out / "report.html").as_uri()], capture_output=True, timeout=120)
+    subprocess.run(
+        [
+            browser,
+            "--headless",
+            "--no-sandbox",
+            "--disable-gpu",
+            "--window-size=1200,1600",
+            f"--screenshot={shot}",
+            (out / "report.html").as_uri(),
+        ],
+        capture_output=True,
+        timeout=120,
+    )
     assert _png_size(shot.read_bytes()) == (1200, 1600)
 
 

@@ -28,13 +28,30 @@ from readback.train.metrics import read_jsonl
 ROOT = Path(__file__).resolve().parents[1]
 STEPS = 30
 TINY = [
-    "+experiment=fresh_reround", "precision.rounding=stochastic", "seed=7",
-    "data=synthetic", "data.n_tokens=65536",
-    "model.n_layers=2", "model.d_model=32", "model.n_heads=2", "model.n_kv_groups=1", "model.ffn_dim=64",
-    "model.seq_len=32", "model.global_batch=4", "trainer.micro_batch=2",
-    f"trainer.steps={STEPS}", "trainer.log_every=3", "trainer.eval_every=10", "trainer.eval_batches=1",
-    "trainer.ckpt_every=4", "trainer.keep_last=2", "trainer.optim.warmup_steps=3", "trainer.progress=false",
-    "probe.every=5", "probe.repeats=2", "logger=none",
+    "+experiment=fresh_reround",
+    "precision.rounding=stochastic",
+    "seed=7",
+    "data=synthetic",
+    "data.n_tokens=65536",
+    "model.n_layers=2",
+    "model.d_model=32",
+    "model.n_heads=2",
+    "model.n_kv_groups=1",
+    "model.ffn_dim=64",
+    "model.seq_len=32",
+    "model.global_batch=4",
+    "trainer.micro_batch=2",
+    f"trainer.steps={STEPS}",
+    "trainer.log_every=3",
+    "trainer.eval_every=10",
+    "trainer.eval_batches=1",
+    "trainer.ckpt_every=4",
+    "trainer.keep_last=2",
+    "trainer.optim.warmup_steps=3",
+    "trainer.progress=false",
+    "probe.every=5",
+    "probe.repeats=2",
+    "logger=none",
 ]
 # Logged steps: multiples of 3, eval steps (10, 20, 30) and probe steps (5, 10, ...). Checkpoints at
 # multiples of 4 fall between logged steps, so the window of losses and the saturation counts not
@@ -53,8 +70,7 @@ def _env(**extra: str) -> dict[str, str]:
 
 def _start(run_dir: Path, *extra: str, env: dict[str, str] | None = None, script: str = "train.py") -> subprocess.Popen:
     cmd = [sys.executable, script, *TINY, *extra, f"hydra.run.dir={run_dir}"]
-    return subprocess.Popen(cmd, cwd=ROOT, env=env or _env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True)
+    return subprocess.Popen(cmd, cwd=ROOT, env=env or _env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
 def _finish(proc: subprocess.Popen, timeout: float = 240) -> tuple[int, str, str]:
@@ -187,8 +203,14 @@ def test_sigkill_during_a_checkpoint_save_leaves_the_previous_one(tmp_path, refe
     run_dir, ckpts = tmp_path / "run", tmp_path / "run" / "checkpoints"
     script = tmp_path / "kill_at_save.py"
     script.write_text(KILL_AT_SAVE)
-    proc = subprocess.Popen([sys.executable, str(script), *TINY, f"hydra.run.dir={run_dir}"], cwd=ROOT,
-                            env=_env(DIE_AT_SAVE="3"), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [sys.executable, str(script), *TINY, f"hydra.run.dir={run_dir}"],
+        cwd=ROOT,
+        env=_env(DIE_AT_SAVE="3"),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     assert _finish(proc)[0] == -signal.SIGKILL  # killed inside the third save (step 12)
     assert [s for s, _ in list_checkpoints(ckpts)] == [4, 8]
     torn = [p.name for p in ckpts.iterdir() if p.name.startswith(".step_0000012.pt.")]

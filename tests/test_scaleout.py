@@ -31,11 +31,27 @@ from readback.train.metrics import read_jsonl
 CONF = str(CONF_DIR)
 LOSS_RTOL = 3e-3  # FSDP vs DDP, and a 2-process checkpoint resumed by 1 process, over 20 steps
 TINY = [
-    "data=synthetic", "data.n_tokens=32768", "logger=none", "trainer.progress=false", "seed=5",
-    "model.n_layers=2", "model.d_model=32", "model.n_heads=2", "model.n_kv_groups=1", "model.ffn_dim=64",
-    "model.seq_len=32", "model.global_batch=4", "trainer.micro_batch=2", "trainer.steps=20",
-    "trainer.log_every=1", "trainer.eval_every=10", "trainer.eval_batches=3", "trainer.ckpt_every=10",
-    "trainer.optim.warmup_steps=3", "probe.every=10", "probe.repeats=1",
+    "data=synthetic",
+    "data.n_tokens=32768",
+    "logger=none",
+    "trainer.progress=false",
+    "seed=5",
+    "model.n_layers=2",
+    "model.d_model=32",
+    "model.n_heads=2",
+    "model.n_kv_groups=1",
+    "model.ffn_dim=64",
+    "model.seq_len=32",
+    "model.global_batch=4",
+    "trainer.micro_batch=2",
+    "trainer.steps=20",
+    "trainer.log_every=1",
+    "trainer.eval_every=10",
+    "trainer.eval_batches=3",
+    "trainer.ckpt_every=10",
+    "trainer.optim.warmup_steps=3",
+    "probe.every=10",
+    "probe.repeats=1",
 ]
 EXPERIMENTS = ("reuse_rounded", "fresh_reround")
 
@@ -88,8 +104,17 @@ def runs(tmp_path_factory) -> Path:
     script.write_text(WORKER.format(experiments=EXPERIMENTS))
     env = dict(os.environ, OMP_NUM_THREADS="1", WANDB_MODE="disabled")
     env.pop("WORLD_SIZE", None)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(script),
-           str(out), CONF, json.dumps(TINY)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc_per_node=2",
+        str(script),
+        str(out),
+        CONF,
+        json.dumps(TINY),
+    ]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600, cwd=out)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return out
@@ -108,8 +133,9 @@ def test_fsdp_trains_like_ddp(runs, experiment):
     # the probe sees the same local gradients as under DDP: equal while the weights are (fresh_reround
     # here), close once an FP8 flip made them differ (reuse_rounded flips at step 7)
     same_weights = all(ra["loss"] == rb["loss"] for ra, rb in zip(a[:10], b[:10]))
-    assert b[9]["grad_error/rel_err/total"] == pytest.approx(a[9]["grad_error/rel_err/total"],
-                                                             rel=1e-5 if same_weights else 0.1)
+    assert b[9]["grad_error/rel_err/total"] == pytest.approx(
+        a[9]["grad_error/rel_err/total"], rel=1e-5 if same_weights else 0.1
+    )
     assert json.loads((fsdp / "summary.json").read_text())["status"] == "completed"
 
 
@@ -155,8 +181,10 @@ def test_dry_run_refuses_fog_8b_under_ddp_and_sizes_it_under_fsdp(tmp_path, monk
     table = capsys.readouterr().out
     assert "ddp" in table and "fsdp" in table
     # sharded, and with fused attention (no saved attention probabilities), it fits
-    summary = run(_cfg("model=fog_8b", "backend=te", "trainer.dry_run=true", "trainer.micro_batch=1",
-                       "trainer.parallel=fsdp"), tmp_path / "fsdp")
+    summary = run(
+        _cfg("model=fog_8b", "backend=te", "trainer.dry_run=true", "trainer.micro_batch=1", "trainer.parallel=fsdp"),
+        tmp_path / "fsdp",
+    )
     memory = summary["memory_gb"]
     n = summary["n_params"]
     assert memory["ddp"]["params"] + memory["ddp"]["grads"] + memory["ddp"]["optimizer"] == pytest.approx(16 * n / 1e9)

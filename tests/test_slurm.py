@@ -72,8 +72,9 @@ def test_sweeps_have_own_dirs_and_resume(tmp_path):
     echo.chmod(0o755)
     dirs = {}
     for script in sorted((ROOT / "sweeps").glob("*.sh")):
-        args = subprocess.run(["bash", str(script)], env={**os.environ, "PYTHON": str(echo)},
-                              capture_output=True, text=True, check=True).stdout.splitlines()
+        args = subprocess.run(
+            ["bash", str(script)], env={**os.environ, "PYTHON": str(echo)}, capture_output=True, text=True, check=True
+        ).stdout.splitlines()
         found = [a.split("=", 1)[1] for a in args if a.startswith("hydra.sweep.dir=")]
         assert len(found) == 1, (script, args)
         dirs[script.name] = found[0]
@@ -121,7 +122,10 @@ def slurm_env():
     try:
         start = subprocess.run(
             ["bash", str(SCRIPTS / "start.sh"), str(cluster), str(cpus)],
-            env=env, capture_output=True, text=True, timeout=60,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=60,
         )
         if start.returncode != 0:
             pytest.fail(f"the Slurm test cluster did not start:\n{start.stdout}\n{start.stderr}")
@@ -171,12 +175,22 @@ def test_sweep_on_slurm_fsdp_and_requeue_resume(slurm_env, tmp_path):
     sweep = tmp_path / "multirun"
     env = dict(slurm_env, WANDB_MODE="disabled", OMP_NUM_THREADS="1", HYDRA_FULL_ERROR="1")
     cmd = [
-        sys.executable, "train.py", "-m",
+        sys.executable,
+        "train.py",
+        "-m",
         "hydra/launcher=slurm",
-        f"+experiment={','.join(EXPERIMENTS)}", "seed=0",
-        "model=tiny", "data=synthetic", "logger=none",
-        f"trainer.steps={STEPS}", f"trainer.ckpt_every={CKPT_EVERY}", "trainer.log_every=2",
-        "trainer.eval_batches=2", "trainer.progress=false", "trainer.resume=true", "trainer.parallel=fsdp",
+        f"+experiment={','.join(EXPERIMENTS)}",
+        "seed=0",
+        "model=tiny",
+        "data=synthetic",
+        "logger=none",
+        f"trainer.steps={STEPS}",
+        f"trainer.ckpt_every={CKPT_EVERY}",
+        "trainer.log_every=2",
+        "trainer.eval_batches=2",
+        "trainer.progress=false",
+        "trainer.resume=true",
+        "trainer.parallel=fsdp",
         f"hydra.sweep.dir={sweep}",
         "hydra.launcher.partition=debug",
         "hydra.launcher.gpus_per_node=null",
@@ -188,8 +202,11 @@ def test_sweep_on_slurm_fsdp_and_requeue_resume(slurm_env, tmp_path):
     ]
     # a run's folder is named by its overrides (conf/train.yaml: hydra.job.override_dirname, sorted,
     # without the experiment, logger and resume/progress keys)
-    named = sorted(a for a in cmd[3:] if "=" in a and not a.startswith(("hydra", "+experiment", "logger", "trainer.resume",
-                                                                         "trainer.progress")))
+    named = sorted(
+        a
+        for a in cmd[3:]
+        if "=" in a and not a.startswith(("hydra", "+experiment", "logger", "trainer.resume", "trainer.progress"))
+    )
     subdir = ",".join(named)
     first_run = sweep / EXPERIMENTS[0] / subdir
     events: dict = {"stop": threading.Event()}
@@ -230,12 +247,27 @@ def test_a_multi_node_task_takes_rank_world_and_master_from_slurm(monkeypatch, s
     global rank 9 of 16, local rank 1, and the job's first node as master (every task agrees)."""
     from readback.train.distributed import first_host, world_from_env
 
-    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
-                "SUBMITIT_EXECUTOR", "CUDA_VISIBLE_DEVICES"):
+    for key in (
+        "RANK",
+        "WORLD_SIZE",
+        "LOCAL_RANK",
+        "LOCAL_WORLD_SIZE",
+        "MASTER_ADDR",
+        "MASTER_PORT",
+        "SUBMITIT_EXECUTOR",
+        "CUDA_VISIBLE_DEVICES",
+    ):
         monkeypatch.setenv(key, "")  # recorded, so what the export sets is undone after the test
         monkeypatch.delenv(key)
-    slurm = {"SLURM_JOB_ID": "4242", "SLURM_JOB_NODELIST": "gpu[07-08]", "SLURM_JOB_NUM_NODES": "2",
-             "SLURM_NTASKS": "16", "SLURM_PROCID": "9", "SLURM_LOCALID": "1", "SLURM_NODEID": "1"}
+    slurm = {
+        "SLURM_JOB_ID": "4242",
+        "SLURM_JOB_NODELIST": "gpu[07-08]",
+        "SLURM_JOB_NUM_NODES": "2",
+        "SLURM_NTASKS": "16",
+        "SLURM_PROCID": "9",
+        "SLURM_LOCALID": "1",
+        "SLURM_NODEID": "1",
+    }
     if submitit_job:
         slurm["SUBMITIT_EXECUTOR"] = "slurm"
     for key, value in slurm.items():
@@ -259,18 +291,42 @@ def test_sweep_on_slurm_runs_every_job_in_the_apptainer_image(slurm_env, tmp_pat
     bin_dir, calls, image, sweep = tmp_path / "bin", tmp_path / "apptainer_calls", tmp_path / "r.sif", tmp_path / "m"
     bin_dir.mkdir()
     image.write_text("")
-    fakes = {"apptainer": f'echo "$*" >> {calls}\n[ "$1 $2 $3" = "exec --nv {image}" ] || exit 64\nshift 3\nexec "$@"\n',
-             "python": f'exec {sys.executable} "$@"\n'}  # the image's python
+    fakes = {
+        "apptainer": f'echo "$*" >> {calls}\n[ "$1 $2 $3" = "exec --nv {image}" ] || exit 64\nshift 3\nexec "$@"\n',
+        "python": f'exec {sys.executable} "$@"\n',
+    }  # the image's python
     for name, body in fakes.items():
         (bin_dir / name).write_text("#!/usr/bin/env bash\n" + body)
         (bin_dir / name).chmod(0o755)
-    env = dict(slurm_env, PATH=f"{bin_dir}{os.pathsep}{slurm_env['PATH']}", READBACK_IMAGE=str(image),
-               WANDB_MODE="disabled", OMP_NUM_THREADS="1", HYDRA_FULL_ERROR="1")
-    cmd = [sys.executable, "train.py", "-m", "hydra/launcher=slurm_apptainer", "+experiment=reuse_rounded", "seed=0",
-           "model=tiny", "data=synthetic", "logger=none", "trainer.steps=4", "trainer.log_every=2",
-           "trainer.progress=false", f"hydra.sweep.dir={sweep}", "hydra.launcher.partition=debug",
-           "hydra.launcher.gpus_per_node=null", "hydra.launcher.tasks_per_node=1", "hydra.launcher.cpus_per_task=1",
-           "hydra.launcher.mem_gb=null", "hydra.launcher.timeout_min=5"]
+    env = dict(
+        slurm_env,
+        PATH=f"{bin_dir}{os.pathsep}{slurm_env['PATH']}",
+        READBACK_IMAGE=str(image),
+        WANDB_MODE="disabled",
+        OMP_NUM_THREADS="1",
+        HYDRA_FULL_ERROR="1",
+    )
+    cmd = [
+        sys.executable,
+        "train.py",
+        "-m",
+        "hydra/launcher=slurm_apptainer",
+        "+experiment=reuse_rounded",
+        "seed=0",
+        "model=tiny",
+        "data=synthetic",
+        "logger=none",
+        "trainer.steps=4",
+        "trainer.log_every=2",
+        "trainer.progress=false",
+        f"hydra.sweep.dir={sweep}",
+        "hydra.launcher.partition=debug",
+        "hydra.launcher.gpus_per_node=null",
+        "hydra.launcher.tasks_per_node=1",
+        "hydra.launcher.cpus_per_task=1",
+        "hydra.launcher.mem_gb=null",
+        "hydra.launcher.timeout_min=5",
+    ]
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=SWEEP_TIMEOUT_S)
     job_logs = _tails(sweep, "*_log.*", 30)
     assert proc.returncode == 0, f"{proc.stdout}\n{proc.stderr}\n{job_logs}"

@@ -94,8 +94,10 @@ def test_site_margin_config():
     numerics = build_model(cfg).numerics
     assert numerics.site("layers.0.attn.core.output").margin == 14
     assert numerics.site("layers.0.attn.core.q").margin == 0
-    for override, key in (("precision.site_margin={attn.kore.output:14}", "precision.site_margin"),
-                          ("precision.site_margin={attn.core.output:-1}", "precision.site_margin.attn.core.output")):
+    for override, key in (
+        ("precision.site_margin={attn.kore.output:14}", "precision.site_margin"),
+        ("precision.site_margin={attn.core.output:-1}", "precision.site_margin.attn.core.output"),
+    ):
         with pytest.raises(ConfigError) as error:
             validate(_compose(override))
         assert error.value.key == key and "valid:" in str(error.value)

@@ -63,8 +63,14 @@ def test_experiment_maps_to_te_recipe_switches_and_sites(experiment):
         assert not plan.fp8 and plan.recipe_kwargs == {}
         assert plan.sites["attention_core"] == "te.DotProductAttention(bf16)"
     else:
-        assert plan.recipe_kwargs == dict(margin=0, fp8_format="HYBRID", amax_history_len=1024,
-                                          amax_compute_algo="max", fp8_dpa=fp8_dpa, fp8_mha=False)
+        assert plan.recipe_kwargs == dict(
+            margin=0,
+            fp8_format="HYBRID",
+            amax_history_len=1024,
+            amax_compute_algo="max",
+            fp8_dpa=fp8_dpa,
+            fp8_mha=False,
+        )
     assert plan.sites["linear"].startswith("te.Linear") and plan.sites["norm"] == "te.RMSNorm"
     if core == "te":
         assert plan.sites["attention_core"].startswith("te.DotProductAttention")
@@ -85,10 +91,16 @@ READS = [
     (("+experiment=reuse_rounded",), "O8 (the core's output_fp8)", "rounded K8"),
     (("+experiment=reuse_rounded_bf16_bwd",), "O8 dequantised to BF16", "original K (BF16)"),
     (("+experiment=reuse_rounded", "policy=original", "precision.recipe=current"), "original O (F16)", "rounded K8"),
-    (("+experiment=reuse_rounded", "precision.recipe=current"), "O8 (quantised by the core's O quantizer)",
-     "rounded K8"),
-    (("+experiment=reuse_rounded", "policy=original", "precision.recipe=current", "attention.bwd_precision=bf16"),
-     "original O (F16)", "original K (BF16)"),
+    (
+        ("+experiment=reuse_rounded", "precision.recipe=current"),
+        "O8 (quantised by the core's O quantizer)",
+        "rounded K8",
+    ),
+    (
+        ("+experiment=reuse_rounded", "policy=original", "precision.recipe=current", "attention.bwd_precision=bf16"),
+        "original O (F16)",
+        "original K (BF16)",
+    ),
     (("+experiment=fresh_reround",), "a fresh rounding of O", "rounded K"),
     (("+experiment=no_saved_copy",), "no O: D = rowsum(P * dP)", "rounded K"),
 ]
@@ -108,8 +120,11 @@ def test_bf16_backward_under_current_scaling_reads_the_f16_o_so_reuse_rounded_ha
     says: TE cannot run reuse_rounded there, and original needs no O_in_F16 switch."""
     cfg = config("reuse_rounded", "precision.recipe=current", "attention.bwd_precision=bf16", *HD128)
     assert te_plan(cfg, TE2, B200).attention_core == "readback"
-    plan = te_plan(config("reuse_rounded", "policy=original", "precision.recipe=current",
-                          "attention.bwd_precision=bf16", *HD128), TE2, B200)
+    plan = te_plan(
+        config("reuse_rounded", "policy=original", "precision.recipe=current", "attention.bwd_precision=bf16", *HD128),
+        TE2,
+        B200,
+    )
     assert plan.env == {"NVTE_FP8_DPA_BWD": "0", **PINNED} and plan.attention_core == "te"
 
 
@@ -122,12 +137,15 @@ def test_current_scaling_fp8_backward_switches(policy, o_in_f16):
     assert plan.env == {"NVTE_FP8_DPA_BWD": "1", "NVTE_DPA_FP8CS_O_in_F16": o_in_f16, **PINNED}
 
 
-@pytest.mark.parametrize("overrides", [
-    ("policy=original",),  # delayed scaling's FP8 attention reads O8: no TE switch for original
-    ("policy=exact",),
-    ("attention.bwd_precision=fp32",),  # TE's attention backward is FP8 or BF16
-    ("backend.attention_core=readback",),
-])
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        ("policy=original",),  # delayed scaling's FP8 attention reads O8: no TE switch for original
+        ("policy=exact",),
+        ("attention.bwd_precision=fp32",),  # TE's attention backward is FP8 or BF16
+        ("backend.attention_core=readback",),
+    ],
+)
 def test_no_te_switch_means_readback_attention_core(overrides):
     plan = te_plan(config("reuse_rounded", *overrides), TE2)
     assert plan.attention_core == "readback" and plan.env == {}
@@ -136,10 +154,16 @@ def test_no_te_switch_means_readback_attention_core(overrides):
 
 
 def test_delayed_recipe_kwargs_come_from_the_precision_group():
-    cfg = config("reuse_rounded", "precision.margin=1", "precision.fp8_format=E4M3",
-                 "precision.amax_history_len=16", "precision.amax_compute_algo=most_recent")
-    assert te_plan(cfg, TE2).recipe_kwargs == dict(margin=1, fp8_format="E4M3", amax_history_len=16,
-                                                   amax_compute_algo="most_recent", fp8_dpa=True, fp8_mha=False)
+    cfg = config(
+        "reuse_rounded",
+        "precision.margin=1",
+        "precision.fp8_format=E4M3",
+        "precision.amax_history_len=16",
+        "precision.amax_compute_algo=most_recent",
+    )
+    assert te_plan(cfg, TE2).recipe_kwargs == dict(
+        margin=1, fp8_format="E4M3", amax_history_len=16, amax_compute_algo="most_recent", fp8_dpa=True, fp8_mha=False
+    )
 
 
 def test_fp8_mha_shares_the_one_o8_and_without_it_o_is_rounded_twice():
@@ -156,7 +180,8 @@ def test_te_2_15_pins_backward_override_so_the_environment_cannot_change_linear_
     assert te_plan(config("reuse_rounded"), "2.15.0").recipe_kwargs["backward_override"] is None
     assert "backward_override" not in te_plan(config("reuse_rounded"), "2.14.0").recipe_kwargs
     assert te_plan(config("reuse_rounded"), TE2).sites["linear"] == (
-        "te.Linear (backward reads the forward's W8 and X8: save_original_input=False, backward_override=None)")
+        "te.Linear (backward reads the forward's W8 and X8: save_original_input=False, backward_override=None)"
+    )
 
 
 def test_a_linear_read_rule_te_has_no_switch_for_is_refused(monkeypatch):
@@ -196,15 +221,35 @@ def _refusal(overrides, version, hardware=Hardware()):
 # TE version and the GPU.
 REFUSALS = [
     ((), TE2, H100, "model.n_heads=4", "FP8 attention training on sm90 needs head dim 128"),
-    (("model.seq_len=100", "model.d_model=512"), "2.7.0", Hardware((9, 0), (9, 5, 0)), "model.seq_len=100",
-     "head dim 128 and sequence % 128 == 0"),
-    (("precision.recipe=current", *HD128), TE2, H100, "precision.recipe='current'",
-     "FP8 attention under current scaling needs sm100"),
-    (("precision.recipe=current", *HD128), "2.9.0", Hardware((10, 0), (9, 13, 0)), "precision.recipe='current'",
-     "needs cuDNN >= 9.14.0"),
+    (
+        ("model.seq_len=100", "model.d_model=512"),
+        "2.7.0",
+        Hardware((9, 0), (9, 5, 0)),
+        "model.seq_len=100",
+        "head dim 128 and sequence % 128 == 0",
+    ),
+    (
+        ("precision.recipe=current", *HD128),
+        TE2,
+        H100,
+        "precision.recipe='current'",
+        "FP8 attention under current scaling needs sm100",
+    ),
+    (
+        ("precision.recipe=current", *HD128),
+        "2.9.0",
+        Hardware((10, 0), (9, 13, 0)),
+        "precision.recipe='current'",
+        "needs cuDNN >= 9.14.0",
+    ),
     (("precision.recipe=mxfp8",), TE2, H100, "precision.recipe='mxfp8'", "MXFP8BlockScaling needs sm100"),
-    (HD128, TE2, Hardware((8, 9), (9, 13, 0)), "backend.attention_core='auto'",
-     "FP8 attention needs sm90 or newer (sm89 has FP8 GEMMs only)"),
+    (
+        HD128,
+        TE2,
+        Hardware((8, 9), (9, 13, 0)),
+        "backend.attention_core='auto'",
+        "FP8 attention needs sm90 or newer (sm89 has FP8 GEMMs only)",
+    ),
     ((), TE2, Hardware((8, 0), (9, 13, 0)), "precision='fp8'", "FP8 needs sm89 or newer"),
     (HD128, TE2, Hardware((9, 0), (9, 10, 0)), "backend.attention_core='auto'", "cuDNN >= 9.2.1 and not 9.10.0"),
     (HD128, TE2, Hardware((9, 0), (9, 1, 0)), "backend.attention_core='auto'", "cuDNN >= 9.2.1 and not 9.10.0"),
@@ -226,10 +271,15 @@ def test_readback_attention_core_runs_where_te_attention_cannot():
     assert te_plan(cfg, TE2, H100).attention_core == "readback"  # sm90, head dim 16: TE's GEMMs only
 
 
-@pytest.mark.parametrize("version, state", [("1.13.0", "ignores DelayedScaling.interval"),
-                                            ("2.1.0", "ignores DelayedScaling.interval"),
-                                            ("2.2.0", "has no DelayedScaling.interval"),
-                                            ("2.8.0+cu12", "has no DelayedScaling.interval")])
+@pytest.mark.parametrize(
+    "version, state",
+    [
+        ("1.13.0", "ignores DelayedScaling.interval"),
+        ("2.1.0", "ignores DelayedScaling.interval"),
+        ("2.2.0", "has no DelayedScaling.interval"),
+        ("2.8.0+cu12", "has no DelayedScaling.interval"),
+    ],
+)
 def test_interval_is_refused_naming_the_te_version(version, state):
     message = _refusal(("precision.interval=4",), version)
     assert message.startswith("precision.interval=4") and f"Transformer Engine {version}" in message
@@ -259,15 +309,18 @@ def test_unknown_te_version_is_named_as_not_installed():
         te_plan(config("reuse_rounded", "precision.interval=2"), None)
 
 
-@pytest.mark.parametrize("overrides, key, version", [
-    (("precision.recipe=current", "precision.margin=1"), "precision.margin", TE2),
-    (("precision.rounding=stochastic",), "precision.rounding", TE2),
-    (("precision.recipe=current",), "precision.recipe", "2.1.0"),  # no Float8CurrentScaling yet
-    (("precision.recipe=current",), "precision.recipe", "2.5.0"),  # no FP8 attention under current scaling
-    (("precision.recipe=mxfp8",), "precision.recipe", "1.13.0"),
-    ((), "backend", "1.11.0"),
-    (("backend.attention_core=bogus",), "backend.attention_core", TE2),
-])
+@pytest.mark.parametrize(
+    "overrides, key, version",
+    [
+        (("precision.recipe=current", "precision.margin=1"), "precision.margin", TE2),
+        (("precision.rounding=stochastic",), "precision.rounding", TE2),
+        (("precision.recipe=current",), "precision.recipe", "2.1.0"),  # no Float8CurrentScaling yet
+        (("precision.recipe=current",), "precision.recipe", "2.5.0"),  # no FP8 attention under current scaling
+        (("precision.recipe=mxfp8",), "precision.recipe", "1.13.0"),
+        ((), "backend", "1.11.0"),
+        (("backend.attention_core=bogus",), "backend.attention_core", TE2),
+    ],
+)
 def test_what_te_cannot_run_is_refused_in_one_line(overrides, key, version):
     assert _refusal(overrides, version).startswith(f"{key}=")
 
@@ -308,9 +361,11 @@ def test_site_implementations_for_both_backends():
 
 @pytest.mark.skipif(HAS_TE, reason="this machine has CUDA and transformer_engine")
 def test_check_available_refuses_in_one_line_without_cuda_or_te():
-    expected = ("backend='te' is not valid; valid: needs CUDA and transformer_engine (container/, or pip install "
-                "--no-build-isolation -e .[gpu]); "
-                "use backend=emulated on this machine")
+    expected = (
+        "backend='te' is not valid; valid: needs CUDA and transformer_engine (container/, or pip install "
+        "--no-build-isolation -e .[gpu]); "
+        "use backend=emulated on this machine"
+    )
     with pytest.raises(ConfigError) as error:
         te_backend.check_available()
     assert str(error.value) == expected
@@ -366,8 +421,17 @@ def _stand_in_te():
             return F.rms_norm(x, x.shape[-1:], self.weight.to(x.dtype), self.eps)
 
     class DotProductAttention(nn.Module):
-        def __init__(self, heads, kv_channels, num_gqa_groups=None, attention_dropout=0.0, attn_mask_type="causal",
-                     qkv_format="sbhd", softmax_scale=None, layer_number=None):
+        def __init__(
+            self,
+            heads,
+            kv_channels,
+            num_gqa_groups=None,
+            attention_dropout=0.0,
+            attn_mask_type="causal",
+            qkv_format="sbhd",
+            softmax_scale=None,
+            layer_number=None,
+        ):
             super().__init__()
             assert qkv_format == "bshd" and attn_mask_type == "causal"
             self.scale = softmax_scale
@@ -389,12 +453,16 @@ def _stand_in_te():
 
     calls = []
     pytorch = types.SimpleNamespace(
-        Linear=Linear, RMSNorm=RMSNorm, DotProductAttention=DotProductAttention,
-        autocast=lambda enabled=True, recipe=None, amax_reduction_group=None: (calls.append((enabled, recipe))
-                                                                               or nullcontext()),
+        Linear=Linear,
+        RMSNorm=RMSNorm,
+        DotProductAttention=DotProductAttention,
+        autocast=lambda enabled=True, recipe=None, amax_reduction_group=None: (
+            calls.append((enabled, recipe)) or nullcontext()
+        ),
     )
-    recipe = types.SimpleNamespace(DelayedScaling=DelayedScaling,
-                                   Format=types.SimpleNamespace(HYBRID="HYBRID", E4M3="E4M3"))
+    recipe = types.SimpleNamespace(
+        DelayedScaling=DelayedScaling, Format=types.SimpleNamespace(HYBRID="HYBRID", E4M3="E4M3")
+    )
     return (pytorch, recipe), calls
 
 
@@ -472,14 +540,21 @@ def test_forward_reasserts_its_runtime_switches_on_stand_in(stand_in, monkeypatc
 # --------------------------------------------------------------------------- the real thing (GPU)
 
 # Head dim 128: TE's FP8 attention trains no other head dim on sm90 (te_facts.fp8_attention_refusal).
-GPU_MODEL = ("model.vocab_size=512", "model.d_model=256", "model.n_heads=2", "model.n_kv_groups=1",
-             "model.ffn_dim=384", "model.seq_len=128")
+GPU_MODEL = (
+    "model.vocab_size=512",
+    "model.d_model=256",
+    "model.n_heads=2",
+    "model.n_kv_groups=1",
+    "model.ffn_dim=384",
+    "model.seq_len=128",
+)
 
 
 @needs_te
 @pytest.mark.gpu
-@pytest.mark.parametrize("experiment", ["reuse_rounded", "reuse_rounded_bf16_bwd", "fresh_reround",
-                                        "no_saved_copy", "bf16_baseline"])
+@pytest.mark.parametrize(
+    "experiment", ["reuse_rounded", "reuse_rounded_bf16_bwd", "fresh_reround", "no_saved_copy", "bf16_baseline"]
+)
 def test_te_model_trains_a_step(experiment):
     import transformer_engine.pytorch as te
 

@@ -38,18 +38,36 @@ def _runs_by_name(sweep):
 
 
 def test_identity_from_overrides():
-    launch = {"overrides": ["+experiment=reuse_rounded", "seed=2", "trainer.optim.lr=0.03", "model=tiny"],
-              "sweep_overrides": ["+experiment=reuse_rounded,no_saved_copy", "seed=0,1,2",
-                                  "trainer.optim.lr=0.001,0.03", "model=tiny", "trainer.resume=true"],
-              "sweep": "lr_study"}
-    cfg = {"experiment": "reuse_rounded", "seed": 2, "policy": {"name": "reuse_rounded"},
-           "precision": {"name": "fp8", "rounding": "nearest"}}
+    launch = {
+        "overrides": ["+experiment=reuse_rounded", "seed=2", "trainer.optim.lr=0.03", "model=tiny"],
+        "sweep_overrides": [
+            "+experiment=reuse_rounded,no_saved_copy",
+            "seed=0,1,2",
+            "trainer.optim.lr=0.001,0.03",
+            "model=tiny",
+            "trainer.resume=true",
+        ],
+        "sweep": "lr_study",
+    }
+    cfg = {
+        "experiment": "reuse_rounded",
+        "seed": 2,
+        "policy": {"name": "reuse_rounded"},
+        "precision": {"name": "fp8", "rounding": "nearest"},
+    }
     ident = run_identity(cfg, launch, user_tags=["mine"])
     assert ident.name == "reuse_rounded trainer.optim.lr=0.03 s2"
     assert ident.group == "lr_study/reuse_rounded trainer.optim.lr=0.03"
     assert ident.job_type == "train"
-    assert ident.tags == ["reuse_rounded", "precision=fp8", "rounding=nearest", "policy=reuse_rounded",
-                          "trainer.optim.lr=0.03", "sweep=lr_study", "mine"]
+    assert ident.tags == [
+        "reuse_rounded",
+        "precision=fp8",
+        "rounding=nearest",
+        "policy=reuse_rounded",
+        "trainer.optim.lr=0.03",
+        "sweep=lr_study",
+        "mine",
+    ]
     assert ident.config["launch"] is not launch and ident.config["launch"]["overrides"] == launch["overrides"]
     assert swept_keys(["seed=range(3)", "a=1", "b=x,y", "+experiment=glob(*)"]) == ["seed", "b", "experiment"]
     single = run_identity({"experiment": "custom", "seed": 0}, {"overrides": [], "sweep_overrides": []})
@@ -67,8 +85,16 @@ def test_wandb_runs_of_a_2x2_sweep(tmp_path_factory):
         assert run_dir == sweep / experiment / f"seed={seed}"  # the folder is named by the swept override
         assert info["group"] == f"{sweep.name}/{experiment}" and info["job_type"] == "train"
         assert info["project"] == "readback-tests"
-        assert info["tags"] == [experiment, "model=tiny", "precision=fp8", "rounding=nearest",
-                                f"policy={experiment}", "bwd=fp8", f"sweep={sweep.name}", "ci"]
+        assert info["tags"] == [
+            experiment,
+            "model=tiny",
+            "precision=fp8",
+            "rounding=nearest",
+            f"policy={experiment}",
+            "bwd=fp8",
+            f"sweep={sweep.name}",
+            "ci",
+        ]
         launch = info["config"]["launch"]
         assert f"seed={seed}" in launch["overrides"] and f"+experiment={experiment}" in launch["overrides"]
         assert "seed=0,1" in launch["sweep_overrides"] and launch["sweep_dir"] == str(sweep)
@@ -106,8 +132,9 @@ def test_extending_a_sweep_keeps_finished_runs_and_their_wandb_runs(tmp_path_fac
     for name, run_id in ids.items():
         folders = [f for f, _ in by_name[name]]
         assert len(folders) == 2 and all(f.name.endswith(f"-{run_id}") for f in folders), folders
-    proc = subprocess.run([sys.executable, "-m", "readback.sync", str(sweep), "--dry-run"],
-                          capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        [sys.executable, "-m", "readback.sync", str(sweep), "--dry-run"], capture_output=True, text=True, timeout=300
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     listed = [line for line in proc.stdout.splitlines() if "group" in line]
     assert len(listed) == 6 and "6 runs in 10 folders" in proc.stdout

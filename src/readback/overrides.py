@@ -38,7 +38,7 @@ def swept_keys(overrides: Sequence[str]) -> list[str]:
 
     try:
         parsed = OverridesParser.create().parse_overrides(list(overrides))
-    except Exception:  # noqa: BLE001 - an unparsable record names no axes
+    except Exception:
         return []
     return [o.key_or_group for o in parsed if o.is_sweep_override()]
 

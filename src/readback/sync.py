@@ -32,8 +32,9 @@ _FULL, _LAST = 1, 4
 
 def offline_folders(*roots: str | Path) -> list[Path]:
     """Every offline run folder below ``roots``, in start order (time stamp, then id)."""
-    found = {p for root in roots for p in Path(root).rglob("offline-run-*")
-             if p.is_dir() and OFFLINE_FOLDER.match(p.name)}
+    found = {
+        p for root in roots for p in Path(root).rglob("offline-run-*") if p.is_dir() and OFFLINE_FOLDER.match(p.name)
+    }
     return sorted(found, key=lambda p: (OFFLINE_FOLDER.match(p.name).group(1), p.name, str(p)))  # type: ignore[union-attr]
 
 
@@ -50,11 +51,11 @@ def _records(path: Path) -> Iterator[Any]:
         if left < 7:  # a block's tail too short for a chunk header is padding
             pos += left
             continue
-        _crc, length, kind = struct.unpack("<IHB", data[pos:pos + 7])
+        _crc, length, kind = struct.unpack("<IHB", data[pos : pos + 7])
         if kind == 0 and length == 0:
             pos += left
             continue
-        buf += data[pos + 7:pos + 7 + length]
+        buf += data[pos + 7 : pos + 7 + length]
         pos += 7 + length
         if kind in (_FULL, _LAST):
             record = wandb_internal_pb2.Record()
@@ -76,8 +77,15 @@ def read_offline_run(folder: str | Path) -> dict[str, Any]:
         kind = rec.WhichOneof("record_type")
         if kind == "run":
             r = rec.run
-            out.update(id=r.run_id, name=r.display_name, group=r.run_group, job_type=r.job_type,
-                       tags=list(r.tags), project=r.project, entity=r.entity)
+            out.update(
+                id=r.run_id,
+                name=r.display_name,
+                group=r.run_group,
+                job_type=r.job_type,
+                tags=list(r.tags),
+                project=r.project,
+                entity=r.entity,
+            )
             out["config"].update({u.key: json.loads(u.value_json) for u in r.config.update if u.key != "_wandb"})
         elif kind == "config":
             out["config"].update({u.key: json.loads(u.value_json) for u in rec.config.update if u.key != "_wandb"})
@@ -119,12 +127,16 @@ def main(argv: list[str] | None = None) -> int:
         by_id.setdefault(OFFLINE_FOLDER.match(f.name).group(2), []).append(f)  # type: ignore[union-attr]
     for run_id, fs in by_id.items():
         info = read_offline_run(fs[-1])
-        print(f"{run_id}  {info.get('name', '')!s:40}  group {info.get('group', '')}  ({len(fs)} folder{'s' * (len(fs) > 1)})")
+        print(
+            f"{run_id}  {info.get('name', '')!s:40}  group {info.get('group', '')}  ({len(fs)} folder{'s' * (len(fs) > 1)})"
+        )
     wandb_cli = shutil.which("wandb") or str(Path(sys.executable).with_name("wandb"))
     cmd = [wandb_cli, "sync", "--yes", *(["--dry-run"] if args.dry_run else [])]
     cmd += [*(["--project", args.project] if args.project else []), *(["--entity", args.entity] if args.entity else [])]
-    print(f"{len(by_id)} runs in {len(folders)} folders: {'wandb sync --dry-run' if args.dry_run else 'wandb sync'}",
-          flush=True)
+    print(
+        f"{len(by_id)} runs in {len(folders)} folders: {'wandb sync --dry-run' if args.dry_run else 'wandb sync'}",
+        flush=True,
+    )
     return subprocess.run(cmd + [str(f) for f in folders], check=False).returncode
 
 

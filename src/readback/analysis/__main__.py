@@ -26,14 +26,22 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--wandb", default=None, metavar="ENTITY/PROJECT", help="also load the runs of a wandb project")
     parser.add_argument("--out", default=None, help="output directory (default: SWEEP_DIR/analysis)")
     parser.add_argument("--x", choices=("tokens", "step"), default="tokens", help="x axis of the curves")
-    parser.add_argument("--band", choices=("minmax", "std", "none"), default="minmax",
-                        help="band over seeds around the mean")
-    parser.add_argument("--control", default=None,
-                        help=f"experiment the others are compared with by seed pairs (default {DEFAULT_CONTROL} if loaded; "
-                             "'none' for no comparison)")
-    parser.add_argument("--metric", action="append", default=[], metavar="KEY",
-                        help="a logged key or glob (fp8_saturation/*, grad_norm): its last value per group and its curves; "
-                             "repeatable")
+    parser.add_argument(
+        "--band", choices=("minmax", "std", "none"), default="minmax", help="band over seeds around the mean"
+    )
+    parser.add_argument(
+        "--control",
+        default=None,
+        help=f"experiment the others are compared with by seed pairs (default {DEFAULT_CONTROL} if loaded; "
+        "'none' for no comparison)",
+    )
+    parser.add_argument(
+        "--metric",
+        action="append",
+        default=[],
+        metavar="KEY",
+        help="a logged key or glob (fp8_saturation/*, grad_norm): its last value per group and its curves; repeatable",
+    )
     parser.add_argument("--html", action="store_true", help="also write the self-contained report.html")
     parser.add_argument("--page", default=None, help="write the Markdown page here instead of DIR/report.md")
     parser.add_argument("--title", default=None, help="title of the pages (default: the sweep names)")
@@ -75,15 +83,28 @@ def main(argv: list[str] | None = None) -> int:
     if control == "none":
         control = None
     elif control is not None and control not in runs.experiments:
-        print(f"error: --control {control!r} is not a loaded experiment; choose from {', '.join(runs.experiments)}",
-              file=sys.stderr)
+        print(
+            f"error: --control {control!r} is not a loaded experiment; choose from {', '.join(runs.experiments)}",
+            file=sys.stderr,
+        )
         return 2
-    default_out = Path(args.sweep_dirs[0]) / "analysis" if args.sweep_dirs else Path("analysis") / args.wandb.replace("/", "_")
+    default_out = (
+        Path(args.sweep_dirs[0]) / "analysis" if args.sweep_dirs else Path("analysis") / args.wandb.replace("/", "_")
+    )
     out = Path(args.out) if args.out else default_out
     names = [Path(d).name for d in args.sweep_dirs] + ([args.wandb] if args.wandb else [])
-    paths = write_report(runs, out, x=args.x, band=None if args.band == "none" else args.band, control=control,
-                         metrics=args.metric, with_html=args.html, page=args.page,
-                         title=args.title or f"readback: {', '.join(names)}", command=this_command(argv))
+    paths = write_report(
+        runs,
+        out,
+        x=args.x,
+        band=None if args.band == "none" else args.band,
+        control=control,
+        metrics=args.metric,
+        with_html=args.html,
+        page=args.page,
+        title=args.title or f"readback: {', '.join(names)}",
+        command=this_command(argv),
+    )
     print(f"grouped by: experiment{''.join(', ' + k for k in runs.group_keys)} (seeds pooled)")
     paired = paired_table(runs, control) if control else None
     print(format_final_loss_table(final_loss_table(runs), paired=paired))

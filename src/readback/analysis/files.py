@@ -74,8 +74,9 @@ def _newest_mtime(run_dir: Path) -> float:
     return max(times)
 
 
-def load_runs(*sweep_dirs: str | os.PathLike, keys: Sequence[str] | None = None,
-              running_within_s: float = 900.0) -> Runs:
+def load_runs(
+    *sweep_dirs: str | os.PathLike, keys: Sequence[str] | None = None, running_within_s: float = 900.0
+) -> Runs:
     """Every run under ``sweep_dirs`` (see the module docstring for the tables).
 
     ``keys``: glob patterns of the metric keys to keep (default all; e.g.
@@ -98,12 +99,20 @@ def load_runs(*sweep_dirs: str | os.PathLike, keys: Sequence[str] | None = None,
             records, bad = read_jsonl_counted(run_dir / "metrics.jsonl")
             summary = _read_json(run_dir / "summary.json")
             fallback = "running" if now - _newest_mtime(run_dir) < running_within_s else "failed"
-            entries.append(dict(
-                run_id=run_id, config=_read_config(run_dir), summary=summary, records=records,
-                path=str(run_dir), bad_lines=bad, status_without_summary=fallback,
-                path_parts=rel.split("/"), overrides=_read_yaml(run_dir / ".hydra" / "overrides.yaml"),
-                launch=_read_json(run_dir / "launch.json"),
-            ))
+            entries.append(
+                dict(
+                    run_id=run_id,
+                    config=_read_config(run_dir),
+                    summary=summary,
+                    records=records,
+                    path=str(run_dir),
+                    bad_lines=bad,
+                    status_without_summary=fallback,
+                    path_parts=rel.split("/"),
+                    overrides=_read_yaml(run_dir / ".hydra" / "overrides.yaml"),
+                    launch=_read_json(run_dir / "launch.json"),
+                )
+            )
     seen: dict[str, int] = {}
     for e in entries:  # the same run id twice (two sweep dirs of the same name): make unique
         n = seen.get(e["run_id"], 0)

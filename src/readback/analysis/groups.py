@@ -29,6 +29,8 @@ CONFIG_AXES: dict[str, str] = {
 }
 #: Axes that split an experiment into several groups when they vary within it.
 GROUP_AXES = ("model", "precision", "rounding", "policy", "bwd_precision")
+
+
 def setting(override: Mapping[str, str], cfg: Mapping[str, Any], key: str) -> str:
     """A run's value of ``key``: its override, else its config value (``model`` -> ``model.name``),
     else ``default``."""
@@ -40,8 +42,9 @@ def setting(override: Mapping[str, str], cfg: Mapping[str, Any], key: str) -> st
     return "default" if value is None else str(value)
 
 
-def assign_groups(summary: pd.DataFrame, overrides: Mapping[str, Mapping[str, str]],
-                  configs: Mapping[str, Mapping[str, Any]]) -> tuple[pd.Series, list[str]]:
+def assign_groups(
+    summary: pd.DataFrame, overrides: Mapping[str, Mapping[str, str]], configs: Mapping[str, Mapping[str, Any]]
+) -> tuple[pd.Series, list[str]]:
     """The group of every run of ``summary`` and the keys that split groups (in order).
 
     ``overrides`` and ``configs``: run id -> the run's override map / config. A run lacking an

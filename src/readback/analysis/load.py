@@ -47,12 +47,27 @@ from readback.analysis.groups import CONFIG_AXES, assign_groups
 from readback.overrides import config_value, override_map
 
 SUMMARY_FIELDS = (
-    "status", "final_loss", "val_loss", "steps", "tokens", "diverged_at_step",
-    "wall_time_s", "n_params", "error",
+    "status",
+    "final_loss",
+    "val_loss",
+    "steps",
+    "tokens",
+    "diverged_at_step",
+    "wall_time_s",
+    "n_params",
+    "error",
 )
 SUMMARY_COLUMNS = (
-    *CONFIG_AXES, "group", *SUMMARY_FIELDS, "diverged", "last_step", "bad_lines", "overrides", "command",
-    "machine", "path",
+    *CONFIG_AXES,
+    "group",
+    *SUMMARY_FIELDS,
+    "diverged",
+    "last_step",
+    "bad_lines",
+    "overrides",
+    "command",
+    "machine",
+    "path",
 )
 METRIC_COLUMNS = ("run", "experiment", "group", "seed", "step", "tokens", "key", "value")
 # Record fields that are not metrics.
@@ -115,8 +130,13 @@ class Runs:
         info = info.assign(experiment=info["experiment"].astype(str), group=info["group"].astype(str))
         return info.join(table[sorted(table.columns, key=natural_key)])
 
-    def select(self, *, groups: Iterable[str] | None = None, experiments: Iterable[str] | None = None,
-               status: Iterable[str] | None = None) -> Runs:
+    def select(
+        self,
+        *,
+        groups: Iterable[str] | None = None,
+        experiments: Iterable[str] | None = None,
+        status: Iterable[str] | None = None,
+    ) -> Runs:
         """The runs of the given groups / experiments / statuses (each ``None``: all)."""
         s = self.summary
         keep = pd.Series(True, index=s.index)
@@ -207,7 +227,9 @@ def _command(launch: Mapping[str, Any]) -> str | None:
     import shlex
 
     argv = launch.get("argv")
-    return "python " + shlex.join(["train.py" if str(a).endswith("train.py") else str(a) for a in argv]) if argv else None
+    return (
+        "python " + shlex.join(["train.py" if str(a).endswith("train.py") else str(a) for a in argv]) if argv else None
+    )
 
 
 def _machine(launch: Mapping[str, Any]) -> str | None:
@@ -215,8 +237,10 @@ def _machine(launch: Mapping[str, Any]) -> str | None:
     if not launch.get("host"):
         return None
     gpus = ", ".join(launch.get("gpus") or []) or "no GPU"
-    return (f"{launch['host']}: {launch.get('cpus')} CPUs, {gpus}; {launch.get('platform')}; "
-            f"torch {launch.get('torch')}, Python {launch.get('python')}")
+    return (
+        f"{launch['host']}: {launch.get('cpus')} CPUs, {gpus}; {launch.get('platform')}; "
+        f"torch {launch.get('torch')}, Python {launch.get('python')}"
+    )
 
 
 def _number(value: Any) -> float:
@@ -271,15 +295,17 @@ def _one_run(e: Mapping[str, Any], keys: Sequence[str] | None) -> tuple[dict[str
         n = len(recs)
         if names:
             values = np.concatenate([cols[k] for k in names])
-            long = pd.DataFrame({
-                "run": run_id,
-                "experiment": row["experiment"],
-                "seed": row["seed"],
-                "step": np.tile(np.array(steps, dtype=np.int64), len(names)),
-                "tokens": np.tile(tokens, len(names)),
-                "key": np.repeat(np.array(names, dtype=object), n),
-                "value": values,
-            })
+            long = pd.DataFrame(
+                {
+                    "run": run_id,
+                    "experiment": row["experiment"],
+                    "seed": row["seed"],
+                    "step": np.tile(np.array(steps, dtype=np.int64), len(names)),
+                    "tokens": np.tile(tokens, len(names)),
+                    "key": np.repeat(np.array(names, dtype=object), n),
+                    "value": values,
+                }
+            )
             # a key absent from a record is not a logged NaN: drop those rows
             present = np.concatenate([[k in r for r in recs] for k in names])
             long = long[present].reset_index(drop=True)

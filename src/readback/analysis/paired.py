@@ -26,8 +26,18 @@ from readback.analysis.tables import FINISHED
 #: Per-run values compared: the summary's final train loss and final validation loss.
 PAIRED_METRICS = ("final_loss", "val_loss")
 PAIRED_COLUMNS = (
-    "group", "control", "metric", "n_pairs", "paired_mean", "paired_se", "paired_z",
-    "n", "n_control", "unpaired_mean", "unpaired_se", "unpaired_z",
+    "group",
+    "control",
+    "metric",
+    "n_pairs",
+    "paired_mean",
+    "paired_se",
+    "paired_z",
+    "n",
+    "n_control",
+    "unpaired_mean",
+    "unpaired_se",
+    "unpaired_z",
 )
 
 
@@ -68,12 +78,22 @@ def paired_table(runs: Runs, control: str, metrics: tuple[str, ...] = PAIRED_MET
             pm, pse = _mean_se(d)
             um = float(a.mean() - b.mean()) if len(a) and len(b) else math.nan
             use = math.sqrt(a.var(ddof=1) / len(a) + b.var(ddof=1) / len(b)) if len(a) > 1 and len(b) > 1 else math.nan
-            rows.append({
-                "group": group, "control": ctrl, "metric": metric, "n_pairs": len(seeds),
-                "paired_mean": pm, "paired_se": pse, "paired_z": _ratio(pm, pse),
-                "n": len(a), "n_control": len(b), "unpaired_mean": um, "unpaired_se": use,
-                "unpaired_z": _ratio(um, use),
-            })
+            rows.append(
+                {
+                    "group": group,
+                    "control": ctrl,
+                    "metric": metric,
+                    "n_pairs": len(seeds),
+                    "paired_mean": pm,
+                    "paired_se": pse,
+                    "paired_z": _ratio(pm, pse),
+                    "n": len(a),
+                    "n_control": len(b),
+                    "unpaired_mean": um,
+                    "unpaired_se": use,
+                    "unpaired_z": _ratio(um, use),
+                }
+            )
     return pd.DataFrame(rows, columns=list(PAIRED_COLUMNS))
 
 

@@ -70,9 +70,22 @@ def aggregate(curve: pd.DataFrame, x: str = "step", by: str = "group") -> pd.Dat
     return out
 
 
-def _draw(ax, runs: Runs, key: str, *, x: str, band: str | None, cmap: dict, by: str = "group",
-          logy: bool = False, marker: str | None = None, mark: bool = False, label: bool = True,
-          linestyle: str = "-", linewidth: float = 1.6) -> bool:
+def _draw(
+    ax,
+    runs: Runs,
+    key: str,
+    *,
+    x: str,
+    band: str | None,
+    cmap: dict,
+    by: str = "group",
+    logy: bool = False,
+    marker: str | None = None,
+    mark: bool = False,
+    label: bool = True,
+    linestyle: str = "-",
+    linewidth: float = 1.6,
+) -> bool:
     """Draw ``key``: one mean line (+ band) per group. Returns whether anything was drawn."""
     if band not in BANDS:
         raise ValueError(f"band must be one of {BANDS}, not {band!r}")
@@ -88,8 +101,16 @@ def _draw(ax, runs: Runs, key: str, *, x: str, band: str | None, cmap: dict, by:
     for group in order:
         a = agg[agg[by] == group]
         color = cmap.get(group)
-        ax.plot(a[xc], a["mean"], color=color, marker=marker, markersize=3 if marker else None,
-                linestyle=linestyle, linewidth=linewidth, label=_label(runs, group) if label else None)
+        ax.plot(
+            a[xc],
+            a["mean"],
+            color=color,
+            marker=marker,
+            markersize=3 if marker else None,
+            linestyle=linestyle,
+            linewidth=linewidth,
+            label=_label(runs, group) if label else None,
+        )
         if band == "minmax" and (a["n"] > 1).any():
             ax.fill_between(a[xc], a["min"], a["max"], color=color, alpha=0.2, linewidth=0)
         elif band == "std" and (a["n"] > 1).any():
@@ -151,10 +172,21 @@ def _mark_runs(ax, runs: Runs, curve: pd.DataFrame, xc: str, cmap: dict) -> None
             point = c.iloc[-1]
         color = cmap.get(r["group"])
         if diverged:
-            ax.plot([point[xc]], [point["value"]], marker="x", markersize=9, mew=2, color=color, linestyle="none", zorder=5)
+            ax.plot(
+                [point[xc]], [point["value"]], marker="x", markersize=9, mew=2, color=color, linestyle="none", zorder=5
+            )
         else:
-            ax.plot([point[xc]], [point["value"]], marker="o", markersize=7, mfc="none", mew=1.5, color=color,
-                    linestyle="none", zorder=5)
+            ax.plot(
+                [point[xc]],
+                [point["value"]],
+                marker="o",
+                markersize=7,
+                mfc="none",
+                mew=1.5,
+                color=color,
+                linestyle="none",
+                zorder=5,
+            )
 
 
 def _legend(ax, runs: Runs, marks: bool = False) -> None:
@@ -181,8 +213,14 @@ def _grid(n: int, ncols: int, w: float = 4.6, h: float = 3.2) -> tuple[Figure, l
     return fig, flat[:n]
 
 
-def plot_loss(runs: Runs, *, x: str = "tokens", band: str | None = "minmax", logy: bool = False,
-              path: str | os.PathLike | None = None) -> Figure:
+def plot_loss(
+    runs: Runs,
+    *,
+    x: str = "tokens",
+    band: str | None = "minmax",
+    logy: bool = False,
+    path: str | os.PathLike | None = None,
+) -> Figure:
     """Train loss (the logged window mean) and, where evaluated, validation loss, per group:
     mean over seeds with a band; diverged runs marked ``x`` at the step they were marked."""
     has_val = bool(len(runs.curve("val_loss")))
@@ -205,12 +243,19 @@ def plot_loss(runs: Runs, *, x: str = "tokens", band: str | None = "minmax", log
 
 def _layer_sites(runs: Runs, prefix: str, pattern: str) -> list[str]:
     """Names ``n`` of the keys ``prefix + n`` that match ``pattern``, naturally sorted."""
-    return sorted({k[len(prefix):] for k in runs.keys(prefix + pattern)}, key=natural_key)
+    return sorted({k[len(prefix) :] for k in runs.keys(prefix + pattern)}, key=natural_key)
 
 
-def plot_grad_error(runs: Runs, *, stats: Sequence[str] = ("rel_err", "bias"), sites: str = "*.attn.core.dq",
-                    x: str = "tokens", band: str | None = "minmax", noise_floor: bool = True,
-                    path: str | os.PathLike | None = None) -> Figure:
+def plot_grad_error(
+    runs: Runs,
+    *,
+    stats: Sequence[str] = ("rel_err", "bias"),
+    sites: str = "*.attn.core.dq",
+    x: str = "tokens",
+    band: str | None = "minmax",
+    noise_floor: bool = True,
+    path: str | os.PathLike | None = None,
+) -> Figure:
     """Gradient error against the executed forward's gradient (probe steps only), log scale.
 
     Rows: ``total`` (every probed gradient concatenated), then each site matching ``sites``
@@ -222,8 +267,9 @@ def plot_grad_error(runs: Runs, *, stats: Sequence[str] = ("rel_err", "bias"), s
     pure noise gives; one above it is systematic.
     """
     stats = list(stats)
-    names = ["total"] + [n for n in _layer_sites(runs, f"grad_error/{stats[0] if stats else 'rel_err'}/", sites)
-                         if n != "total"]
+    names = ["total"] + [
+        n for n in _layer_sites(runs, f"grad_error/{stats[0] if stats else 'rel_err'}/", sites) if n != "total"
+    ]
     if len(stats) > 1:
         for st in stats[1:]:
             for n in _layer_sites(runs, f"grad_error/{st}/", sites):
@@ -239,8 +285,18 @@ def plot_grad_error(runs: Runs, *, stats: Sequence[str] = ("rel_err", "bias"), s
             logy = st != "cosine"
             drawn = _draw(ax, runs, f"grad_error/{st}/{name}", x=x, band=band, cmap=cmap, logy=logy, marker="o")
             if drawn and st == "bias" and noise_floor:
-                floor |= _draw(ax, runs, f"grad_error_se/bias/{name}", x=x, band=None, cmap=cmap, logy=True,
-                               label=False, linestyle=":", linewidth=1.0)
+                floor |= _draw(
+                    ax,
+                    runs,
+                    f"grad_error_se/bias/{name}",
+                    x=x,
+                    band=None,
+                    cmap=cmap,
+                    logy=True,
+                    label=False,
+                    linestyle=":",
+                    linewidth=1.0,
+                )
             if not drawn:
                 hint = " (needs probe.repeats > 1)" if st in ("bias", "noise") else " (probe.every = 0?)"
                 _empty(ax, f"no grad_error/{st}/{name}{hint}")
@@ -257,8 +313,14 @@ def plot_grad_error(runs: Runs, *, stats: Sequence[str] = ("rel_err", "bias"), s
     return _save(fig, path)
 
 
-def plot_kurtosis(runs: Runs, *, x: str = "tokens", band: str | None = "minmax", logy: bool = True,
-                  path: str | os.PathLike | None = None) -> Figure:
+def plot_kurtosis(
+    runs: Runs,
+    *,
+    x: str = "tokens",
+    band: str | None = "minmax",
+    logy: bool = True,
+    path: str | os.PathLike | None = None,
+) -> Figure:
     """Activation kurtosis (``kurtosis/*``: the largest over layers of the attention output and of
     the FFN input; 3 for a Gaussian): outliers grow before FP8 training breaks."""
     keys = runs.keys("kurtosis/*")
@@ -277,8 +339,15 @@ def plot_kurtosis(runs: Runs, *, x: str = "tokens", band: str | None = "minmax",
     return _save(fig, path)
 
 
-def plot_attn_rowsum(runs: Runs, *, stat: str = "z", x: str = "tokens", band: str | None = "minmax",
-                     linthresh: float = 10.0, path: str | os.PathLike | None = None) -> Figure:
+def plot_attn_rowsum(
+    runs: Runs,
+    *,
+    stat: str = "z",
+    x: str = "tokens",
+    band: str | None = "minmax",
+    linthresh: float = 10.0,
+    path: str | os.PathLike | None = None,
+) -> Figure:
     """The D-term diagnostic per attention layer: ``attn_rowsum/z/<layer>``, the z-score of the mean
     row sum of ``dS`` over a logging window (0 in expectation under the exact rule; |z| > 2
     again and again, with one sign, means a systematic D-term error). Dashed lines at ±2. When
@@ -306,12 +375,17 @@ def plot_attn_rowsum(runs: Runs, *, stat: str = "z", x: str = "tokens", band: st
     return _save(fig, path)
 
 
-MECHANISM = (("attn_logit/max/", "max logit"), ("attn_entropy/mean/", "attention entropy"),
-             ("attn_dq_dterm_cos/mean/", "cos(dQ D-term, mean key)"), ("fp8_underflow/", "O underflow fraction"))
+MECHANISM = (
+    ("attn_logit/max/", "max logit"),
+    ("attn_entropy/mean/", "attention entropy"),
+    ("attn_dq_dterm_cos/mean/", "cos(dQ D-term, mean key)"),
+    ("fp8_underflow/", "O underflow fraction"),
+)
 
 
-def plot_mechanism(runs: Runs, *, x: str = "tokens", band: str | None = "minmax",
-                   path: str | os.PathLike | None = None) -> Figure:
+def plot_mechanism(
+    runs: Runs, *, x: str = "tokens", band: str | None = "minmax", path: str | os.PathLike | None = None
+) -> Figure:
     """Per attention layer (one row each): max logit, attention entropy, the cosine between dQ's
     D-term component and the mean attended key, and the fraction of O that FP8 flushes to zero
     or subnormals; last panel: O's kurtosis. A divergence driven by the D-term shows as the
@@ -335,8 +409,15 @@ def plot_mechanism(runs: Runs, *, x: str = "tokens", band: str | None = "minmax"
     return _save(fig, path)
 
 
-def plot_metric(runs: Runs, pattern: str, *, x: str = "tokens", band: str | None = "minmax", logy: bool = False,
-                path: str | os.PathLike | None = None) -> Figure:
+def plot_metric(
+    runs: Runs,
+    pattern: str,
+    *,
+    x: str = "tokens",
+    band: str | None = "minmax",
+    logy: bool = False,
+    path: str | os.PathLike | None = None,
+) -> Figure:
     """Any logged key (a glob: one panel per matching key), e.g. ``grad_norm`` or
     ``fp8_saturation/*``: mean over seeds per group with a band."""
     keys = runs.keys(pattern)
@@ -369,7 +450,9 @@ PLOTS = {
 }
 
 
-def save_all(runs: Runs, out_dir: str | os.PathLike, *, x: str = "tokens", band: str | None = "minmax") -> dict[str, Path]:
+def save_all(
+    runs: Runs, out_dir: str | os.PathLike, *, x: str = "tokens", band: str | None = "minmax"
+) -> dict[str, Path]:
     """Every plot of :data:`PLOTS` as ``out_dir/<name>.png``; returns name -> path."""
     out = Path(out_dir)
     paths = {}

@@ -8,8 +8,14 @@ from typing import Any
 from readback.analysis.load import Runs, runs_from_records
 
 
-def load_wandb(project: str, entity: str | None = None, filters: dict[str, Any] | None = None,
-               *, keys: Sequence[str] | None = None, timeout: int = 60) -> Runs:
+def load_wandb(
+    project: str,
+    entity: str | None = None,
+    filters: dict[str, Any] | None = None,
+    *,
+    keys: Sequence[str] | None = None,
+    timeout: int = 60,
+) -> Runs:
     """The runs of a wandb project as :class:`Runs` (the same tables as :func:`load_runs`).
 
     ``filters`` is wandb's MongoDB-style run filter, e.g.
@@ -26,7 +32,7 @@ def load_wandb(project: str, entity: str | None = None, filters: dict[str, Any] 
     try:
         api = wandb.Api(timeout=timeout)
         wruns = list(api.runs(path, filters=filters or {}))
-    except Exception as e:  # noqa: BLE001 - network, auth and lookup errors all end here
+    except Exception as e:
         raise RuntimeError(
             f"could not list the wandb runs of {path!r} ({type(e).__name__}: {e}); "
             "this needs network access and a wandb login (wandb login, or WANDB_API_KEY)"
@@ -38,13 +44,19 @@ def load_wandb(project: str, entity: str | None = None, filters: dict[str, Any] 
             cfg = _unwrap_config(dict(r.config))
             summ = {k: v for k, v in dict(r.summary).items() if not str(k).startswith("_")}
             records = [dict(h) for h in r.scan_history()]
-        except Exception as e:  # noqa: BLE001
+        except Exception as e:
             raise RuntimeError(f"could not read wandb run {r.path} ({type(e).__name__}: {e})") from e
         finished = "status" in summ and r.state == "finished"
-        entries.append(dict(
-            run_id="/".join(r.path), config=cfg, summary=summ if finished else None,
-            records=records, path=None, status_without_summary=states.get(r.state, "failed"),
-        ))
+        entries.append(
+            dict(
+                run_id="/".join(r.path),
+                config=cfg,
+                summary=summ if finished else None,
+                records=records,
+                path=None,
+                status_without_summary=states.get(r.state, "failed"),
+            )
+        )
     return runs_from_records(entries, keys=keys)
 
 

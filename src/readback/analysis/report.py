@@ -40,8 +40,17 @@ from readback.analysis.tables import (
     metric_table,
 )
 
-RUN_COLUMNS = ("group", "seed", "status", "final_loss", "val_loss", "steps", "diverged_at_step", "wall_time_s",
-               "overrides")
+RUN_COLUMNS = (
+    "group",
+    "seed",
+    "status",
+    "final_loss",
+    "val_loss",
+    "steps",
+    "diverged_at_step",
+    "wall_time_s",
+    "overrides",
+)
 
 
 @dataclass
@@ -59,38 +68,67 @@ def this_machine() -> str:
     """The machine the report is made on, in one line."""
     import torch
 
-    return (f"{platform.node()}: {os.cpu_count()} CPUs; {platform.platform()}; torch {torch.__version__}, "
-            f"Python {platform.python_version()}")
+    return (
+        f"{platform.node()}: {os.cpu_count()} CPUs; {platform.platform()}; torch {torch.__version__}, "
+        f"Python {platform.python_version()}"
+    )
 
 
 def this_command(argv: Sequence[str] | None = None) -> str:
     return "python -m readback.analysis " + shlex.join(list(sys.argv[1:] if argv is None else argv))
 
 
-def _sections(runs: Runs, images: dict[str, Path], *, control: str | None, metrics: Sequence[str],
-              command: str) -> tuple[list[Section], pd.DataFrame]:
+def _sections(
+    runs: Runs, images: dict[str, Path], *, control: str | None, metrics: Sequence[str], command: str
+) -> tuple[list[Section], pd.DataFrame]:
     paired = paired_table(runs, control) if control else pd.DataFrame()
     headers, rows, notes = final_loss_cells(final_loss_table(runs), paired=paired if len(paired) else None)
     keys = ", ".join(runs.group_keys) or "none (one group per experiment)"
     out = [Section("Final loss", headers, rows, [f"Grouped by experiment and: {keys}; seeds pooled.", *notes])]
     if len(paired):
-        out.append(Section(f"Paired by seed against {control}",
-                           ["group", "control", "metric", "pairs", "paired Δ", "SE", "z", "unpaired Δ", "SE", "z"],
-                           [[r["group"], r["control"], r["metric"], str(r["n_pairs"]), _num(r["paired_mean"], "+.4g"),
-                             _num(r["paired_se"], ".2g"), _num(r["paired_z"], "+.1f"), _num(r["unpaired_mean"], "+.4g"),
-                             _num(r["unpaired_se"], ".2g"), _num(r["unpaired_z"], "+.1f")] for _, r in paired.iterrows()],
-                           ["Δ = group minus control; z = Δ / SE."]))
+        out.append(
+            Section(
+                f"Paired by seed against {control}",
+                ["group", "control", "metric", "pairs", "paired Δ", "SE", "z", "unpaired Δ", "SE", "z"],
+                [
+                    [
+                        r["group"],
+                        r["control"],
+                        r["metric"],
+                        str(r["n_pairs"]),
+                        _num(r["paired_mean"], "+.4g"),
+                        _num(r["paired_se"], ".2g"),
+                        _num(r["paired_z"], "+.1f"),
+                        _num(r["unpaired_mean"], "+.4g"),
+                        _num(r["unpaired_se"], ".2g"),
+                        _num(r["unpaired_z"], "+.1f"),
+                    ]
+                    for _, r in paired.iterrows()
+                ],
+                ["Δ = group minus control; z = Δ / SE."],
+            )
+        )
     for pattern in metrics:
         out.append(Section(f"Last value of {pattern}", METRIC_HEADERS, metric_cells(metric_table(runs, pattern))))
     out += [Section(name.replace("_", " "), image=path) for name, path in images.items()]
     s = runs.summary
-    out.append(Section("Runs", ["run", *RUN_COLUMNS],
-                       [[str(i), *(_cell(s.at[i, c]) for c in RUN_COLUMNS)] for i in s.index]))
+    out.append(
+        Section("Runs", ["run", *RUN_COLUMNS], [[str(i), *(_cell(s.at[i, c]) for c in RUN_COLUMNS)] for i in s.index])
+    )
     made = [f"`{c}`" for c in dict.fromkeys(s["command"].dropna())] or ["(not recorded)"]
     where = list(dict.fromkeys(s["machine"].dropna())) or ["(not recorded)"]
-    out.append(Section("How it was made", ["what", "value"],
-                       [*(["runs: command", c] for c in made), *(["runs: machine", m] for m in where),
-                        ["report: command", f"`{command}`"], ["report: machine", this_machine()]]))
+    out.append(
+        Section(
+            "How it was made",
+            ["what", "value"],
+            [
+                *(["runs: command", c] for c in made),
+                *(["runs: machine", m] for m in where),
+                ["report: command", f"`{command}`"],
+                ["report: machine", this_machine()],
+            ],
+        )
+    )
     return out, paired
 
 
@@ -131,11 +169,15 @@ def render_html(sections: list[Section], title: str) -> str:
             body.append(f"<table><thead><tr>{head}</tr></thead><tbody>{rows}</tbody></table>")
         body += [f"<p>{_inline(n)}</p>" for n in sec.notes]
         body.append("</section>")
-    style = ("body{font-family:sans-serif;margin:2em;max-width:1400px}table{border-collapse:collapse;margin:.5em 0}"
-             "td,th{border:1px solid #ccc;padding:.2em .6em;text-align:right}td:first-child,th:first-child"
-             "{text-align:left}img{max-width:100%}code{background:#f4f4f4;white-space:pre-wrap}")
-    return (f'<!DOCTYPE html>\n<html lang="en"><head><meta charset="utf-8"><title>{esc(title)}</title>'
-            f"<style>{style}</style></head><body>\n" + "\n".join(body) + "\n</body></html>\n")
+    style = (
+        "body{font-family:sans-serif;margin:2em;max-width:1400px}table{border-collapse:collapse;margin:.5em 0}"
+        "td,th{border:1px solid #ccc;padding:.2em .6em;text-align:right}td:first-child,th:first-child"
+        "{text-align:left}img{max-width:100%}code{background:#f4f4f4;white-space:pre-wrap}"
+    )
+    return (
+        f'<!DOCTYPE html>\n<html lang="en"><head><meta charset="utf-8"><title>{esc(title)}</title>'
+        f"<style>{style}</style></head><body>\n" + "\n".join(body) + "\n</body></html>\n"
+    )
 
 
 def _inline(text: str) -> str:
@@ -144,10 +186,19 @@ def _inline(text: str) -> str:
     return "".join(f"<code>{html.escape(p)}</code>" if i % 2 else html.escape(p) for i, p in enumerate(pieces))
 
 
-def write_report(runs: Runs, out_dir: str | os.PathLike, *, x: str = "tokens", band: str | None = "minmax",
-                 control: str | None = None, metrics: Sequence[str] = (), with_html: bool = False,
-                 page: str | os.PathLike | None = None, title: str = "readback sweep report",
-                 command: str | None = None) -> dict[str, Path]:
+def write_report(
+    runs: Runs,
+    out_dir: str | os.PathLike,
+    *,
+    x: str = "tokens",
+    band: str | None = "minmax",
+    control: str | None = None,
+    metrics: Sequence[str] = (),
+    with_html: bool = False,
+    page: str | os.PathLike | None = None,
+    title: str = "readback sweep report",
+    command: str | None = None,
+) -> dict[str, Path]:
     """Write the report files (module docstring) to ``out_dir``; returns name -> path."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -159,8 +210,9 @@ def write_report(runs: Runs, out_dir: str | os.PathLike, *, x: str = "tokens", b
     sections, paired = _sections(runs, images, control=control, metrics=metrics, command=command or this_command())
     paths = dict(images)
     table = final_loss_table(runs)
-    (out / "final_loss.md").write_text(format_final_loss_table(table, paired=paired if len(paired) else None),
-                                       encoding="utf-8")
+    (out / "final_loss.md").write_text(
+        format_final_loss_table(table, paired=paired if len(paired) else None), encoding="utf-8"
+    )
     table.to_csv(out / "final_loss.csv", index=False)
     paired.to_csv(out / "paired.csv", index=False)
     runs.summary.to_csv(out / "runs.csv")

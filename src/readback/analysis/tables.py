@@ -17,9 +17,22 @@ FINISHED = ("completed", "diverged")
 DIVERGED_MARK = "†"
 
 TABLE_COLUMNS = (
-    "group", "experiment", "n_runs", "n", "n_completed", "n_diverged", "n_failed", "n_running",
-    "final_loss_mean", "final_loss_std", "final_loss_min", "final_loss_max",
-    "val_loss_mean", "val_loss_std", "n_val", "diverged_at_steps",
+    "group",
+    "experiment",
+    "n_runs",
+    "n",
+    "n_completed",
+    "n_diverged",
+    "n_failed",
+    "n_running",
+    "final_loss_mean",
+    "final_loss_std",
+    "final_loss_min",
+    "final_loss_max",
+    "val_loss_mean",
+    "val_loss_std",
+    "n_val",
+    "diverged_at_steps",
 )
 
 
@@ -46,24 +59,26 @@ def final_loss_table(runs: Runs, by: str = "group") -> pd.DataFrame:
         fl = _finite(finished["final_loss"])
         vl = _finite(finished["val_loss"])
         div_steps = [int(x) for x in sub.loc[sub["diverged"], "diverged_at_step"] if not pd.isna(x)]
-        rows.append({
-            "group": group,
-            "experiment": sub["experiment"].iloc[0] if by == "group" else group,
-            "n_runs": len(sub),
-            "n": len(fl),
-            "n_completed": int((sub["status"] == "completed").sum()),
-            "n_diverged": int(sub["diverged"].sum()),
-            "n_failed": int((sub["status"] == "failed").sum()),
-            "n_running": int((sub["status"] == "running").sum()),
-            "final_loss_mean": _mean(fl),
-            "final_loss_std": _std(fl),
-            "final_loss_min": float(fl.min()) if len(fl) else math.nan,
-            "final_loss_max": float(fl.max()) if len(fl) else math.nan,
-            "val_loss_mean": _mean(vl),
-            "val_loss_std": _std(vl),
-            "n_val": len(vl),
-            "diverged_at_steps": sorted(div_steps),
-        })
+        rows.append(
+            {
+                "group": group,
+                "experiment": sub["experiment"].iloc[0] if by == "group" else group,
+                "n_runs": len(sub),
+                "n": len(fl),
+                "n_completed": int((sub["status"] == "completed").sum()),
+                "n_diverged": int(sub["diverged"].sum()),
+                "n_failed": int((sub["status"] == "failed").sum()),
+                "n_running": int((sub["status"] == "running").sum()),
+                "final_loss_mean": _mean(fl),
+                "final_loss_std": _std(fl),
+                "final_loss_min": float(fl.min()) if len(fl) else math.nan,
+                "final_loss_max": float(fl.max()) if len(fl) else math.nan,
+                "val_loss_mean": _mean(vl),
+                "val_loss_std": _std(vl),
+                "n_val": len(vl),
+                "diverged_at_steps": sorted(div_steps),
+            }
+        )
     return pd.DataFrame(rows, columns=list(TABLE_COLUMNS))
 
 
@@ -95,8 +110,9 @@ def format_final_loss_table(table: pd.DataFrame, digits: int = 3, paired: pd.Dat
     return text + "\n\n" + "\n".join(notes) + "\n"
 
 
-def final_loss_cells(table: pd.DataFrame, digits: int = 3,
-                     paired: pd.DataFrame | None = None) -> tuple[list[str], list[list[str]], list[str]]:
+def final_loss_cells(
+    table: pd.DataFrame, digits: int = 3, paired: pd.DataFrame | None = None
+) -> tuple[list[str], list[list[str]], list[str]]:
     """Headers, rows and footnotes of the final-loss table: group, seeds, final loss and val loss
     (mean ± std), diverged (count of runs; the final loss marked † when any diverged), and
     failed/running counts when there are any. With ``paired`` (``paired_table`` of :mod:`readback.analysis.paired`)
@@ -125,17 +141,26 @@ def final_loss_cells(table: pd.DataFrame, digits: int = 3,
         if diffs:
             for metric in ("final_loss", "val_loss"):
                 d = by.get((r["group"], metric))
-                row += (["-", "-"] if d is None else
-                        [difference_cell(d["paired_mean"], d["paired_se"], digits, n=d["n_pairs"]),
-                         difference_cell(d["unpaired_mean"], d["unpaired_se"], digits)])
+                row += (
+                    ["-", "-"]
+                    if d is None
+                    else [
+                        difference_cell(d["paired_mean"], d["paired_se"], digits, n=d["n_pairs"]),
+                        difference_cell(d["unpaired_mean"], d["unpaired_se"], digits),
+                    ]
+                )
         rows.append(row)
-    notes = ["final loss: last logged train loss of each finished run (completed or diverged), "
-             "mean ± sample std over seeds; val loss likewise."]
+    notes = [
+        "final loss: last logged train loss of each finished run (completed or diverged), "
+        "mean ± sample std over seeds; val loss likewise."
+    ]
     if diffs:
         controls = ", ".join(sorted(set(paired["control"])))
-        notes.append(f"Δ: minus the control ({controls}); paired: mean over seeds run in both of the "
-                     "per-seed difference ± its SE (n = pairs); unpaired: difference of the means ± "
-                     "sqrt(var/n + var_c/n_c). (k SE) = |Δ| / SE.")
+        notes.append(
+            f"Δ: minus the control ({controls}); paired: mean over seeds run in both of the "
+            "per-seed difference ± its SE (n = pairs); unpaired: difference of the means ± "
+            "sqrt(var/n + var_c/n_c). (k SE) = |Δ| / SE."
+        )
     if len(table) and table["n_diverged"].any():
         notes.append(f"{DIVERGED_MARK} at least one seed diverged (its final loss is included).")
     return headers, rows, notes
@@ -151,8 +176,17 @@ def metric_table(runs: Runs, pattern: str) -> pd.DataFrame:
         for group in runs.groups:
             v = last.loc[last["group"] == group, "value"].to_numpy(dtype=float)
             if len(v):
-                rows.append({"group": group, "key": key, "n": len(v), "mean": float(v.mean()), "std": _std(v),
-                             "min": float(v.min()), "max": float(v.max())})
+                rows.append(
+                    {
+                        "group": group,
+                        "key": key,
+                        "n": len(v),
+                        "mean": float(v.mean()),
+                        "std": _std(v),
+                        "min": float(v.min()),
+                        "max": float(v.max()),
+                    }
+                )
     return pd.DataFrame(rows, columns=["group", "key", "n", "mean", "std", "min", "max"])
 
 
@@ -162,8 +196,16 @@ METRIC_HEADERS = ["experiment", "key", "runs", "last value", "range"]
 def metric_cells(table: pd.DataFrame, digits: int = 4) -> list[list[str]]:
     """Rows of :func:`metric_table` for :data:`METRIC_HEADERS`: ``mean ± std`` of the last
     values, and their range."""
-    return [[r["group"], r["key"], str(r["n"]), _pm(r["mean"], r["std"], digits),
-             f"{r['min']:.{digits}g} .. {r['max']:.{digits}g}"] for _, r in table.iterrows()]
+    return [
+        [
+            r["group"],
+            r["key"],
+            str(r["n"]),
+            _pm(r["mean"], r["std"], digits),
+            f"{r['min']:.{digits}g} .. {r['max']:.{digits}g}",
+        ]
+        for _, r in table.iterrows()
+    ]
 
 
 def format_metric_table(table: pd.DataFrame, digits: int = 4) -> str:
@@ -182,8 +224,7 @@ def difference_cell(mean: float, se: float, digits: int = 3, n: int | None = Non
     return text + (f" ({', '.join(extra)})" if extra else "")
 
 
-def markdown_table(headers: Sequence[str], rows: Sequence[Sequence[Any]],
-                   align: Sequence[str] | None = None) -> str:
+def markdown_table(headers: Sequence[str], rows: Sequence[Sequence[Any]], align: Sequence[str] | None = None) -> str:
     """A GitHub-flavoured Markdown table (no third-party formatter). ``align``: ``l``/``r``/``c``
     per column. ``|`` in cells is escaped."""
     cells = [[_cell(h) for h in headers]] + [[_cell(c) for c in row] for row in rows]
@@ -192,11 +233,19 @@ def markdown_table(headers: Sequence[str], rows: Sequence[Sequence[Any]],
         raise ValueError("every row needs one cell per header")
     align = list(align or ["l"] * n)
     width = [max(3, *(len(r[i]) for r in cells)) for i in range(n)]
-    rule = {"l": lambda w: ":" + "-" * (w - 1), "r": lambda w: "-" * (w - 1) + ":",
-            "c": lambda w: ":" + "-" * (w - 2) + ":"}
+    rule = {
+        "l": lambda w: ":" + "-" * (w - 1),
+        "r": lambda w: "-" * (w - 1) + ":",
+        "c": lambda w: ":" + "-" * (w - 2) + ":",
+    }
+
     def line(r: Sequence[str]) -> str:
-        return "| " + " | ".join(c.rjust(width[i]) if align[i] == "r" else c.ljust(width[i])
-                                 for i, c in enumerate(r)) + " |"
+        return (
+            "| "
+            + " | ".join(c.rjust(width[i]) if align[i] == "r" else c.ljust(width[i]) for i, c in enumerate(r))
+            + " |"
+        )
+
     out = [line(cells[0]), "| " + " | ".join(rule[a](width[i]) for i, a in enumerate(align)) + " |"]
     out += [line(r) for r in cells[1:]]
     return "\n".join(out)

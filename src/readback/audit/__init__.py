@@ -42,8 +42,10 @@ def run_audit(seed: int = 0, te_rows: bool = True) -> tuple[list[Row], list[str]
             notes.append(reason)
     for row in rows:
         if row.declared is not None and row.declared != row.reads:
-            notes.append(f"{row.op} [{row.policy}] {row.gradient}: READS declares {row.declared!r}, "
-                         f"the backward reads {row.reads!r}")
+            notes.append(
+                f"{row.op} [{row.policy}] {row.gradient}: READS declares {row.declared!r}, "
+                f"the backward reads {row.reads!r}"
+            )
     return rows, notes
 
 
@@ -53,8 +55,10 @@ class _Parser(argparse.ArgumentParser):
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = _Parser(prog="python -m readback.audit",
-                     description="Which value each FP8 backward reads, op by op, against the reference rule.")
+    parser = _Parser(
+        prog="python -m readback.audit",
+        description="Which value each FP8 backward reads, op by op, against the reference rule.",
+    )
     parser.add_argument("--json", metavar="PATH", type=Path, help="also write the rows as a JSON list to PATH")
     parser.add_argument("--seed", metavar="N", type=int, default=0, help="seed of the random inputs (default 0)")
     return parser
@@ -76,8 +80,10 @@ def main(argv: list[str] | None = None) -> int:
         print(note)
     differs = sum(row.ok is False for row in rows)
     ties = sum(row.ok is None for row in rows)
-    print(f"{len(rows)} rows: {len(rows) - differs - ties} ok, {differs} differ from the rule, "
-          f"{ties} indistinguishable (tolerance {TOL:g}; {time.perf_counter() - start:.1f} s)")
+    print(
+        f"{len(rows)} rows: {len(rows) - differs - ties} ok, {differs} differ from the rule, "
+        f"{ties} indistinguishable (tolerance {TOL:g}; {time.perf_counter() - start:.1f} s)"
+    )
     if args.json is not None:
         args.json.write_text(json.dumps([row.to_json() for row in rows], indent=1) + "\n")
     return 0

@@ -63,8 +63,9 @@ def distance(a: torch.Tensor, b: torch.Tensor, scale: float | None = None) -> fl
     return (a - b).norm().item() / scale if scale > 0 else 0.0
 
 
-def match(grad: torch.Tensor, candidates: dict[Key, torch.Tensor], tol: float = TOL,
-          scale: float | None = None) -> list[Key]:
+def match(
+    grad: torch.Tensor, candidates: dict[Key, torch.Tensor], tol: float = TOL, scale: float | None = None
+) -> list[Key]:
     """The candidates that explain ``grad``: every one within ``tol`` of it, plus every one within
     ``tol`` of the best of those (candidates too close to each other are a tie, not a finding).
     Empty when none is within ``tol``."""
@@ -72,12 +73,12 @@ def match(grad: torch.Tensor, candidates: dict[Key, torch.Tensor], tol: float = 
     best = min(dist, key=dist.get)
     if dist[best] > tol:
         return []
-    return [key for key in candidates
-            if dist[key] <= tol or distance(candidates[key], candidates[best], scale) <= tol]
+    return [key for key in candidates if dist[key] <= tol or distance(candidates[key], candidates[best], scale) <= tol]
 
 
-def separation(candidates: dict[Key, torch.Tensor], matches: list[Key], component: int,
-               scale: float | None = None) -> float | None:
+def separation(
+    candidates: dict[Key, torch.Tensor], matches: list[Key], component: int, scale: float | None = None
+) -> float | None:
     """How far the matched candidates are from every candidate with another read for this
     gradient: the margin that makes the finding a finding (None when nothing matched)."""
     if not matches:
@@ -102,7 +103,7 @@ def read_of(matches: list[Key], component: int) -> str:
 def _agreement(reads: str, expected: str) -> bool | None:
     def modes(label: str) -> set[str]:
         if label.startswith("indistinguishable ("):
-            return set(label[len("indistinguishable ("):-1].split(" = "))
+            return set(label[len("indistinguishable (") : -1].split(" = "))
         return {label}
 
     if "unmatched" in (reads, expected):
@@ -138,8 +139,20 @@ def audit(
     rows = []
     for i, name in enumerate(names):
         reads, expected = read_of(op_matches, i), read_of(ref_matches, i)
-        rows.append(Row(op, name, reads, expected, _agreement(reads, expected), rel_err, policy,
-                        (declared or {}).get(name), separation(candidates, op_matches, i, scale), distances))
+        rows.append(
+            Row(
+                op,
+                name,
+                reads,
+                expected,
+                _agreement(reads, expected),
+                rel_err,
+                policy,
+                (declared or {}).get(name),
+                separation(candidates, op_matches, i, scale),
+                distances,
+            )
+        )
     return rows
 
 
@@ -161,8 +174,14 @@ COLUMNS = ("op", "gradient", "reads", "rule wants", "verdict", "rel. error")
 def format_table(rows: list[Row]) -> str:
     """A plain-text table, one line per row."""
     cells = [COLUMNS] + [
-        (row.op if row.policy is None else f"{row.op} [{row.policy}]", row.gradient, row.reads, row.expected,
-         row.verdict, f"{row.rel_err:.2e}")
+        (
+            row.op if row.policy is None else f"{row.op} [{row.policy}]",
+            row.gradient,
+            row.reads,
+            row.expected,
+            row.verdict,
+            f"{row.rel_err:.2e}",
+        )
         for row in rows
     ]
     widths = [max(len(line[i]) for line in cells) for i in range(len(COLUMNS))]

@@ -130,8 +130,14 @@ def causal_softmax(scores: torch.Tensor) -> torch.Tensor:
 
 
 def attention_grads(
-    p: torch.Tensor, d_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-    o_read: torch.Tensor | None, scale: float, groups: int,
+    p: torch.Tensor,
+    d_out: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    o_read: torch.Tensor | None,
+    scale: float,
+    groups: int,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(dQ, dK)`` of causal attention by hand, with the softmax backward reading ``p`` and the
     D-term reading ``o_read`` (``rowsum(dO * o_read)``), or nothing (``rowsum(p * dP)``) when None.

@@ -74,21 +74,30 @@ def rb_linear(setup: Setup, policy: str) -> list[Row]:
     upstream = Setup.randn(g, setup.batch, setup.seq, d // 2)
     numerics = numerics_for(policy, setup.seed)
 
-    got = backprop(lambda x, weight: (linear_op.linear(x, weight, numerics, "lin"), {}),
-                   {"x": x, "weight": weight}, upstream, F32)
+    got = backprop(
+        lambda x, weight: (linear_op.linear(x, weight, numerics, "lin"), {}), {"x": x, "weight": weight}, upstream, F32
+    )
     record = _tape(numerics)["lin"]
-    ref = backprop(lambda x, weight: (linear_op.replay(x, weight, record, F64), {}),
-                   {"x": x, "weight": weight}, upstream, F64)
+    ref = backprop(
+        lambda x, weight: (linear_op.replay(x, weight, record, F64), {}), {"x": x, "weight": weight}, upstream, F64
+    )
 
     dy = value(upstream).reshape(-1, d // 2)
     xs = readings(numerics, "lin.input", x.reshape(-1, d), record["input"])
     ws = readings(numerics, "lin.weight", weight, record["weight"])
     common = dict(policy=policy, declared=linear_op.READS[policy], tol=setup.tol)
     return [
-        *audit("readback.linear", "dgrad", got["x"], ref["x"],
-               {m: (dy @ w).reshape(x.shape) for m, w in ws.items()}, **common),
-        *audit("readback.linear", "wgrad", got["weight"], ref["weight"],
-               {m: dy.mT @ v for m, v in xs.items()}, **common),
+        *audit(
+            "readback.linear",
+            "dgrad",
+            got["x"],
+            ref["x"],
+            {m: (dy @ w).reshape(x.shape) for m, w in ws.items()},
+            **common,
+        ),
+        *audit(
+            "readback.linear", "wgrad", got["weight"], ref["weight"], {m: dy.mT @ v for m, v in xs.items()}, **common
+        ),
     ]
 
 
@@ -119,12 +128,26 @@ def rb_rms_norm(setup: Setup, policy: str) -> list[Row]:
     ys = {m: v.reshape(-1, d) for m, v in readings(numerics, "norm.output", y, tape["norm"]["output"]).items()}
     dy, d_out = value(got["y"]).reshape(-1, d), value(upstream).reshape(-1, d // 2)
     return [
-        *audit("readback.rms_norm", "gain", got["gain"], ref["gain"],
-               {m: (dy * v / value(gain)).sum(0) for m, v in ys.items()},
-               policy=policy, declared=norm_op.READS[policy], tol=setup.tol),
-        *audit("readback.rms_norm -> linear(x_q)", "wgrad", got["weight"], ref["weight"],
-               {m: d_out.mT @ v for m, v in ys.items()},
-               policy=policy, declared=linear_op.READS[policy], tol=setup.tol),
+        *audit(
+            "readback.rms_norm",
+            "gain",
+            got["gain"],
+            ref["gain"],
+            {m: (dy * v / value(gain)).sum(0) for m, v in ys.items()},
+            policy=policy,
+            declared=norm_op.READS[policy],
+            tol=setup.tol,
+        ),
+        *audit(
+            "readback.rms_norm -> linear(x_q)",
+            "wgrad",
+            got["weight"],
+            ref["weight"],
+            {m: d_out.mT @ v for m, v in ys.items()},
+            policy=policy,
+            declared=linear_op.READS[policy],
+            tol=setup.tol,
+        ),
     ]
 
 
@@ -135,8 +158,7 @@ def rb_attention(setup: Setup, policy: str, rounding: str = "nearest") -> list[R
     projection's wgrad reads O. ``rounding="stochastic"`` rounds the forward stochastically too:
     then ``rounded`` and ``fresh`` are two draws of one distribution, from different streams."""
     g = setup.generator("readback.attention")
-    b, h, grp, t, d, c = setup.batch, setup.heads, setup.groups, setup.seq, setup.width, \
-        setup.softmax_scale
+    b, h, grp, t, d, c = setup.batch, setup.heads, setup.groups, setup.seq, setup.width, setup.softmax_scale
     q, k, v, w_proj, upstream = setup.attention_inputs(g).values()
     numerics = numerics_for(policy, setup.seed, rounding)
     op = "readback.attention" if rounding == "nearest" else f"readback.attention ({rounding} fwd)"
@@ -163,16 +185,23 @@ def rb_attention(setup: Setup, policy: str, rounding: str = "nearest") -> list[R
     d_out = heads(value(got["o"]), b, t, h)
     d_proj = value(upstream).reshape(-1, d)
     o_flat = {m: o.transpose(1, 2).reshape(-1, d) for m, o in os.items() if o is not None}
-    joint = {(mp, mo): cat(*attention_grads(p, d_out, qh, kh, vh, o, c, grp)) for mp, p in ps.items()
-             for mo, o in os.items()}
+    joint = {
+        (mp, mo): cat(*attention_grads(p, d_out, qh, kh, vh, o, c, grp)) for mp, p in ps.items() for mo, o in os.items()
+    }
     common = dict(policy=policy, declared=attention_op.READS[policy], tol=setup.tol)
     return [
-        *audit(op, "dV", got["v"], ref["v"], {m: group_sum(p.mT @ d_out, grp) for m, p in ps.items()},
-               **common),
+        *audit(op, "dV", got["v"], ref["v"], {m: group_sum(p.mT @ d_out, grp) for m, p in ps.items()}, **common),
         *audit(op, ("dS", "D"), cat(got["q"], got["k"]), cat(ref["q"], ref["k"]), joint, **common),
-        *audit(f"{op} -> linear(x_q)", "wgrad", got["w_proj"], ref["w_proj"],
-               {m: d_proj.mT @ o for m, o in o_flat.items()},
-               policy=policy, declared=linear_op.READS[policy], tol=setup.tol),
+        *audit(
+            f"{op} -> linear(x_q)",
+            "wgrad",
+            got["w_proj"],
+            ref["w_proj"],
+            {m: d_proj.mT @ o for m, o in o_flat.items()},
+            policy=policy,
+            declared=linear_op.READS[policy],
+            tol=setup.tol,
+        ),
     ]
 
 
@@ -186,9 +215,16 @@ def rb_xielu(setup: Setup, policy: str) -> list[Row]:
     got = backprop(lambda x: (activation_op.xielu(x, alpha, alpha, numerics), {}), {"x": x}, upstream, F32)
     ref = backprop(lambda x: (activation_op.replay(x, alpha.to(F64), alpha.to(F64)), {}), {"x": x}, upstream, F64)
     xs = {"rounded": value(round_fp8(x)), "original": value(x)}
-    return audit("readback.xielu", "dx", got["x"], ref["x"],
-                 {m: value(upstream) * xielu_slope(v, 0.8, 0.8) for m, v in xs.items()},
-                 policy=policy, declared=activation_op.READS[policy], tol=setup.tol)
+    return audit(
+        "readback.xielu",
+        "dx",
+        got["x"],
+        ref["x"],
+        {m: value(upstream) * xielu_slope(v, 0.8, 0.8) for m, v in xs.items()},
+        policy=policy,
+        declared=activation_op.READS[policy],
+        tol=setup.tol,
+    )
 
 
 def _per_policy(audit_one, policies=tuple(POLICIES), **kwargs):
@@ -203,7 +239,8 @@ AUDITS = {
     "readback.linear": _per_policy(rb_linear),
     "readback.rms_norm": _per_policy(rb_rms_norm),
     "readback.attention": _per_policy(rb_attention),
-    "readback.attention (stochastic fwd)": _per_policy(rb_attention, ("reuse_rounded", "fresh_reround"),
-                                                       rounding="stochastic"),
+    "readback.attention (stochastic fwd)": _per_policy(
+        rb_attention, ("reuse_rounded", "fresh_reround"), rounding="stochastic"
+    ),
     "readback.xielu": _per_policy(rb_xielu),
 }

@@ -96,8 +96,9 @@ def te_layernorm_linear(setup: Setup) -> list[Row]:
     import transformer_engine.pytorch as te
 
     g, dev, d, eps = setup.generator("te.LayerNormLinear"), torch.device(DEVICE), setup.width, 1e-5
-    module = te.LayerNormLinear(d, d, eps=eps, bias=False, normalization="LayerNorm", params_dtype=torch.float32,
-                                device=dev)
+    module = te.LayerNormLinear(
+        d, d, eps=eps, bias=False, normalization="LayerNorm", params_dtype=torch.float32, device=dev
+    )
     x = (Setup.randn(g, setup.batch * setup.seq, d, std=3.0) + 0.5).to(dev).requires_grad_()
     upstream = Setup.randn(g, setup.batch * setup.seq, d).to(dev)
     with torch.no_grad():
@@ -131,8 +132,9 @@ def te_dot_product_attention(setup: Setup) -> list[Row]:
 
     g, dev = setup.generator("te.DotProductAttention"), torch.device(DEVICE)
     b, h, grp, t, hd, c = setup.batch, setup.heads, setup.groups, 128, 64, setup.softmax_scale  # kernel-friendly
-    module = te.DotProductAttention(h, hd, num_gqa_groups=grp, attention_dropout=0.0, qkv_format="bshd",
-                                    attn_mask_type="causal", softmax_scale=c)
+    module = te.DotProductAttention(
+        h, hd, num_gqa_groups=grp, attention_dropout=0.0, qkv_format="bshd", attn_mask_type="causal", softmax_scale=c
+    )
     q = Setup.randn(g, b, t, h, hd, std=2.0)
     k = Setup.randn(g, b, t, grp, hd, std=2.0)
     k[..., 0] = 1.0  # the constant key feature: dQ[..., 0] = c * rowsum(dS)
@@ -168,14 +170,23 @@ def te_dot_product_attention(setup: Setup) -> list[Row]:
 
     # reference: plain autograd of the same attention in float64 (no FP8): rowsum(dS) = 0
     qr, kr, vr = (value(z).requires_grad_() for z in (q, k, v))
-    o_ref = causal_softmax(qr.transpose(1, 2) @ expand_groups(kr.transpose(1, 2), h).mT * c) @ \
-        expand_groups(vr.transpose(1, 2), h)
+    o_ref = causal_softmax(qr.transpose(1, 2) @ expand_groups(kr.transpose(1, 2), h).mT * c) @ expand_groups(
+        vr.transpose(1, 2), h
+    )
     o_ref.backward(d_out)
     ref_rowsum = qr.grad[..., 0].transpose(1, 2) / c
     spread = candidates["rounded"].norm().item()  # how far reading O8 moves rowsum(dS) from 0
     label = "te.DotProductAttention" + (" (fp8_dpa)" if fp8 else " (bf16)")
-    return audit(label, "D", rowsum, ref_rowsum, candidates, tol=TE_ROWSUM_TOL, scale=spread or 1.0,
-                 rel_err=distance_to(q.grad, qr.grad))
+    return audit(
+        label,
+        "D",
+        rowsum,
+        ref_rowsum,
+        candidates,
+        tol=TE_ROWSUM_TOL,
+        scale=spread or 1.0,
+        rel_err=distance_to(q.grad, qr.grad),
+    )
 
 
 AUDITS = {

@@ -59,10 +59,22 @@ def torch_linear(setup: Setup) -> list[Row]:
     xs = {"rounded": value(x8), "original": value(x)}
     ws = {"rounded": value(w8), "original": value(weight)}
     return [
-        *audit("nn.Linear", "dgrad", got["x"], ref["x"],
-               {m: (dy @ w).reshape(x.shape) for m, w in ws.items()}, tol=setup.tol),
-        *audit("nn.Linear", "wgrad", got["weight"], ref["weight"],
-               {m: dy.mT @ v.reshape(-1, d) for m, v in xs.items()}, tol=setup.tol),
+        *audit(
+            "nn.Linear",
+            "dgrad",
+            got["x"],
+            ref["x"],
+            {m: (dy @ w).reshape(x.shape) for m, w in ws.items()},
+            tol=setup.tol,
+        ),
+        *audit(
+            "nn.Linear",
+            "wgrad",
+            got["weight"],
+            ref["weight"],
+            {m: dy.mT @ v.reshape(-1, d) for m, v in xs.items()},
+            tol=setup.tol,
+        ),
     ]
 
 
@@ -91,10 +103,22 @@ def _norm_then_linear(setup: Setup, op: str, norm, normalized, bias_std: float) 
     ys = {"rounded": value(y8), "original": value(got["y.value"])}
     gains = {"rounded": (ys["rounded"] - value(bias)) / value(gain), "original": normalized(value(x))}
     return [
-        *audit(op, "gain", got["gain"], ref["gain"],
-               {m: (dy * n.reshape(-1, d)).sum(0) for m, n in gains.items()}, tol=setup.tol),
-        *audit(f"{op} -> linear", "wgrad", got["weight"], ref["weight"],
-               {m: d_out.mT @ y.reshape(-1, d) for m, y in ys.items()}, tol=setup.tol),
+        *audit(
+            op,
+            "gain",
+            got["gain"],
+            ref["gain"],
+            {m: (dy * n.reshape(-1, d)).sum(0) for m, n in gains.items()},
+            tol=setup.tol,
+        ),
+        *audit(
+            f"{op} -> linear",
+            "wgrad",
+            got["weight"],
+            ref["weight"],
+            {m: d_out.mT @ y.reshape(-1, d) for m, y in ys.items()},
+            tol=setup.tol,
+        ),
     ]
 
 
@@ -137,10 +161,15 @@ def torch_softmax(setup: Setup) -> list[Row]:
     d_p = d_out @ value(v).mT
     ps = {"rounded": value(p8), "original": causal_softmax(value(scores))}
     return [
-        *audit("softmax -> P8 @ V", "dV", got["v"], ref["v"], {m: p.mT @ d_out for m, p in ps.items()},
-               tol=setup.tol),
-        *audit("softmax -> P8 @ V", "dS", got["scores"], ref["scores"],
-               {m: p * (d_p - (p * d_p).sum(-1, keepdim=True)) for m, p in ps.items()}, tol=setup.tol),
+        *audit("softmax -> P8 @ V", "dV", got["v"], ref["v"], {m: p.mT @ d_out for m, p in ps.items()}, tol=setup.tol),
+        *audit(
+            "softmax -> P8 @ V",
+            "dS",
+            got["scores"],
+            ref["scores"],
+            {m: p * (d_p - (p * d_p).sum(-1, keepdim=True)) for m, p in ps.items()},
+            tol=setup.tol,
+        ),
     ]
 
 
@@ -149,14 +178,14 @@ def torch_sdpa(setup: Setup) -> list[Row]:
     projection. The D-term reads SDPA's own (original) O, which equals rowsum(P * dP) because
     SDPA does not round P inside: original and none cannot be told apart."""
     g = setup.generator("torch.sdpa")
-    b, h, grp, t, d, c = setup.batch, setup.heads, setup.groups, setup.seq, setup.width, \
-        setup.softmax_scale
+    b, h, grp, t, d, c = setup.batch, setup.heads, setup.groups, setup.seq, setup.width, setup.softmax_scale
     q, k, v, w_proj, upstream = setup.attention_inputs(g).values()
     q8, k8, v8, w8 = (round_fp8(x) for x in (q, k, v, w_proj))
 
     def core(q, k, v):
-        o = F.scaled_dot_product_attention(_pin(q, q8), _pin(k, k8), _pin(v, v8), is_causal=True, scale=c,
-                                           enable_gqa=True)
+        o = F.scaled_dot_product_attention(
+            _pin(q, q8), _pin(k, k8), _pin(v, v8), is_causal=True, scale=c, enable_gqa=True
+        )
         return o.transpose(1, 2).reshape(b, t, d)
 
     with torch.no_grad():
@@ -176,8 +205,14 @@ def torch_sdpa(setup: Setup) -> list[Row]:
     d_proj = value(upstream).reshape(-1, d)
     return [
         *audit("F.sdpa", "D", cat(got["q"], got["k"]), cat(ref["q"], ref["k"]), d_terms, tol=setup.tol),
-        *audit("F.sdpa -> linear", "wgrad", got["w_proj"], ref["w_proj"],
-               {m: d_proj.mT @ o.reshape(-1, d) for m, o in os.items()}, tol=setup.tol),
+        *audit(
+            "F.sdpa -> linear",
+            "wgrad",
+            got["w_proj"],
+            ref["w_proj"],
+            {m: d_proj.mT @ o.reshape(-1, d) for m, o in os.items()},
+            tol=setup.tol,
+        ),
     ]
 
 
@@ -195,18 +230,20 @@ def _activation(setup: Setup, op: str, fn, slope, round_input: bool) -> list[Row
     got, ref = _both(forward, {"x": x}, upstream)
     xs = {"rounded": value(x8), "original": value(x)}
     label = f"{op} (input rounded)" if round_input else op
-    return audit(label, "dx", got["x"], ref["x"], {m: value(upstream) * slope(v) for m, v in xs.items()},
-                 tol=setup.tol)
+    return audit(label, "dx", got["x"], ref["x"], {m: value(upstream) * slope(v) for m, v in xs.items()}, tol=setup.tol)
 
 
 def torch_gelu(setup: Setup) -> list[Row]:
-    return [*_activation(setup, "F.gelu", F.gelu, gelu_slope, round_input=False),
-            *_activation(setup, "F.gelu", F.gelu, gelu_slope, round_input=True)]
+    return [
+        *_activation(setup, "F.gelu", F.gelu, gelu_slope, round_input=False),
+        *_activation(setup, "F.gelu", F.gelu, gelu_slope, round_input=True),
+    ]
 
 
 def torch_xielu(setup: Setup) -> list[Row]:
-    return _activation(setup, "xIELU (torch)", lambda x: xielu(x, 0.8, 0.8), lambda x: xielu_slope(x, 0.8, 0.8),
-                       round_input=False)
+    return _activation(
+        setup, "xIELU (torch)", lambda x: xielu(x, 0.8, 0.8), lambda x: xielu_slope(x, 0.8, 0.8), round_input=False
+    )
 
 
 AUDITS = {

@@ -14,9 +14,9 @@ from dataclasses import dataclass, field
 
 import torch
 
+from readback.audit_model.saved import Saved, SavedTensors
 from readback.bias.meter import group_of
 from readback.numerics import E4M3, E5M2, compute_scale, quantize
-from readback.audit_model.saved import Saved, SavedTensors
 
 STORAGES = ("e4m3", "e5m2", "fresh", "original")
 FREE = 1e-6  # a storage whose error is below this changes no gradient: the tensor may be stored so
@@ -53,17 +53,25 @@ class AuditRow:
         return [g for e, g in sorted(((e, g) for g, e in worst.items() if e > FREE), reverse=True)[:top]]
 
     def to_json(self) -> dict:
-        return {"name": self.name, "shape": list(self.shape), "dtype": self.dtype, "bytes": self.nbytes,
-                "fp8_bytes_saved": self.fp8_bytes_saved, "errors": self.errors, "verdicts": self.verdicts,
-                "hurts": self.hurts()}
+        return {
+            "name": self.name,
+            "shape": list(self.shape),
+            "dtype": self.dtype,
+            "bytes": self.nbytes,
+            "fp8_bytes_saved": self.fp8_bytes_saved,
+            "errors": self.errors,
+            "verdicts": self.verdicts,
+            "hurts": self.hurts(),
+        }
 
 
 def verdict(error: float) -> str:
     return "free" if error <= FREE else f"{error:.1e}"
 
 
-def audit_saved(model: torch.nn.Module, loss_fn, storages=STORAGES, seed: int = 0,
-                min_numel: int = 2) -> list[AuditRow]:
+def audit_saved(
+    model: torch.nn.Module, loss_fn, storages=STORAGES, seed: int = 0, min_numel: int = 2
+) -> list[AuditRow]:
     """Audit ``loss_fn()`` (a scalar computed by ``model``): one row per saved floating tensor of at
     least ``min_numel`` elements, in the order the forward saved them."""
     params = {n: p for n, p in model.named_parameters() if p.requires_grad}
@@ -89,15 +97,24 @@ def audit_saved(model: torch.nn.Module, loss_fn, storages=STORAGES, seed: int = 
 
 
 def _row(s: Saved, errors: dict) -> AuditRow:
-    return AuditRow(s.name, tuple(s.tensor.shape), str(s.tensor.dtype).replace("torch.", ""), s.nbytes,
-                    s.nbytes - s.tensor.numel(), errors, {k: verdict(v["total"]) for k, v in errors.items()})
+    return AuditRow(
+        s.name,
+        tuple(s.tensor.shape),
+        str(s.tensor.dtype).replace("torch.", ""),
+        s.nbytes,
+        s.nbytes - s.tensor.numel(),
+        errors,
+        {k: verdict(v["total"]) for k, v in errors.items()},
+    )
 
 
 def _errors(reference: dict, grads: dict) -> dict[str, float]:
     """Relative gradient error per parameter group and in total (a gradient that became
     unused counts as zero)."""
-    diff = {n: (grads[n] if grads[n] is not None else torch.zeros_like(r)).double() - r.double()
-            for n, r in reference.items()}
+    diff = {
+        n: (grads[n] if grads[n] is not None else torch.zeros_like(r)).double() - r.double()
+        for n, r in reference.items()
+    }
     out = {"total": _ratio([diff[n] for n in diff], [reference[n] for n in diff])}
     for group in dict.fromkeys(group_of(n) for n in reference):
         members = [n for n in reference if group_of(n) == group]

@@ -43,10 +43,21 @@ def fog_example(policy: str = "exact", seed: int = 0, *overrides: str):
     from readback.config import CONF_DIR
 
     with initialize_config_dir(str(CONF_DIR), version_base="1.3"):
-        cfg = compose("train", overrides=[f"policy={policy}", "model.vocab_size=64", "model.seq_len=16",
-                                          "model.d_model=32", "model.n_heads=2", "model.n_kv_groups=1",
-                                          "model.ffn_dim=48", "precision.recipe=current", "precision.bf16_layers=[]",
-                                          *overrides])
+        cfg = compose(
+            "train",
+            overrides=[
+                f"policy={policy}",
+                "model.vocab_size=64",
+                "model.seq_len=16",
+                "model.d_model=32",
+                "model.n_heads=2",
+                "model.n_kv_groups=1",
+                "model.ffn_dim=48",
+                "precision.recipe=current",
+                "precision.bf16_layers=[]",
+                *overrides,
+            ],
+        )
     torch.manual_seed(seed)
     model = build_model(cfg)
     idx = torch.randint(0, 64, (2, 17), generator=torch.Generator().manual_seed(seed))
@@ -59,9 +70,16 @@ def hf_example(seed: int = 0):
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(seed)
-    config = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                         num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=32,
-                         attn_implementation="eager")
+    config = LlamaConfig(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        max_position_embeddings=32,
+        attn_implementation="eager",
+    )
     model = LlamaForCausalLM(config)
     ids = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(seed))
     return model, lambda: model(input_ids=ids, labels=ids).loss
@@ -73,7 +91,9 @@ def torchao_example(seed: int = 0):
     from torchao.float8 import Float8LinearConfig, convert_to_float8_training
 
     torch.manual_seed(seed)
-    model = torch.nn.Sequential(torch.nn.Linear(32, 64, bias=False), torch.nn.GELU(), torch.nn.Linear(64, 32, bias=False))
+    model = torch.nn.Sequential(
+        torch.nn.Linear(32, 64, bias=False), torch.nn.GELU(), torch.nn.Linear(64, 32, bias=False)
+    )
     convert_to_float8_training(model, config=Float8LinearConfig(emulate=True))
     x = torch.randn(16, 32, generator=torch.Generator().manual_seed(seed))
     return model, lambda: model(x).pow(2).mean()

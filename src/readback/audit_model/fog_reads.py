@@ -46,6 +46,14 @@ def compare_reads(rows: list[AuditRow], policy: str = "exact") -> list[dict]:
     out = []
     for row, op, gradient in fog_reads(rows):
         mode, free = declared[op][gradient], row.verdicts["e4m3"] == "free"
-        out.append({"saved": row.name, "op": op, "gradient": gradient, "declared": mode,
-                    "e4m3": row.verdicts["e4m3"], "agrees": free == (mode == "rounded")})
+        out.append(
+            {
+                "saved": row.name,
+                "op": op,
+                "gradient": gradient,
+                "declared": mode,
+                "e4m3": row.verdicts["e4m3"],
+                "agrees": free == (mode == "rounded"),
+            }
+        )
     return out

@@ -14,15 +14,22 @@ def to_markdown(rows: list[AuditRow], title: str = "") -> str:
     no gradient moves), the groups it hurts most, and the bytes an FP8 copy would save."""
     storages = [s for s in STORAGES if s in rows[0].errors] if rows else list(STORAGES)
     lines = [f"{title}", ""] if title else []
-    lines += ["| saved tensor (module/op.attribute) | shape | " + " | ".join(storages) + " | hurts | bytes saved in FP8 |",
-              "|---" * (len(storages) + 4) + "|"]
+    lines += [
+        "| saved tensor (module/op.attribute) | shape | " + " | ".join(storages) + " | hurts | bytes saved in FP8 |",
+        "|---" * (len(storages) + 4) + "|",
+    ]
     for row in rows:
-        lines.append(f"| {row.name} | {'x'.join(map(str, row.shape))} {row.dtype} | "
-                     + " | ".join(row.verdicts[s] for s in storages)
-                     + f" | {', '.join(row.hurts()) or '-'} | {row.fp8_bytes_saved} |")
+        lines.append(
+            f"| {row.name} | {'x'.join(map(str, row.shape))} {row.dtype} | "
+            + " | ".join(row.verdicts[s] for s in storages)
+            + f" | {', '.join(row.hurts()) or '-'} | {row.fp8_bytes_saved} |"
+        )
     free = [r for r in rows if r.verdicts.get("e4m3") == "free"]
-    lines += ["", f"{len(rows)} saved tensors, {sum(r.nbytes for r in rows)} bytes; {len(free)} can be stored as "
-              f"E4M3 with no gradient change, saving {sum(r.fp8_bytes_saved for r in free)} bytes."]
+    lines += [
+        "",
+        f"{len(rows)} saved tensors, {sum(r.nbytes for r in rows)} bytes; {len(free)} can be stored as "
+        f"E4M3 with no gradient change, saving {sum(r.fp8_bytes_saved for r in free)} bytes.",
+    ]
     return "\n".join(lines) + "\n"
 
 
@@ -56,8 +63,10 @@ def write(rows: list[AuditRow], out: str | Path, title: str = "") -> dict[str, P
     out.mkdir(parents=True, exist_ok=True)
     paths = {"json": out / "audit.json", "markdown": out / "audit.md", "plot": out / "audit.png"}
     finite = lambda v: v if not (isinstance(v, float) and math.isinf(v)) else None  # noqa: E731
-    data = [{**r.to_json(), "errors": {s: {g: finite(e) for g, e in errs.items()} for s, errs in r.errors.items()}}
-            for r in rows]
+    data = [
+        {**r.to_json(), "errors": {s: {g: finite(e) for g, e in errs.items()} for s, errs in r.errors.items()}}
+        for r in rows
+    ]
     paths["json"].write_text(json.dumps({"title": title, "rows": data}, indent=1) + "\n")
     paths["markdown"].write_text(to_markdown(rows, title))
     plot(rows, paths["plot"], title)

@@ -52,6 +52,7 @@ class SavedTensors:
     @contextlib.contextmanager
     def recording(self, model: torch.nn.Module):
         """Run the forward inside: saved tensors are recorded with their module's name."""
+
         def enter(name):
             return lambda module, args: self._modules.append(name)  # returns None: args unchanged
 
@@ -81,7 +82,7 @@ class SavedTensors:
                 continue
             seen.add(node)
             stack += [n for n, _ in node.next_functions]
-            attrs = [(a[len("_saved_"):], getattr(node, a, None)) for a in dir(node) if a.startswith("_saved_")]
+            attrs = [(a[len("_saved_") :], getattr(node, a, None)) for a in dir(node) if a.startswith("_saved_")]
             if not attrs:  # a custom autograd.Function: its ctx.save_for_backward list
                 with contextlib.suppress(Exception):
                     attrs = [(f"saved_tensors[{i}]", t) for i, t in enumerate(node.saved_tensors)]

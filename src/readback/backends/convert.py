@@ -34,9 +34,17 @@ from readback.policy import POLICIES
 
 FP8_ALIGNMENT = 16
 # Transformer Engine's DelayedScaling defaults (and readback's forward rounding).
-DEFAULT_RECIPE = {"recipe": "delayed", "fp8_format": "HYBRID", "margin": 0, "interval": 1, "amax_history_len": 1024,
-                  "amax_compute_algo": "max", "override_linear_precision": [False, False, False],
-                  "rounding": "nearest", "bf16_layers": []}
+DEFAULT_RECIPE = {
+    "recipe": "delayed",
+    "fp8_format": "HYBRID",
+    "margin": 0,
+    "interval": 1,
+    "amax_history_len": 1024,
+    "amax_compute_algo": "max",
+    "override_linear_precision": [False, False, False],
+    "rounding": "nearest",
+    "bf16_layers": [],
+}
 
 
 @dataclass
@@ -113,8 +121,11 @@ def _numerics(precision, policy: str, attention_bwd: str, seed: int) -> Numerics
     except ValidationError as error:
         raise ConfigError(f"precision.{error.key}", values.get(error.key), valid_text(schema, error.key)) from None
     OmegaConf.to_object(node)  # ranges and choices
-    return build_numerics(OmegaConf.create({"precision": node, "policy": {"name": policy},
-                                            "attention": {"bwd_precision": attention_bwd}, "seed": seed}))
+    return build_numerics(
+        OmegaConf.create(
+            {"precision": node, "policy": {"name": policy}, "attention": {"bwd_precision": attention_bwd}, "seed": seed}
+        )
+    )
 
 
 def _matches(name: str, patterns: Iterable[str]) -> str | None:
@@ -151,9 +162,16 @@ def _why_left(module: nn.Module, kind: str | None) -> str | None:
     return None
 
 
-def convert(model: nn.Module, precision: str | Mapping | Numerics = "fp8", policy: str = "exact",
-            backend: str = "emulated", filter: Iterable[str] = (), attention: bool = True,
-            attention_bwd: str = "fp8", seed: int = 0) -> ConvertReport:
+def convert(
+    model: nn.Module,
+    precision: str | Mapping | Numerics = "fp8",
+    policy: str = "exact",
+    backend: str = "emulated",
+    filter: Iterable[str] = (),
+    attention: bool = True,
+    attention_bwd: str = "fp8",
+    seed: int = 0,
+) -> ConvertReport:
     """Swap ``model``'s linears, norms and (``attention``) SDPA cores for readback's, in place.
 
     ``precision``: ``"fp8"`` (Transformer Engine's DelayedScaling defaults), ``"bf16"``, ``"off"``
@@ -165,8 +183,12 @@ def convert(model: nn.Module, precision: str | Mapping | Numerics = "fp8", polic
     """
     choose("backend", backend, ("emulated", "te"))
     if isinstance(getattr(model, "numerics", None), Numerics):
-        raise ConfigError("model", type(model).__name__, "a model that has no readback numerics yet (this one was "
-                                                         "converted, or built from readback's parts, already)")
+        raise ConfigError(
+            "model",
+            type(model).__name__,
+            "a model that has no readback numerics yet (this one was "
+            "converted, or built from readback's parts, already)",
+        )
     numerics = precision if isinstance(precision, Numerics) else _numerics(precision, policy, attention_bwd, seed)
     report = ConvertReport(numerics)
     filter = tuple(filter)

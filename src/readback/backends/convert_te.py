@@ -28,13 +28,17 @@ def te_recipe(numerics: Numerics):
     _, recipes = te_modules()
     r = numerics.recipe
     if any(r.override_linear_precision) or getattr(r, "interval", 1) != 1:  # not passed on to TE here
-        raise ConfigError("precision", "override_linear_precision/interval",
-                          "their defaults with backend='te' (Transformer Engine >= 2.2 has neither)")
+        raise ConfigError(
+            "precision",
+            "override_linear_precision/interval",
+            "their defaults with backend='te' (Transformer Engine >= 2.2 has neither)",
+        )
     fmt = getattr(recipes.Format, r.fp8_format.name)
     if isinstance(r, CurrentScaling):
         return recipes.Float8CurrentScaling(fp8_format=fmt)
-    return recipes.DelayedScaling(margin=r.margin, fp8_format=fmt, amax_history_len=r.amax_history_len,
-                                  amax_compute_algo=r.amax_compute_algo)
+    return recipes.DelayedScaling(
+        margin=r.margin, fp8_format=fmt, amax_history_len=r.amax_history_len, amax_compute_algo=r.amax_compute_algo
+    )
 
 
 class TEConverter:
@@ -58,8 +62,13 @@ class TEConverter:
         self.linear_class = FP8Linear
 
     def linear_from(self, module: nn.Linear, name: str) -> nn.Module:
-        new = self.linear_class(module.in_features, module.out_features, bias=module.bias is not None,
-                                params_dtype=module.weight.dtype, device=self.device)
+        new = self.linear_class(
+            module.in_features,
+            module.out_features,
+            bias=module.bias is not None,
+            params_dtype=module.weight.dtype,
+            device=self.device,
+        )
         return _copied(module, new)
 
     def norm_from(self, module: nn.Module, name: str, center: bool) -> nn.Module:
@@ -68,8 +77,11 @@ class TEConverter:
         return _copied(module, new)
 
     def describe(self, kind: str) -> str:
-        return {"linear": "transformer_engine.pytorch.Linear (FP8 autocast)", "layer_norm":
-                "transformer_engine.pytorch.LayerNorm", "rms_norm": "transformer_engine.pytorch.RMSNorm"}[kind]
+        return {
+            "linear": "transformer_engine.pytorch.Linear (FP8 autocast)",
+            "layer_norm": "transformer_engine.pytorch.LayerNorm",
+            "rms_norm": "transformer_engine.pytorch.RMSNorm",
+        }[kind]
 
 
 def _copied(old: nn.Module, new: nn.Module) -> nn.Module:

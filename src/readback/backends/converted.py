@@ -111,8 +111,11 @@ class ConvertParts(Parts):
         return ConvertedNorm(module, name, self.numerics, center, self.handoff)
 
     def describe(self, kind: str) -> str:
-        return {"linear": "readback.ops.linear", "layer_norm": "readback.ops.norm.layer_norm",
-                "rms_norm": "readback.ops.norm.rms_norm"}[kind]
+        return {
+            "linear": "readback.ops.linear",
+            "layer_norm": "readback.ops.norm.layer_norm",
+            "rms_norm": "readback.ops.norm.rms_norm",
+        }[kind]
 
 
 def eps_of(module: nn.Module) -> float:
@@ -146,14 +149,24 @@ class SDPARouter:
         if not self.names:
             torch.nn.functional.scaled_dot_product_attention = _SDPA
 
-    def __call__(self, query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
-                 enable_gqa=False, **kwargs):
+    def __call__(
+        self, query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False, **kwargs
+    ):
         name = self.names[-1]
         why = self._unsupported(query, key, value, attn_mask, dropout_p, is_causal, enable_gqa, kwargs)
         if why is not None:
             self.report.attention_left[name] = why
-            return _SDPA(query, key, value, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal,
-                         scale=scale, enable_gqa=enable_gqa, **kwargs)
+            return _SDPA(
+                query,
+                key,
+                value,
+                attn_mask=attn_mask,
+                dropout_p=dropout_p,
+                is_causal=is_causal,
+                scale=scale,
+                enable_gqa=enable_gqa,
+                **kwargs,
+            )
         batch, heads, seq, dim = query.shape
         scale = dim**-0.5 if scale is None else scale
         o, o_q = attention(query, key, value, self.numerics, f"{name}.core", scale)

@@ -10,8 +10,12 @@ from readback.ops.attention import READS as ATTENTION_READS
 
 # attention gradient -> the forward tensor it reads (dO is every gradient's other operand)
 READ_OPERANDS = {"D": "O", "dQ": "K", "dK": "Q", "dV": "P", "dP": "V", "dS": "P"}
-_READ_LABELS = {"rounded": "rounded {}", "original": "original {}", "fresh": "a fresh rounding of {}",
-                "none": "no {}: D = rowsum(P * dP)"}
+_READ_LABELS = {
+    "rounded": "rounded {}",
+    "original": "original {}",
+    "fresh": "a fresh rounding of {}",
+    "none": "no {}: D = rowsum(P * dP)",
+}
 
 
 def attention_reads(policy: str) -> dict[str, str]:

@@ -63,10 +63,18 @@ def llama(m: DictConfig) -> nn.Module:
     """A Llama-style causal LM of the ``model`` group's sizes, randomly initialised."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    config = LlamaConfig(vocab_size=m.vocab_size, hidden_size=m.d_model, intermediate_size=m.ffn_dim,
-                         num_hidden_layers=m.n_layers, num_attention_heads=m.n_heads,
-                         num_key_value_heads=m.n_kv_groups, max_position_embeddings=m.seq_len,
-                         tie_word_embeddings=m.tied, attn_implementation="sdpa", use_cache=False)
+    config = LlamaConfig(
+        vocab_size=m.vocab_size,
+        hidden_size=m.d_model,
+        intermediate_size=m.ffn_dim,
+        num_hidden_layers=m.n_layers,
+        num_attention_heads=m.n_heads,
+        num_key_value_heads=m.n_kv_groups,
+        max_position_embeddings=m.seq_len,
+        tie_word_embeddings=m.tied,
+        attn_implementation="sdpa",
+        use_cache=False,
+    )
     return LlamaForCausalLM(config)
 
 
@@ -87,9 +95,19 @@ def site_implementations(cfg: DictConfig) -> dict[str, str]:
 
     filtered = ", ".join(OmegaConf.to_container(cfg.model.get("filter") or OmegaConf.create([])))
     if cfg.backend.name == "te":
-        return {"model": f"transformers {cfg.model.architecture}", "linear": "transformer_engine.pytorch.Linear",
-                "norm": "transformer_engine.pytorch.RMSNorm", "attention_core": "torch SDPA",
-                "left_in_high_precision": filtered}
-    return {"model": f"transformers {cfg.model.architecture}", "linear": "readback.ops.linear",
-            "norm": "readback.ops.norm", "attention_core": "readback.ops.attention (routed SDPA)",
-            "embedding": "torch.nn.Embedding", "left_in_high_precision": filtered, **attention_reads(cfg.policy.name)}
+        return {
+            "model": f"transformers {cfg.model.architecture}",
+            "linear": "transformer_engine.pytorch.Linear",
+            "norm": "transformer_engine.pytorch.RMSNorm",
+            "attention_core": "torch SDPA",
+            "left_in_high_precision": filtered,
+        }
+    return {
+        "model": f"transformers {cfg.model.architecture}",
+        "linear": "readback.ops.linear",
+        "norm": "readback.ops.norm",
+        "attention_core": "readback.ops.attention (routed SDPA)",
+        "embedding": "torch.nn.Embedding",
+        "left_in_high_precision": filtered,
+        **attention_reads(cfg.policy.name),
+    }

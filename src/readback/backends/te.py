@@ -38,8 +38,10 @@ from readback.model.fog import XIELU, AttentionCore, FOGConfig, Linear, Parts
 from readback.ops.linear import linear
 from readback.ops.numerics import Numerics, build_numerics
 
-UNAVAILABLE = ("needs CUDA and transformer_engine (container/, or pip install --no-build-isolation -e .[gpu]); "
-               "use backend=emulated on this machine")
+UNAVAILABLE = (
+    "needs CUDA and transformer_engine (container/, or pip install --no-build-isolation -e .[gpu]); "
+    "use backend=emulated on this machine"
+)
 # What Transformer Engine assumes when an import-time variable is unset.
 _IMPORT_TIME_DEFAULTS = {"NVTE_DPA_FP8CS_O_in_F16": "1"}
 
@@ -64,8 +66,12 @@ def apply_te_env(env: Mapping[str, str]) -> None:
     for key, value in env.items():
         current = os.environ.get(key, _IMPORT_TIME_DEFAULTS.get(key))
         if imported and key in IMPORT_TIME_ENV and current != value:
-            raise ConfigError(key, value, f"{current} (Transformer Engine is already imported in this process and read "
-                                          f"{key} at import; run this experiment in a fresh process)")
+            raise ConfigError(
+                key,
+                value,
+                f"{current} (Transformer Engine is already imported in this process and read "
+                f"{key} at import; run this experiment in a fresh process)",
+            )
         os.environ[key] = value
 
 
@@ -81,7 +87,9 @@ def _te():
             from transformer_engine.common import recipe as te_recipe
         except Exception as error:  # a missing or broken install, or CUDA libraries it cannot load
             reason = " ".join(str(error).split())[:200]
-            raise ConfigError("backend", "te", f"{UNAVAILABLE} (importing transformer_engine failed: {reason})") from error
+            raise ConfigError(
+                "backend", "te", f"{UNAVAILABLE} (importing transformer_engine failed: {reason})"
+            ) from error
         _TE = (te_pytorch, te_recipe)
     return _TE
 
@@ -94,7 +102,9 @@ def make_recipe(plan: TEPlan):
     recipe_class = getattr(recipes, plan.recipe, None)
     if recipe_class is None:  # a TE whose version the plan could not tell
         key = next(k for k, v in RECIPES.items() if v == plan.recipe)
-        raise ConfigError("precision.recipe", key, f"delayed (Transformer Engine {plan.te_version} has no {plan.recipe})")
+        raise ConfigError(
+            "precision.recipe", key, f"delayed (Transformer Engine {plan.te_version} has no {plan.recipe})"
+        )
     kwargs = dict(plan.recipe_kwargs)
     kwargs["fp8_format"] = getattr(recipes.Format, kwargs["fp8_format"])
     if "override_linear_precision" in kwargs:  # TE 1.x only, which wants its named tuple
@@ -193,9 +203,16 @@ class TEParts(Parts):
     def attention_core(self, cfg: FOGConfig, name, index):
         if not self.plan.te_attention:
             return _in_fp32(AttentionCore)(cfg, name, self.numerics)
-        return self.te_core(cfg.n_heads, cfg.head_dim, num_gqa_groups=cfg.n_kv_groups, attention_dropout=0.0,
-                            attn_mask_type="causal", qkv_format="bshd", softmax_scale=cfg.softmax_scale,
-                            layer_number=index + 1)
+        return self.te_core(
+            cfg.n_heads,
+            cfg.head_dim,
+            num_gqa_groups=cfg.n_kv_groups,
+            attention_dropout=0.0,
+            attn_mask_type="causal",
+            qkv_format="bshd",
+            softmax_scale=cfg.softmax_scale,
+            layer_number=index + 1,
+        )
 
     def activation(self):
         return _in_fp32(XIELU)(self.numerics)

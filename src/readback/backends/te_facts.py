@@ -79,8 +79,11 @@ def cudnn_version(encoded: int | None) -> Version | None:
     """cuDNN's integer version (``91002``: 9.10.2, as torch and TE report it) as a tuple."""
     if not encoded:
         return None
-    return (encoded // 10000, encoded % 10000 // 100, encoded % 100) if encoded >= 9000 else (
-        encoded // 1000, encoded % 1000 // 100, encoded % 100)  # cuDNN 8: 8906 is 8.9.6
+    return (
+        (encoded // 10000, encoded % 10000 // 100, encoded % 100)
+        if encoded >= 9000
+        else (encoded // 1000, encoded % 1000 // 100, encoded % 100)
+    )  # cuDNN 8: 8906 is 8.9.6
 
 
 def fp8_gemm_refusal(hw: Hardware) -> str | None:
@@ -97,8 +100,9 @@ def mxfp8_refusal(hw: Hardware) -> str | None:
     return None
 
 
-def fp8_attention_refusal(te: Version | None, hw: Hardware, recipe: str, head_dim: int,
-                          seq_len: int) -> tuple[str, str] | None:
+def fp8_attention_refusal(
+    te: Version | None, hw: Hardware, recipe: str, head_dim: int, seq_len: int
+) -> tuple[str, str] | None:
     """``(setting, reason)`` when TE would find no backend for FP8 ``DotProductAttention``
     training of this shape (``fp8_dpa``, causal, bshd, no bias), else ``None``.
 
@@ -119,7 +123,7 @@ def fp8_attention_refusal(te: Version | None, hw: Hardware, recipe: str, head_di
             return "precision.recipe", "FP8 attention under current scaling needs sm100 or newer"
         if cudnn is not None and te is not None and te[:2] >= (2, 9) and cudnn < (9, 14, 0):
             return "precision.recipe", "FP8 attention under current scaling needs cuDNN >= 9.14.0"
-    if cudnn is not None and cudnn < (9, 2, 1) or cudnn == (9, 10, 0):
+    if (cudnn is not None and cudnn < (9, 2, 1)) or cudnn == (9, 10, 0):
         return "backend.attention_core", "FP8 attention needs cuDNN >= 9.2.1 and not 9.10.0"
     if cap is None:
         return None
@@ -138,8 +142,10 @@ def fp8_attention_refusal(te: Version | None, hw: Hardware, recipe: str, head_di
         setting = "backend.attention_core" if any_d else "model.n_heads"
         return setting, f"FP8 attention on {sm} needs cuDNN >= 9.7 and head dim % 16 == 0, <= 128 (head dim {head_dim})"
     setting = "model.seq_len" if head_dim == 128 else "model.n_heads"
-    return setting, (f"FP8 attention of head dim {head_dim}, sequence {seq_len} on {sm} needs head dim 128 and "
-                     f"sequence % 128 == 0, or cuDNN >= 9.7 and head dim % 16 == 0")
+    return setting, (
+        f"FP8 attention of head dim {head_dim}, sequence {seq_len} on {sm} needs head dim 128 and "
+        f"sequence % 128 == 0, or cuDNN >= 9.7 and head dim % 16 == 0"
+    )
 
 
 def te_attention_reads(o_read: str, qkv: str) -> dict[str, str]:
@@ -148,6 +154,11 @@ def te_attention_reads(o_read: str, qkv: str) -> dict[str, str]:
     backward); P recomputed by cuDNN from them and the saved softmax statistics."""
     qkv_read = "rounded {}8" if qkv else "original {} (BF16)"
     p_read = f"P recomputed from Q{qkv}, K{qkv} (cuDNN)"
-    return {"attention_core.D": o_read, "attention_core.dQ": qkv_read.format("K"),
-            "attention_core.dK": qkv_read.format("Q"),
-            "attention_core.dV": p_read, "attention_core.dP": qkv_read.format("V"), "attention_core.dS": p_read}
+    return {
+        "attention_core.D": o_read,
+        "attention_core.dQ": qkv_read.format("K"),
+        "attention_core.dK": qkv_read.format("Q"),
+        "attention_core.dV": p_read,
+        "attention_core.dP": qkv_read.format("V"),
+        "attention_core.dS": p_read,
+    }

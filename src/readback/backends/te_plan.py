@@ -97,8 +97,9 @@ def _te_name(version: str | None) -> str:
 _INSTALLED = object()
 
 
-def te_plan(cfg: DictConfig | Mapping, te_version: str | None | object = _INSTALLED,
-            hardware: Hardware | object = _INSTALLED) -> TEPlan:
+def te_plan(
+    cfg: DictConfig | Mapping, te_version: str | object | None = _INSTALLED, hardware: Hardware | object = _INSTALLED
+) -> TEPlan:
     """The plan for ``cfg`` under ``te_version`` on ``hardware`` (defaults: what this machine
     has; no TE means 2.x, no GPU means the checks that need one are not made). Raises
     ``ConfigError`` (one line naming the TE version, the GPU and the setting) for what this TE
@@ -124,14 +125,22 @@ def te_plan(cfg: DictConfig | Mapping, te_version: str | None | object = _INSTAL
     if attention is not None and fp8:
         _check_fp8_attention(cfg, recipe_key, vt, hw, where)
     if fp8_mha and (attention is None or not fp8):
-        raise ConfigError("backend.fp8_mha", fp8_mha,
-                          "false (fp8_mha needs precision=fp8 and Transformer Engine's attention core, which this "
-                          "experiment does not run)")
+        raise ConfigError(
+            "backend.fp8_mha",
+            fp8_mha,
+            "false (fp8_mha needs precision=fp8 and Transformer Engine's attention core, which this "
+            "experiment does not run)",
+        )
     if fp8_mha and vt is not None and vt[:2] < SINCE["fp8_output"]:
-        raise ConfigError("backend.fp8_mha", fp8_mha, f"false (readback hands the O8 over with "
-                          f"DotProductAttention.forward(fp8_output=True), which {where} lacks: it needs >= 2.8)")
-    env, attention_label, attention_reads = attention if attention is not None else (
-        {}, "readback.ops.attention", readback_attention_reads(policy))
+        raise ConfigError(
+            "backend.fp8_mha",
+            fp8_mha,
+            f"false (readback hands the O8 over with "
+            f"DotProductAttention.forward(fp8_output=True), which {where} lacks: it needs >= 2.8)",
+        )
+    env, attention_label, attention_reads = (
+        attention if attention is not None else ({}, "readback.ops.attention", readback_attention_reads(policy))
+    )
     if attention is not None:
         env = {**env, **PINNED_BACKEND}
 
@@ -140,21 +149,39 @@ def te_plan(cfg: DictConfig | Mapping, te_version: str | None | object = _INSTAL
     proj = _projection_label(attention is not None, recipe_key, fp8_mha)
     sites = {**_sites(cfg, attention_label, proj, fp8, bf16_layers, _linear_label(policy, fp8)), **attention_reads}
     readback_recipe = None if not fp8 else ("current" if recipe_key == "mxfp8" else recipe_key)
-    return TEPlan(version, hw, fp8, RECIPES[recipe_key] if fp8 else None, kwargs, env,
-                  "te" if attention is not None else "readback", sites, readback_recipe, bf16_layers, fp8_mha)
+    return TEPlan(
+        version,
+        hw,
+        fp8,
+        RECIPES[recipe_key] if fp8 else None,
+        kwargs,
+        env,
+        "te" if attention is not None else "readback",
+        sites,
+        readback_recipe,
+        bf16_layers,
+        fp8_mha,
+    )
 
 
 def _check_fp8_recipe(p, vt, hw: Hardware, where: str) -> str:
     recipe_key = choose("precision.recipe", p.recipe, RECIPES)
     rounding = p.get("rounding", "nearest")
-    require(rounding == "nearest", "precision.rounding", rounding,
-            "nearest (backend=te: Transformer Engine rounds to nearest and no library rounds to FP8 "
-            "stochastically; use backend=emulated for stochastic rounding)")
+    require(
+        rounding == "nearest",
+        "precision.rounding",
+        rounding,
+        "nearest (backend=te: Transformer Engine rounds to nearest and no library rounds to FP8 "
+        "stochastically; use backend=emulated for stochastic rounding)",
+    )
     _refuse_unsupported_fields(p, recipe_key, vt, where)
     since = SINCE.get(RECIPES[recipe_key])
     if vt is not None and since is not None and vt[:2] < since:
-        raise ConfigError("precision.recipe", recipe_key,
-                          f"delayed ({where} has no {RECIPES[recipe_key]}; it needs >= {since[0]}.{since[1]})")
+        raise ConfigError(
+            "precision.recipe",
+            recipe_key,
+            f"delayed ({where} has no {RECIPES[recipe_key]}; it needs >= {since[0]}.{since[1]})",
+        )
     reason = fp8_gemm_refusal(hw) or (mxfp8_refusal(hw) if recipe_key == "mxfp8" else None)
     if reason:
         key, value = ("precision", "fp8") if recipe_key != "mxfp8" else ("precision.recipe", "mxfp8")
@@ -165,18 +192,29 @@ def _check_fp8_recipe(p, vt, hw: Hardware, where: str) -> str:
 def _check_fp8_attention(cfg, recipe_key: str, vt, hw: Hardware, where: str) -> None:
     """Refuse what TE's FP8 attention cannot train here (``te_facts.fp8_attention_refusal``)."""
     if recipe_key == "current" and vt is not None and vt[:2] < SINCE["current_scaling_fp8_dpa"]:
-        raise ConfigError("precision.recipe", recipe_key, f"delayed, or backend.attention_core=readback ({where} has "
-                                                          f"no FP8 attention under current scaling; it needs >= 2.8)")
+        raise ConfigError(
+            "precision.recipe",
+            recipe_key,
+            f"delayed, or backend.attention_core=readback ({where} has "
+            f"no FP8 attention under current scaling; it needs >= 2.8)",
+        )
     m = cfg.model
     refusal = fp8_attention_refusal(vt, hw, recipe_key, m.d_model // m.n_heads, m.seq_len)
     if refusal is None:
         return
     key, reason = refusal
-    value = {"backend.attention_core": "auto", "precision.recipe": recipe_key, "model.n_heads": m.n_heads,
-             "model.seq_len": m.seq_len}[key]
-    fix = {"backend.attention_core": "readback", "precision.recipe": "delayed, or backend.attention_core=readback",
-           "model.n_heads": "d_model / 128 (head dim 128), or backend.attention_core=readback",
-           "model.seq_len": "a multiple of 128, or backend.attention_core=readback"}[key]
+    value = {
+        "backend.attention_core": "auto",
+        "precision.recipe": recipe_key,
+        "model.n_heads": m.n_heads,
+        "model.seq_len": m.seq_len,
+    }[key]
+    fix = {
+        "backend.attention_core": "readback",
+        "precision.recipe": "delayed, or backend.attention_core=readback",
+        "model.n_heads": "d_model / 128 (head dim 128), or backend.attention_core=readback",
+        "model.seq_len": "a multiple of 128, or backend.attention_core=readback",
+    }[key]
     raise ConfigError(key, value, f"{fix} ({where}: {reason})")
 
 
@@ -185,31 +223,49 @@ def _refuse_unsupported_fields(p, recipe_key: str, vt: tuple[int, int, int] | No
     to anything but their default: refused, never dropped."""
     interval = p.get("interval", 1)
     if recipe_key == "delayed" and interval != 1:
-        state = "has no DelayedScaling.interval" if vt is None or vt[:2] >= INTERVAL_REMOVED else \
-            "ignores DelayedScaling.interval (deprecated and unused; removed in 2.2)"
-        raise ConfigError("precision.interval", interval,
-                          f"1 ({where} {state}; use backend=emulated to study interval)")
+        state = (
+            "has no DelayedScaling.interval"
+            if vt is None or vt[:2] >= INTERVAL_REMOVED
+            else "ignores DelayedScaling.interval (deprecated and unused; removed in 2.2)"
+        )
+        raise ConfigError(
+            "precision.interval", interval, f"1 ({where} {state}; use backend=emulated to study interval)"
+        )
     override = [bool(b) for b in p.get("override_linear_precision", (False,) * 3)]
     if any(override):
         removed = vt is None or vt[:2] >= OVERRIDE_LINEAR_PRECISION_REMOVED
         if recipe_key != "delayed" or removed:
-            raise ConfigError("precision.override_linear_precision", override,
-                              f"[false, false, false] ({where} has no override_linear_precision: it was removed "
-                              f"in 2.0; use backend=emulated for high-precision GEMMs)")
+            raise ConfigError(
+                "precision.override_linear_precision",
+                override,
+                f"[false, false, false] ({where} has no override_linear_precision: it was removed "
+                f"in 2.0; use backend=emulated for high-precision GEMMs)",
+            )
         if override != [False, False, True]:
-            raise ConfigError("precision.override_linear_precision", override,
-                              f"[false, false, false] or [false, false, true] ({where} overrides only the wgrad GEMM)")
+            raise ConfigError(
+                "precision.override_linear_precision",
+                override,
+                f"[false, false, false] or [false, false, true] ({where} overrides only the wgrad GEMM)",
+            )
     if recipe_key == "current" and int(p.get("margin", 0)) != 0:
-        raise ConfigError("precision.margin", p.margin,
-                          f"0 ({where}: Float8CurrentScaling has no margin; use backend=emulated for a margin "
-                          f"under current scaling)")
+        raise ConfigError(
+            "precision.margin",
+            p.margin,
+            f"0 ({where}: Float8CurrentScaling has no margin; use backend=emulated for a margin under current scaling)",
+        )
 
 
 def _recipe_kwargs(p, recipe_key: str, fp8_dpa: bool, fp8_mha: bool, vt) -> dict[str, Any]:
     fmt = str(p.fp8_format).upper()
     if recipe_key == "delayed":
-        kwargs = dict(margin=int(p.margin), fp8_format=fmt, amax_history_len=int(p.amax_history_len),
-                      amax_compute_algo=str(p.amax_compute_algo), fp8_dpa=fp8_dpa, fp8_mha=fp8_mha)
+        kwargs = dict(
+            margin=int(p.margin),
+            fp8_format=fmt,
+            amax_history_len=int(p.amax_history_len),
+            amax_compute_algo=str(p.amax_compute_algo),
+            fp8_dpa=fp8_dpa,
+            fp8_mha=fp8_mha,
+        )
         override = tuple(bool(b) for b in p.get("override_linear_precision", (False,) * 3))
         if any(override):  # only reached on TE 1.x, with (False, False, True)
             kwargs["override_linear_precision"] = override
@@ -232,8 +288,12 @@ def _linear_label(policy: str, fp8: bool) -> str:
     W8 and X8 in BF16 GEMMs; ``save_original_input=True`` (>= 2.6) re-quantises the original X."""
     reads = LINEAR_READS[policy]
     if (reads["dgrad"], reads["wgrad"]) != ("rounded", "rounded"):
-        raise ConfigError("policy", policy, "a policy whose linears read their rounded copies (backend=te maps no "
-                                            "other linear read rule onto Transformer Engine)")
+        raise ConfigError(
+            "policy",
+            policy,
+            "a policy whose linears read their rounded copies (backend=te maps no "
+            "other linear read rule onto Transformer Engine)",
+        )
     if not fp8:
         return "te.Linear"
     return "te.Linear (backward reads the forward's W8 and X8: save_original_input=False, backward_override=None)"
@@ -279,8 +339,9 @@ def _projection_label(te_attention: bool, recipe_key: str | None, fp8_mha: bool)
     return "te.Linear" + (" (quantises the core's F16 O itself)" if recipe_key == "current" else "")
 
 
-def _sites(cfg, attention_label: str, proj: str, fp8: bool, bf16_layers: tuple[str, ...],
-           linear: str) -> dict[str, str]:
+def _sites(
+    cfg, attention_label: str, proj: str, fp8: bool, bf16_layers: tuple[str, ...], linear: str
+) -> dict[str, str]:
     tied = bool(cfg.model.get("tied", True))
     head_bf16 = _lm_head_bf16(fp8, bf16_layers)
     if tied:
@@ -299,7 +360,8 @@ def _sites(cfg, attention_label: str, proj: str, fp8: bool, bf16_layers: tuple[s
     }
 
 
-def site_implementations(cfg: DictConfig | Mapping, te_version: str | None | object = _INSTALLED,
-                         hardware: Hardware | object = _INSTALLED) -> dict[str, str]:
+def site_implementations(
+    cfg: DictConfig | Mapping, te_version: str | object | None = _INSTALLED, hardware: Hardware | object = _INSTALLED
+) -> dict[str, str]:
     """``{site: implementation}`` of a ``backend=te`` run, for the run's summary."""
     return dict(te_plan(cfg, te_version, hardware).sites)

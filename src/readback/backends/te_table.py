@@ -24,13 +24,19 @@ ROWS = [
     ("`fresh_reround`", ("+experiment=fresh_reround",)),
     ("`no_saved_copy`", ("+experiment=no_saved_copy",)),
     ("`bf16_baseline`", ("+experiment=bf16_baseline",)),
-    ("`policy=original precision.recipe=current`",
-     ("+experiment=reuse_rounded", "policy=original", "precision.recipe=current")),
-    ("`policy=original precision.recipe=current attention.bwd_precision=bf16`",
-     ("+experiment=reuse_rounded", "policy=original", "precision.recipe=current", "attention.bwd_precision=bf16")),
+    (
+        "`policy=original precision.recipe=current`",
+        ("+experiment=reuse_rounded", "policy=original", "precision.recipe=current"),
+    ),
+    (
+        "`policy=original precision.recipe=current attention.bwd_precision=bf16`",
+        ("+experiment=reuse_rounded", "policy=original", "precision.recipe=current", "attention.bwd_precision=bf16"),
+    ),
     ("`reuse_rounded precision.recipe=current`", ("+experiment=reuse_rounded", "precision.recipe=current")),
-    ("`reuse_rounded precision.recipe=current attention.bwd_precision=bf16`",
-     ("+experiment=reuse_rounded", "precision.recipe=current", "attention.bwd_precision=bf16")),
+    (
+        "`reuse_rounded precision.recipe=current attention.bwd_precision=bf16`",
+        ("+experiment=reuse_rounded", "precision.recipe=current", "attention.bwd_precision=bf16"),
+    ),
     ("`policy=original` (delayed scaling)", ("+experiment=reuse_rounded", "policy=original")),
     ("`precision.recipe=mxfp8`", ("+experiment=reuse_rounded", "precision.recipe=mxfp8")),
 ]
@@ -61,8 +67,16 @@ def _on(cfg, hardware: Hardware) -> str:
 
 def render(compose: Callable[[list[str]], object]) -> str:
     """The markdown table; ``compose(overrides)`` composes a run's config (``backend=te``)."""
-    header = ["experiment", "TE recipe", "TE switches", "attention core", "D reads", "dK, dQ, dP read",
-              "output projection", *GPUS]
+    header = [
+        "experiment",
+        "TE recipe",
+        "TE switches",
+        "attention core",
+        "D reads",
+        "dK, dQ, dP read",
+        "output projection",
+        *GPUS,
+    ]
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     for label, overrides in ROWS:
         cfg = compose([*overrides, "backend=te", *MODEL])
@@ -70,8 +84,16 @@ def render(compose: Callable[[list[str]], object]) -> str:
         s = plan.sites
         core = "`te.DotProductAttention`" if plan.te_attention else "`readback.ops.attention`"
         qkv = ", ".join(s[f"attention_core.{g}"] for g in ("dK", "dQ", "dP"))  # Q, K, V
-        cells = [label, _recipe(plan), _switches(plan), core, s["attention_core.D"], qkv, s["attn_proj"],
-                 *(_on(cfg, hw) for hw in GPUS.values())]
+        cells = [
+            label,
+            _recipe(plan),
+            _switches(plan),
+            core,
+            s["attention_core.D"],
+            qkv,
+            s["attn_proj"],
+            *(_on(cfg, hw) for hw in GPUS.values()),
+        ]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 

@@ -34,8 +34,14 @@ def load_run(path: Path):
         path = found[-1][1]
     state = load_checkpoint(path)
     cfg = OmegaConf.create(state["config"])
-    stream = build_data(cfg.data, seq_len=int(cfg.model.seq_len), micro_batch=int(cfg.trainer.micro_batch),
-                        seed=int(cfg.seed), rank=0, world_size=1)
+    stream = build_data(
+        cfg.data,
+        seq_len=int(cfg.model.seq_len),
+        micro_batch=int(cfg.trainer.micro_batch),
+        seed=int(cfg.seed),
+        rank=0,
+        world_size=1,
+    )
     model = build_model(cfg)
     model.load_state_dict(state["model"])
     model.numerics.load_state_dict(state["ranks"][0]["numerics"])
@@ -49,8 +55,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--batches", type=int, default=8, help="validation batches to average over (default 8)")
     parser.add_argument("--out", type=Path, default=None, help="output directory")
     parser.add_argument("--dtype", choices=list(DTYPES), default="fp64", help="precision of the reference replay")
-    parser.add_argument("--show", default="total,*.attn.qkv",
-                        help="comma-separated globs of the groups printed (the files have all; default total,*.attn.qkv)")
+    parser.add_argument(
+        "--show",
+        default="total,*.attn.qkv",
+        help="comma-separated globs of the groups printed (the files have all; default total,*.attn.qkv)",
+    )
     args = parser.parse_args(argv)
     if args.batches < 1:
         parser.exit(2, f"{parser.prog}: error: --batches must be >= 1, got {args.batches}\n")

@@ -65,9 +65,16 @@ class BiasResult:
         return out
 
     def to_json(self) -> dict:
-        return {"policy": self.policy, "batches": self.batches, "seconds_per_batch": self.seconds_per_batch,
-                "steps_per_batch": self.steps_per_batch, "groups": self.groups, **self.info,
-                "variants": [{"name": v.name, "what": v.what} for v in self.variants], "stats": self.stats}
+        return {
+            "policy": self.policy,
+            "batches": self.batches,
+            "seconds_per_batch": self.seconds_per_batch,
+            "steps_per_batch": self.steps_per_batch,
+            "groups": self.groups,
+            **self.info,
+            "variants": [{"name": v.name, "what": v.what} for v in self.variants],
+            "stats": self.stats,
+        }
 
 
 def measure_bias(model, batches, which: list[Variant] | None = None, dtype=torch.float64) -> BiasResult:
@@ -94,7 +101,9 @@ def measure_bias(model, batches, which: list[Variant] | None = None, dtype=torch
                     v_loss, _ = _backward(model, params, x, y)
                     if not torch.equal(v_loss, loss):
                         raise RuntimeError(f"variant {v.name}: forward differs from the executed one")
-                    errors[v.name].append({n: p.grad.double() - reference[n] for n, p in params.items() if n in reference})
+                    errors[v.name].append(
+                        {n: p.grad.double() - reference[n] for n, p in params.items() if n in reference}
+                    )
     finally:
         for n, p in params.items():
             p.grad = saved_grads[n]
@@ -104,8 +113,15 @@ def measure_bias(model, batches, which: list[Variant] | None = None, dtype=torch
     stats = {v.name: _statistics(errors[v.name], references, groups) for v in which}
     for name, pairs in _contributions(which, errors, numerics.policy).items():
         stats[name] = _statistics(pairs, references, groups)
-    return BiasResult(which, ["total", *groups], stats, n_batches, seconds,
-                      seconds / max(sum(step_seconds) / max(n_batches, 1), 1e-12), numerics.policy)
+    return BiasResult(
+        which,
+        ["total", *groups],
+        stats,
+        n_batches,
+        seconds,
+        seconds / max(sum(step_seconds) / max(n_batches, 1), 1e-12),
+        numerics.policy,
+    )
 
 
 def _backward(model, params, x, y):
@@ -142,9 +158,13 @@ def _group_stats(e: torch.Tensor, r: torch.Tensor) -> dict[str, float]:
     scale = r.mean(0).norm().clamp_min(1e-300)
     mean_error = e.mean(0)
     cosine = lambda m, g: torch.nn.functional.cosine_similarity(m, g, dim=0, eps=1e-300).item()  # noqa: E731
-    stats = {"bias": (mean_error.norm() / scale).item(), "cosine": cosine(mean_error, r.mean(0)),
-             "rel_err": (e.norm(dim=1) / r.norm(dim=1).clamp_min(1e-300)).mean().item(),
-             "bias_se": math.nan, "cosine_se": math.nan}
+    stats = {
+        "bias": (mean_error.norm() / scale).item(),
+        "cosine": cosine(mean_error, r.mean(0)),
+        "rel_err": (e.norm(dim=1) / r.norm(dim=1).clamp_min(1e-300)).mean().item(),
+        "bias_se": math.nan,
+        "cosine_se": math.nan,
+    }
     if k > 1:
         spread = (e - mean_error).pow(2).sum().item() / (k - 1)
         stats["bias_se"] = math.sqrt(spread / k) / scale.item()

@@ -17,16 +17,20 @@ def to_markdown(result: BiasResult, groups: list[str] | None = None) -> str:
     """One row per (variant, group): relative bias ± SE, cosine with the exact gradient ± SE, and
     the per-batch relative error. ``groups`` defaults to every group."""
     groups = groups or result.groups
-    lines = [f"Bias meter: policy {result.policy}, {result.batches} batches, "
-             f"{result.seconds_per_batch:.2f} s a batch = {result.steps_per_batch:.1f} plain training steps.",
-             "",
-             "| variant | group | bias / mean exact gradient | cosine with it | rel. error per batch |",
-             "|---|---|---|---|---|"]
+    lines = [
+        f"Bias meter: policy {result.policy}, {result.batches} batches, "
+        f"{result.seconds_per_batch:.2f} s a batch = {result.steps_per_batch:.1f} plain training steps.",
+        "",
+        "| variant | group | bias / mean exact gradient | cosine with it | rel. error per batch |",
+        "|---|---|---|---|---|",
+    ]
     for variant, stats in result.stats.items():
         for group in groups:
             s = stats[group]
-            lines.append(f"| {variant} | {group} | {_pm(s['bias'], s['bias_se'])} | "
-                         f"{_pm(s['cosine'], s['cosine_se'], 3)} | {s['rel_err']:.4f} |")
+            lines.append(
+                f"| {variant} | {group} | {_pm(s['bias'], s['bias_se'])} | "
+                f"{_pm(s['cosine'], s['cosine_se'], 3)} | {s['rel_err']:.4f} |"
+            )
     return "\n".join(lines) + "\n"
 
 
@@ -39,8 +43,12 @@ def plot(result: BiasResult, path: str | Path | None = None):
     fig = Figure(figsize=(12, 4 + 0.25 * len(names)))
     bars, grid = fig.subplots(1, 2, gridspec_kw={"width_ratios": [1, 2]})
     totals = [result.stats[n]["total"] for n in names]
-    bars.barh(names, [t["bias"] for t in totals], xerr=[0 if math.isnan(t["bias_se"]) else t["bias_se"] for t in totals],
-              color=["tab:red" if t["cosine"] < 0 else "tab:blue" for t in totals])
+    bars.barh(
+        names,
+        [t["bias"] for t in totals],
+        xerr=[0 if math.isnan(t["bias_se"]) else t["bias_se"] for t in totals],
+        color=["tab:red" if t["cosine"] < 0 else "tab:blue" for t in totals],
+    )
     bars.invert_yaxis()
     bars.set_xlabel("|mean error| / |mean exact gradient| (total; red: cosine < 0)")
     values = np.array([[max(result.stats[n][g]["bias"], 1e-12) for g in result.groups] for n in names])

@@ -33,21 +33,40 @@ def variants(numerics) -> list[Variant]:
     for op, grads in configured.items():
         for gradient, mode in grads.items():
             if mode != exact[op][gradient]:
-                out.append(Variant(f"exact_read.{op}.{gradient}", f"{numerics.policy}, but {op} {gradient} reads "
-                                   f"{exact[op][gradient]!r} instead of {mode!r}", reads={op: {gradient: exact[op][gradient]}}))
+                out.append(
+                    Variant(
+                        f"exact_read.{op}.{gradient}",
+                        f"{numerics.policy}, but {op} {gradient} reads {exact[op][gradient]!r} instead of {mode!r}",
+                        reads={op: {gradient: exact[op][gradient]}},
+                    )
+                )
     rounded_bwd = [op for op in ("attention", "linear") if _rounds_backward(numerics, op)]
     for op in rounded_bwd:
-        out.append(Variant(f"exact_bwd.{op}", f"{numerics.policy}, but the {op} backward in FP32 without "
-                           "gradient roundings", exact_bwd=(op,)))
-    out.append(Variant("all_exact", "policy exact, every backward in FP32: the reference up to round-off",
-                       policy="exact", exact_bwd=tuple(rounded_bwd)))
+        out.append(
+            Variant(
+                f"exact_bwd.{op}",
+                f"{numerics.policy}, but the {op} backward in FP32 without gradient roundings",
+                exact_bwd=(op,),
+            )
+        )
+    out.append(
+        Variant(
+            "all_exact",
+            "policy exact, every backward in FP32: the reference up to round-off",
+            policy="exact",
+            exact_bwd=tuple(rounded_bwd),
+        )
+    )
     return out
 
 
 def _rounds_backward(numerics, op: str) -> bool:
     if op == "attention":
         return numerics.attention_bwd in ("fp8", "bf16")
-    return numerics.precision == "fp8" and "fp8" in (numerics.linear_precision("dgrad"), numerics.linear_precision("wgrad"))
+    return numerics.precision == "fp8" and "fp8" in (
+        numerics.linear_precision("dgrad"),
+        numerics.linear_precision("wgrad"),
+    )
 
 
 @contextlib.contextmanager

@@ -14,5 +14,13 @@ from readback.config.schema import Config, register
 
 register()
 
-__all__ = ["CONF_DIR", "PREEXISTING_RUN_DIRS", "Config", "check_run_dir", "exit_on_bad_config", "print_error",
-           "restore_hydra_files", "validate"]
+__all__ = [
+    "CONF_DIR",
+    "PREEXISTING_RUN_DIRS",
+    "Config",
+    "check_run_dir",
+    "exit_on_bad_config",
+    "print_error",
+    "restore_hydra_files",
+    "validate",
+]

@@ -20,7 +20,13 @@ from hydra.errors import HydraException
 from omegaconf import DictConfig, OmegaConf, open_dict
 from omegaconf.errors import OmegaConfBaseException
 
-from readback.config.refusals import CONF_DIR, first_undeclared_key, from_composition_error, from_schema_error, unknown_key
+from readback.config.refusals import (
+    CONF_DIR,
+    first_undeclared_key,
+    from_composition_error,
+    from_schema_error,
+    unknown_key,
+)
 from readback.config.schema import Config, ShakespeareData
 from readback.errors import ConfigError
 
@@ -81,8 +87,9 @@ def check_run_dir(path: Path) -> None:
     try:
         os.rmdir(tempfile.mkdtemp(prefix=".readback-write-check-", dir=here))
     except OSError as e:
-        raise ConfigError("hydra.run.dir", str(path),
-                          f"a directory path you can write ({here}: {e.strerror or e})") from None
+        raise ConfigError(
+            "hydra.run.dir", str(path), f"a directory path you can write ({here}: {e.strerror or e})"
+        ) from None
 
 
 def exit_on_bad_config(argv: list[str]) -> None:

@@ -37,7 +37,11 @@ def integer(minimum: int = 1) -> Any:
 def number(low: float, high: float = math.inf, *, low_open: bool = False, high_open: bool = False) -> Any:
     """A finite number in the interval (``inf`` and ``nan`` are refused everywhere)."""
     if high == math.inf:
-        text = "a positive number" if (low, low_open) == (0, True) else f"a finite number {'>' if low_open else '>='} {low:g}"
+        text = (
+            "a positive number"
+            if (low, low_open) == (0, True)
+            else f"a finite number {'>' if low_open else '>='} {low:g}"
+        )
     else:
         text = f"a number in {'(' if low_open else '['}{low:g}, {high:g}{')' if high_open else ']'}"
 
@@ -67,8 +71,13 @@ def valid_text(schema: type, name: str) -> str | None:
     if "valid" in field.metadata:
         return field.metadata["valid"].text
     kind = str(field.type)
-    for word, text in (("bool", "true, false"), ("int", "an integer"), ("float", "a number"), ("list", "a list"),
-                       ("str", "a string")):
+    for word, text in (
+        ("bool", "true, false"),
+        ("int", "an integer"),
+        ("float", "a number"),
+        ("list", "a list"),
+        ("str", "a string"),
+    ):
         if word in kind:
             return text
     return None

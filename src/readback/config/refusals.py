@@ -41,8 +41,11 @@ def from_schema_error(error: Exception) -> ConfigError | None:
         schema, name = error.object_type, str(error.key)
         return ConfigError(error.full_key, "???", _words(schema, name) or "a value")
     if isinstance(error, ValidationError):
-        return ConfigError(error.full_key, error.value, _words(error.object_type, str(error.key)) or
-                           "a value of the type in readback/config/schema.py")
+        return ConfigError(
+            error.full_key,
+            error.value,
+            _words(error.object_type, str(error.key)) or "a value of the type in readback/config/schema.py",
+        )
     return None
 
 
@@ -56,8 +59,9 @@ def from_composition_error(error: Exception, overrides: list[str]) -> ConfigErro
         group, option = error.missing_cfg_file.rsplit("/", 1)
         return ConfigError(group, option, options(group))
     cause = error
-    while cause.__cause__ is not None and not isinstance(cause, (ConfigAttributeError, ConfigKeyError,
-                                                                ValidationError)):
+    while cause.__cause__ is not None and not isinstance(
+        cause, (ConfigAttributeError, ConfigKeyError, ValidationError)
+    ):
         cause = cause.__cause__
     if isinstance(cause, (ConfigAttributeError, ConfigKeyError)) and cause.full_key:
         return unknown_key(cause.full_key, _override_value(cause.full_key, overrides), overrides)
@@ -71,17 +75,22 @@ def _override_value(key: str, overrides: list[str]) -> str | None:
 def unknown_key(key: str, value: object, overrides: list[str]) -> UnknownKey:
     """Where the key lives instead: another option of its group, or the nearest known key."""
     group, _, rest = key.partition(".")
-    owners = [o for o, schema in OPTION_SCHEMAS.get(group, {}).items()
-              if rest in {f.name for f in dataclasses.fields(schema)}]
+    owners = [
+        o for o, schema in OPTION_SCHEMAS.get(group, {}).items() if rest in {f.name for f in dataclasses.fields(schema)}
+    ]
     if owners:
-        chosen = next((o.split("=", 1)[1] for o in reversed(overrides) if o.lstrip("+~").split("=")[0] == group),
-                      _default_option(group))
-        return UnknownKey(key, value, f"a key of {group}={chosen}; it is one of "
-                          + ", ".join(f"{group}={o}" for o in owners))
+        chosen = next(
+            (o.split("=", 1)[1] for o in reversed(overrides) if o.lstrip("+~").split("=")[0] == group),
+            _default_option(group),
+        )
+        return UnknownKey(
+            key, value, f"a key of {group}={chosen}; it is one of " + ", ".join(f"{group}={o}" for o in owners)
+        )
     known = schema_keys()
     hint = difflib.get_close_matches(key, known, n=1, cutoff=0.6) or difflib.get_close_matches(group, known, n=1)
-    return UnknownKey(key, value, "a config key" + (f"; did you mean {hint[0]}?" if hint else
-                                                    "; see python train.py --cfg job"))
+    return UnknownKey(
+        key, value, "a config key" + (f"; did you mean {hint[0]}?" if hint else "; see python train.py --cfg job")
+    )
 
 
 def _default_option(group: str) -> str:

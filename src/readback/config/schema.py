@@ -14,7 +14,7 @@ default and a comment, in the group's YAML file.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any
 
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING
@@ -48,17 +48,25 @@ class Model(Checked):
     n_heads: int = integer()
     n_kv_groups: int = integer()
     ffn_dim: int = integer()
-    vocab_size: Optional[int] = integer()  # null: the data's tokenizer decides
+    vocab_size: int | None = integer()  # null: the data's tokenizer decides
     tied: bool = MISSING
     seq_len: int = integer()
     global_batch: int = integer()
     lr: float = number(0, low_open=True)
 
     def check(self) -> None:
-        require(self.d_model % self.n_heads == 0, "model.n_heads", self.n_heads,
-                f"a divisor of model.d_model={self.d_model}")
-        require(self.n_heads % self.n_kv_groups == 0, "model.n_kv_groups", self.n_kv_groups,
-                f"a divisor of model.n_heads={self.n_heads}")
+        require(
+            self.d_model % self.n_heads == 0,
+            "model.n_heads",
+            self.n_heads,
+            f"a divisor of model.d_model={self.d_model}",
+        )
+        require(
+            self.n_heads % self.n_kv_groups == 0,
+            "model.n_kv_groups",
+            self.n_kv_groups,
+            f"a divisor of model.n_heads={self.n_heads}",
+        )
 
 
 @dataclass
@@ -119,8 +127,8 @@ class ShakespeareData(Data):
     val_fraction: float = number(0, 1, high_open=True)
     block_lines: int = integer()
     editions: str = one_of(EDITIONS)
-    files: Optional[list[str]] = None  # readable text files, checked by readback.config.entry
-    cache_dir: Optional[str] = None
+    files: list[str] | None = None  # readable text files, checked by readback.config.entry
+    cache_dir: str | None = None
 
 
 @dataclass
@@ -164,11 +172,11 @@ class Logger(Checked):
 @dataclass
 class WandbLogger(Logger):
     project: str = MISSING
-    entity: Optional[str] = None
+    entity: str | None = None
     mode: str = one_of(WANDB_MODES)
     tags: list[str] = MISSING
     init_timeout: float = number(0, low_open=True)
-    group: Optional[str] = MISSING  # null: named by readback.train.tracking
+    group: str | None = MISSING  # null: named by readback.train.tracking
     job_type: str = MISSING
 
 
@@ -219,8 +227,11 @@ class Trainer(Checked):
         try:
             parse_signals(self.preempt_signals)
         except ValueError:
-            raise ConfigError("trainer.preempt_signals", self.preempt_signals,
-                              "a list of signal names, e.g. [SIGTERM, SIGUSR1, SIGUSR2], or [] to catch none") from None
+            raise ConfigError(
+                "trainer.preempt_signals",
+                self.preempt_signals,
+                "a list of signal names, e.g. [SIGTERM, SIGUSR1, SIGUSR2], or [] to catch none",
+            ) from None
 
 
 @dataclass
@@ -252,11 +263,19 @@ class Config(Checked):
 
     def check(self) -> None:
         m, t = self.model, self.trainer
-        require(m.global_batch % t.micro_batch == 0, "trainer.micro_batch", t.micro_batch,
-                f"a divisor of model.global_batch={m.global_batch}")
+        require(
+            m.global_batch % t.micro_batch == 0,
+            "trainer.micro_batch",
+            t.micro_batch,
+            f"a divisor of model.global_batch={m.global_batch}",
+        )
         require(t.optim.min_lr <= m.lr, "trainer.optim.min_lr", t.optim.min_lr, f"a number in [0, model.lr = {m.lr}]")
-        require(m.vocab_size is None or m.vocab_size >= self.data.vocab_size, "model.vocab_size", m.vocab_size,
-                f"null (the data's) or an integer >= data.vocab_size={self.data.vocab_size}")
+        require(
+            m.vocab_size is None or m.vocab_size >= self.data.vocab_size,
+            "model.vocab_size",
+            m.vocab_size,
+            f"null (the data's) or an integer >= data.vocab_size={self.data.vocab_size}",
+        )
         if isinstance(self.precision, Fp8Precision):
             self._check_fp8(self.precision)
 
@@ -264,19 +283,29 @@ class Config(Checked):
         from readback.model.fog import rounding_owners
 
         m = self.model
-        for key, value in (("model.d_model", m.d_model), ("model.ffn_dim", m.ffn_dim),
-                           ("model head_dim", m.d_model // m.n_heads)):
+        for key, value in (
+            ("model.d_model", m.d_model),
+            ("model.ffn_dim", m.ffn_dim),
+            ("model head_dim", m.d_model // m.n_heads),
+        ):
             require(value % FP8_ALIGNMENT == 0, key, value, f"a multiple of {FP8_ALIGNMENT} under precision=fp8")
         if p.recipe in TE_ONLY_RECIPES:
-            require(self.backend.name == "te", "precision.recipe", p.recipe,
-                    [r for r in RECIPES if r not in TE_ONLY_RECIPES] + ["mxfp8 with backend=te"])
+            require(
+                self.backend.name == "te",
+                "precision.recipe",
+                p.recipe,
+                [r for r in RECIPES if r not in TE_ONLY_RECIPES] + ["mxfp8 with backend=te"],
+            )
         self._check_site_margin(p)
         owners = rounding_owners(m.n_layers)
         for entry in p.bf16_layers:
             matches = any(o.startswith(entry) or entry.startswith(o + ".") for o in owners)
-            require(matches, "precision.bf16_layers", entry,
-                    f"names of layers or sites, e.g. lm_head, layers.0.attn, layers.{m.n_layers - 1}.mlp.down")
-
+            require(
+                matches,
+                "precision.bf16_layers",
+                entry,
+                f"names of layers or sites, e.g. lm_head, layers.0.attn, layers.{m.n_layers - 1}.mlp.down",
+            )
 
     def _check_site_margin(self, p: Fp8Precision) -> None:
         """Every pattern matches some site of the model; margins >= 0; emulated backend only."""
@@ -287,17 +316,33 @@ class Config(Checked):
 
         if p.site_margin is None:
             return
-        require(isinstance(p.site_margin, dict) and all(isinstance(k, str) for k in p.site_margin),
-                "precision.site_margin", p.site_margin, "a mapping {site pattern: margin}, e.g. {attn.core.output: 14}")
-        require(self.backend.name == "emulated", "precision.site_margin", dict(p.site_margin),
-                "null with backend=te (Transformer Engine has one margin per recipe)")
+        require(
+            isinstance(p.site_margin, dict) and all(isinstance(k, str) for k in p.site_margin),
+            "precision.site_margin",
+            p.site_margin,
+            "a mapping {site pattern: margin}, e.g. {attn.core.output: 14}",
+        )
+        require(
+            self.backend.name == "emulated",
+            "precision.site_margin",
+            dict(p.site_margin),
+            "null with backend=te (Transformer Engine has one margin per recipe)",
+        )
         sites = rounding_sites(self.model.n_layers)
         kinds = list(dict.fromkeys(re.sub(r"^layers\.\d+\.", "", s) for s in sites))
         for pattern, margin in p.site_margin.items():
-            require(any(site_matches(s, pattern) for s in sites), "precision.site_margin", pattern,
-                    "site patterns (globs) matching " + ", ".join(kinds))
-            require(isinstance(margin, int) and not isinstance(margin, bool) and margin >= 0,
-                    f"precision.site_margin.{pattern}", margin, "an integer >= 0")
+            require(
+                any(site_matches(s, pattern) for s in sites),
+                "precision.site_margin",
+                pattern,
+                "site patterns (globs) matching " + ", ".join(kinds),
+            )
+            require(
+                isinstance(margin, int) and not isinstance(margin, bool) and margin >= 0,
+                f"precision.site_margin.{pattern}",
+                margin,
+                "an integer >= 0",
+            )
 
 
 # Option schemas of the groups whose options differ in keys: conf/<group>/<option>.yaml names
@@ -336,5 +381,3 @@ def schema_keys(schema: type = Config, prefix: str = "") -> list[str]:
             if dataclasses.is_dataclass(sub):
                 keys += schema_keys(sub, f"{prefix}{field.name}.")
     return list(dict.fromkeys(keys))
-
-

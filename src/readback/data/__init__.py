@@ -31,8 +31,7 @@ DATASETS: tuple[str, ...] = ("shakespeare", "synthetic", "fineweb_edu")
 __all__ = ["DATASETS", "PackedStream", "build_data"]
 
 
-def build_data(cfg_data: Any, *, seq_len: int, micro_batch: int, seed: int, rank: int = 0,
-               world_size: int = 1) -> Any:
+def build_data(cfg_data: Any, *, seq_len: int, micro_batch: int, seed: int, rank: int = 0, world_size: int = 1) -> Any:
     """The batch stream for this rank; builds and caches tokenizer and token ids on first use."""
     name = choose("data.name", cfg_get(cfg_data, "name", None), DATASETS)
     check_layout(seq_len, micro_batch, seed, rank, world_size)
@@ -62,5 +61,11 @@ def _build_text(cfg: Any, *, progress: bool, **layout: Any) -> PackedStream:
     tc = tokenized_corpus(cfg, progress=progress)
     is_val = np.asarray([is_val_block(i, val_fraction) for i in range(len(tc.block_doc))], dtype=bool)
     train, val = split_blocks(tc.ids, tc.offsets, tc.block_doc, is_val, tc.eos)
-    return PackedStream(train, val, vocab_size=cfg_get(cfg, "vocab_size", 2048), tokenizer=tc.tokenizer,
-                        fingerprint=f"text:{tc.key}:f{val_fraction}", **layout)
+    return PackedStream(
+        train,
+        val,
+        vocab_size=cfg_get(cfg, "vocab_size", 2048),
+        tokenizer=tc.tokenizer,
+        fingerprint=f"text:{tc.key}:f{val_fraction}",
+        **layout,
+    )

@@ -62,8 +62,9 @@ def build_lock(directory: Path) -> Iterator[None]:
         yield
 
 
-def atomic_write(path: Path, write: Callable[[BinaryIO], None] | Callable[[str], None], *,
-                 by_name: bool = False) -> None:
+def atomic_write(
+    path: Path, write: Callable[[BinaryIO], None] | Callable[[str], None], *, by_name: bool = False
+) -> None:
     """Create ``path`` all at once: ``write`` fills a temporary sibling, then it is renamed.
 
     ``write`` receives an open binary file, or (``by_name=True``) the temporary file's name for

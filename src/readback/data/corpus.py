@@ -83,8 +83,9 @@ def _check_text(path: Path, chunk: int = 1 << 20) -> None:
             try:
                 text = decoder.decode(data, final=not data)
             except UnicodeDecodeError as e:
-                raise ConfigError("data.files", str(path), f"readable UTF-8 text files (byte {offset + e.start} "
-                                                            f"is not UTF-8)") from None
+                raise ConfigError(
+                    "data.files", str(path), f"readable UTF-8 text files (byte {offset + e.start} is not UTF-8)"
+                ) from None
             if "\0" in text:
                 raise ConfigError("data.files", str(path), "readable text files (it holds NUL bytes: binary?)")
             if not data:
@@ -119,8 +120,9 @@ def load_documents(files: list[Path], hf_cache: Path) -> list[str]:
     if bars:  # its "Downloading data" bar for a local copy would only confuse
         datasets.disable_progress_bars()
     try:
-        ds = datasets.load_dataset("text", data_files=[str(f) for f in files], sample_by="document",
-                                   split="train", cache_dir=str(hf_cache))
+        ds = datasets.load_dataset(
+            "text", data_files=[str(f) for f in files], sample_by="document", split="train", cache_dir=str(hf_cache)
+        )
     finally:
         datasets.config.HF_UPDATE_DOWNLOAD_COUNTS = counts
         if bars:
@@ -152,7 +154,7 @@ def blocks(docs: list[str], block_lines: int) -> list[Block]:
     out: list[Block] = []
     for d, doc in enumerate(docs):
         lines = doc.splitlines(keepends=True)
-        out.extend(Block(d, "".join(lines[i:i + block_lines])) for i in range(0, len(lines), block_lines))
+        out.extend(Block(d, "".join(lines[i : i + block_lines])) for i in range(0, len(lines), block_lines))
     return out
 
 

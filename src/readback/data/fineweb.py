@@ -33,8 +33,9 @@ def _one_line(error: BaseException) -> str:
     return f"{type(error).__name__}: {text[0] if text else ''}"
 
 
-def build_fineweb(cfg: Any, *, seq_len: int, micro_batch: int, seed: int, rank: int = 0,
-                  world_size: int = 1) -> "TokenStream":
+def build_fineweb(
+    cfg: Any, *, seq_len: int, micro_batch: int, seed: int, rank: int = 0, world_size: int = 1
+) -> TokenStream:
     """The hub tokenizer and streaming dataset the config names, wrapped in a ``TokenStream``."""
     import datasets
     from tokenizers import Tokenizer
@@ -46,29 +47,46 @@ def build_fineweb(cfg: Any, *, seq_len: int, micro_batch: int, seed: int, rank: 
     try:
         tok = Tokenizer.from_pretrained(name, token=os.environ.get("HF_TOKEN"))
     except Exception as e:  # no network, gated repo without a token, wrong name
-        raise ConfigError("data.tokenizer", name,
-                          f"a hub tokenizer this machine can download (network; HF_TOKEN for gated repos) [{_one_line(e)}]") from e
+        raise ConfigError(
+            "data.tokenizer",
+            name,
+            f"a hub tokenizer this machine can download (network; HF_TOKEN for gated repos) [{_one_line(e)}]",
+        ) from e
     vocab_size = cfg_get(cfg, "vocab_size", 131072)
-    require(tok.get_vocab_size() == vocab_size, "data.vocab_size", vocab_size,
-            f"{tok.get_vocab_size()}, the size of {name}")
+    require(
+        tok.get_vocab_size() == vocab_size, "data.vocab_size", vocab_size, f"{tok.get_vocab_size()}, the size of {name}"
+    )
     eos_token = cfg_get(cfg, "eos_token", "</s>")
     eos = tok.token_to_id(eos_token)
     require(eos is not None, "data.eos_token", eos_token, f"a token of {name}")
     try:
         ds = datasets.load_dataset(path, name=subset, split="train", streaming=True)
     except Exception as e:
-        raise ConfigError("data.subset", f"{path}/{subset}",
-                          f"a dataset and subset this machine can stream from the hub [{_one_line(e)}]") from e
+        raise ConfigError(
+            "data.subset",
+            f"{path}/{subset}",
+            f"a dataset and subset this machine can stream from the hub [{_one_line(e)}]",
+        ) from e
     ds = ds.select_columns(["text"])
     val_docs = cfg_get(cfg, "val_docs", 2000)
     shuffle_buffer = cfg_get(cfg, "shuffle_buffer", 0)
     train = ds.skip(val_docs)
     if shuffle_buffer > 0:
         train = train.shuffle(seed=seed % (1 << 32), buffer_size=shuffle_buffer)
-    return TokenStream(train, ds.take(val_docs), tok, eos=eos, vocab_size=vocab_size, seq_len=seq_len,
-                       micro_batch=micro_batch, seed=seed, rank=rank, world_size=world_size,
-                       doc_batch=cfg_get(cfg, "doc_batch", 256),
-                       fingerprint=f"fineweb:{path}:{subset}:{name}:val{val_docs}:buf{shuffle_buffer}")
+    return TokenStream(
+        train,
+        ds.take(val_docs),
+        tok,
+        eos=eos,
+        vocab_size=vocab_size,
+        seq_len=seq_len,
+        micro_batch=micro_batch,
+        seed=seed,
+        rank=rank,
+        world_size=world_size,
+        doc_batch=cfg_get(cfg, "doc_batch", 256),
+        fingerprint=f"fineweb:{path}:{subset}:{name}:val{val_docs}:buf{shuffle_buffer}",
+    )
 
 
 class TokenStream:
@@ -78,9 +96,22 @@ class TokenStream:
     (a ``datasets.IterableDataset``); ``val`` only iteration.
     """
 
-    def __init__(self, train: Any, val: Any, tokenizer: Any, *, eos: int, vocab_size: int, seq_len: int,
-                 micro_batch: int, seed: int, rank: int = 0, world_size: int = 1, doc_batch: int = 256,
-                 fingerprint: str = ""):
+    def __init__(
+        self,
+        train: Any,
+        val: Any,
+        tokenizer: Any,
+        *,
+        eos: int,
+        vocab_size: int,
+        seq_len: int,
+        micro_batch: int,
+        seed: int,
+        rank: int = 0,
+        world_size: int = 1,
+        doc_batch: int = 256,
+        fingerprint: str = "",
+    ):
         check_layout(seq_len, micro_batch, seed, rank, world_size)
         self.vocab_size, self.seq_len, self.micro_batch = int(vocab_size), int(seq_len), int(micro_batch)
         self.seed, self.rank, self.world_size = int(seed), int(rank), int(world_size)
@@ -117,7 +148,7 @@ class TokenStream:
         self._fill(n_global * self.seq_len + 1)
         index = self.rank * self.micro_batch + np.arange(self.micro_batch)
         batch = windows(self._buf, index, self.seq_len)
-        self._buf = self._buf[n_global * self.seq_len:]
+        self._buf = self._buf[n_global * self.seq_len :]
         self._consumed += n_global
         return batch
 
@@ -132,12 +163,21 @@ class TokenStream:
 
     def state_dict(self) -> dict:
         """The dataset's stream position, the epoch and the buffered tokens (at most a few documents)."""
-        return {"consumed": self._consumed, "epoch": self._epoch, "fingerprint": self.fingerprint,
-                "dataset": self._train.state_dict(), "buffer": torch.from_numpy(self._buf.copy())}
+        return {
+            "consumed": self._consumed,
+            "epoch": self._epoch,
+            "fingerprint": self.fingerprint,
+            "dataset": self._train.state_dict(),
+            "buffer": torch.from_numpy(self._buf.copy()),
+        }
 
     def load_state_dict(self, state: dict) -> None:
-        require(state.get("fingerprint") == self.fingerprint, "data state", state.get("fingerprint"),
-                f"a state saved by a stream of the same data config ({self.fingerprint})")
+        require(
+            state.get("fingerprint") == self.fingerprint,
+            "data state",
+            state.get("fingerprint"),
+            f"a state saved by a stream of the same data config ({self.fingerprint})",
+        )
         self._consumed, self._epoch = int(state["consumed"]), int(state["epoch"])
         self._train.set_epoch(self._epoch)
         self._train.load_state_dict(state["dataset"])

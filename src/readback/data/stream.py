@@ -28,6 +28,7 @@ Batch = tuple[torch.Tensor, torch.Tensor]
 
 def check_layout(seq_len: int, micro_batch: int, seed: int, rank: int, world_size: int) -> None:
     """``ConfigError`` for a batch layout no stream can serve."""
+
     def whole(x: object) -> bool:
         return isinstance(x, numbers.Integral) and not isinstance(x, bool)
 
@@ -54,36 +55,50 @@ def val_iter(tokens: np.ndarray, n: int, micro_batch: int, seq_len: int) -> Iter
     """``n`` batches of the validation windows in order, cycling if ``n`` batches need more."""
     total = n_windows(tokens, seq_len)
     if total == 0:
-        raise ConfigError("data.val_fraction", "too little validation text",
-                          f"enough validation text for one window of seq_len + 1 = {seq_len + 1} tokens")
+        raise ConfigError(
+            "data.val_fraction",
+            "too little validation text",
+            f"enough validation text for one window of seq_len + 1 = {seq_len + 1} tokens",
+        )
     for b in range(n):
         index = (b * micro_batch + np.arange(micro_batch)) % total
         yield windows(tokens, index, seq_len)
 
 
-def split_blocks(ids: np.ndarray, offsets: np.ndarray, block_doc: np.ndarray, is_val: np.ndarray,
-                 eos: int) -> tuple[np.ndarray, np.ndarray]:
+def split_blocks(
+    ids: np.ndarray, offsets: np.ndarray, block_doc: np.ndarray, is_val: np.ndarray, eos: int
+) -> tuple[np.ndarray, np.ndarray]:
     """Train and validation token streams; EOS closes every run of consecutive blocks of one document."""
     out: dict[bool, list[np.ndarray]] = {False: [], True: []}
     eos_arr = np.asarray([eos], dtype=ids.dtype)
     n = len(block_doc)
     for i in range(n):
         side = bool(is_val[i])
-        out[side].append(ids[offsets[i]:offsets[i + 1]])
+        out[side].append(ids[offsets[i] : offsets[i + 1]])
         run_continues = i + 1 < n and bool(is_val[i + 1]) == side and block_doc[i + 1] == block_doc[i]
         if not run_continues:
             out[side].append(eos_arr)
     empty = np.zeros(0, dtype=ids.dtype)
-    return (np.concatenate(out[False]) if out[False] else empty,
-            np.concatenate(out[True]) if out[True] else empty)
+    return (np.concatenate(out[False]) if out[False] else empty, np.concatenate(out[True]) if out[True] else empty)
 
 
 class PackedStream:
     """Batches of packed windows over in-memory train/validation token arrays (see module doc)."""
 
-    def __init__(self, train: np.ndarray, val: np.ndarray, *, vocab_size: int, seq_len: int,
-                 micro_batch: int, seed: int, rank: int = 0, world_size: int = 1,
-                 fingerprint: str = "", tokenizer: Any = None):
+    def __init__(
+        self,
+        train: np.ndarray,
+        val: np.ndarray,
+        *,
+        vocab_size: int,
+        seq_len: int,
+        micro_batch: int,
+        seed: int,
+        rank: int = 0,
+        world_size: int = 1,
+        fingerprint: str = "",
+        tokenizer: Any = None,
+    ):
         check_layout(seq_len, micro_batch, seed, rank, world_size)
         self.vocab_size = int(vocab_size)
         seq_len, micro_batch = int(seq_len), int(micro_batch)
@@ -94,8 +109,7 @@ class PackedStream:
         self.fingerprint = fingerprint
         self.train_tokens, self.val_tokens = train, val
         self.n_sequences = n_windows(train, seq_len)
-        require(self.n_sequences >= 1, "seq_len", seq_len,
-                f"at most {len(train) - 1} for {len(train)} training tokens")
+        require(self.n_sequences >= 1, "seq_len", seq_len, f"at most {len(train) - 1} for {len(train)} training tokens")
         self._consumed = 0  # global entries of the sequence stream taken so far, by all ranks
         self._perms: dict[int, np.ndarray] = {}
 
@@ -133,13 +147,23 @@ class PackedStream:
     def state_dict(self) -> dict:
         """Where the stream is; loading it into a stream of the same data continues identically."""
         epoch, cursor = divmod(self._consumed, self.n_sequences)
-        return {"consumed": self._consumed, "epoch": epoch, "cursor": cursor, "seed": self.seed,
-                "n_sequences": self.n_sequences, "fingerprint": self.fingerprint}
+        return {
+            "consumed": self._consumed,
+            "epoch": epoch,
+            "cursor": cursor,
+            "seed": self.seed,
+            "n_sequences": self.n_sequences,
+            "fingerprint": self.fingerprint,
+        }
 
     def load_state_dict(self, state: dict) -> None:
         """Resume at ``state``; the world size and micro-batch may differ, the data and seed may not."""
         saved = (state.get("fingerprint"), state.get("n_sequences"), state.get("seed"))
         mine = (self.fingerprint, self.n_sequences, self.seed)
-        require(saved == mine, "data state", saved,
-                f"a state saved by a stream of the same data config, seq_len and seed {mine}")
+        require(
+            saved == mine,
+            "data state",
+            saved,
+            f"a state saved by a stream of the same data config, seq_len and seed {mine}",
+        )
         self._consumed = int(state["consumed"])

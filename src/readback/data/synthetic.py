@@ -19,8 +19,7 @@ from readback.data.cache import cfg_get
 from readback.errors import require
 
 
-def markov_tokens(vocab_size: int, n_tokens: int, *, seed: int, branching: int = 4,
-                  noise: float = 0.1) -> np.ndarray:
+def markov_tokens(vocab_size: int, n_tokens: int, *, seed: int, branching: int = 4, noise: float = 0.1) -> np.ndarray:
     """``n_tokens`` tokens of the chain described in the module docstring, as ``int64``."""
     rng = np.random.default_rng(seed)
     successors = rng.integers(0, vocab_size, size=(vocab_size, branching)).tolist()

@@ -40,20 +40,25 @@ def train_bpe(docs: list[str], vocab_size: int, *, progress: bool = True) -> Any
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=[EOS],
-                                  show_progress=progress and sys.stderr.isatty(),  # no bars in log files
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=[EOS],
+        show_progress=progress and sys.stderr.isatty(),  # no bars in log files
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
     tok.train_from_iterator(docs, trainer=trainer, length=len(docs))
     return tok
 
 
-def encode_blocks(tok: Any, texts: list[str], *, progress: bool = True, chunk: int = 256) -> tuple[np.ndarray, np.ndarray]:
+def encode_blocks(
+    tok: Any, texts: list[str], *, progress: bool = True, chunk: int = 256
+) -> tuple[np.ndarray, np.ndarray]:
     """All ``texts`` encoded back to back, and ``offsets`` so text i is ``ids[offsets[i]:offsets[i+1]]``."""
     BUILDS["tokens"] += 1
     pieces: list[np.ndarray] = []
     with tqdm(total=len(texts), desc="tokenising", unit="block", disable=not progress) as bar:
         for i in range(0, len(texts), chunk):
-            pieces.extend(np.asarray(e.ids, dtype=np.int64) for e in tok.encode_batch(texts[i:i + chunk]))
+            pieces.extend(np.asarray(e.ids, dtype=np.int64) for e in tok.encode_batch(texts[i : i + chunk]))
             bar.update(min(chunk, len(texts) - i))
     lengths = np.fromiter((len(p) for p in pieces), dtype=np.int64, count=len(pieces))
     offsets = np.concatenate([[0], np.cumsum(lengths)])
@@ -65,11 +70,11 @@ def encode_blocks(tok: Any, texts: list[str], *, progress: bool = True, chunk: i
 class TokenizedCorpus:
     """The corpus as token ids, cut into the line blocks that the train/val split assigns."""
 
-    tokenizer: Any          # tokenizers.Tokenizer
-    ids: np.ndarray         # all blocks back to back
-    offsets: np.ndarray     # block i is ids[offsets[i]:offsets[i + 1]]
-    block_doc: np.ndarray   # the document each block comes from
-    key: str                # cache key: corpus contents, vocabulary, block size
+    tokenizer: Any  # tokenizers.Tokenizer
+    ids: np.ndarray  # all blocks back to back
+    offsets: np.ndarray  # block i is ids[offsets[i]:offsets[i + 1]]
+    block_doc: np.ndarray  # the document each block comes from
+    key: str  # cache key: corpus contents, vocabulary, block size
     eos: int
 
 
@@ -90,8 +95,9 @@ def tokenized_corpus(cfg: Any, *, progress: bool = True) -> TokenizedCorpus:
     return _load(tok_path, ids_path, f"{directory.name}-b{block_lines}")
 
 
-def _build(cfg: Any, files: list[Path], tok_path: Path, ids_path: Path, vocab_size: int,
-           block_lines: int, progress: bool) -> None:
+def _build(
+    cfg: Any, files: list[Path], tok_path: Path, ids_path: Path, vocab_size: int, block_lines: int, progress: bool
+) -> None:
     from tokenizers import Tokenizer
 
     if tok_path.exists() and ids_path.exists():

@@ -26,7 +26,6 @@ from readback.ops.linear import linear
 from readback.ops.norm import rms_norm
 from readback.ops.numerics import Numerics
 
-
 # The ops of a block that round (their sites are ``{owner}.input``, ``.weight``, ``.q``, ...).
 BLOCK_ROUNDING_OPS = ("attn.qkv", "attn.core", "attn.proj", "mlp.up", "mlp.down")
 
@@ -39,16 +38,24 @@ def rounding_owners(n_layers: int) -> list[str]:
 
 _LINEAR_SITES = ("input", "weight", "grad_output")
 # the sites each rounding op owns; the projection's input is the core's output, rounded there
-_OP_SITES = {"attn.qkv": _LINEAR_SITES, "attn.core": ("q", "k", "v", "probs", "output", "grad_output", "grad_scores"),
-             "attn.proj": ("weight", "grad_output"), "mlp.up": _LINEAR_SITES, "mlp.down": _LINEAR_SITES,
-             "lm_head": _LINEAR_SITES}
+_OP_SITES = {
+    "attn.qkv": _LINEAR_SITES,
+    "attn.core": ("q", "k", "v", "probs", "output", "grad_output", "grad_scores"),
+    "attn.proj": ("weight", "grad_output"),
+    "mlp.up": _LINEAR_SITES,
+    "mlp.down": _LINEAR_SITES,
+    "lm_head": _LINEAR_SITES,
+}
 
 
 def rounding_sites(n_layers: int) -> list[str]:
     """Names of the sites a training step of FOG rounds at (forward and backward), in model
     order; config checks match site patterns against them without building the model."""
-    return [f"{owner}.{site}" for owner in rounding_owners(n_layers)
-            for site in _OP_SITES[owner.split(".", 2)[-1] if owner.startswith("layers.") else owner]]
+    return [
+        f"{owner}.{site}"
+        for owner in rounding_owners(n_layers)
+        for site in _OP_SITES[owner.split(".", 2)[-1] if owner.startswith("layers.") else owner]
+    ]
 
 
 @dataclass(frozen=True)
@@ -238,7 +245,9 @@ class FOG(nn.Module):
             for block in self.layers:
                 x = block(x)
             logits = self.parts.tied_head(x, self.embedding) if self.lm_head is None else self.lm_head(x)
-        return F.cross_entropy(logits.to(torch.promote_types(logits.dtype, torch.float32)).flatten(0, 1), targets.flatten())
+        return F.cross_entropy(
+            logits.to(torch.promote_types(logits.dtype, torch.float32)).flatten(0, 1), targets.flatten()
+        )
 
     def n_params(self) -> int:
         """Trainable parameters (frozen gains are not counted)."""

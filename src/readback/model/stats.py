@@ -50,12 +50,14 @@ class ActivationStats:
         def hook(module, inputs, output):
             if self.active:
                 self._values.setdefault(key, []).append(kurtosis(output[0] if isinstance(output, tuple) else output))
+
         return hook
 
     def _input_hook(self, key: str):
         def hook(module, inputs):
             if self.active:
                 self._values.setdefault(key, []).append(kurtosis(inputs[0]))
+
         return hook
 
     def pop(self) -> dict[str, float]:

@@ -1,6 +1,6 @@
 """FP8 numerics: formats, scaling, rounding and the emulated GEMM (Transformer Engine's terms)."""
 
-from readback.numerics.formats import BF16, E4M3, E5M2, FP8Format, Format
+from readback.numerics.formats import BF16, E4M3, E5M2, Format, FP8Format
 from readback.numerics.gemm import GEMM_PRECISIONS, fp8_mm, matmul
 from readback.numerics.rounding import ROUNDINGS, QTensor, pinned, quantize, round_stochastic
 from readback.numerics.scaling import (
@@ -18,14 +18,14 @@ __all__ = [
     "BF16",
     "E4M3",
     "E5M2",
-    "FP8Format",
     "GEMM_PRECISIONS",
-    "Format",
     "ROUNDINGS",
     "CurrentScaling",
     "CurrentScalingState",
     "DelayedScaling",
     "DelayedScalingState",
+    "FP8Format",
+    "Format",
     "QTensor",
     "abs_max",
     "compute_scale",

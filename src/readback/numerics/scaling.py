@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
-from readback.numerics.formats import FP8Format, Format
+from readback.numerics.formats import Format, FP8Format
 
 AMAX_COMPUTE_ALGOS = ("max", "most_recent")
 
@@ -101,7 +101,9 @@ class DelayedScalingState:
     def scale_for(self, x: torch.Tensor, amax: torch.Tensor | None = None) -> torch.Tensor:
         """The step's scale; ``x``'s amax (``abs_max(x)``, computed here unless given) joins the step's."""
         if self.scale.device != x.device:  # follow the model to its device, once
-            self.history, self.scale, self.pending_amax = (t.to(x.device) for t in (self.history, self.scale, self.pending_amax))
+            self.history, self.scale, self.pending_amax = (
+                t.to(x.device) for t in (self.history, self.scale, self.pending_amax)
+            )
         amax = abs_max(x) if amax is None else amax
         self.pending_amax = torch.maximum(self.pending_amax, amax.float())
         return self.scale

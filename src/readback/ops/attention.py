@@ -44,7 +44,9 @@ READS = {
 def _expand_groups(q: QTensor, heads: int) -> QTensor:
     """K or V of G groups, repeated for the H query heads that share them."""
     batch, groups, seq, dim = q.data.shape
-    return q.map(lambda d: d[:, :, None].expand(batch, groups, heads // groups, seq, dim).reshape(batch, heads, seq, dim))
+    return q.map(
+        lambda d: d[:, :, None].expand(batch, groups, heads // groups, seq, dim).reshape(batch, heads, seq, dim)
+    )
 
 
 class _Attention(torch.autograd.Function):
@@ -80,8 +82,15 @@ class _Attention(torch.autograd.Function):
         fctx.p_for_ds = {"original": None, "rounded": pq}[reads["dS"]]
         fctx.out = out if reads["D"] in ("original", "fresh") else None
         # output_fp8 is the O8 copy shared with the projection (which does not count it again).
-        numerics.account("attention", q=fctx.q_for_dk, k=fctx.k_for_dq, v=fctx.v_for_dp,
-                         probs_fp8=fctx.p_for_dv, output_fp8=oq, out=fctx.out)
+        numerics.account(
+            "attention",
+            q=fctx.q_for_dk,
+            k=fctx.k_for_dq,
+            v=fctx.v_for_dp,
+            probs_fp8=fctx.p_for_dv,
+            output_fp8=oq,
+            out=fctx.out,
+        )
         fctx.mark_non_differentiable(oq.data, oq.scale)
         return oq.dequantize(dtype), oq.data, oq.scale
 
@@ -106,7 +115,9 @@ class _Attention(torch.autograd.Function):
             """dS = P (dP - D) of query rows ``rows``, all heads, in ``dtype``; ``d_term``
             accumulates the block's share of the mechanism's D-term cosine."""
             if fctx.p_for_ds is None:
-                probs = _softmax(_scores(fctx.q_for_dk.map(lambda d: d[:, :, rows]), kq, fctx.scale, fctx.gemm), rows.start, dtype)
+                probs = _softmax(
+                    _scores(fctx.q_for_dk.map(lambda d: d[:, :, rows]), kq, fctx.scale, fctx.gemm), rows.start, dtype
+                )
             else:
                 probs = _value(fctx.p_for_ds.map(lambda d: d[:, :, rows]), dtype)
             d_p = matmul(_rows(d_out_operand, rows), vq.mT, precision)
@@ -119,8 +130,12 @@ class _Attention(torch.autograd.Function):
         blocks = [slice(i, min(i + ROW_BLOCK, seq)) for i in range(0, seq, ROW_BLOCK)]
         site = numerics.site(f"{name}.grad_scores", "bwd") if precision == "fp8" else None
         # a scale computed from the whole of dS (current scaling) needs its amax before any block
-        amax = torch.stack([abs_max(d_scores(rows)) for rows in blocks]).amax() if site and site.reads_amax_first else None
-        operand = torch.empty(batch, heads, seq, seq, dtype=site.fmt.dtype if site else _DTYPES[precision], device=d_out.device)
+        amax = (
+            torch.stack([abs_max(d_scores(rows)) for rows in blocks]).amax() if site and site.reads_amax_first else None
+        )
+        operand = torch.empty(
+            batch, heads, seq, seq, dtype=site.fmt.dtype if site else _DTYPES[precision], device=d_out.device
+        )
         rowsums, d_s_scale = [], None
         d_term = mechanism.DTermCosine(_value(kq, dtype)) if fctx.mechanism else None
         for rows in blocks:

@@ -23,8 +23,11 @@ class _Linear(torch.autograd.Function):
         reads = READS[numerics.policy]
         x2 = x.reshape(-1, x.shape[-1])
         rounding = numerics.rounding
-        xq = x_q.map(lambda d: d.reshape(-1, d.shape[-1])) if x_q is not None else (
-            numerics.site(f"{name}.input").quantize(x2, rounding))
+        xq = (
+            x_q.map(lambda d: d.reshape(-1, d.shape[-1]))
+            if x_q is not None
+            else (numerics.site(f"{name}.input").quantize(x2, rounding))
+        )
         wq = numerics.site(f"{name}.weight").quantize(weight, rounding)
         y = matmul(xq, wq.mT, numerics.linear_precision("fprop"))
         numerics.record(name, input=xq, weight=wq, output=y)

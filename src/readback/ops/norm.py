@@ -64,8 +64,9 @@ class _Norm(torch.autograd.Function):
         return dx, d_gain, d_bias, None, None, None, None, None
 
 
-def replay(x, gain, record: dict, eps: float = 1e-6, dtype: torch.dtype = torch.float32, bias=None,
-           center: bool = False) -> torch.Tensor:
+def replay(
+    x, gain, record: dict, eps: float = 1e-6, dtype: torch.dtype = torch.float32, bias=None, center: bool = False
+) -> torch.Tensor:
     """Reference: plain autograd over the executed forward (the rounded output pinned)."""
     y = _normalize(x.to(dtype), eps, center)[0] * gain.to(dtype)
     y = y if bias is None else y + bias.to(dtype)

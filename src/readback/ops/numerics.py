@@ -67,8 +67,11 @@ class Numerics:
             recipe = DelayedScaling()
         self.precision, self.recipe, self.policy = precision, recipe, policy
         self.rounding = rounding if precision == "fp8" else "nearest"
-        self.attention_bwd = {"fp8": attention_bwd, "bf16": "bf16" if attention_bwd == "fp8" else attention_bwd,
-                              "off": "fp64"}[precision]
+        self.attention_bwd = {
+            "fp8": attention_bwd,
+            "bf16": "bf16" if attention_bwd == "fp8" else attention_bwd,
+            "off": "fp64",
+        }[precision]
         self.seed, self.bf16_sites = seed, tuple(bf16_sites)
         self.site_margin = dict(site_margin or {})
         self.step = 0
@@ -193,8 +196,11 @@ class Numerics:
         """Fraction of the nonzero elements that each FP8 site rounded to zero or to a subnormal
         since the last call: how much of a tensor a too small scale (a margin, an amax set by
         rare outliers) pushes off the format's normal range."""
-        fractions = {name: float(site.underflowed) / float(site.nonzero)
-                     for name, site in self.sites.items() if float(site.nonzero) > 0}
+        fractions = {
+            name: float(site.underflowed) / float(site.nonzero)
+            for name, site in self.sites.items()
+            if float(site.nonzero) > 0
+        }
         for site in self.sites.values():
             site.underflowed = site.nonzero = 0
         return fractions
@@ -202,7 +208,9 @@ class Numerics:
     def observe(self, key: str, values: torch.Tensor) -> None:
         """Accumulate count, sum and sum of squares of ``values`` under ``key`` (in FP64)."""
         v = values.detach().to(torch.float64).flatten()
-        moments = torch.stack([torch.tensor(float(v.numel()), dtype=torch.float64, device=v.device), v.sum(), v.square().sum()])
+        moments = torch.stack(
+            [torch.tensor(float(v.numel()), dtype=torch.float64, device=v.device), v.sum(), v.square().sum()]
+        )
         if key in self.observations:  # (a resumed run's moments come back on the CPU)
             moments = moments + self.observations[key].to(moments.device)
         self.observations[key] = moments
@@ -250,8 +258,15 @@ class Numerics:
     def state_dict(self) -> dict:
         """Step, scaling states, and what was counted or observed since the last log record
         (so a resume between two records logs what the uninterrupted run would have)."""
-        sites = {name: {"direction": s.direction, "state": s.state.state_dict(), "saturated": s.saturated,
-                        "underflow": (s.underflowed, s.nonzero)} for name, s in self.sites.items()}
+        sites = {
+            name: {
+                "direction": s.direction,
+                "state": s.state.state_dict(),
+                "saturated": s.saturated,
+                "underflow": (s.underflowed, s.nonzero),
+            }
+            for name, s in self.sites.items()
+        }
         return {"step": self.step, "sites": sites, "observations": dict(self.observations), "maxima": dict(self.maxima)}
 
     def load_state_dict(self, state: dict) -> None:
@@ -277,10 +292,16 @@ def build_numerics(cfg) -> Numerics:
     p = cfg.precision
     recipe = None
     if p.name == "fp8":
-        common = dict(margin=p.margin, fp8_format=p.fp8_format, override_linear_precision=tuple(p.override_linear_precision))
+        common = dict(
+            margin=p.margin, fp8_format=p.fp8_format, override_linear_precision=tuple(p.override_linear_precision)
+        )
         if p.recipe == "delayed":
-            recipe = DelayedScaling(interval=p.interval, amax_history_len=p.amax_history_len,
-                                    amax_compute_algo=p.amax_compute_algo, **common)
+            recipe = DelayedScaling(
+                interval=p.interval,
+                amax_history_len=p.amax_history_len,
+                amax_compute_algo=p.amax_compute_algo,
+                **common,
+            )
         else:
             recipe = CurrentScaling(**common)
     return Numerics(

@@ -38,8 +38,7 @@ class UnitScale:
 class Site:
     """One rounding site. ``quantize`` is the only way a tensor of the model gets rounded."""
 
-    def __init__(self, numerics: Numerics, name: str, direction: str, fmt: FP8Format | None, state,
-                 margin: int = 0):
+    def __init__(self, numerics: Numerics, name: str, direction: str, fmt: FP8Format | None, state, margin: int = 0):
         self.numerics, self.name, self.direction = numerics, name, direction
         self.fmt, self.state, self.margin = fmt, state, margin
         self.saturated = 0  # elements clipped to +-fmt.max since the last saturation_counts()
@@ -51,8 +50,14 @@ class Site:
         rounded block by block then needs its whole amax before the first block."""
         return isinstance(self.state, CurrentScalingState)
 
-    def quantize(self, x: torch.Tensor, rounding: str = "nearest", scale: torch.Tensor | None = None,
-                 stream: str = "forward", amax: torch.Tensor | None = None) -> QTensor:
+    def quantize(
+        self,
+        x: torch.Tensor,
+        rounding: str = "nearest",
+        scale: torch.Tensor | None = None,
+        stream: str = "forward",
+        amax: torch.Tensor | None = None,
+    ) -> QTensor:
         """Round ``x`` at this site. ``scale`` reuses an earlier scale (a re-rounding) instead
         of the site's own; ``stream`` names the random stream of a stochastic rounding;
         ``amax`` is that of the whole tensor when ``x`` is one block of it."""

@@ -71,8 +71,9 @@ class GradientProbe:
             executed = {n: p.grad for n, p in params.items() if p.grad is not None}
             executed |= {n: t.grad for n, t in numerics.watched.items()}
             numerics.watched = {}
-            reference = reference_gradients(model, {n: params[n] for n in executed if n in params}, tape,
-                                            inputs, targets, DTYPES[self.dtype])
+            reference = reference_gradients(
+                model, {n: params[n] for n in executed if n in params}, tape, inputs, targets, DTYPES[self.dtype]
+            )
         finally:
             numerics.watched = None
         return {n: executed[n].detach().double() for n in reference}, reference

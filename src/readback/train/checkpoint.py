@@ -43,8 +43,15 @@ _NAME = re.compile(r"^step_(\d+)\.pt$")
 _TEMP = re.compile(r"^\.(step_\d+\.pt|summary\.json|metrics\.jsonl)\..+\.tmp$")  # atomic_write_bytes' temp files
 # Keys a checkpoint can only be resumed under with the value it was trained with.
 ARCHITECTURE_KEYS = (
-    "model.n_layers", "model.d_model", "model.n_heads", "model.n_kv_groups", "model.ffn_dim",
-    "model.vocab_size", "model.tied", "precision.name", "precision.amax_history_len",
+    "model.n_layers",
+    "model.d_model",
+    "model.n_heads",
+    "model.n_kv_groups",
+    "model.ffn_dim",
+    "model.vocab_size",
+    "model.tied",
+    "precision.name",
+    "precision.amax_history_len",
 )
 
 
@@ -158,8 +165,12 @@ def load_checkpoint(path: Path, map_location: Any = "cpu", mmap: bool = False) -
         refused = next((line.strip() for line in str(e).splitlines() if "GLOBAL" in line), None)
         if refused is None:  # not a pickled callable: an unreadable file, which resume skips
             raise
-        raise ConfigError("trainer.resume", str(path), f"a checkpoint of tensors and plain containers; this file "
-                                                       f"was refused unread ({refused}), as loading it could run code") from e
+        raise ConfigError(
+            "trainer.resume",
+            str(path),
+            f"a checkpoint of tensors and plain containers; this file "
+            f"was refused unread ({refused}), as loading it could run code",
+        ) from e
     if not isinstance(state, dict) or "step" not in state:
         raise ValueError(f"{path} is not a readback checkpoint")
     return state
@@ -174,7 +185,7 @@ def load_latest_checkpoint(
             return path, load_checkpoint(path, map_location, mmap)
         except ConfigError:  # refused as unsafe: never skipped for an older one
             raise
-        except Exception as e:  # noqa: BLE001 - any unreadable file is skipped
+        except Exception as e:
             if not quiet:
                 log.warning("skipping unreadable checkpoint %s (step %d): %s", path, step, e)
     return None
@@ -190,7 +201,7 @@ def config_mismatch(saved_config: Mapping[str, Any] | None, cfg: Any) -> tuple[s
     for key in ARCHITECTURE_KEYS:
         try:
             now, was = OmegaConf.select(cfg, key, default=None), OmegaConf.select(saved, key, default=None)
-        except Exception:  # noqa: BLE001 - an unresolvable interpolation: not comparable
+        except Exception:
             continue
         if now is not None and was is not None and now != was:
             return key, now, was
@@ -215,20 +226,33 @@ def resume_plan(run_dir: Path, cfg: Any, *, mmap: bool = False) -> tuple[Path, d
         return None
     resume = cfg.trainer.resume
     if not resume and requeued():
-        log.warning("requeued job (SLURM_RESTART_COUNT=%s): resuming from %s",
-                    os.environ["SLURM_RESTART_COUNT"], ckpt_dir)
+        log.warning(
+            "requeued job (SLURM_RESTART_COUNT=%s): resuming from %s", os.environ["SLURM_RESTART_COUNT"], ckpt_dir
+        )
         resume = True
     if not resume:
-        raise ConfigError("trainer.resume", False, f"true to continue the run in {run_dir} (it holds {len(found)} "
-                                                   f"checkpoint(s), up to step {found[-1][0]}), or a new hydra.run.dir")
+        raise ConfigError(
+            "trainer.resume",
+            False,
+            f"true to continue the run in {run_dir} (it holds {len(found)} "
+            f"checkpoint(s), up to step {found[-1][0]}), or a new hydra.run.dir",
+        )
     latest = load_latest_checkpoint(ckpt_dir, mmap=mmap, quiet=mmap)
     if latest is None:
-        raise ConfigError("trainer.resume", True, f"a run directory with a readable checkpoint: none of the "
-                                                  f"{len(found)} in {ckpt_dir} loads (remove them to start afresh)")
+        raise ConfigError(
+            "trainer.resume",
+            True,
+            f"a run directory with a readable checkpoint: none of the "
+            f"{len(found)} in {ckpt_dir} loads (remove them to start afresh)",
+        )
     path, state = latest
     if state.get("format") != CHECKPOINT_FORMAT:
-        raise ConfigError("trainer.resume", True, f"a checkpoint of format {CHECKPOINT_FORMAT}; {path} has format "
-                                                  f"{state.get('format')!r} (resume it with the readback that wrote it)")
+        raise ConfigError(
+            "trainer.resume",
+            True,
+            f"a checkpoint of format {CHECKPOINT_FORMAT}; {path} has format "
+            f"{state.get('format')!r} (resume it with the readback that wrote it)",
+        )
     mismatch = config_mismatch(state.get("config"), cfg)
     if mismatch is not None:
         key, now, was = mismatch
@@ -244,8 +268,11 @@ class RNGState:
         import numpy as np
 
         name, keys, pos, has_gauss, gauss = np.random.get_state()
-        state: dict[str, Any] = {"torch": torch.get_rng_state(), "python": random.getstate(),
-                                 "numpy": (name, torch.from_numpy(keys.astype(np.int64)), pos, has_gauss, gauss)}
+        state: dict[str, Any] = {
+            "torch": torch.get_rng_state(),
+            "python": random.getstate(),
+            "numpy": (name, torch.from_numpy(keys.astype(np.int64)), pos, has_gauss, gauss),
+        }
         if torch.cuda.is_available() and torch.cuda.is_initialized():
             state["cuda"] = torch.cuda.get_rng_state_all()
         return state

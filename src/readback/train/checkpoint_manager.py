@@ -90,7 +90,7 @@ def plain_config(cfg: DictConfig) -> dict[str, Any]:
     cfg = OmegaConf.structured(cfg)  # the typed Config, or a DictConfig in tests
     try:
         return OmegaConf.to_container(cfg, resolve=True)  # type: ignore[return-value]
-    except Exception:  # noqa: BLE001 - e.g. an interpolation that needs Hydra's runtime
+    except Exception:
         return OmegaConf.to_container(cfg, resolve=False)  # type: ignore[return-value]
 
 
@@ -107,8 +107,15 @@ def to_cpu(obj: Any) -> Any:
 class CheckpointManager:
     """Saves and restores the ``shared`` and ``per_rank`` components of a run."""
 
-    def __init__(self, run_dir: Path, cfg: DictConfig, env: DistEnv, *, shared: Mapping[str, Stateful],
-                 per_rank: Mapping[str, Stateful]) -> None:
+    def __init__(
+        self,
+        run_dir: Path,
+        cfg: DictConfig,
+        env: DistEnv,
+        *,
+        shared: Mapping[str, Stateful],
+        per_rank: Mapping[str, Stateful],
+    ) -> None:
         t = cfg.trainer
         self.run_dir, self.cfg, self.env = Path(run_dir), cfg, env
         self.dir = checkpoint_dir(run_dir)
@@ -124,8 +131,15 @@ class CheckpointManager:
         ranks = gather_objects(to_cpu({k: c.state_dict() for k, c in self.per_rank.items()}), env)
         shared = {k: c.state_dict() for k, c in self.shared.items()}  # every rank: FSDP gathers
         if env.is_main:
-            state = {"format": CHECKPOINT_FORMAT, "step": step, "world_size": env.world_size,
-                     "config": plain_config(self.cfg), "wandb_run_id": wandb_run_id, **shared, "ranks": ranks}
+            state = {
+                "format": CHECKPOINT_FORMAT,
+                "step": step,
+                "world_size": env.world_size,
+                "config": plain_config(self.cfg),
+                "wandb_run_id": wandb_run_id,
+                **shared,
+                "ranks": ranks,
+            }
             self.last_path = str(save_checkpoint(state, self.dir, step, self.keep_last))
         barrier(env)
 
@@ -157,11 +171,15 @@ class CheckpointManager:
             self._load(state)
         except ConfigError:
             raise
-        except Exception as e:  # noqa: BLE001 - a checkpoint of another model, recipe or data
+        except Exception as e:
             first = " ".join(str(e).split())[:300]
-            raise ConfigError("trainer.resume", True, f"a checkpoint this config can load; {path} does not "
-                                                      f"({type(e).__name__}: {first}); resume it with the config "
-                                                      f"it was trained with, or use a new hydra.run.dir") from e
+            raise ConfigError(
+                "trainer.resume",
+                True,
+                f"a checkpoint this config can load; {path} does not "
+                f"({type(e).__name__}: {first}); resume it with the config "
+                f"it was trained with, or use a new hydra.run.dir",
+            ) from e
         if env.is_main:
             log.info("resumed from %s (step %d)", path, state["step"])
         return int(state["step"]), state["wandb_run_id"]
@@ -172,7 +190,8 @@ class CheckpointManager:
             log.warning(
                 "resuming a %d-process checkpoint with %d processes: same global batch and data order, "
                 "but RNG and FP8 scaling states of missing ranks come from rank 0 (not bit-exact)",
-                state["world_size"], env.world_size,
+                state["world_size"],
+                env.world_size,
             )
         for key, component in self.shared.items():
             component.load_state_dict(state[key])

@@ -24,6 +24,7 @@ class RunNumerics(Protocol):
     def state_dict(self) -> dict[str, Any]: ...
     def load_state_dict(self, state: dict[str, Any]) -> None: ...
     def isolated(self) -> AbstractContextManager[Any]: ...
+
     mechanism: bool  # on: attention measures its mechanism statistics (readback.ops.mechanism)
 
     def saturation_counts(self) -> dict[str, int]: ...
@@ -77,8 +78,14 @@ class Builders:
 
     def stream(self, cfg: Any, *, rank: int, world_size: int) -> DataStream:
         """This rank's data stream; ``model.vocab_size: null`` takes the stream's vocabulary."""
-        stream = self.data(cfg.data, seq_len=cfg.model.seq_len, micro_batch=cfg.trainer.micro_batch, seed=cfg.seed,
-                           rank=rank, world_size=world_size)
+        stream = self.data(
+            cfg.data,
+            seq_len=cfg.model.seq_len,
+            micro_batch=cfg.trainer.micro_batch,
+            seed=cfg.seed,
+            rank=rank,
+            world_size=world_size,
+        )
         if cfg.model.vocab_size is None:
             cfg.model.vocab_size = stream.vocab_size
         return stream
@@ -87,7 +94,10 @@ class Builders:
 def check_model(model: object) -> TrainableModel:
     """``model`` itself, or a ``TypeError`` when it is not an ``nn.Module`` satisfying
     :class:`TrainableModel` (with :class:`RunNumerics`)."""
-    if not (isinstance(model, torch.nn.Module) and isinstance(model, TrainableModel)
-            and isinstance(model.numerics, RunNumerics)):
+    if not (
+        isinstance(model, torch.nn.Module)
+        and isinstance(model, TrainableModel)
+        and isinstance(model.numerics, RunNumerics)
+    ):
         raise TypeError(f"{type(model).__name__} is not an nn.Module satisfying readback.train.contract.TrainableModel")
     return model

@@ -62,12 +62,17 @@ def maybe_export_slurm_env() -> None:
     if "SLURM_PROCID" not in os.environ or "SLURM_NTASKS" not in os.environ:
         return  # the batch script itself, not a task
     ntasks, nodes = int(os.environ["SLURM_NTASKS"]), int(os.environ.get("SLURM_JOB_NUM_NODES", "1"))
-    os.environ.update({
-        "RANK": os.environ["SLURM_PROCID"], "WORLD_SIZE": str(ntasks),
-        "LOCAL_RANK": os.environ.get("SLURM_LOCALID", "0"), "LOCAL_WORLD_SIZE": str(ntasks // nodes),
-        "MASTER_ADDR": os.environ.get("MASTER_ADDR") or first_host(os.environ.get("SLURM_JOB_NODELIST", "localhost")),
-        "MASTER_PORT": os.environ.get("MASTER_PORT") or str(20000 + int(os.environ["SLURM_JOB_ID"]) % 40000),
-    })
+    os.environ.update(
+        {
+            "RANK": os.environ["SLURM_PROCID"],
+            "WORLD_SIZE": str(ntasks),
+            "LOCAL_RANK": os.environ.get("SLURM_LOCALID", "0"),
+            "LOCAL_WORLD_SIZE": str(ntasks // nodes),
+            "MASTER_ADDR": os.environ.get("MASTER_ADDR")
+            or first_host(os.environ.get("SLURM_JOB_NODELIST", "localhost")),
+            "MASTER_PORT": os.environ.get("MASTER_PORT") or str(20000 + int(os.environ["SLURM_JOB_ID"]) % 40000),
+        }
+    )
 
 
 def world_from_env() -> tuple[int, int, int]:

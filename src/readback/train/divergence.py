@@ -21,7 +21,6 @@ import math
 from typing import Any
 
 
-
 class DivergenceDetector:
     def __init__(self, factor: float = 2.0, patience: int = 3, stop: bool = False, nonfinite_grads: str = "stop"):
         self.factor, self.patience, self.stop, self.nonfinite_grads = factor, patience, stop, nonfinite_grads
@@ -36,8 +35,7 @@ class DivergenceDetector:
 
     @classmethod
     def from_config(cls, cfg: Any) -> DivergenceDetector:
-        return cls(factor=cfg.factor, patience=cfg.patience, stop=cfg.stop,
-                   nonfinite_grads=cfg.nonfinite_grads)
+        return cls(factor=cfg.factor, patience=cfg.patience, stop=cfg.stop, nonfinite_grads=cfg.nonfinite_grads)
 
     @property
     def diverged(self) -> bool:

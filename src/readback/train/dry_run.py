@@ -28,8 +28,9 @@ def check_memory(cfg: DictConfig, builders: Builders, world_size: int) -> None:
     refuse_unless_fits(e, cfg.trainer.gpu_memory_gb)
 
 
-def dry_run(cfg: DictConfig, run_dir: Path, experiment: str, builders: Builders, *, rank: int,
-            world_size: int) -> dict[str, Any]:
+def dry_run(
+    cfg: DictConfig, run_dir: Path, experiment: str, builders: Builders, *, rank: int, world_size: int
+) -> dict[str, Any]:
     """Print the model's size and memory table, refuse it if it does not fit, else write
     ``status: dry_run`` (rank 0); reads data only for a vocabulary the config leaves unset."""
     t0 = time.time()
@@ -54,8 +55,14 @@ def dry_run(cfg: DictConfig, run_dir: Path, experiment: str, builders: Builders,
         "tokens": 0,
         "diverged_at_step": None,
         "wall_time_s": time.time() - t0,
-        "memory_gb": {p: {**{k: getattr(e, k) / GB for k in ("params", "grads", "optimizer", "activations")},
-                          "total": e.total / GB, "world_size": e.world_size} for p, e in estimates.items()},
+        "memory_gb": {
+            p: {
+                **{k: getattr(e, k) / GB for k in ("params", "grads", "optimizer", "activations")},
+                "total": e.total / GB,
+                "world_size": e.world_size,
+            }
+            for p, e in estimates.items()
+        },
     }
     if rank == 0:
         write_summary(run_dir, summary)

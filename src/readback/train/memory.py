@@ -64,7 +64,9 @@ def estimate(model: TrainableModel, cfg: DictConfig, parallel: str, world_size: 
 
 def table(estimates: list[MemoryEstimate]) -> str:
     """A text table, one row per estimate, in GB per GPU."""
-    rows = [f"{'parallel':>8} {'world':>5} {'params':>8} {'grads':>8} {'adam':>8} {'activ.':>8} {'total':>8}  (GB per GPU)"]
+    rows = [
+        f"{'parallel':>8} {'world':>5} {'params':>8} {'grads':>8} {'adam':>8} {'activ.':>8} {'total':>8}  (GB per GPU)"
+    ]
     for e in estimates:
         cells = (e.params, e.grads, e.optimizer, e.activations, e.total)
         rows.append(f"{e.parallel:>8} {e.world_size:>5} " + " ".join(f"{c / GB:8.2f}" for c in cells))
@@ -74,9 +76,15 @@ def table(estimates: list[MemoryEstimate]) -> str:
 def refuse_unless_fits(e: MemoryEstimate, gpu_memory_gb: int | float) -> None:
     """A one-line ``ConfigError`` when ``e`` exceeds ``trainer.gpu_memory_gb``."""
     if e.total > gpu_memory_gb * GB:
-        hint = ("trainer.parallel=fsdp (or more GPUs)" if e.parallel == "ddp"
-                else "more GPUs, or a smaller trainer.micro_batch")
-        raise ConfigError("trainer.gpu_memory_gb", gpu_memory_gb,
-                          f"at least the estimated {e.total / GB:.1f} GB per GPU of trainer.parallel={e.parallel} on "
-                          f"{e.world_size} GPU(s) ({e.params / GB:.1f} params, {e.grads / GB:.1f} grads, "
-                          f"{e.optimizer / GB:.1f} AdamW, {e.activations / GB:.1f} activations); try {hint}")
+        hint = (
+            "trainer.parallel=fsdp (or more GPUs)"
+            if e.parallel == "ddp"
+            else "more GPUs, or a smaller trainer.micro_batch"
+        )
+        raise ConfigError(
+            "trainer.gpu_memory_gb",
+            gpu_memory_gb,
+            f"at least the estimated {e.total / GB:.1f} GB per GPU of trainer.parallel={e.parallel} on "
+            f"{e.world_size} GPU(s) ({e.params / GB:.1f} params, {e.grads / GB:.1f} grads, "
+            f"{e.optimizer / GB:.1f} AdamW, {e.activations / GB:.1f} activations); try {hint}",
+        )

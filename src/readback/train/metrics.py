@@ -167,8 +167,11 @@ def build_metrics_logger(
     wb = None
     if name == "wandb":
         identity = run_identity(
-            config, launch, user_tags=list(_get(logger_cfg, "tags", []) or []),
-            group=_get(logger_cfg, "group", None), job_type=str(_get(logger_cfg, "job_type", "train")),
+            config,
+            launch,
+            user_tags=list(_get(logger_cfg, "tags", []) or []),
+            group=_get(logger_cfg, "group", None),
+            job_type=str(_get(logger_cfg, "job_type", "train")),
         )
         wb = WandbLogger(
             run_dir=Path(run_dir),
@@ -189,6 +192,6 @@ def _get(cfg: Any, key: str, default: Any) -> Any:
         return default
     try:
         value = cfg.get(key, default)
-    except Exception:  # noqa: BLE001
+    except Exception:
         value = getattr(cfg, key, default)
     return default if value is None and default is not None else value

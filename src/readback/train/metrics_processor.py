@@ -65,8 +65,16 @@ class MetricsProcessor:
         if self.pbar is not None:
             self.pbar.update(1)
 
-    def record(self, step: int, loss: float, lr: float, gnorm: float, model: TrainableModel, skipped: int,
-               extra: dict[str, float]) -> dict[str, Any]:
+    def record(
+        self,
+        step: int,
+        loss: float,
+        lr: float,
+        gnorm: float,
+        model: TrainableModel,
+        skipped: int,
+        extra: dict[str, float],
+    ) -> dict[str, Any]:
         """The record of ``step``: the window's loss, the numerics' counts, and ``extra`` (activation
         statistics, probe)."""
         tps = self.window.tokens_per_s()

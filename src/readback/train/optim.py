@@ -64,8 +64,4 @@ def clip_gradients(params: list[torch.Tensor], max_norm: float) -> torch.Tensor:
 
 def nonfinite_grad_names(named_params: Iterable[tuple[str, torch.Tensor]]) -> list[str]:
     """Names of the parameters whose gradient holds a NaN or an Inf (the same on every rank)."""
-    return [
-        name
-        for name, p in named_params
-        if p.grad is not None and not bool(torch.isfinite(_full(p.grad)).all())
-    ]
+    return [name for name, p in named_params if p.grad is not None and not bool(torch.isfinite(_full(p.grad)).all())]

@@ -49,8 +49,13 @@ class WSDSchedule:
     @classmethod
     def from_config(cls, optim_cfg: Any, *, peak: float, steps: int) -> WSDSchedule:
         """Build from ``trainer.optim`` (``warmup_steps``, ``cooldown_frac``, ``min_lr``)."""
-        return cls(peak=peak, steps=steps, warmup_steps=optim_cfg.warmup_steps, cooldown_frac=optim_cfg.cooldown_frac,
-                   min_lr=optim_cfg.min_lr)
+        return cls(
+            peak=peak,
+            steps=steps,
+            warmup_steps=optim_cfg.warmup_steps,
+            cooldown_frac=optim_cfg.cooldown_frac,
+            min_lr=optim_cfg.min_lr,
+        )
 
 
 def build_scheduler(optimizer: torch.optim.Optimizer, schedule: WSDSchedule) -> torch.optim.lr_scheduler.LambdaLR:

@@ -23,9 +23,21 @@ def write_summary(run_dir: Path, summary: dict[str, Any]) -> None:
     atomic_write_text(summary_path(run_dir), json.dumps(json_safe(summary), indent=2, allow_nan=False) + "\n")
 
 
-def run_summary(status: str, *, step: int, tokens_per_step: int, final_loss: float | None, val_loss: float | None,
-                detector: Any, wall_time_s: float, n_params: int | None, flops_per_token: float | None,
-                site_implementations: dict[str, str] | None, world_size: int, experiment: str) -> dict[str, Any]:
+def run_summary(
+    status: str,
+    *,
+    step: int,
+    tokens_per_step: int,
+    final_loss: float | None,
+    val_loss: float | None,
+    detector: Any,
+    wall_time_s: float,
+    n_params: int | None,
+    flops_per_token: float | None,
+    site_implementations: dict[str, str] | None,
+    world_size: int,
+    experiment: str,
+) -> dict[str, Any]:
     """The keys of ``summary.json`` (``status``: completed, diverged or failed)."""
     return {
         "status": status,
@@ -67,5 +79,5 @@ class SummaryWriter:
             return
         try:
             write_summary(self.run_dir, {**summary, "status": "failed", "error": f"{type(error).__name__}: {error}"})
-        except Exception as write_error:  # noqa: BLE001
+        except Exception as write_error:
             log.error("could not write summary.json: %s", write_error)

@@ -38,14 +38,27 @@ log = logging.getLogger(__name__)
 
 #: The study's axes, as tags: tag name -> dotted config key.
 TAG_AXES = {
-    "model": "model.name", "precision": "precision.name", "rounding": "precision.rounding",
-    "policy": "policy.name", "bwd": "attention.bwd_precision",
+    "model": "model.name",
+    "precision": "precision.name",
+    "rounding": "precision.rounding",
+    "policy": "policy.name",
+    "bwd": "attention.bwd_precision",
 }
 #: The x axis of every curve, and the keys plotted against it (globs).
 STEP_METRIC = "tokens"
 TOKEN_AXIS_KEYS = (
-    "loss", "val_loss", "lr", "grad_norm", "tokens_per_s", "grad_error/*", "grad_error_se/*",
-    "attn_rowsum/*", "kurtosis/*", "fp8_saturation/*", "fp8_underflow/*", "grad_bias/*",
+    "loss",
+    "val_loss",
+    "lr",
+    "grad_norm",
+    "tokens_per_s",
+    "grad_error/*",
+    "grad_error_se/*",
+    "attn_rowsum/*",
+    "kurtosis/*",
+    "fp8_saturation/*",
+    "fp8_underflow/*",
+    "grad_bias/*",
 )
 #: Keys whose summary keeps both the last and the smallest value (val_loss: the summary.json value).
 MIN_LAST_KEYS = ("loss",)
@@ -70,10 +83,19 @@ class RunIdentity:
 def launch_context(run_dir: Path) -> dict[str, Any]:
     """Where the run came from: Hydra's overrides and directories, Slurm's job id, the host."""
     ctx: dict[str, Any] = {
-        "run_dir": str(run_dir), "overrides": [], "sweep_overrides": [], "sweep_dir": None,
-        "sweep": None, "job_num": None, "override_dirname": None,
-        "slurm_job_id": slurm_job_id(), "host": socket.gethostname(), "cpus": os.cpu_count(),
-        "python": platform.python_version(), "platform": platform.platform(), "argv": list(sys.argv),
+        "run_dir": str(run_dir),
+        "overrides": [],
+        "sweep_overrides": [],
+        "sweep_dir": None,
+        "sweep": None,
+        "job_num": None,
+        "override_dirname": None,
+        "slurm_job_id": slurm_job_id(),
+        "host": socket.gethostname(),
+        "cpus": os.cpu_count(),
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+        "argv": list(sys.argv),
         **_devices(),
     }
     try:
@@ -88,15 +110,21 @@ def launch_context(run_dir: Path) -> dict[str, Any]:
     ctx["override_dirname"] = str(hc.job.override_dirname)
     if hc.mode == RunMode.MULTIRUN:
         sweep_dir = Path(str(hc.sweep.dir))
-        ctx.update(sweep_dir=str(sweep_dir), sweep=sweep_dir.name, job_num=int(hc.job.num),
-                   sweep_overrides=sweep_overrides(sweep_dir))
+        ctx.update(
+            sweep_dir=str(sweep_dir),
+            sweep=sweep_dir.name,
+            job_num=int(hc.job.num),
+            sweep_overrides=sweep_overrides(sweep_dir),
+        )
     return ctx
 
 
 def _devices() -> dict[str, Any]:
     import torch
 
-    gpus = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())] if torch.cuda.is_available() else []
+    gpus = (
+        [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())] if torch.cuda.is_available() else []
+    )
     return {"torch": torch.__version__, "gpus": gpus}
 
 
@@ -123,8 +151,14 @@ def sweep_overrides(sweep_dir: Path) -> list[str]:
     return [str(o) for o in (((doc.get("hydra") or {}).get("overrides") or {}).get("task") or [])]
 
 
-def run_identity(config: Mapping[str, Any], launch: Mapping[str, Any], *, user_tags: list[str] | None = None,
-                 group: str | None = None, job_type: str = "train") -> RunIdentity:
+def run_identity(
+    config: Mapping[str, Any],
+    launch: Mapping[str, Any],
+    *,
+    user_tags: list[str] | None = None,
+    group: str | None = None,
+    job_type: str = "train",
+) -> RunIdentity:
     """Name, group and tags of a run from its config and :func:`launch_context`."""
     experiment = str(config.get("experiment") or "custom")
     seed = config.get("seed")
@@ -204,9 +238,17 @@ class WandbLogger:
     requested mode is tried, then offline into the run directory, then nothing; the first
     failing ``log`` disables it."""
 
-    def __init__(self, *, run_dir: Path, identity: RunIdentity, project: str = "readback",
-                 entity: str | None = None, mode: str = "auto", run_id: str | None = None,
-                 init_timeout: float = 60.0):
+    def __init__(
+        self,
+        *,
+        run_dir: Path,
+        identity: RunIdentity,
+        project: str = "readback",
+        entity: str | None = None,
+        mode: str = "auto",
+        run_id: str | None = None,
+        init_timeout: float = 60.0,
+    ):
         self.run_id = run_id or new_wandb_run_id()
         self.mode = "noop"
         self._run = None
@@ -216,32 +258,40 @@ class WandbLogger:
             return
         try:
             import wandb
-        except Exception as e:  # noqa: BLE001
+        except Exception as e:
             log.warning("wandb unavailable (%s); metrics go to metrics.jsonl only", e)
             return
         for attempt in [wanted] + (["offline"] if wanted == "online" else []):
             try:
                 self._run = wandb.init(
-                    project=project, entity=entity, name=identity.name, group=identity.group,
-                    job_type=identity.job_type, tags=list(identity.tags), config=identity.config,
-                    dir=str(run_dir), id=self.run_id, resume="allow", mode=attempt,
+                    project=project,
+                    entity=entity,
+                    name=identity.name,
+                    group=identity.group,
+                    job_type=identity.job_type,
+                    tags=list(identity.tags),
+                    config=identity.config,
+                    dir=str(run_dir),
+                    id=self.run_id,
+                    resume="allow",
+                    mode=attempt,
                     settings=wandb.Settings(init_timeout=float(init_timeout), silent=True),
                 )
                 self.mode = attempt
                 break
-            except Exception as e:  # noqa: BLE001 - any wandb failure must not stop training
+            except Exception as e:
                 log.warning("wandb.init in %s mode failed (%s: %s)", attempt, type(e).__name__, e)
                 self._run = None
                 try:  # a failed init keeps the run id taken in this process: release it for the next try
                     wandb.teardown()
-                except Exception:  # noqa: BLE001
+                except Exception:
                     pass
         if self._run is None:
             log.warning("wandb disabled for this run; metrics go to metrics.jsonl only")
             return
         try:
             define_metrics(self._run)
-        except Exception as e:  # noqa: BLE001 - curves then plot against the step: still a run
+        except Exception as e:
             log.warning("wandb define_metric failed (%s: %s)", type(e).__name__, e)
 
     def log(self, record: Mapping[str, Any], step: int) -> None:
@@ -249,7 +299,7 @@ class WandbLogger:
             return
         try:
             self._run.log({k: v for k, v in record.items() if k != "step"}, step=int(step))
-        except Exception as e:  # noqa: BLE001
+        except Exception as e:
             self._fail("log", e)
 
     def summary(self, values: Mapping[str, Any]) -> None:
@@ -258,7 +308,7 @@ class WandbLogger:
         try:
             for k, v in values.items():
                 self._run.summary[k] = v
-        except Exception as e:  # noqa: BLE001
+        except Exception as e:
             self._fail("summary", e)
 
     def mark_preempting(self) -> None:
@@ -267,7 +317,7 @@ class WandbLogger:
             return
         try:
             self._run.mark_preempting()
-        except Exception as e:  # noqa: BLE001
+        except Exception as e:
             log.debug("wandb mark_preempting failed: %s", e)
 
     def _fail(self, what: str, e: Exception) -> None:
@@ -282,5 +332,5 @@ class WandbLogger:
             return
         try:
             run.finish(exit_code=exit_code)
-        except Exception as e:  # noqa: BLE001
+        except Exception as e:
             log.warning("wandb finish failed (%s: %s)", type(e).__name__, e)

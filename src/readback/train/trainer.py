@@ -49,8 +49,8 @@ from readback.train.checkpoint_manager import (
 from readback.train.contract import Builders, check_model
 from readback.train.distributed import DistEnv, all_reduce_mean
 from readback.train.divergence import DivergenceDetector
-from readback.train.instruments import TrainingBiasMeter
 from readback.train.dry_run import check_memory
+from readback.train.instruments import TrainingBiasMeter
 from readback.train.metrics import build_metrics_logger
 from readback.train.metrics_processor import MetricsProcessor
 from readback.train.optim import build_optimizer, clip_gradients, nonfinite_grad_names
@@ -69,8 +69,16 @@ log = logging.getLogger(__name__)
 
 
 class Trainer:
-    def __init__(self, cfg: DictConfig, run_dir: Path, env: DistEnv, accum: int, experiment: str,
-                 builders: Builders, guard: PreemptionGuard) -> None:
+    def __init__(
+        self,
+        cfg: DictConfig,
+        run_dir: Path,
+        env: DistEnv,
+        accum: int,
+        experiment: str,
+        builders: Builders,
+        guard: PreemptionGuard,
+    ) -> None:
         self.cfg, self.run_dir, self.env, self.accum, self.experiment = cfg, Path(run_dir), env, accum, experiment
         self.builders, self.guard = builders, guard
         t = cfg.trainer
@@ -104,15 +112,24 @@ class Trainer:
         self.optimizer = build_optimizer(self.model, cfg.trainer.optim)
         schedule = WSDSchedule.from_config(cfg.trainer.optim, peak=cfg.model.lr, steps=self.steps)
         self.scheduler = build_scheduler(self.optimizer, schedule)
-        self.metrics = MetricsProcessor(env, tokens_per_step=self.tokens_per_step, t_start=self.t_start,
-                                        flops_per_token=float(self.model.flops_per_token()))
-        self.validator = Validator(self.stream, cfg.trainer.eval_batches, env,
-                                   lockstep=parallel_of(cfg) == "fsdp")
+        self.metrics = MetricsProcessor(
+            env,
+            tokens_per_step=self.tokens_per_step,
+            t_start=self.t_start,
+            flops_per_token=float(self.model.flops_per_token()),
+        )
+        self.validator = Validator(self.stream, cfg.trainer.eval_batches, env, lockstep=parallel_of(cfg) == "fsdp")
         self.checkpoints = CheckpointManager(
-            self.run_dir, cfg, env,
-            shared={"model": ModelState(self.model), "optimizer": OptimizerState(self.model, self.optimizer),
-                    "schedule": self.scheduler,
-                    "divergence": self.detector, "progress": self.metrics},
+            self.run_dir,
+            cfg,
+            env,
+            shared={
+                "model": ModelState(self.model),
+                "optimizer": OptimizerState(self.model, self.optimizer),
+                "schedule": self.scheduler,
+                "divergence": self.detector,
+                "progress": self.metrics,
+            },
             per_rank={"data": self.stream, "numerics": self.model.numerics, "rng": RNGState()},
         )
 
@@ -126,13 +143,25 @@ class Trainer:
             self.step = start
             self.summary.clear()
             self.metrics.logger = build_metrics_logger(
-                self.cfg.logger, self.run_dir, is_main=env.is_main,
-                resume_step=start, config=plain_config(self.cfg), wandb_run_id=wandb_id,
+                self.cfg.logger,
+                self.run_dir,
+                is_main=env.is_main,
+                resume_step=start,
+                config=plain_config(self.cfg),
+                wandb_run_id=wandb_id,
             )
             if env.is_main:
-                log.info("%s: %s params, %.4g FLOPs/token, %d steps x %d tokens, accum %d, world %d, %s",
-                         self.experiment, f"{self.n_params:,}", self.metrics.flops_per_token, self.steps,
-                         self.tokens_per_step, self.accum, env.world_size, env.device)
+                log.info(
+                    "%s: %s params, %.4g FLOPs/token, %d steps x %d tokens, accum %d, world %d, %s",
+                    self.experiment,
+                    f"{self.n_params:,}",
+                    self.metrics.flops_per_token,
+                    self.steps,
+                    self.tokens_per_step,
+                    self.accum,
+                    env.world_size,
+                    env.device,
+                )
             status = self._loop(start)
         except Preempted as p:
             if env.is_main:
@@ -274,10 +303,16 @@ class Trainer:
     def _summary(self, status: str) -> dict[str, Any]:
         m = self.metrics
         return run_summary(
-            status, step=self.step, tokens_per_step=self.tokens_per_step, detector=self.detector,
-            final_loss=m.window.last_loss if m else None, val_loss=m.window.last_val_loss if m else None,
-            wall_time_s=m.wall_time() if m else time.time() - self.t_start, n_params=self.n_params,
-            flops_per_token=m.flops_per_token if m else None, world_size=self.env.world_size,
+            status,
+            step=self.step,
+            tokens_per_step=self.tokens_per_step,
+            detector=self.detector,
+            final_loss=m.window.last_loss if m else None,
+            val_loss=m.window.last_val_loss if m else None,
+            wall_time_s=m.wall_time() if m else time.time() - self.t_start,
+            n_params=self.n_params,
+            flops_per_token=m.flops_per_token if m else None,
+            world_size=self.env.world_size,
             site_implementations=site_implementations(self.cfg) if hasattr(self.cfg, "backend") else None,
             experiment=self.experiment,
         )

@@ -26,7 +26,9 @@ class Validator:
     def evaluate(self, model: TrainableModel) -> float:
         env, dev = self.env, self.env.device
         batches = list(self.stream.val_batches(self.batches))
-        rounds = -(-len(batches) // env.world_size) if self.lockstep else len(range(env.rank, len(batches), env.world_size))
+        rounds = (
+            -(-len(batches) // env.world_size) if self.lockstep else len(range(env.rank, len(batches), env.world_size))
+        )
         was_training = model.training
         model.eval()
         totals = torch.zeros(2, dtype=torch.float64, device=dev)  # (sum of losses, batches)
