@@ -26,8 +26,9 @@ def _decode_table(fp8_dtype: torch.dtype, dtype: torch.dtype) -> torch.Tensor:
 
 def decode(data: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """``data.to(dtype)``, bit for bit; FP8 on the CPU goes through a 256-entry table, several
-    times faster than torch's cast. The layout of a (transposed) contiguous tensor is kept."""
-    if data.dtype not in _FP8_DTYPES or data.device.type != "cpu":
+    times faster than torch's cast. The layout of a (transposed) contiguous tensor is kept.
+    A compiled graph takes the cast, which the compiler fuses with its neighbours."""
+    if data.dtype not in _FP8_DTYPES or data.device.type != "cpu" or torch.compiler.is_compiling():
         return data.to(dtype)
     if not data.is_contiguous():
         return decode(data.mT, dtype).mT if data.dim() >= 2 and data.mT.is_contiguous() else data.to(dtype)

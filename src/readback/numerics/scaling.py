@@ -105,7 +105,7 @@ class DelayedScalingState:
                 t.to(x.device) for t in (self.history, self.scale, self.pending_amax)
             )
         amax = abs_max(x) if amax is None else amax
-        self.pending_amax = torch.maximum(self.pending_amax, amax.float())
+        torch.maximum(self.pending_amax, amax.float(), out=self.pending_amax)  # in place: a compiled backward can
         return self.scale
 
     def end_step(self) -> None:
@@ -142,8 +142,12 @@ class CurrentScalingState:
 
     def scale_for(self, x: torch.Tensor, amax: torch.Tensor | None = None) -> torch.Tensor:
         amax = (abs_max(x) if amax is None else amax).float()
-        self.scale = compute_scale(amax, self.fmt, self.recipe.margin, self.scale.to(amax.device))
-        return self.scale
+        scale = compute_scale(amax, self.fmt, self.recipe.margin, self.scale.to(amax.device))
+        if self.scale.device == scale.device:  # kept in place (a compiled backward cannot rebind it)
+            self.scale.copy_(scale)
+        else:
+            self.scale = scale.clone()
+        return scale
 
     def end_step(self) -> None:
         pass

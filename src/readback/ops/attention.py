@@ -25,6 +25,7 @@ import torch
 
 from readback.numerics import QTensor, abs_max, matmul, pinned
 from readback.ops import mechanism
+from readback.ops.saved import load, save
 
 ROW_BLOCK = 64  # query rows per block of the backward
 
@@ -73,32 +74,36 @@ class _Attention(torch.autograd.Function):
         reads = READS[numerics.policy]
         fctx.numerics, fctx.name, fctx.scale, fctx.gemm = numerics, name, softmax_scale, gemm
         fctx.mechanism = numerics.mechanism
-        fctx.oq = oq
-        fctx.q_for_dk = {"rounded": qq}[reads["dK"]]
-        fctx.k_for_dq = {"rounded": k_groups}[reads["dQ"]]
-        fctx.v_for_dp = {"rounded": v_groups}[reads["dP"]]
-        fctx.p_for_dv = {"rounded": pq}[reads["dV"]]
-        # dS reads the original P: recomputed in the backward from Q8 and K8 (saved for dK and dQ)
-        fctx.p_for_ds = {"original": None, "rounded": pq}[reads["dS"]]
-        fctx.out = out if reads["D"] in ("original", "fresh") else None
+        saved = {
+            "q_for_dk": {"rounded": qq}[reads["dK"]],
+            "k_for_dq": {"rounded": k_groups}[reads["dQ"]],
+            "v_for_dp": {"rounded": v_groups}[reads["dP"]],
+            "p_for_dv": {"rounded": pq}[reads["dV"]],
+            # dS reads the original P: recomputed in the backward from Q8 and K8 (saved for dK and dQ)
+            "p_for_ds": {"original": None, "rounded": pq}[reads["dS"]],
+            "out": out if reads["D"] in ("original", "fresh") else None,
+        }
+        # O8's data is also an output; a compiled graph cannot save an output as is, so it saves a copy.
+        save(fctx, oq=oq.map(torch.clone) if torch.compiler.is_compiling() else oq, **saved)
         # output_fp8 is the O8 copy shared with the projection (which does not count it again).
         numerics.account(
             "attention",
-            q=fctx.q_for_dk,
-            k=fctx.k_for_dq,
-            v=fctx.v_for_dp,
-            probs_fp8=fctx.p_for_dv,
+            q=saved["q_for_dk"],
+            k=saved["k_for_dq"],
+            v=saved["v_for_dp"],
+            probs_fp8=saved["p_for_dv"],
             output_fp8=oq,
-            out=fctx.out,
+            out=saved["out"],
         )
-        fctx.mark_non_differentiable(oq.data, oq.scale)
-        return oq.dequantize(dtype), oq.data, oq.scale
+        scale = oq.scale.clone()  # not the site's own scale tensor: an output must not alias state
+        fctx.mark_non_differentiable(oq.data, scale)
+        return oq.dequantize(dtype), oq.data, scale
 
     @staticmethod
     def backward(fctx, d_out, _data, _scale):
-        numerics, name = fctx.numerics, fctx.name
+        numerics, name, saved = fctx.numerics, fctx.name, load(fctx)
         precision, dtype = numerics.attention_bwd, numerics.dtype
-        batch, heads, seq, dim = fctx.q_for_dk.data.shape
+        batch, heads, seq, dim = saved["q_for_dk"].data.shape
         as_heads = lambda t: t.reshape(batch, seq, heads, dim).transpose(1, 2)  # noqa: E731
         d_out = as_heads(d_out.to(dtype))
         if precision == "fp8":
@@ -107,19 +112,21 @@ class _Attention(torch.autograd.Function):
         else:
             d_out_operand = d_out
 
-        kq, vq = _expand_groups(fctx.k_for_dq, heads), _expand_groups(fctx.v_for_dp, heads)
-        d_v = matmul(fctx.p_for_dv.mT, d_out_operand, precision)
-        o_read = _o_read(fctx)
+        kq, vq = _expand_groups(saved["k_for_dq"], heads), _expand_groups(saved["v_for_dp"], heads)
+        d_v = matmul(saved["p_for_dv"].mT, d_out_operand, precision)
+        o_read = _o_read(numerics, name, saved)
 
         def d_scores(rows: slice, d_term: mechanism.DTermCosine | None = None) -> torch.Tensor:
             """dS = P (dP - D) of query rows ``rows``, all heads, in ``dtype``; ``d_term``
             accumulates the block's share of the mechanism's D-term cosine."""
-            if fctx.p_for_ds is None:
+            if saved["p_for_ds"] is None:
                 probs = _softmax(
-                    _scores(fctx.q_for_dk.map(lambda d: d[:, :, rows]), kq, fctx.scale, fctx.gemm), rows.start, dtype
+                    _scores(saved["q_for_dk"].map(lambda d: d[:, :, rows]), kq, fctx.scale, fctx.gemm),
+                    rows.start,
+                    dtype,
                 )
             else:
-                probs = _value(fctx.p_for_ds.map(lambda d: d[:, :, rows]), dtype)
+                probs = _value(saved["p_for_ds"].map(lambda d: d[:, :, rows]), dtype)
             d_p = matmul(_rows(d_out_operand, rows), vq.mT, precision)
             read = d_out[:, :, rows] * o_read[:, :, rows] if o_read is not None else probs * d_p
             row_term = read.sum(-1, keepdim=True)
@@ -133,8 +140,9 @@ class _Attention(torch.autograd.Function):
         amax = (
             torch.stack([abs_max(d_scores(rows)) for rows in blocks]).amax() if site and site.reads_amax_first else None
         )
+        # FP8 codes are written as bytes (the compiler cannot blend FP8 tensors into a slice)
         operand = torch.empty(
-            batch, heads, seq, seq, dtype=site.fmt.dtype if site else _DTYPES[precision], device=d_out.device
+            batch, heads, seq, seq, dtype=torch.uint8 if site else _DTYPES[precision], device=d_out.device
         )
         rowsums, d_s_scale = [], None
         d_term = mechanism.DTermCosine(_value(kq, dtype)) if fctx.mechanism else None
@@ -145,15 +153,15 @@ class _Attention(torch.autograd.Function):
                 operand[:, :, rows] = d_s
             else:
                 d_s_q = site.quantize(d_s, amax=amax)
-                operand[:, :, rows], d_s_scale = d_s_q.data, d_s_q.scale
+                operand[:, :, rows], d_s_scale = d_s_q.data.view(torch.uint8), d_s_q.scale
         numerics.observe(f"attn_rowsum/{name}", torch.cat(rowsums, -1))
         if d_term is not None:
             d_term.observe(numerics, name)
-        d_s_operand = operand if site is None else QTensor(operand, d_s_scale, site.fmt)
+        d_s_operand = operand if site is None else QTensor(operand.view(site.fmt.dtype), d_s_scale, site.fmt)
 
         d_q = matmul(d_s_operand, kq, precision) * fctx.scale
-        d_k = matmul(d_s_operand.mT, fctx.q_for_dk, precision) * fctx.scale
-        groups = fctx.k_for_dq.data.shape[1]
+        d_k = matmul(d_s_operand.mT, saved["q_for_dk"], precision) * fctx.scale
+        groups = saved["k_for_dq"].data.shape[1]
         d_k = d_k.reshape(batch, groups, heads // groups, seq, dim).sum(2)
         d_v = d_v.reshape(batch, groups, heads // groups, seq, dim).sum(2)
         return d_q, d_k, d_v, None, None, None
@@ -183,20 +191,20 @@ def _value(t: torch.Tensor | QTensor, dtype: torch.dtype) -> torch.Tensor:
     return t.dequantize(dtype) if isinstance(t, QTensor) else t.to(dtype)
 
 
-def _o_read(fctx) -> torch.Tensor | None:
+def _o_read(numerics, name: str, saved: dict) -> torch.Tensor | None:
     """The O that the D-term reads under the policy, in (B, H, T, hd); None for ``rowsum(P*dP)``."""
-    mode = READS[fctx.numerics.policy]["D"]
-    batch, heads, seq, dim = fctx.q_for_dk.data.shape
-    dtype = fctx.numerics.dtype
+    mode = READS[numerics.policy]["D"]
+    batch, heads, seq, dim = saved["q_for_dk"].data.shape
+    dtype, oq = numerics.dtype, saved["oq"]
     if mode == "none":
         return None
     if mode == "rounded":
-        o = fctx.oq.dequantize(dtype)
+        o = oq.dequantize(dtype)
     elif mode == "original":
-        o = fctx.out
+        o = saved["out"]
     else:  # fresh: same scale and format as the forward's O8, an independent random stream
-        site = fctx.numerics.site(f"{fctx.name}.output")
-        o = site.quantize(fctx.out, "stochastic", scale=fctx.oq.scale, stream="fresh").dequantize(dtype)
+        site = numerics.site(f"{name}.output")
+        o = site.quantize(saved["out"], "stochastic", scale=oq.scale, stream="fresh").dequantize(dtype)
     return o.reshape(batch, seq, heads, dim).transpose(1, 2)
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import torch
 
 from readback.numerics import QTensor, matmul, pinned
+from readback.ops.saved import load, save
 from readback.policy import POLICIES
 
 # gradient -> which value of the tensor it multiplies it reads:
@@ -19,38 +20,46 @@ READS = {policy: {"dgrad": "rounded", "wgrad": "rounded"} for policy in POLICIES
 
 class _Linear(torch.autograd.Function):
     @staticmethod
-    def forward(fctx, x, weight, numerics, name, x_q):
+    def forward(fctx, x, weight, numerics, name, x_q_data, x_q_scale, x_q_fmt):
         reads = READS[numerics.policy]
-        x2 = x.reshape(-1, x.shape[-1])
         rounding = numerics.rounding
         xq = (
-            x_q.map(lambda d: d.reshape(-1, d.shape[-1]))
-            if x_q is not None
-            else (numerics.site(f"{name}.input").quantize(x2, rounding))
+            QTensor(_rows(x_q_data), x_q_scale, x_q_fmt)
+            if x_q_data is not None
+            else (numerics.site(f"{name}.input").quantize(_rows(x), rounding))
         )
         wq = numerics.site(f"{name}.weight").quantize(weight, rounding)
         y = matmul(xq, wq.mT, numerics.linear_precision("fprop"))
         numerics.record(name, input=xq, weight=wq, output=y)
 
-        candidates = {"rounded": (xq, wq), "original": (x2, weight)}
-        fctx.x_for_wgrad = candidates[reads["wgrad"]][0]
-        fctx.w_for_dgrad = candidates[reads["dgrad"]][1]
+        # An input (or its rounded copy, passed in) is saved in its own shape, not as a 2-D view:
+        # a compiled graph cannot save a view of its input.
+        x_q = xq if x_q_data is None else QTensor(x_q_data, x_q_scale, x_q_fmt)
+        candidates = {"rounded": (x_q, wq), "original": (x, weight)}
+        x_for_wgrad, w_for_dgrad = candidates[reads["wgrad"]][0], candidates[reads["dgrad"]][1]
+        save(fctx, x_for_wgrad=x_for_wgrad, w_for_dgrad=w_for_dgrad)
         fctx.numerics, fctx.name, fctx.x_shape = numerics, name, x.shape
-        numerics.account("linear", input=fctx.x_for_wgrad if x_q is None else None, weight=fctx.w_for_dgrad)
+        numerics.account("linear", input=x_for_wgrad if x_q_data is None else None, weight=w_for_dgrad)
         return y.reshape(*x.shape[:-1], weight.shape[0])
 
     @staticmethod
     def backward(fctx, dy):
-        numerics = fctx.numerics
+        numerics, saved = fctx.numerics, load(fctx)
         dgrad, wgrad = numerics.linear_precision("dgrad"), numerics.linear_precision("wgrad")
         dy = dy.reshape(-1, dy.shape[-1]).to(numerics.dtype)
         dyq = numerics.site(f"{fctx.name}.grad_output", "bwd").quantize(dy) if "fp8" in (dgrad, wgrad) else None
         dx = dw = None
         if fctx.needs_input_grad[0]:
-            dx = matmul(dyq if dgrad == "fp8" else dy, fctx.w_for_dgrad, dgrad).reshape(fctx.x_shape)
+            dx = matmul(dyq if dgrad == "fp8" else dy, saved["w_for_dgrad"], dgrad).reshape(fctx.x_shape)
         if fctx.needs_input_grad[1]:
-            dw = matmul((dyq if wgrad == "fp8" else dy).mT, fctx.x_for_wgrad, wgrad)
-        return dx, dw, None, None, None
+            x = saved["x_for_wgrad"]
+            x = x.map(_rows) if isinstance(x, QTensor) else _rows(x)
+            dw = matmul((dyq if wgrad == "fp8" else dy).mT, x, wgrad)
+        return dx, dw, None, None, None, None, None
+
+
+def _rows(t: torch.Tensor) -> torch.Tensor:
+    return t.reshape(-1, t.shape[-1])
 
 
 def replay(x: torch.Tensor, weight: torch.Tensor, record: dict, dtype: torch.dtype = torch.float32) -> torch.Tensor:
@@ -70,4 +79,6 @@ def linear(x: torch.Tensor, weight: torch.Tensor, numerics, name: str, x_q: QTen
     """
     if numerics.replaying:
         return replay(x, weight, numerics.next_record(name), numerics.dtype)
-    return _Linear.apply(x, weight, numerics, name, x_q)
+    if x_q is None:
+        return _Linear.apply(x, weight, numerics, name, None, None, None)
+    return _Linear.apply(x, weight, numerics, name, x_q.data, x_q.scale, x_q.fmt)

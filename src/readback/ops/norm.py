@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 
 from readback.numerics import QTensor, pinned
+from readback.ops.saved import load, save
 from readback.policy import POLICIES
 
 # gradient -> which normalised value (x - mean) / std, or x / rms(x), it reads.
@@ -35,23 +36,25 @@ class _Norm(torch.autograd.Function):
         yq = numerics.site(f"{name}.output").quantize(y, numerics.rounding) if round_output else None
         numerics.record(name, output=yq)
         # "rounded" reads the output's FP8 copy (less the bias, divided by the gain): the naive rule.
-        fctx.gain_reads = normalized if READS[numerics.policy]["gain"] == "original" else yq
+        gain_reads = normalized if READS[numerics.policy]["gain"] == "original" else yq
         fctx.center = center
-        fctx.save_for_backward(normalized, inv_std, gain, bias)
+        save(fctx, normalized=normalized, inv_std=inv_std, gain=gain, bias=bias, gain_reads=gain_reads)
         numerics.account("rms_norm", normalized=normalized)
         if yq is None:
             return y, None, None
-        fctx.mark_non_differentiable(yq.data, yq.scale)
-        return yq.dequantize(y.dtype), yq.data, yq.scale
+        scale = yq.scale.clone()  # not the site's own scale tensor: an output must not alias state
+        fctx.mark_non_differentiable(yq.data, scale)
+        return yq.dequantize(y.dtype), yq.data, scale
 
     @staticmethod
     def backward(fctx, dy, _data, _scale):
-        normalized, inv_std, gain, bias = fctx.saved_tensors
+        saved = load(fctx)
+        normalized, inv_std, gain, bias = (saved[k] for k in ("normalized", "inv_std", "gain", "bias"))
         dy = dy.to(normalized.dtype)
         rows = lambda t: t.reshape(-1, dy.shape[-1]).sum(0)  # noqa: E731
         d_gain = d_bias = None
         if fctx.needs_input_grad[1]:
-            read = fctx.gain_reads
+            read = saved["gain_reads"]
             if not isinstance(read, torch.Tensor):
                 read = read.dequantize(normalized.dtype)
                 read = (read if bias is None else read - bias) / gain

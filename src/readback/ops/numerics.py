@@ -189,7 +189,7 @@ class Numerics:
         that diverges from FP8 overflow shows it here first."""
         counts = {name: int(site.saturated) for name, site in self.sites.items()}
         for site in self.sites.values():
-            site.saturated = 0
+            site.saturated.zero_()
         return {name: n for name, n in counts.items() if n}
 
     def underflow_fractions(self) -> dict[str, float]:
@@ -202,18 +202,27 @@ class Numerics:
             if float(site.nonzero) > 0
         }
         for site in self.sites.values():
-            site.underflowed = site.nonzero = 0
+            site.underflowed.zero_()
+            site.nonzero.zero_()
         return fractions
 
     def observe(self, key: str, values: torch.Tensor) -> None:
-        """Accumulate count, sum and sum of squares of ``values`` under ``key`` (in FP64)."""
+        """Accumulate count, sum and sum of squares of ``values`` under ``key`` (in FP64).
+
+        A key's moments are added in place once it exists (a compiled backward can only write
+        into existing tensors); a popped key stays, at count 0, for the same reason."""
         v = values.detach().to(torch.float64).flatten()
         moments = torch.stack(
             [torch.tensor(float(v.numel()), dtype=torch.float64, device=v.device), v.sum(), v.square().sum()]
         )
-        if key in self.observations:  # (a resumed run's moments come back on the CPU)
-            moments = moments + self.observations[key].to(moments.device)
-        self.observations[key] = moments
+        self._add_moments(key, moments)
+
+    def _add_moments(self, key: str, moments: torch.Tensor) -> None:
+        slot = self.observations.get(key)
+        if slot is None or slot.device != moments.device:  # (a resumed run's moments come back on the CPU)
+            self.observations[key] = moments if slot is None else moments + slot.to(moments.device)
+        else:
+            slot.add_(moments)
 
     def observe_max(self, key: str, value: torch.Tensor) -> None:
         """Keep the largest ``value`` under ``key`` (popped as ``<kind>/max/<site>``)."""
@@ -230,12 +239,15 @@ class Numerics:
             stats[f"{kind}/max/{site}"] = float(value)
         self.maxima.clear()
         for key, (count, total, squares) in ((k, m.tolist()) for k, m in self.observations.items()):
+            if count == 0:
+                continue
             kind, site = key.split("/", 1)
             mean = total / count
             variance = max(squares / count - mean * mean, 0.0) * count / max(count - 1, 1)
             stats[f"{kind}/mean/{site}"] = mean
             stats[f"{kind}/z/{site}"] = mean / (variance / count) ** 0.5 if variance > 0 else 0.0
-        self.observations.clear()
+        for moments in self.observations.values():
+            moments.zero_()
         return stats
 
     def end_step(self) -> None:
@@ -262,12 +274,13 @@ class Numerics:
             name: {
                 "direction": s.direction,
                 "state": s.state.state_dict(),
-                "saturated": s.saturated,
-                "underflow": (s.underflowed, s.nonzero),
+                "saturated": s.saturated.clone(),
+                "underflow": (s.underflowed.clone(), s.nonzero.clone()),
             }
             for name, s in self.sites.items()
         }
-        return {"step": self.step, "sites": sites, "observations": dict(self.observations), "maxima": dict(self.maxima)}
+        observations = {key: m.clone() for key, m in self.observations.items() if m[0] > 0}
+        return {"step": self.step, "sites": sites, "observations": observations, "maxima": dict(self.maxima)}
 
     def load_state_dict(self, state: dict) -> None:
         self.step = state["step"]
@@ -275,9 +288,13 @@ class Numerics:
         for name, saved in state["sites"].items():
             site = self.site(name, saved["direction"])
             site.state.load_state_dict(saved["state"])
-            site.saturated = saved.get("saturated", 0)
-            site.underflowed, site.nonzero = saved.get("underflow", (0, 0))
-        self.observations = dict(state.get("observations", {}))
+            site.saturated.fill_(saved.get("saturated", 0))
+            for counter, value in zip((site.underflowed, site.nonzero), saved.get("underflow", (0, 0))):
+                counter.fill_(value)
+        for moments in self.observations.values():
+            moments.zero_()
+        for key, moments in state.get("observations", {}).items():
+            self._add_moments(key, moments.clone())
         self.maxima = dict(state.get("maxima", {}))
 
 

@@ -41,8 +41,10 @@ class Site:
     def __init__(self, numerics: Numerics, name: str, direction: str, fmt: FP8Format | None, state, margin: int = 0):
         self.numerics, self.name, self.direction = numerics, name, direction
         self.fmt, self.state, self.margin = fmt, state, margin
-        self.saturated = 0  # elements clipped to +-fmt.max since the last saturation_counts()
-        self.underflowed = self.nonzero = 0  # nonzero elements rounded to 0 or a subnormal, of all nonzero
+        # Counters are tensors updated in place, so a compiled backward can count into them:
+        # elements clipped to +-fmt.max since the last saturation_counts(), and nonzero elements
+        # rounded to 0 or a subnormal (of all nonzero) since the last underflow_fractions().
+        self.saturated, self.underflowed, self.nonzero = (torch.zeros((), dtype=torch.int64) for _ in range(3))
 
     @property
     def reads_amax_first(self) -> bool:
@@ -71,7 +73,10 @@ class Site:
             if self.margin:
                 scale = scale * 2.0**-self.margin
         generator = self.numerics.generator(self.name, stream, x.device) if rounding == "stochastic" else None
-        self.saturated = self.saturated + _count_saturated(x, amax, scale, self.fmt)
+        self._follow(x.device)
+        saturated = _count_saturated(x, amax, scale, self.fmt)
+        if isinstance(saturated, torch.Tensor):
+            self.saturated.add_(saturated)
         q = quantize(x, self.fmt, scale, rounding, generator)
         self._count_underflow(x, q)
         return q
@@ -81,8 +86,15 @@ class Site:
         shortcut exists here (any tensor may hold tiny elements), so it is always counted."""
         nonzero = x.detach() != 0
         small = q.data.to(torch.float32).abs() < 2.0**self.fmt.min_exponent
-        self.underflowed = self.underflowed + (small & nonzero).sum()
-        self.nonzero = self.nonzero + nonzero.sum()
+        self.underflowed.add_((small & nonzero).sum())
+        self.nonzero.add_(nonzero.sum())
+
+    def _follow(self, device: torch.device) -> None:
+        """Move the counters to the model's device, once (before any compiled step)."""
+        if self.saturated.device != device:
+            self.saturated, self.underflowed, self.nonzero = (
+                t.to(device) for t in (self.saturated, self.underflowed, self.nonzero)
+            )
 
 
 def _count_saturated(x: torch.Tensor, amax: torch.Tensor, scale: torch.Tensor, fmt: FP8Format) -> torch.Tensor | int:

@@ -1,0 +1,45 @@
+"""What an op keeps for its backward: tensors and ``QTensor``s, through ``save_for_backward``.
+
+Tensors kept as attributes of the autograd context cannot be traced by ``torch.compile``
+(dynamo refuses intermediate tensors that leave the forward's subgraph that way); the saved
+tensors can. ``save`` flattens each ``QTensor`` to its data and scale; ``load`` rebuilds them.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from readback.numerics import QTensor
+
+
+def save(fctx, **values: torch.Tensor | QTensor | None) -> None:
+    """``fctx.save_for_backward`` of ``values``; ``None`` stays ``None``."""
+    tensors, layout = [], {}
+    for key, value in values.items():
+        if value is None:
+            layout[key] = None
+            continue
+        layout[key] = (len(tensors), value.fmt) if isinstance(value, QTensor) else (len(tensors),)
+        tensors += [value.data, _own(value.scale)] if isinstance(value, QTensor) else [value]
+    fctx.save_for_backward(*tensors)
+    fctx.layout = layout
+
+
+def _own(scale: torch.Tensor) -> torch.Tensor:
+    """A scale to save. While compiling, a copy: one scale tensor is often shared by several
+    saved values (and by the site's state), and dynamo drops saved tensors that alias."""
+    return scale.clone() if torch.compiler.is_compiling() else scale
+
+
+def load(fctx) -> dict[str, torch.Tensor | QTensor | None]:
+    """The ``values`` of ``save``, by name."""
+    tensors = fctx.saved_tensors
+    out = {}
+    for key, spec in fctx.layout.items():
+        if spec is None:
+            out[key] = None
+        elif len(spec) == 2:
+            out[key] = QTensor(tensors[spec[0]], tensors[spec[0] + 1], spec[1])
+        else:
+            out[key] = tensors[spec[0]]
+    return out
