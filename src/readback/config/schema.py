@@ -218,6 +218,7 @@ class Trainer(Checked):
     parallel: str = one_of(PARALLEL)
     gpu_memory_gb: float = number(0, low_open=True)
     progress: bool = MISSING
+    compile: bool = MISSING
     optim: Optim = MISSING
     divergence: Divergence = MISSING
 

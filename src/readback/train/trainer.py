@@ -38,6 +38,7 @@ from omegaconf import DictConfig
 from readback.backends import site_implementations
 from readback.errors import ConfigError
 from readback.model import ActivationStats
+from readback.ops.compiled import compiled
 from readback.probe import GradientProbe
 from readback.train.checkpoint import RNGState
 from readback.train.checkpoint_manager import (
@@ -106,6 +107,7 @@ class Trainer:
         self.model = check_model(self.builders.model(cfg, str(env.device)))
         self.n_params = int(self.model.n_params())
         self.forward = apply_parallelism(self.model, env, parallel_of(cfg))  # before the optimizer: FSDP shards
+        self.compiled = compiled(self.forward) if cfg.trainer.compile else None
         self.activation_stats = ActivationStats(self.model)  # forward hooks: FSDP keeps the modules
         self.named_params = [(n, p) for n, p in self.model.named_parameters() if p.requires_grad]
         self.params = [p for _, p in self.named_params]
@@ -207,7 +209,7 @@ class Trainer:
             last = micro == self.accum - 1
             self.activation_stats.active = self.model.numerics.mechanism = track_stats and last
             with nullcontext() if last else no_gradient_sync(self.forward, self.env):
-                loss = self.forward(x, y)
+                loss = self._forward_of(track_stats and last)(x, y)
                 (loss / self.accum).backward()
             loss_sum += loss.detach().float()
         self.activation_stats.active = self.model.numerics.mechanism = False
@@ -217,6 +219,14 @@ class Trainer:
         loss_v, gnorm_v, preempt_v = torch.stack([mean_loss, gnorm, preempt]).tolist()
         self.preempt = self.preempt or preempt_v > 0
         return loss_v, gnorm_v
+
+    def _forward_of(self, track_stats: bool):
+        """The compiled forward, once a step has created every rounding site (a compiled backward
+        can only update sites that exist), except where statistics are measured: their hooks and
+        records run eagerly."""
+        if self.compiled is None or track_stats or not self.model.numerics.sites:
+            return self.forward
+        return self.compiled
 
     def _apply_update(self, step: int, loss: float, gnorm: float) -> bool:
         """Step the optimizer unless the loss or the gradients are not finite; ``False``: stop."""
