@@ -10,7 +10,10 @@ table gives the median, min and max over the rounds. GFLOP/s use one formula for
 like tokens/s. The plain GPT has FOG's dimensions (width, depth, heads, KV groups, FFN width,
 sequence, tied vocabulary) and none of its numerics: pre-norm LayerNorm, GELU MLP, torch's
 ``scaled_dot_product_attention``, learned positions; it runs in FP32 and under BF16 autocast.
-``probe`` is the gradient probe with one repeat on the reuse_rounded model. Memory is each
+``probe`` is the gradient probe with one repeat on the reuse_rounded model. ``--compile`` adds
+each variant's ``torch.compile`` twin (``<variant>+compile``, readback's through
+``readback.ops.compiled``, after one eager step that creates the sites); its compilation is
+done in the warm-up, outside the timed rounds. Memory is each
 variant's peak RSS over a few steps, measured in its own process, as its rise over the RSS
 after building the model: once with glibc's default malloc (whose heap keeps freed blocks, so
 the figure includes fragmentation) and once with ``MALLOC_MMAP_THRESHOLD_=65536`` (large
@@ -36,6 +39,7 @@ from hydra import compose, initialize_config_dir
 
 from readback.backends import build_model
 from readback.config import CONF_DIR
+from readback.ops.compiled import compiled
 from readback.probe import GradientProbe
 
 VOCAB = 2048
@@ -85,8 +89,12 @@ class PlainGPT(nn.Module):
         return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
 
 
+COMPILED = "+compile"
+
+
 def build(variant: str, size: str, batch: int):
     """``(step function, FOG for the FLOP formula)`` of one variant, on fixed random tokens."""
+    variant, compile_it = variant.removesuffix(COMPILED), variant.endswith(COMPILED)
     experiment = READBACK.get(variant, "reuse_rounded")
     with initialize_config_dir(str(CONF_DIR), version_base="1.3"):
         cfg = compose("train", overrides=[f"model={size}", f"+experiment={experiment}", f"model.vocab_size={VOCAB}"])
@@ -97,14 +105,19 @@ def build(variant: str, size: str, batch: int):
     model = PlainGPT(fog.cfg) if variant in PLAIN else fog
     autocast = torch.autocast("cpu", torch.bfloat16) if variant == "plain_bf16" else nullcontext()
 
+    forward = model
+
     def step():
         with autocast:
-            loss = model(x, y)
+            loss = forward(x, y)
         loss.backward()
         if model is fog:
             fog.numerics.end_step()
         model.zero_grad(set_to_none=True)
 
+    if compile_it:
+        step()  # eager: creates every rounding site before the compiled graph is traced
+        forward = compiled(model)
     if variant == "probe":
         probe = GradientProbe(every=1, repeats=1)
         return (lambda: probe.measure(fog, x, y)), fog
@@ -151,13 +164,13 @@ def time_table(size: str, threads: int, batch: int, rounds: int, variants: list[
 def print_table(size: str, threads: int, batch: int, rounds: int, rows: dict, memory: dict) -> None:
     print(f"\n{size}, batch {batch}, {threads} thread(s), {rounds} interleaved rounds, torch {torch.__version__}")
     print(
-        f"  {'variant':<15}{'median ms':>10}{'min':>9}{'max':>9}{'tok/s':>9}{'GFLOP/s':>9}"
+        f"  {'variant':<23}{'median ms':>10}{'min':>9}{'max':>9}{'tok/s':>9}{'GFLOP/s':>9}"
         f"{'x bf16':>8}{'rise MiB':>10}{'live MiB':>10}"
     )
     for v, r in rows.items():
         mem = memory.get(v, {})
         print(
-            f"  {v:<15}{r['median_ms']:10.1f}{r['min_ms']:9.1f}{r['max_ms']:9.1f}{r['tokens_per_s']:9.0f}"
+            f"  {v:<23}{r['median_ms']:10.1f}{r['min_ms']:9.1f}{r['max_ms']:9.1f}{r['tokens_per_s']:9.0f}"
             f"{r['gflops']:9.2f}{r['median_ms'] / rows['bf16']['median_ms']:8.2f}"
             f"{mem.get('rise_mib', float('nan')):10.0f}{mem.get('live_rise_mib', float('nan')):10.0f}"
         )
@@ -166,10 +179,13 @@ def print_table(size: str, threads: int, batch: int, rounds: int, rows: dict, me
         "  readback bf16 / plain GFLOP/s: "
         + ", ".join(f"{p} {bf16 / rows[p]['gflops']:.2f}" for p in PLAIN if p in rows)
     )
+    for v in rows:
+        if v.endswith(COMPILED) and v.removesuffix(COMPILED) in rows:
+            eager = rows[v.removesuffix(COMPILED)]["median_ms"]
+            print(f"  {v} / eager step: {rows[v]['median_ms'] / eager:.2f}")
     if "probe" in rows:
-        print(
-            f"  probe (1 repeat) / reuse_rounded step: {rows['probe']['median_ms'] / rows['reuse_rounded']['median_ms']:.2f}"
-        )
+        ratio = rows["probe"]["median_ms"] / rows["reuse_rounded"]["median_ms"]
+        print(f"  probe (1 repeat) / reuse_rounded step: {ratio:.2f}")
 
 
 def main() -> None:
@@ -179,6 +195,7 @@ def main() -> None:
     parser.add_argument("--batch", type=int, nargs="+", default=[8, 4], help="micro-batch per size")
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--variants", nargs="+", default=[*READBACK, *PLAIN, "probe"])
+    parser.add_argument("--compile", action="store_true", help="also time each variant compiled (not the probe)")
     parser.add_argument("--no-memory", action="store_true", help="skip the peak-RSS processes")
     parser.add_argument("--memory-of", nargs=3, metavar=("VARIANT", "SIZE", "BATCH"), help=argparse.SUPPRESS)
     parser.add_argument("--json", help="also write the results here")
@@ -187,11 +204,13 @@ def main() -> None:
         torch.set_num_threads(1)
         print(json.dumps(peak_memory(args.memory_of[0], args.memory_of[1], int(args.memory_of[2]))))
         return
+    if args.compile:
+        args.variants += [v + COMPILED for v in args.variants if v != "probe"]
     results = {}
     for size, batch in zip(args.sizes, args.batch * len(args.sizes)):
         memory = {}
         if not args.no_memory:
-            for v in args.variants:
+            for v in (v for v in args.variants if not v.endswith(COMPILED)):  # (the compiler's own memory would count)
                 memory[v] = {}
                 for prefix, malloc in (("", {}), ("live_", {"MALLOC_MMAP_THRESHOLD_": "65536"})):
                     out = subprocess.run(
