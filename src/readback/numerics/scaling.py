@@ -109,15 +109,17 @@ class DelayedScalingState:
         return self.scale
 
     def end_step(self) -> None:
+        """Tensors change in place: a compiled step reads them as its inputs, and a new tensor
+        object would have it compiled again."""
         self.history[self.steps % len(self.history)] = self.pending_amax
         self.steps += 1
-        self.pending_amax = torch.zeros_like(self.pending_amax)
+        self.pending_amax.zero_()
         if self.steps % self.recipe.interval == 0:
             if self.recipe.amax_compute_algo == "max":
                 amax = self.history.max()
             else:
                 amax = self.history[(self.steps - 1) % len(self.history)]
-            self.scale = compute_scale(amax, self.fmt, self.recipe.margin, self.scale)
+            self.scale.copy_(compute_scale(amax, self.fmt, self.recipe.margin, self.scale))
 
     def state_dict(self) -> dict:
         return {"history": self.history.clone(), "scale": self.scale.clone(), "steps": self.steps}
@@ -127,10 +129,10 @@ class DelayedScalingState:
             raise ValueError(
                 f"amax history length {len(state['history'])} in checkpoint, {len(self.history)} in recipe"
             )
-        self.history = state["history"].clone()
-        self.scale = state["scale"].clone()
+        self.history.copy_(state["history"])
+        self.scale.copy_(state["scale"])
         self.steps = int(state["steps"])
-        self.pending_amax = torch.zeros((), device=self.scale.device)
+        self.pending_amax.zero_()
 
 
 class CurrentScalingState:
@@ -156,4 +158,4 @@ class CurrentScalingState:
         return {"scale": self.scale.clone()}
 
     def load_state_dict(self, state: dict) -> None:
-        self.scale = state["scale"].clone()
+        self.scale.copy_(state["scale"])

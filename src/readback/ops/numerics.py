@@ -172,7 +172,12 @@ class Numerics:
         return self._generators[key]
 
     def account(self, op: str, **saved: torch.Tensor | QTensor | None) -> None:
-        """Add the bytes an op saved for its backward, per saved tensor, to ``saved_bytes``."""
+        """Add the bytes an op saved for its backward, per saved tensor, to ``saved_bytes``.
+
+        Eager executions only: a compiled graph that read the running count would be
+        specialised on its value and compiled again at every step."""
+        if torch.compiler.is_compiling():
+            return
         for name, tensor in saved.items():
             if tensor is not None:
                 nbytes = tensor.nbytes if isinstance(tensor, QTensor) else tensor.numel() * tensor.element_size()
@@ -261,7 +266,7 @@ class Numerics:
             amaxes = torch.stack([state.pending_amax for state in delayed])
             torch.distributed.all_reduce(amaxes, op=torch.distributed.ReduceOp.MAX)
             for state, amax in zip(delayed, amaxes):
-                state.pending_amax = amax
+                state.pending_amax.copy_(amax)
         for site in self.sites.values():
             site.state.end_step()
         self.step += 1
