@@ -52,6 +52,27 @@ def test_the_step_traces_as_one_graph(setup):
     assert explained.graph_count == 1
 
 
+@pytest.mark.parametrize("setup", ["bf16", "reuse_rounded"])
+def test_later_steps_and_probes_reuse_the_graph(setup):
+    """Nothing the steps change (scales, amax histories, counters, observations) is a new object
+    or a Python number the graph would be specialised on."""
+    graphs = []
+
+    def backend(graph, example_inputs):
+        graphs.append(graph)
+        return graph.forward
+
+    model = _model(setup)
+    _step(model, model)
+    forward = torch.compile(model, backend=backend, dynamic=False)
+    for _ in range(3):
+        _step(model, forward)
+        with model.numerics.isolated():  # as the probe does between steps
+            _step(model, model)
+        model.numerics.saturation_counts(), model.numerics.underflow_fractions(), model.numerics.pop_observations()
+    assert len(graphs) == 1
+
+
 def _inductor_works() -> bool:
     try:
         return bool(torch.compile(lambda t: t + 1)(torch.zeros(2)).eq(1).all())

@@ -18,8 +18,11 @@ import torch
 
 
 def compiled(module: torch.nn.Module):
-    """``torch.compile(module)`` with the roundings of casts kept."""
+    """``torch.compile(module)`` with the roundings of casts kept, for static shapes: a run's
+    shapes do not change, and a graph recompiled with dynamic shapes fails to trace the ops'
+    autograd Functions (torch 2.13's dynamo: "lift_tracked_freevar_to_input should not be
+    called on root SubgraphTracer")."""
     import torch._inductor.config  # imported on use: the inductor is heavy to import
 
     torch._inductor.config.emulate_precision_casts = True
-    return torch.compile(module)
+    return torch.compile(module, dynamic=False)
