@@ -20,8 +20,8 @@ import pytest
 import torch
 
 from readback.train.checkpoint import list_checkpoints
+from toys import REPO
 
-ROOT = Path(__file__).resolve().parents[1]
 # Small enough to train in seconds; cases override what they break.
 TINY = [
     "data=synthetic",
@@ -255,7 +255,7 @@ def _env(extra: dict[str, str]) -> dict[str, str]:
 
 def _run(args: list[str], env: dict[str, str]) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [sys.executable, "train.py", *TINY, *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=180
+        [sys.executable, "train.py", *TINY, *args], cwd=REPO, env=env, capture_output=True, text=True, timeout=180
     )
 
 

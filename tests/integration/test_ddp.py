@@ -3,7 +3,6 @@ with the same global batch: same loss curve to ~1e-6, one metrics file, per-rank
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import shutil
@@ -15,10 +14,12 @@ from pathlib import Path
 import pytest
 import torch
 
+import toys
 from readback.train.checkpoint import checkpoint_path, list_checkpoints, load_checkpoint
 from readback.train.metrics import read_jsonl
+from toys import REPO
 
-TESTS = Path(__file__).resolve().parent
+TESTS = REPO / "tests"
 OVERRIDES = {
     "trainer.steps": 8,
     "trainer.log_every": 1,
@@ -30,23 +31,13 @@ OVERRIDES = {
 }
 
 
-def _toys():
-    """The toy model/stream of ``test_train_components.py``, loaded by path (any import mode)."""
-    spec = importlib.util.spec_from_file_location("readback_train_toys", TESTS / "test_train_components.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 WORKER = textwrap.dedent(
     """
     import json, sys
     from pathlib import Path
 
-    sys.path.insert(0, {tests!r})
-    import test_ddp
+    import toys
 
-    toys = test_ddp._toys()
     toys.train(toys.make_cfg(**json.loads(sys.argv[2])), Path(sys.argv[1]))
     """
 )
@@ -54,8 +45,10 @@ WORKER = textwrap.dedent(
 
 def _torchrun(tmp_path: Path, run_dir: Path, overrides: dict, worker: str = WORKER) -> subprocess.CompletedProcess:
     script = tmp_path / "worker.py"
-    script.write_text(worker.format(tests=str(TESTS)))
-    env = dict(os.environ, OMP_NUM_THREADS="1", WANDB_MODE="disabled")
+    script.write_text(worker)
+    # the workers import the toys as the tests do: tests/ (and src/) on their path
+    path = [str(TESTS), str(REPO / "src"), *filter(None, [os.environ.get("PYTHONPATH")])]
+    env = dict(os.environ, OMP_NUM_THREADS="1", WANDB_MODE="disabled", PYTHONPATH=os.pathsep.join(path))
     env.pop("WORLD_SIZE", None)
     cmd = [
         sys.executable,
@@ -78,14 +71,7 @@ def single_thread():
     torch.set_num_threads(before)
 
 
-def _load_toys(monkeypatch):
-    toys = _toys()
-    monkeypatch.delenv("WORLD_SIZE", raising=False)
-    return toys
-
-
-def test_two_processes_match_one(tmp_path, monkeypatch, single_thread):
-    toys = _load_toys(monkeypatch)
+def test_two_processes_match_one(tmp_path, built, single_thread):
     one, two = tmp_path / "one", tmp_path / "two"
     toys.train(toys.make_cfg(**OVERRIDES), one)  # 1 process: 4 micro-batches of 2 per step
     proc = _torchrun(tmp_path, two, OVERRIDES)  # 2 processes: 2 micro-batches of 2 each
@@ -150,8 +136,7 @@ PREEMPT_WORKER = WORKER.replace(
 assert PREEMPT_WORKER != WORKER
 
 
-def test_a_signal_to_one_rank_stops_every_rank_after_the_same_step(tmp_path, monkeypatch, single_thread):
-    toys = _load_toys(monkeypatch)
+def test_a_signal_to_one_rank_stops_every_rank_after_the_same_step(tmp_path, built, single_thread):
     one, two = tmp_path / "one", tmp_path / "two"
     toys.train(toys.make_cfg(**OVERRIDES), one)
     proc = _torchrun(tmp_path, two, OVERRIDES, worker=PREEMPT_WORKER)

@@ -15,11 +15,11 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
-from hydra import compose, initialize_config_dir
 from hydra.core.hydra_config import HydraConfig
 
-ROOT = Path(__file__).resolve().parents[1]
-PYPROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())
+from toys import REPO, compose
+
+PYPROJECT = tomllib.loads((REPO / "pyproject.toml").read_text())
 EXTRAS = set(PYPROJECT["project"]["optional-dependencies"])
 DOCKER_INSTRUCTIONS = {"FROM", "ARG", "RUN", "COPY", "WORKDIR", "ENV", "LABEL", "CMD", "ENTRYPOINT", "USER"}
 APPTAINER_SECTIONS = {"files", "post", "environment", "test", "help", "labels", "runscript", "arguments"}
@@ -31,24 +31,24 @@ def _named_extras(text: str) -> set[str]:
 
 
 def _torch_pin() -> str:
-    return re.search(r"torch==([\d.]+)", (ROOT / "Makefile").read_text())[1]
+    return re.search(r"torch==([\d.]+)", (REPO / "Makefile").read_text())[1]
 
 
 def test_environment_yml_gets_the_tested_torch_from_no_dead_channel():
-    env = yaml.safe_load((ROOT / "environment.yml").read_text())
+    env = yaml.safe_load((REPO / "environment.yml").read_text())
     assert env["name"] == "readback" and env["channels"] == ["conda-forge"]  # the pytorch channel stopped at 2.5
     deps = env["dependencies"]
     pip = next(d["pip"] for d in deps if isinstance(d, dict))
     assert f"torch=={_torch_pin()}" in pip  # the torch the CPU route and the tests use
     assert not any(str(d).startswith(("pytorch", "pytorch::")) for d in deps)
-    named = _named_extras((ROOT / "environment.yml").read_text())
+    named = _named_extras((REPO / "environment.yml").read_text())
     assert {"dev", "gpu"} <= named and named <= EXTRAS
-    assert "--no-build-isolation" in (ROOT / "environment.yml").read_text()  # TE's extension compiles
+    assert "--no-build-isolation" in (REPO / "environment.yml").read_text()  # TE's extension compiles
     assert any("transformer-engine" in req for req in PYPROJECT["project"]["optional-dependencies"]["gpu"])
 
 
 def _dockerfile_instructions() -> list[tuple[str, str]]:
-    text = (ROOT / "container" / "Dockerfile").read_text().replace("\\\n", " ")
+    text = (REPO / "container" / "Dockerfile").read_text().replace("\\\n", " ")
     lines = [line.strip() for line in text.splitlines() if line.strip() and not line.lstrip().startswith("#")]
     return [(line.split(None, 1)[0], line.split(None, 1)[1]) for line in lines]
 
@@ -60,13 +60,13 @@ def test_dockerfile_parses_copies_what_exists_and_names_defined_extras():
     for name, args in instructions:
         if name == "COPY":
             *sources, _ = shlex.split(args)
-            assert all((ROOT / source).exists() for source in sources), args
+            assert all((REPO / source).exists() for source in sources), args
     runs = " ".join(args for name, args in instructions if name == "RUN")
     assert _named_extras(runs) == {"dev"} <= EXTRAS and "scripts/versions.py" in runs
 
 
 def test_apptainer_definition_parses_copies_what_exists_and_names_defined_extras():
-    text = (ROOT / "container" / "readback.def").read_text()
+    text = (REPO / "container" / "readback.def").read_text()
     body = [line for line in text.splitlines() if line.strip() and not line.startswith("#")]
     header = dict(line.split(":", 1) for line in body[:2])
     assert header["Bootstrap"].strip() == "docker" and header["From"].strip() == "{{ BASE_IMAGE }}"
@@ -75,35 +75,34 @@ def test_apptainer_definition_parses_copies_what_exists_and_names_defined_extras
     files = text.split("%files", 1)[1].split("\n%", 1)[0]
     for line in filter(str.strip, files.splitlines()):
         source, destination = line.split()
-        assert (ROOT / source).exists() and destination.startswith("/opt/readback/")
+        assert (REPO / source).exists() and destination.startswith("/opt/readback/")
     assert _named_extras(text) == {"dev"} <= EXTRAS
 
 
 def test_versions_line_names_torch_cuda_cudnn_te_and_the_gpu():
     out = subprocess.run(
-        [sys.executable, str(ROOT / "scripts" / "versions.py")], capture_output=True, text=True, timeout=120, check=True
+        [sys.executable, str(REPO / "scripts" / "versions.py")], capture_output=True, text=True, timeout=120, check=True
     ).stdout
     assert len(out.splitlines()) == 1
     assert re.fullmatch(r"torch \S+, CUDA .+, cuDNN .+, Transformer Engine .+, GPU .+\n", out)
 
 
 def test_slurm_apptainer_launcher_composes_and_sources_an_existing_script(monkeypatch):
-    with initialize_config_dir(str(ROOT / "conf"), version_base="1.3"):
-        cfg = compose("train", overrides=["hydra/launcher=slurm_apptainer"], return_hydra_config=True)
-    cfg.hydra.runtime.cwd = str(ROOT)  # as at launch
+    cfg = compose("hydra/launcher=slurm_apptainer", return_hydra_config=True)
+    cfg.hydra.runtime.cwd = str(REPO)  # as at launch
     monkeypatch.delenv("READBACK_IMAGE", raising=False)
     HydraConfig.instance().set_config(cfg)
     try:
         launcher = cfg.hydra.launcher
         assert launcher._target_.endswith("SlurmLauncher") and launcher.gpus_per_node == 8  # slurm.yaml's
         assert list(launcher.setup) == [
-            f"export READBACK_IMAGE={ROOT}/readback.sif",
-            f"export READBACK_SRC={ROOT}/src",
-            f"source {ROOT}/scripts/slurm/apptainer_srun.sh",
+            f"export READBACK_IMAGE={REPO}/readback.sif",
+            f"export READBACK_SRC={REPO}/src",
+            f"source {REPO}/scripts/slurm/apptainer_srun.sh",
         ]
     finally:
         HydraConfig.instance().cfg = None
-    assert (ROOT / "scripts/slurm/apptainer_srun.sh").is_file()
+    assert (REPO / "scripts/slurm/apptainer_srun.sh").is_file()
 
 
 def _fake(path: Path, body: str) -> None:
@@ -130,7 +129,7 @@ def test_srun_of_a_job_runs_the_image_python_with_the_checkout(tmp_path, image_e
         image.write_text("")
     script = (
         f"export READBACK_IMAGE={image} READBACK_SRC=/repo/src\n"
-        f"source {ROOT / 'scripts/slurm/apptainer_srun.sh'}\n"
+        f"source {REPO / 'scripts/slurm/apptainer_srun.sh'}\n"
         f"srun --unbuffered --output /o/%j.out --error /o/%j.err /host/bin/python3 -c "
         f"\"import os; print('ran', os.environ['PYTHONPATH'])\"\n"
     )
@@ -151,7 +150,7 @@ def test_srun_of_a_job_runs_the_image_python_with_the_checkout(tmp_path, image_e
 def test_gpu_check_on_a_machine_without_a_gpu_stops_at_once_naming_what_is_missing(tmp_path):
     env = {**os.environ, "OUT": str(tmp_path), "PYTHON": sys.executable}
     result = subprocess.run(
-        ["bash", str(ROOT / "scripts" / "gpu_check.sh")], capture_output=True, text=True, env=env, timeout=180
+        ["bash", str(REPO / "scripts" / "gpu_check.sh")], capture_output=True, text=True, env=env, timeout=180
     )
     versions, verdict = result.stdout.splitlines()
     assert result.returncode == 100 and versions.startswith("torch ") and "Transformer Engine" in versions

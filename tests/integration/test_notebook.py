@@ -1,13 +1,15 @@
 """notebooks/study.ipynb: committed without outputs, and executes under papermill (python3 kernel
 of this interpreter) with SWEEP_DIRS and OUT_DIR injected, on the real tiny sweep of
-helpers_sweep and from a directory without any multirun/, writing every PNG and final_loss.md
+sweeps.make_sweep and from a directory without any multirun/, writing every PNG and final_loss.md
 with the paired-seed columns."""
 
 from __future__ import annotations
 
 import nbformat
 import pytest
-from helpers_sweep import EXPERIMENTS, REPO, real_sweep
+
+from sweeps import EXPERIMENTS
+from toys import REPO
 
 NOTEBOOK = REPO / "notebooks" / "study.ipynb"
 FIGURES = ("loss.png", "grad_error.png", "kurtosis.png", "attn_rowsum.png")
@@ -44,10 +46,10 @@ def _python3_kernel(tmp_path, monkeypatch) -> None:
 
 
 @pytest.mark.slow
-def test_notebook_runs_under_papermill(tmp_path_factory, tmp_path, monkeypatch):
+def test_notebook_runs_under_papermill(real_sweep, tmp_path, monkeypatch):
     import papermill
 
-    sweep = real_sweep(tmp_path_factory)
+    sweep = real_sweep.dir
     out = tmp_path / "figures"
     monkeypatch.delenv("READBACK_SWEEP_DIRS", raising=False)
     monkeypatch.setenv("MPLBACKEND", "Agg")

@@ -24,8 +24,8 @@ import torch
 
 from readback.train.checkpoint import list_checkpoints, load_checkpoint
 from readback.train.metrics import read_jsonl
+from toys import REPO
 
-ROOT = Path(__file__).resolve().parents[1]
 STEPS = 30
 TINY = [
     "+experiment=fresh_reround",
@@ -70,7 +70,7 @@ def _env(**extra: str) -> dict[str, str]:
 
 def _start(run_dir: Path, *extra: str, env: dict[str, str] | None = None, script: str = "train.py") -> subprocess.Popen:
     cmd = [sys.executable, script, *TINY, *extra, f"hydra.run.dir={run_dir}"]
-    return subprocess.Popen(cmd, cwd=ROOT, env=env or _env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    return subprocess.Popen(cmd, cwd=REPO, env=env or _env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
 def _finish(proc: subprocess.Popen, timeout: float = 240) -> tuple[int, str, str]:
@@ -205,7 +205,7 @@ def test_sigkill_during_a_checkpoint_save_leaves_the_previous_one(tmp_path, refe
     script.write_text(KILL_AT_SAVE)
     proc = subprocess.Popen(
         [sys.executable, str(script), *TINY, f"hydra.run.dir={run_dir}"],
-        cwd=ROOT,
+        cwd=REPO,
         env=_env(DIE_AT_SAVE="3"),
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,

@@ -20,13 +20,13 @@ from pathlib import Path
 
 import pytest
 import torch
-from hydra import compose, initialize_config_dir
 
 from readback.config import CONF_DIR
 from readback.errors import ConfigError
 from readback.train import run
 from readback.train.checkpoint import list_checkpoints, load_checkpoint
 from readback.train.metrics import read_jsonl
+from toys import compose
 
 CONF = str(CONF_DIR)
 LOSS_RTOL = 3e-3  # FSDP vs DDP, and a 2-process checkpoint resumed by 1 process, over 20 steps
@@ -85,11 +85,6 @@ WORKER = textwrap.dedent(
     dist.destroy_process_group()
     """
 )
-
-
-def _cfg(*overrides: str):
-    with initialize_config_dir(CONF, version_base="1.3"):
-        return compose("train", overrides=list(overrides))
 
 
 def _losses(run_dir: Path) -> list[float]:
@@ -161,7 +156,7 @@ def test_fsdp_checkpoint_resumes_in_one_process_within_tolerance(runs, tmp_path,
     before = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        run(_cfg(*TINY, "+experiment=reuse_rounded", "trainer.parallel=fsdp", "trainer.resume=true"), resumed)
+        run(compose(*TINY, "+experiment=reuse_rounded", "trainer.parallel=fsdp", "trainer.resume=true"), resumed)
     finally:
         torch.set_num_threads(before)
     want, got = _losses(runs / "reuse_rounded_fsdp"), _losses(resumed)
@@ -171,7 +166,7 @@ def test_fsdp_checkpoint_resumes_in_one_process_within_tolerance(runs, tmp_path,
 
 def test_dry_run_refuses_fog_8b_under_ddp_and_sizes_it_under_fsdp(tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("WORLD_SIZE", "8")  # the job the dry run sizes: 8 GPUs
-    cfg = _cfg("model=fog_8b", "trainer.dry_run=true", "trainer.micro_batch=1")
+    cfg = compose("model=fog_8b", "trainer.dry_run=true", "trainer.micro_batch=1")
     with pytest.raises(ConfigError) as refused:
         run(cfg, tmp_path / "ddp")
     line = str(refused.value)
@@ -182,7 +177,7 @@ def test_dry_run_refuses_fog_8b_under_ddp_and_sizes_it_under_fsdp(tmp_path, monk
     assert "ddp" in table and "fsdp" in table
     # sharded, and with fused attention (no saved attention probabilities), it fits
     summary = run(
-        _cfg("model=fog_8b", "backend=te", "trainer.dry_run=true", "trainer.micro_batch=1", "trainer.parallel=fsdp"),
+        compose("model=fog_8b", "backend=te", "trainer.dry_run=true", "trainer.micro_batch=1", "trainer.parallel=fsdp"),
         tmp_path / "fsdp",
     )
     memory = summary["memory_gb"]

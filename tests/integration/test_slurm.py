@@ -27,8 +27,9 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
-SCRIPTS = ROOT / "scripts" / "slurm"
+from toys import REPO, compose
+
+SCRIPTS = REPO / "scripts" / "slurm"
 SBIN = os.pathsep.join(["/usr/sbin", "/sbin"])
 COMMANDS = ("munged", "slurmctld", "slurmd", "sbatch", "srun", "scontrol", "squeue", "scancel")
 
@@ -40,13 +41,9 @@ SWEEP_TIMEOUT_S = 150
 
 
 def _launcher(*overrides: str) -> dict:
-    from hydra import compose, initialize_config_dir
     from omegaconf import OmegaConf
 
-    from readback.config import CONF_DIR  # registers the schema conf/train.yaml names
-
-    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
-        cfg = compose("train", overrides=["+experiment=reuse_rounded", *overrides], return_hydra_config=True)
+    cfg = compose("+experiment=reuse_rounded", *overrides, return_hydra_config=True)
     return OmegaConf.to_container(cfg.hydra.launcher, resolve=True)
 
 
@@ -71,7 +68,7 @@ def test_sweeps_have_own_dirs_and_resume(tmp_path):
     echo.write_text('#!/bin/sh\nprintf "%s\\n" "$@"\n')
     echo.chmod(0o755)
     dirs = {}
-    for script in sorted((ROOT / "sweeps").glob("*.sh")):
+    for script in sorted((REPO / "sweeps").glob("*.sh")):
         args = subprocess.run(
             ["bash", str(script)], env={**os.environ, "PYTHON": str(echo)}, capture_output=True, text=True, check=True
         ).stdout.splitlines()
@@ -81,10 +78,7 @@ def test_sweeps_have_own_dirs_and_resume(tmp_path):
         assert "trainer.resume=true" in args and "--multirun" in args, (script, args)
         if script.name == "fog8b.sh":  # does not fit one GPU: sharded over several nodes
             assert "+sweep=fog8b" in args and "hydra.launcher.nodes=4" in args, args
-            from hydra import compose, initialize_config_dir
-
-            with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
-                cfg = compose("train", overrides=["+experiment=reuse_rounded", "+sweep=fog8b"])
+            cfg = compose("+experiment=reuse_rounded", "+sweep=fog8b")
             assert (cfg.model.name, cfg.trainer.parallel, cfg.backend.name) == ("fog_8b", "fsdp", "te")
     assert "fog8b.sh" in dirs and len(dirs) >= 5 and len(set(dirs.values())) == len(dirs), dirs
 
@@ -215,7 +209,7 @@ def test_sweep_on_slurm_fsdp_and_requeue_resume(slurm_env, tmp_path):
     )
     watcher.start()
     try:
-        proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=SWEEP_TIMEOUT_S)
+        proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=SWEEP_TIMEOUT_S)
     except subprocess.TimeoutExpired as e:
         pytest.fail(f"the sweep did not finish in {SWEEP_TIMEOUT_S} s\n{e.stderr}\n{_tails(sweep, '*_log.*')}")
     finally:
@@ -327,11 +321,11 @@ def test_sweep_on_slurm_runs_every_job_in_the_apptainer_image(slurm_env, tmp_pat
         "hydra.launcher.mem_gb=null",
         "hydra.launcher.timeout_min=5",
     ]
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=SWEEP_TIMEOUT_S)
+    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=SWEEP_TIMEOUT_S)
     job_logs = _tails(sweep, "*_log.*", 30)
     assert proc.returncode == 0, f"{proc.stdout}\n{proc.stderr}\n{job_logs}"
     (summary_file,) = sweep.glob("reuse_rounded/*/summary.json")  # the run's folder is named by its overrides
     summary = json.loads(summary_file.read_text())
     assert summary["status"] == "completed" and summary["steps"] == 4, job_logs
     (call,) = calls.read_text().splitlines()
-    assert call.startswith(f"exec --nv {image} env PYTHONPATH={ROOT}/src python -u -m submitit.core._submit ")
+    assert call.startswith(f"exec --nv {image} env PYTHONPATH={REPO}/src python -u -m submitit.core._submit ")

@@ -1,7 +1,7 @@
 """wandb as its users expect, read back from what wandb wrote offline (no network), and sweep
 folders named by their overrides.
 
-The 2 x 2 sweep of helpers_sweep (2 experiments x 2 seeds, wandb offline) is made once; one
+The 2 x 2 sweep of sweeps.make_sweep (2 experiments x 2 seeds, wandb offline) is made once; one
 test then extends a copy of it by a seed, which also restarts the finished runs (``trainer.resume=true``):
 they stay in their folders and keep their wandb run ids."""
 
@@ -13,20 +13,10 @@ import subprocess
 import sys
 
 import pytest
-from helpers_sweep import (
-    EXPERIMENTS,
-    SEEDS,
-    STEPS,
-    real_sweep,
-    real_sweep_conf,
-    run_train,
-    sweep_args,
-)
 
 from readback.analysis import load_runs
-from readback.overrides import swept_keys
 from readback.sync import OFFLINE_FOLDER, offline_folders, read_offline_run
-from readback.train.tracking import run_identity
+from sweeps import EXPERIMENTS, SEEDS, STEPS, run_train, sweep_args
 
 
 def _runs_by_name(sweep):
@@ -37,45 +27,8 @@ def _runs_by_name(sweep):
     return out
 
 
-def test_identity_from_overrides():
-    launch = {
-        "overrides": ["+experiment=reuse_rounded", "seed=2", "trainer.optim.lr=0.03", "model=tiny"],
-        "sweep_overrides": [
-            "+experiment=reuse_rounded,no_saved_copy",
-            "seed=0,1,2",
-            "trainer.optim.lr=0.001,0.03",
-            "model=tiny",
-            "trainer.resume=true",
-        ],
-        "sweep": "lr_study",
-    }
-    cfg = {
-        "experiment": "reuse_rounded",
-        "seed": 2,
-        "policy": {"name": "reuse_rounded"},
-        "precision": {"name": "fp8", "rounding": "nearest"},
-    }
-    ident = run_identity(cfg, launch, user_tags=["mine"])
-    assert ident.name == "reuse_rounded trainer.optim.lr=0.03 s2"
-    assert ident.group == "lr_study/reuse_rounded trainer.optim.lr=0.03"
-    assert ident.job_type == "train"
-    assert ident.tags == [
-        "reuse_rounded",
-        "precision=fp8",
-        "rounding=nearest",
-        "policy=reuse_rounded",
-        "trainer.optim.lr=0.03",
-        "sweep=lr_study",
-        "mine",
-    ]
-    assert ident.config["launch"] is not launch and ident.config["launch"]["overrides"] == launch["overrides"]
-    assert swept_keys(["seed=range(3)", "a=1", "b=x,y", "+experiment=glob(*)"]) == ["seed", "b", "experiment"]
-    single = run_identity({"experiment": "custom", "seed": 0}, {"overrides": [], "sweep_overrides": []})
-    assert (single.name, single.group) == ("custom s0", "custom")
-
-
-def test_wandb_runs_of_a_2x2_sweep(tmp_path_factory):
-    sweep = real_sweep(tmp_path_factory)
+def test_wandb_runs_of_a_2x2_sweep(real_sweep):
+    sweep = real_sweep.dir
     by_name = _runs_by_name(sweep)
     names = {f"{e} s{s}" for e in EXPERIMENTS for s in SEEDS}
     assert set(by_name) == names
@@ -112,15 +65,15 @@ def test_wandb_runs_of_a_2x2_sweep(tmp_path_factory):
         assert json.loads((run_dir / "launch.json").read_text())["overrides"] == launch["overrides"]
 
 
-def test_extending_a_sweep_keeps_finished_runs_and_their_wandb_runs(tmp_path_factory, tmp_path):
+def test_extending_a_sweep_keeps_finished_runs_and_their_wandb_runs(real_sweep, tmp_path):
     """Adding seed 2 to the sweep: 2 new runs; the 4 finished ones stay where they are, are not
     retrained (same summary), and resume under the same wandb id (a second offline folder each,
     which readback.sync hands to wandb sync together). Works on a copy: the shared sweep stays 2 x 2."""
     sweep = tmp_path / "sweep"
-    shutil.copytree(real_sweep(tmp_path_factory), sweep)
+    shutil.copytree(real_sweep.dir, sweep)
     before = {p.parent: p.read_text() for p in sweep.glob("*/*/summary.json")}
     ids = {name: OFFLINE_FOLDER.match(entries[0][0].name).group(2) for name, entries in _runs_by_name(sweep).items()}
-    run_train(sweep_args(real_sweep_conf(), sweep, seeds=(*SEEDS, 2)), cwd=sweep.parent)
+    run_train(sweep_args(real_sweep.conf, sweep, seeds=(*SEEDS, 2)), cwd=sweep.parent)
     after = {p.parent: p.read_text() for p in sweep.glob("*/*/summary.json")}
     assert set(after) == set(before) | {sweep / e / "seed=2" for e in EXPERIMENTS}
     for run_dir, text in before.items():
@@ -142,24 +95,3 @@ def test_extending_a_sweep_keeps_finished_runs_and_their_wandb_runs(tmp_path_fac
         assert any(line.startswith(run_id) and name in line and "(2 folders)" in line for line in listed), listed
     wandb_says = proc.stdout + proc.stderr
     assert "Would sync 10 run(s)" in wandb_says or wandb_says.count(".wandb") == 10, wandb_says[-2000:]
-
-
-def test_sync_refuses_a_directory_without_offline_runs(tmp_path, capsys):
-    from readback.sync import main
-
-    assert main([str(tmp_path)]) == 2
-    assert "no offline wandb runs" in capsys.readouterr().err
-    assert main([str(tmp_path / "missing")]) == 2
-
-
-def test_slurm_job_id_names_the_array_task(monkeypatch):
-    from readback.train.tracking import slurm_job_id
-
-    for key in ("SLURM_JOB_ID", "SLURM_ARRAY_JOB_ID", "SLURM_ARRAY_TASK_ID"):
-        monkeypatch.delenv(key, raising=False)
-    assert slurm_job_id() is None
-    monkeypatch.setenv("SLURM_JOB_ID", "4711")
-    assert slurm_job_id() == "4711"
-    monkeypatch.setenv("SLURM_ARRAY_JOB_ID", "4700")
-    monkeypatch.setenv("SLURM_ARRAY_TASK_ID", "11")
-    assert slurm_job_id() == "4700_11"

@@ -1,25 +1,18 @@
 """readback.analysis: loading sweeps, the final-loss table, plots and the CLI.
 
-Hand-written run dirs (config.yaml / metrics.jsonl / summary.json) cover completed, diverged,
-failed-without-summary, failed-with-summary and running runs; one test loads a real tiny sweep
-made by train.py (helpers_sweep.real_sweep, shared with test_notebook.py)."""
+Hand-written run dirs (sweeps.write_study) cover completed, diverged, failed-without-summary,
+failed-with-summary and running runs; the module CLI and a real sweep of train.py are in
+tests/integration/test_analysis_sweeps.py."""
 
 from __future__ import annotations
 
-import json
 import math
-import os
 import statistics
-import subprocess
-import sys
-import time
 from pathlib import Path
 
 import numpy as np
 import pandas as pd
 import pytest
-import yaml
-from helpers_sweep import EXPERIMENTS, REPO, real_sweep
 
 from readback.analysis import (
     final_loss_table,
@@ -35,155 +28,24 @@ from readback.analysis import (
     write_report,
 )
 from readback.analysis.__main__ import main as cli_main
-
-TOKENS_PER_STEP = 100
-OLD = time.time() - 7 * 24 * 3600  # a week ago: a run without summary this old has failed
-
-
-def config(experiment: str, seed: int, rounding: str = "nearest", policy: str | None = None, bwd: str = "fp8") -> dict:
-    return {
-        "model": {"name": "tiny", "n_layers": 2},
-        "precision": {"name": "fp8", "rounding": rounding},
-        "policy": {"name": policy or experiment},
-        "attention": {"bwd_precision": bwd},
-        "experiment": experiment,
-        "seed": seed,
-    }
-
-
-def records(losses, *, probe_every: int = 20, eval_every: int = 20, every: int = 10, shift: float = 0.0) -> list[dict]:
-    """One record per logged step with the keys the trainer writes (a subset of sites)."""
-    out = []
-    for i, loss in enumerate(losses):
-        step = (i + 1) * every
-        r = {
-            "step": step,
-            "loss": loss,
-            "lr": 1e-3,
-            "tokens": step * TOKENS_PER_STEP,
-            "grad_norm": 1.0,
-            "tokens_per_s": 1000.0,
-            "kurtosis/attn_out_max": 3.0 + i + shift,
-            "kurtosis/ffn_in_max": 3.5 + i,
-            "attn_rowsum/mean/layers.0.attn.core": -1e-8 * i,
-            "attn_rowsum/z/layers.0.attn.core": -float(i) - shift,
-            "attn_rowsum/mean/layers.1.attn.core": 1e-9,
-            "attn_rowsum/z/layers.1.attn.core": 0.5,
-            "fp8_saturation/layers.0.attn.core.output": i,
-        }
-        if step % eval_every == 0:
-            r["val_loss"] = None if loss is None else loss - 0.1
-        if step % probe_every == 0:
-            for name, scale in (("total", 1.0), ("layers.0.attn.core.dq", 2.0), ("layers.1.attn.core.dq", 3.0)):
-                r[f"grad_error/rel_err/{name}"] = 0.01 * scale * (1 + shift)
-                r[f"grad_error/cosine/{name}"] = 0.999
-                r[f"grad_error/bias/{name}"] = 0.002 * scale * (1 + shift)
-                r[f"grad_error/noise/{name}"] = 0.004 * scale
-                r[f"grad_error_se/bias/{name}"] = 0.001 * scale
-        out.append(r)
-    return out
-
-
-def summary(status: str, final_loss, val_loss, steps: int, experiment: str, diverged_at=None, **extra) -> dict:
-    return {
-        "status": status,
-        "final_loss": final_loss,
-        "val_loss": val_loss,
-        "steps": steps,
-        "tokens": steps * TOKENS_PER_STEP,
-        "diverged_at_step": diverged_at,
-        "divergence_reason": None,
-        "skipped_updates": [],
-        "wall_time_s": 12.5,
-        "n_params": 1234,
-        "experiment": experiment,
-        **extra,
-    }
-
-
-def write_run(
-    root: Path,
-    rel: str,
-    cfg: dict | None,
-    recs: list[dict] | None,
-    summ: dict | None,
-    *,
-    extra_lines: str = "",
-    mtime: float | None = OLD,
-) -> Path:
-    d = root / rel
-    (d / ".hydra").mkdir(parents=True, exist_ok=True)
-    if cfg is not None:
-        (d / ".hydra" / "config.yaml").write_text(yaml.safe_dump(cfg))
-    if recs is not None:
-        with open(d / "metrics.jsonl", "w") as f:
-            for r in recs:
-                f.write(json.dumps(r) + "\n")
-            f.write(extra_lines)
-    if summ is not None:
-        (d / "summary.json").write_text(json.dumps(summ, indent=2))
-    (d / "checkpoints").mkdir(exist_ok=True)
-    (d / "checkpoints" / "summary.json").write_text("{}")  # below a run dir: must not be found as a run
-    if mtime is not None:
-        for p in [d, d / ".hydra", d / "checkpoints", *d.glob("*"), *(d / ".hydra").glob("*")]:
-            os.utime(p, (mtime, mtime))
-    return d
-
-
-# final losses of the hand-written study (independent of the code under test)
-REUSE_FINAL = [7.3, 7.5]
-REUSE_VAL = [7.2, 7.4]
-CONTROL_FINAL = [3.25, 3.26]
-CONTROL_VAL = [3.15, 3.17]
+from sweeps import (
+    CONTROL_FINAL,
+    CONTROL_VAL,
+    REUSE_FINAL,
+    REUSE_VAL,
+    TOKENS_PER_STEP,
+    config,
+    is_png,
+    records,
+    summary,
+    write_run,
+    write_study,
+)
 
 
 @pytest.fixture
 def sweep(tmp_path) -> Path:
-    root = tmp_path / "sweep"
-    # reuse_rounded: one completed (high loss), one diverged at step 30 with a NaN loss logged
-    # (null in JSON) and a truncated last line
-    write_run(
-        root,
-        "reuse_rounded/seed0/0",
-        config("reuse_rounded", 0),
-        records([5.0, 4.0, 6.0, 7.0, 7.3], shift=1.0),
-        summary("completed", REUSE_FINAL[0], REUSE_VAL[0], 50, "reuse_rounded"),
-    )
-    write_run(
-        root,
-        "reuse_rounded/seed1/1",
-        config("reuse_rounded", 1),
-        records([5.0, 4.1, 9.0, None, 7.5], shift=1.0),
-        summary("diverged", REUSE_FINAL[1], REUSE_VAL[1], 50, "reuse_rounded", diverged_at=30),
-        extra_lines='{"step": 60, "loss": 7.',
-    )
-    # no_saved_copy: two completed, one killed (no summary; its files are old) after 2 records
-    write_run(
-        root,
-        "no_saved_copy/seed0/2",
-        config("no_saved_copy", 0),
-        records([5.0, 4.0, 3.6, 3.4, 3.25]),
-        summary("completed", CONTROL_FINAL[0], CONTROL_VAL[0], 50, "no_saved_copy"),
-    )
-    write_run(
-        root,
-        "no_saved_copy/seed1/3",
-        config("no_saved_copy", 1),
-        records([5.0, 4.0, 3.6, 3.4, 3.26]),
-        summary("completed", CONTROL_FINAL[1], CONTROL_VAL[1], 50, "no_saved_copy"),
-    )
-    write_run(root, "no_saved_copy/seed2/4", config("no_saved_copy", 2), records([5.1, 4.2]), None)
-    # fresh_reround: one failed with a summary (an exception), one still running (fresh files);
-    # the running one has no config: experiment and seed come from the path
-    write_run(
-        root,
-        "fresh_reround/seed0/5",
-        config("fresh_reround", 0),
-        records([5.0]),
-        summary("failed", 5.0, None, 10, "fresh_reround", error="RuntimeError: boom"),
-    )
-    write_run(root, "fresh_reround/seed1/6", None, records([5.0, 4.5]), None, mtime=None)
-    return root
+    return write_study(tmp_path / "sweep")
 
 
 def test_find_run_dirs_stops_at_run_dirs(sweep):
@@ -403,10 +265,6 @@ def test_markdown_table():
         markdown_table(["a"], [["1", "2"]])
 
 
-def _is_png(path: Path) -> bool:
-    return path.is_file() and path.stat().st_size > 1000 and path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-
-
 @pytest.mark.parametrize("x,band", [("tokens", "minmax"), ("step", "std"), ("tokens", None)])
 def test_plots_write_pngs(sweep, tmp_path, x, band):
     runs = load_runs(sweep)
@@ -418,7 +276,7 @@ def test_plots_write_pngs(sweep, tmp_path, x, band):
         "attn_rowsum": plot_attn_rowsum(runs, x=x, band=band, path=out / "attn_rowsum.png"),
     }
     for name, fig in figs.items():
-        assert _is_png(out / f"{name}.png"), name
+        assert is_png(out / f"{name}.png"), name
         assert fig.axes
     # loss: one mean line per group (3), diverged 'x' and open-circle marks for unfinished runs
     ax = figs["loss"].axes[0]
@@ -462,7 +320,7 @@ def test_plots_without_probe_or_stats(tmp_path):
     runs = load_runs(tmp_path)
     paths = write_report(runs, tmp_path / "out")
     for name in ("loss", "grad_error", "kurtosis", "attn_rowsum"):
-        assert _is_png(paths[name])
+        assert is_png(paths[name])
     assert "bf16_baseline" in paths["final_loss.md"].read_text()
 
 
@@ -472,7 +330,7 @@ def test_cli(sweep, tmp_path, capsys):
     printed = capsys.readouterr().out
     assert "| reuse_rounded " in printed and "7 runs" in printed
     for name in ("loss.png", "grad_error.png", "kurtosis.png", "attn_rowsum.png"):
-        assert _is_png(out / name)
+        assert is_png(out / name)
     assert (out / "final_loss.md").read_text().startswith("| experiment")
     assert len(pd.read_csv(out / "runs.csv")) == 7
     # errors: one line, exit 2
@@ -480,54 +338,3 @@ def test_cli(sweep, tmp_path, capsys):
     (tmp_path / "empty").mkdir()
     assert cli_main([str(tmp_path / "empty")]) == 2
     assert "no runs" in capsys.readouterr().err
-
-
-def test_cli_module_default_out(sweep):
-    proc = subprocess.run(
-        [sys.executable, "-m", "readback.analysis", str(sweep)],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        env={**os.environ, "MPLBACKEND": "Agg"},
-    )
-    assert proc.returncode == 0, proc.stderr
-    assert (sweep / "analysis" / "final_loss.md").is_file() and _is_png(sweep / "analysis" / "loss.png")
-    # the report dir holds no run, so a second pass finds the same runs
-    assert len(load_runs(sweep)) == 7
-
-
-@pytest.mark.slow
-def test_real_sweep_loads(tmp_path_factory, tmp_path):
-    """2 experiments x 2 seeds, 10 steps of the real train.py (helpers_sweep)."""
-    sweep = real_sweep(tmp_path_factory)
-    runs = load_runs(sweep)
-    s = runs.summary
-    assert len(runs) == 4 and set(s["experiment"]) == set(EXPERIMENTS) and runs.group_keys == []
-    assert (s["status"] == "completed").all() and (s["steps"] == 10).all() and sorted(s["seed"]) == [0, 0, 1, 1]
-    assert set(s["policy"]) == set(EXPERIMENTS) and (s["bwd_precision"] == "fp8").all()
-    assert s["final_loss"].notna().all() and s["val_loss"].notna().all()
-    assert runs.groups == ["reuse_rounded", "no_saved_copy"]
-    keys = set(runs.keys())
-    for k in (
-        "loss",
-        "val_loss",
-        "lr",
-        "grad_norm",
-        "kurtosis/attn_out_max",
-        "kurtosis/ffn_in_max",
-        "attn_rowsum/z/layers.0.attn.core",
-        "attn_rowsum/z/layers.1.attn.core",
-        "grad_error/rel_err/total",
-        "grad_error/bias/total",
-        "grad_error/bias/layers.1.attn.core.dq",
-    ):
-        assert k in keys, k
-    assert sorted(runs.curve("grad_error/rel_err/total")["step"].unique()) == [5, 10]
-    assert sorted(runs.curve("loss")["step"].unique()) == [5, 10]
-    t = final_loss_table(runs).set_index("group")
-    assert (t["n"] == 2).all()
-    for exp in EXPERIMENTS:
-        assert t.loc[exp, "final_loss_mean"] == pytest.approx(s.loc[s["experiment"] == exp, "final_loss"].mean())
-    paths = write_report(runs, tmp_path / "report")
-    assert all(_is_png(paths[n]) for n in ("loss", "grad_error", "kurtosis", "attn_rowsum"))
-    assert REPO.joinpath("train.py").is_file()

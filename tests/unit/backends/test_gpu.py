@@ -8,10 +8,9 @@ import math
 
 import pytest
 import torch
-from hydra import compose, initialize_config_dir
 
-from readback.config import CONF_DIR
 from readback.numerics import E4M3, E5M2, compute_scale, fp8_mm, gemm, quantize
+from toys import compose
 
 FP8_GPU = torch.cuda.is_available() and torch.cuda.get_device_capability() >= (8, 9)
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not FP8_GPU, reason="needs a CUDA device with FP8 (sm_89+)")]
@@ -54,8 +53,7 @@ HEAD_DIM_128 = ("model.d_model=256", "model.n_heads=2", "model.n_kv_groups=1", "
 
 
 def _config(experiment: str, *overrides: str):
-    with initialize_config_dir(str(CONF_DIR), version_base="1.3"):
-        return compose("train", overrides=[f"+experiment={experiment}", *overrides])
+    return compose(f"+experiment={experiment}", *overrides)
 
 
 @pytest.mark.parametrize("experiment", ["reuse_rounded", "fresh_reround", "no_saved_copy", "bf16_baseline"])

@@ -14,17 +14,16 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from hydra import compose, initialize_config_dir
 
 from readback import backends
 from readback.backends import te as te_backend
 from readback.backends.te_facts import Hardware, cudnn_version
 from readback.backends.te_plan import te_plan, version_tuple
-from readback.config import CONF_DIR
 from readback.errors import ConfigError
 from readback.model import ActivationStats
 from readback.model.fog import AttentionCore
 from readback.model.fog import Linear as ReadbackLinear
+from toys import REPO, compose
 
 HAS_TE = torch.cuda.is_available() and importlib.util.find_spec("transformer_engine") is not None
 needs_te = pytest.mark.skipif(not HAS_TE, reason="needs CUDA and transformer_engine")
@@ -33,8 +32,7 @@ TE2 = "2.8.0"
 
 def config(experiment: str | None = None, *overrides: str, backend: str = "te"):
     args = ([f"+experiment={experiment}"] if experiment else []) + [f"backend={backend}", *overrides]
-    with initialize_config_dir(str(CONF_DIR), version_base="1.3"):
-        return compose("train", overrides=args)
+    return compose(*args)
 
 
 # --------------------------------------------------------------------------- the pure mapping
@@ -108,8 +106,7 @@ READS = [
 
 @pytest.mark.parametrize("overrides, d_read, dq_read", READS)
 def test_plan_records_what_each_attention_gradient_reads(overrides, d_read, dq_read):
-    with initialize_config_dir(str(CONF_DIR), version_base="1.3"):
-        cfg = compose("train", overrides=[*overrides, "backend=te", *HD128])
+    cfg = compose(*overrides, "backend=te", *HD128)
     sites = te_plan(cfg, TE2, B200).sites
     assert (sites["attention_core.D"], sites["attention_core.dQ"]) == (d_read, dq_read)
     assert {f"attention_core.{g}" for g in ("D", "dQ", "dK", "dV", "dP", "dS")} <= set(sites)
@@ -604,14 +601,12 @@ def test_te_model_matches_emulated_loss_with_the_same_weights(experiment):
 
 @pytest.mark.parametrize("document", ["README.md", "docs/te_backend.md"])
 def test_documented_te_table_is_the_plan(document):
-    from pathlib import Path
 
     from readback.backends import te_table
 
     def compose_te(overrides):
-        with initialize_config_dir(str(CONF_DIR), version_base="1.3"):
-            return compose("train", overrides=overrides)
+        return compose(*overrides)
 
-    text = (Path(__file__).resolve().parents[1] / document).read_text()
+    text = (REPO / document).read_text()
     documented = text.split(te_table.START, 1)[1].split(te_table.END, 1)[0].strip()
     assert documented == te_table.render(compose_te), "regenerate with: python -m readback.backends.te_table"

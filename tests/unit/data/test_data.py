@@ -19,8 +19,7 @@ from readback.data.corpus import shakespeare_files
 from readback.data.stream import split_blocks
 from readback.data.synthetic import synthetic_split
 from readback.errors import ConfigError
-
-CONF = Path(__file__).resolve().parents[1] / "conf"
+from toys import CONF
 
 
 def load_cfg(name: str, **overrides):

@@ -4,19 +4,13 @@ import math
 
 import pytest
 import torch
-from hydra import compose, initialize_config_dir
 
 from readback.backends import build_model
-from readback.config import CONF_DIR
 from readback.model import ActivationStats, kurtosis
 from readback.model.fog import FOG, FOGConfig, Parts, rope, rounding_owners
 from readback.ops.activation import BETA, EPS
 from readback.ops.numerics import Numerics
-
-
-def _cfg(*overrides):
-    with initialize_config_dir(str(CONF_DIR), version_base="1.3"):
-        return compose("train", overrides=list(overrides))
+from toys import compose
 
 
 def _tiny(precision="off", **kw):
@@ -30,7 +24,7 @@ def _tiny(precision="off", **kw):
     [("fog_390m", 385_908_768), ("fog_1p5b", 1_543_569_440), ("fog_8b", 8_053_325_888)],
 )
 def test_parameter_counts_of_fog_sizes_on_meta(size, expected):
-    model = build_model(_cfg(f"model={size}"), "meta")
+    model = build_model(compose(f"model={size}"), "meta")
     assert next(model.parameters()).device.type == "meta"
     assert model.n_params() == expected
 
@@ -39,13 +33,13 @@ def test_390m_count_from_the_architecture():
     """The count above, worked out from the table: tied 131072 x 1024 embedding, 16 layers."""
     d, hd, ffn = 1024, 128, 6144
     per_layer = d * (8 + 2 * 4) * hd + 8 * hd * d + 2 * d * ffn + 2 * d + 2
-    assert build_model(_cfg("model=fog_390m"), "meta").n_params() == 131072 * d + 16 * per_layer
+    assert build_model(compose("model=fog_390m"), "meta").n_params() == 131072 * d + 16 * per_layer
 
 
 def test_untied_sizes_have_a_separate_head():
-    model = build_model(_cfg("model=fog_1p5b"), "meta")
+    model = build_model(compose("model=fog_1p5b"), "meta")
     assert model.lm_head is not None and model.lm_head.weight.shape == (131072, 2048)
-    assert build_model(_cfg("model=fog_390m"), "meta").lm_head is None
+    assert build_model(compose("model=fog_390m"), "meta").lm_head is None
 
 
 def test_post_norm_before_residual_add_and_gain_init():
@@ -204,7 +198,7 @@ def test_activation_stats_hooks_measure_every_layer_only_when_active():
 @pytest.mark.parametrize("experiment", ["reuse_rounded", "bf16_baseline"])
 def test_tiny_model_learns(experiment):
     """A few steps on a fixed batch lower the loss in FP8 and in BF16 alike."""
-    cfg = _cfg(f"+experiment={experiment}", "model.vocab_size=128")
+    cfg = compose(f"+experiment={experiment}", "model.vocab_size=128")
     torch.manual_seed(0)
     model = build_model(cfg)
     idx = torch.randint(0, 128, (4, 32))
@@ -221,7 +215,7 @@ def test_tiny_model_learns(experiment):
 
 
 def test_lm_head_stays_bf16_under_fp8():
-    model = build_model(_cfg("+experiment=reuse_rounded", "model.vocab_size=128"))
+    model = build_model(compose("+experiment=reuse_rounded", "model.vocab_size=128"))
     model(torch.randint(0, 128, (2, 16)), torch.randint(0, 128, (2, 16)))
     sites = model.numerics.sites
     assert sites["lm_head.weight"].fmt.name == "BF16"
@@ -230,7 +224,7 @@ def test_lm_head_stays_bf16_under_fp8():
 
 
 def test_flops_per_token_counts_gemms_and_attention():
-    model = build_model(_cfg("model=fog_390m"), "meta")
+    model = build_model(compose("model=fog_390m"), "meta")
     gemm = 16 * (1024 * 2048 + 1024 * 1024 + 2 * 1024 * 6144) + 131072 * 1024
     assert model.flops_per_token() == 6 * gemm + 6 * 16 * 4096 * 1024
 

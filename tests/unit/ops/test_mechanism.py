@@ -7,16 +7,15 @@ import math
 
 import pytest
 import torch
-from hydra import compose, initialize_config_dir
 
 from readback.analysis import runs_from_records
 from readback.analysis.plots import plot_mechanism
 from readback.backends import build_model
-from readback.config import CONF_DIR
 from readback.numerics import CurrentScaling
 from readback.ops import attention as attention_op
 from readback.ops import mechanism
 from readback.ops.numerics import Numerics
+from toys import compose
 
 
 def test_logits_and_entropy_by_hand():
@@ -93,8 +92,7 @@ def test_the_row_blocked_backward_logs_the_cosine_one_block_would(monkeypatch, p
 
 
 def test_a_logged_fog_step_records_them_and_the_analysis_plots_them(tmp_path):
-    with initialize_config_dir(str(CONF_DIR), version_base="1.3"):
-        cfg = compose("train", overrides=["model.vocab_size=64", "model.seq_len=16", "policy=reuse_rounded"])
+    cfg = compose("model.vocab_size=64", "model.seq_len=16", "policy=reuse_rounded")
     model = build_model(cfg)
     idx = torch.randint(0, 64, (2, 16))
     model(idx, idx).backward()  # not a log step: nothing measured

@@ -6,21 +6,20 @@ from __future__ import annotations
 
 import pytest
 import torch
-from hydra import compose, initialize_config_dir
 
 from readback.backends import build_model
-from readback.config import CONF_DIR, validate
+from readback.config import validate
 from readback.errors import ConfigError
 from readback.model import rounding_sites
 from readback.numerics import E4M3, CurrentScaling, compute_scale
 from readback.ops.attention import attention
 from readback.ops.linear import linear
 from readback.ops.numerics import Numerics, Site
+from toys import compose
 
 
 def _compose(*overrides):
-    with initialize_config_dir(str(CONF_DIR), version_base="1.3"):
-        return compose("train", overrides=["data=synthetic", "data.vocab_size=64", "model.vocab_size=64", *overrides])
+    return compose("data=synthetic", "data.vocab_size=64", "model.vocab_size=64", *overrides)
 
 
 def test_site_margin_is_the_recipe_margin_at_matched_sites_only():

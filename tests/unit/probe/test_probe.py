@@ -4,18 +4,16 @@ import json
 
 import pytest
 import torch
-from hydra import compose, initialize_config_dir
 
 from readback.backends import build_model
-from readback.config import CONF_DIR
 from readback.probe import GradientProbe, compare
+from toys import compose
 
 FP32_BACKWARD = ["attention.bwd_precision=fp32", "precision.override_linear_precision=[false,true,true]"]
 
 
 def _cfg(*overrides):
-    with initialize_config_dir(str(CONF_DIR), version_base="1.3"):
-        return compose("train", overrides=["model.vocab_size=128", *overrides])
+    return compose("model.vocab_size=128", *overrides)
 
 
 def _trained_model(*overrides, steps=3):

@@ -1,12 +1,8 @@
-"""The trainer's parts one by one, then end-to-end runs of ``readback.train.run`` on a toy model.
-
-The toy model and data stream satisfy the trainer's contract (``readback.train.contract``:
-``TrainableModel``, ``RunNumerics``, ``DataStream``) and are handed to ``run`` as its builders.
-"""
+"""The trainer's parts one by one, then end-to-end runs of ``readback.train.run`` on the toy
+model and stream of ``toys`` (handed to ``run`` as its builders)."""
 
 from __future__ import annotations
 
-import contextlib
 import json
 import logging
 import math
@@ -14,13 +10,11 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.nn.functional as F
 from omegaconf import OmegaConf
 from torch import nn
 
 from readback.config.schema import Optim
 from readback.errors import ConfigError
-from readback.train import Builders, run
 from readback.train.checkpoint import (
     atomic_torch_save,
     checkpoint_path,
@@ -34,223 +28,7 @@ from readback.train.metrics import JsonlWriter, MetricsLogger, read_jsonl
 from readback.train.optim import build_optimizer, clip_gradients, nonfinite_grad_names, param_groups
 from readback.train.schedule import WSDSchedule
 from readback.train.tracking import RunIdentity, WandbLogger, resolve_wandb_mode
-
-CONF = Path(__file__).resolve().parents[1] / "conf"
-
-
-# --------------------------------------------------------------------------- toy stand-ins
-class ToyNumerics:
-    """Step counter, plus state that forwards in eval mode change and that feeds back into the
-    loss (like amax histories and random streams): evaluation must not leak into training."""
-
-    def __init__(self) -> None:
-        self.step = 0
-        self.eval_forwards = 0
-        self.mechanism = False
-
-    def end_step(self) -> None:
-        self.step += 1
-
-    def state_dict(self) -> dict:
-        return {"step": self.step, "eval_forwards": self.eval_forwards}
-
-    def load_state_dict(self, state: dict) -> None:
-        self.step = int(state["step"])
-        self.eval_forwards = int(state["eval_forwards"])
-
-    def saturation_counts(self) -> dict[str, int]:
-        return {"toy.out": self.step % 3}
-
-    def underflow_fractions(self) -> dict[str, float]:
-        return {"toy.out": 0.0}
-
-    def pop_observations(self) -> dict[str, float]:
-        return {}
-
-    @contextlib.contextmanager
-    def isolated(self):
-        """Like ``Numerics.isolated``: whatever happens inside is undone on exit."""
-        state = self.state_dict()
-        try:
-            yield
-        finally:
-            self.load_state_dict(state)
-
-
-class ToyModel(nn.Module):
-    """Embedding -> gated residual MLP -> head. Deterministic, tiny, with a 1-D gain, a frozen
-    1-D parameter and switches that poison the loss or one gradient at a chosen step."""
-
-    def __init__(self, vocab: int, d: int = 16, nan_loss_at: int | None = None, nan_grad_at: int | None = None):
-        super().__init__()
-        self.vocab = vocab
-        self.emb = nn.Embedding(vocab, d)
-        self.gain = nn.Parameter(torch.ones(d))
-        self.frozen = nn.Parameter(torch.ones(d), requires_grad=False)
-        self.fc = nn.Linear(d, d)
-        self.head = nn.Linear(d, vocab, bias=False)
-        self.numerics = ToyNumerics()
-        self.nan_loss_at, self.nan_grad_at = nan_loss_at, nan_grad_at
-        self.layers = nn.ModuleList([nn.Module()])  # layers.0.attn.core: watched by the stats hooks
-        self.layers[0].attn = nn.Module()
-        self.layers[0].attn.core = nn.Identity()
-
-    def _this_step(self) -> int:
-        return self.numerics.step + 1
-
-    def forward(self, idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        gain = self.gain
-        if self.training and self.nan_grad_at == self._this_step():
-            gain = gain + 0.0
-            gain.register_hook(lambda g: torch.full_like(g, math.nan))
-        h = self.emb(idx)
-        if self.training:  # a leak of evaluation state into training would change the loss
-            h = h * (1.0 + 0.01 * self.numerics.eval_forwards)
-        else:
-            self.numerics.eval_forwards += 1
-        h = h + torch.tanh(self.fc(h * gain * self.frozen))
-        h = self.layers[0].attn.core(h)
-        loss = F.cross_entropy(self.head(h).flatten(0, 1), targets.flatten())
-        if self.training and self.nan_loss_at == self._this_step():
-            loss = loss * math.nan
-        return loss
-
-    def n_params(self) -> int:
-        return sum(p.numel() for p in self.parameters())
-
-    def flops_per_token(self) -> float:
-        return 6.0 * self.n_params()
-
-
-class ToyStream:
-    """Sequences ``start, start+k, start+2k, ... (mod vocab)``, ``k`` in 1..3, one per global index;
-    rank ``r`` takes its share of every global batch (like the real stream)."""
-
-    def __init__(
-        self,
-        vocab: int,
-        *,
-        seq_len: int,
-        micro_batch: int,
-        seed: int,
-        rank: int,
-        world_size: int,
-        crash_at_call: int | None = None,
-    ):
-        self.vocab_size, self.seq_len, self.micro_batch = vocab, seq_len, micro_batch
-        self.seed, self.rank, self.world_size = seed, rank, world_size
-        self.tokens_per_batch = micro_batch * seq_len
-        self.consumed = 0
-        self.calls = 0
-        self.crash_at_call = crash_at_call
-
-    def _seq(self, index: int) -> torch.Tensor:
-        g = torch.Generator().manual_seed(self.seed * 1_000_003 + index)
-        start = int(torch.randint(0, self.vocab_size, (1,), generator=g))
-        k = int(torch.randint(1, 4, (1,), generator=g))
-        return (start + k * torch.arange(self.seq_len + 1)) % self.vocab_size
-
-    def _batch(self, first: int) -> tuple[torch.Tensor, torch.Tensor]:
-        seqs = torch.stack([self._seq(first + j) for j in range(self.micro_batch)])
-        return seqs[:, :-1].contiguous(), seqs[:, 1:].contiguous()
-
-    def next_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
-        if self.crash_at_call is not None and self.calls == self.crash_at_call:
-            raise RuntimeError("simulated crash")
-        self.calls += 1
-        batch = self._batch(self.consumed + self.rank * self.micro_batch)
-        self.consumed += self.micro_batch * self.world_size
-        return batch
-
-    def val_batches(self, n: int):
-        for i in range(n):
-            yield self._batch(10**6 + i * self.micro_batch)
-
-    def state_dict(self) -> dict:
-        return {"consumed": self.consumed}
-
-    def load_state_dict(self, state: dict) -> None:
-        self.consumed = int(state["consumed"])
-
-
-BUILT: list[ToyModel] = []
-
-
-def toy_build_model(cfg, device):
-    m = cfg.model
-    with torch.device(device):
-        model = ToyModel(int(m.vocab_size), int(m.d_model), m.get("nan_loss_at"), m.get("nan_grad_at"))
-    BUILT.append(model)
-    return model
-
-
-def toy_build_data(cfg_data, *, seq_len, micro_batch, seed, rank=0, world_size=1):
-    if cfg_data.get("forbid_build"):
-        raise AssertionError("build_data must not be called")
-    return ToyStream(
-        int(cfg_data.vocab),
-        seq_len=seq_len,
-        micro_batch=micro_batch,
-        seed=seed,
-        rank=rank,
-        world_size=world_size,
-        crash_at_call=cfg_data.get("crash_at_call"),
-    )
-
-
-TOYS = Builders(model=toy_build_model, data=toy_build_data)
-
-
-def train(cfg, run_dir):
-    """``readback.train.run`` with the toy builders."""
-    return run(cfg, run_dir, TOYS)
-
-
-@pytest.fixture
-def toys(monkeypatch):
-    monkeypatch.delenv("WANDB_MODE", raising=False)
-    BUILT.clear()
-    yield BUILT
-
-
-def make_cfg(**trainer):
-    """The real ``conf/trainer/default.yaml`` and ``conf/logger/none.yaml`` with toy sizes."""
-    base = OmegaConf.load(CONF / "trainer" / "default.yaml")
-    small = dict(
-        steps=12,
-        micro_batch=2,
-        log_every=2,
-        eval_every=4,
-        eval_batches=2,
-        ckpt_every=4,
-        keep_last=2,
-        progress=False,
-        device="cpu",
-    )
-    base = OmegaConf.merge(base, small, {"optim": {"warmup_steps": 3}})
-    cfg = OmegaConf.create(
-        {
-            "seed": 3,
-            "experiment": "toy",
-            "model": {
-                "seq_len": 8,
-                "global_batch": 8,
-                "lr": 3e-2,
-                "vocab_size": None,
-                "d_model": 16,
-                "n_layers": 1,
-                "n_heads": 1,
-                "ffn_dim": 16,
-            },  # the last three size its activations
-            "data": {"vocab": 24},
-            "trainer": base,
-            "logger": OmegaConf.load(CONF / "logger" / "none.yaml"),
-            "probe": OmegaConf.load(CONF / "probe" / "default.yaml"),
-        }
-    )
-    for key, value in trainer.items():
-        OmegaConf.update(cfg, key, value, force_add=True)
-    return cfg
+from toys import CONF, ToyModel, make_cfg, train
 
 
 # --------------------------------------------------------------------------- schedule
@@ -507,7 +285,7 @@ def _curve(run_dir: Path) -> list[tuple]:
     return [tuple(r.get(k) for k in CURVE_KEYS) for r in read_jsonl(run_dir / "metrics.jsonl")]
 
 
-def test_run_end_to_end_contracts(tmp_path, toys):
+def test_run_end_to_end_contracts(tmp_path, built):
     cfg = make_cfg()
     summary = train(cfg, tmp_path)
     records = read_jsonl(tmp_path / "metrics.jsonl")
@@ -526,7 +304,7 @@ def test_run_end_to_end_contracts(tmp_path, toys):
     assert on_disk["status"] == "completed" and on_disk["diverged_at_step"] is None
     assert on_disk["steps"] == 12 and on_disk["tokens"] == 12 * 64
     assert on_disk["final_loss"] == records[-1]["loss"] and on_disk["val_loss"] == records[-1]["val_loss"]
-    assert on_disk["n_params"] == toys[0].n_params() and on_disk["experiment"] == "toy"
+    assert on_disk["n_params"] == built[0].n_params() and on_disk["experiment"] == "toy"
     assert cfg.model.vocab_size == 24  # taken from the stream
     assert [s for s, _ in list_checkpoints(tmp_path / "checkpoints")] == [8, 12]
     state = load_checkpoint(checkpoint_path(tmp_path / "checkpoints", 12))
@@ -536,7 +314,7 @@ def test_run_end_to_end_contracts(tmp_path, toys):
     }
 
 
-def test_resume_reproduces_the_uninterrupted_curve_bit_exactly(tmp_path, toys):
+def test_resume_reproduces_the_uninterrupted_curve_bit_exactly(tmp_path, built):
     straight, crashed = tmp_path / "straight", tmp_path / "crashed"
     train(make_cfg(), straight)
     # 4 micro-batches per step: call 40 is the first of step 11, after step 10 was logged
@@ -555,14 +333,14 @@ def test_resume_reproduces_the_uninterrupted_curve_bit_exactly(tmp_path, toys):
     assert all(torch.equal(a[k], b[k]) for k in a)
 
 
-def test_evaluation_leaves_training_untouched(tmp_path, toys):
+def test_evaluation_leaves_training_untouched(tmp_path, built):
     train(make_cfg(**{"trainer.eval_every": 2}), tmp_path / "often")
     train(make_cfg(**{"trainer.eval_every": 12}), tmp_path / "once")
     train_curve = [(s, loss, lr, g) for s, loss, lr, _, g, _ in _curve(tmp_path / "often")]
     assert train_curve == [(s, loss, lr, g) for s, loss, lr, _, g, _ in _curve(tmp_path / "once")]
 
 
-def test_nan_loss_stops_without_applying_the_update(tmp_path, toys):
+def test_nan_loss_stops_without_applying_the_update(tmp_path, built):
     cfg = make_cfg(**{"model.nan_loss_at": 6, "trainer.log_every": 1, "trainer.ckpt_every": 5})
     summary = train(cfg, tmp_path)
     assert summary["status"] == "diverged" and summary["diverged_at_step"] == 6 and summary["steps"] == 6
@@ -575,19 +353,19 @@ def test_nan_loss_stops_without_applying_the_update(tmp_path, toys):
     # no checkpoint of the diverged step; the weights are exactly those after step 5
     assert [s for s, _ in list_checkpoints(tmp_path / "checkpoints")] == [5]
     after_five = load_checkpoint(checkpoint_path(tmp_path / "checkpoints", 5))["model"]
-    final = toys[0].state_dict()
+    final = built[0].state_dict()
     assert all(torch.equal(final[k], after_five[k]) for k in final)
 
 
-def test_nonfinite_gradients_skip_the_update(tmp_path, toys):
+def test_nonfinite_gradients_skip_the_update(tmp_path, built):
     summary = train(make_cfg(**{"model.nan_grad_at": 3, "trainer.divergence.nonfinite_grads": "skip"}), tmp_path)
     assert summary["status"] == "completed"
     assert summary["skipped_updates"] == [{"step": 3, "params": ["gain"]}]
-    assert all(torch.isfinite(v).all() for v in toys[0].state_dict().values())
+    assert all(torch.isfinite(v).all() for v in built[0].state_dict().values())
     assert read_jsonl(tmp_path / "metrics.jsonl")[1]["skipped_updates"] == 1
 
 
-def test_nonfinite_gradients_stop_as_divergence_by_default(tmp_path, toys):
+def test_nonfinite_gradients_stop_as_divergence_by_default(tmp_path, built):
     cfg = make_cfg(**{"model.nan_grad_at": 3, "trainer.log_every": 1, "trainer.ckpt_every": 2})
     summary = train(cfg, tmp_path)
     assert summary["status"] == "diverged" and summary["diverged_at_step"] == 3 and summary["steps"] == 3
@@ -598,12 +376,12 @@ def test_nonfinite_gradients_stop_as_divergence_by_default(tmp_path, toys):
     assert [r["step"] for r in records] == [1, 2, 3] and records[-1]["diverged"] is True
     assert "fp8_saturation/toy.out" in records[-1]
     after_two = load_checkpoint(checkpoint_path(tmp_path / "checkpoints", 2))["model"]
-    final = toys[0].state_dict()
+    final = built[0].state_dict()
     assert all(torch.equal(final[k], after_two[k]) for k in final)  # step 3 was not applied
     assert [s for s, _ in list_checkpoints(tmp_path / "checkpoints")] == [2]
 
 
-def test_patience_divergence_can_stop(tmp_path, toys):
+def test_patience_divergence_can_stop(tmp_path, built):
     cfg = make_cfg(
         **{
             "trainer.divergence.factor": 0.5,
@@ -618,7 +396,7 @@ def test_patience_divergence_can_stop(tmp_path, toys):
     assert "val_loss" in read_jsonl(tmp_path / "metrics.jsonl")[-1]
 
 
-def test_wandb_failure_does_not_stop_training(tmp_path, toys, monkeypatch, capsys):
+def test_wandb_failure_does_not_stop_training(tmp_path, built, monkeypatch, capsys):
     import wandb
 
     def broken_init(**kwargs):
@@ -636,18 +414,18 @@ def test_wandb_failure_does_not_stop_training(tmp_path, toys, monkeypatch, capsy
     assert isinstance(run_id, str) and run_id
 
 
-def test_dry_run_builds_on_meta_and_skips_data(tmp_path, toys, capsys):
+def test_dry_run_builds_on_meta_and_skips_data(tmp_path, built, capsys):
     cfg = make_cfg(**{"trainer.dry_run": True, "model.vocab_size": 24, "data.forbid_build": True})
     summary = train(cfg, tmp_path)
-    assert summary["status"] == "dry_run" and summary["n_params"] == toys[0].n_params()
+    assert summary["status"] == "dry_run" and summary["n_params"] == built[0].n_params()
     assert summary["flops_per_token"] == 6.0 * summary["n_params"]
-    assert all(p.is_meta for p in toys[0].parameters())
+    assert all(p.is_meta for p in built[0].parameters())
     assert "parameters" in capsys.readouterr().out
     assert json.loads((tmp_path / "summary.json").read_text())["status"] == "dry_run"
     assert not (tmp_path / "metrics.jsonl").exists() and not (tmp_path / "checkpoints").exists()
 
 
-def test_indivisible_global_batch_is_a_config_error(tmp_path, toys):
+def test_indivisible_global_batch_is_a_config_error(tmp_path, built):
     with pytest.raises(ConfigError, match="model.global_batch"):
         train(make_cfg(**{"trainer.micro_batch": 3}), tmp_path / "run")
     assert not (tmp_path / "run").exists()
