@@ -128,7 +128,8 @@ PREEMPT_WORKER = WORKER.replace(
             toys.train(toys.make_cfg(**json.loads(sys.argv[2])), Path(sys.argv[1]))
         except Preempted as p:  # one file per rank: the ranks share torchrun's stdout, where lines interleave
             rank = int(os.environ["RANK"])
-            (Path(sys.argv[1]).parent / ("stopped_rank%d.json" % rank)).write_text(json.dumps(dict(rank=rank, step=p.step)))
+            stopped = Path(sys.argv[1]).parent / ("stopped_rank%d.json" % rank)
+            stopped.write_text(json.dumps(dict(rank=rank, step=p.step)))
             sys.exit(p.exit_code)
         """
     ),

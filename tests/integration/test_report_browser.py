@@ -17,7 +17,8 @@ from sweeps import EXPERIMENTS
 
 BROWSER = shutil.which("chromium") or shutil.which("chromium-browser")
 CHECK = """<script>window.addEventListener("load", () => {
-  const images = [...document.images].map(i => ({alt: i.alt, complete: i.complete, w: i.naturalWidth, h: i.naturalHeight}));
+  const images = [...document.images].map(i => ({alt: i.alt, complete: i.complete,
+    w: i.naturalWidth, h: i.naturalHeight}));
   const tables = [...document.querySelectorAll("section")].map(s => ({title: s.querySelector("h2").textContent,
     rows: [...s.querySelectorAll("tr")].map(r => [...r.cells].map(c => c.textContent))}));
   const out = document.createElement("pre"); out.id = "browser-check";
@@ -80,7 +81,7 @@ def test_html_report_renders_its_images_and_tables_in_a_browser(real_sweep, tmp_
         assert row[1] == "2" and row[2].startswith(f"{expected.loc[row[0], 'final_loss_mean']:.3f} ± ")
     assert sorted(r[0] for r in final[1:]) == sorted(EXPERIMENTS)
     assert len(tables["Runs"]) == 1 + 4
-    how = dict((r[0], r[1]) for r in tables["How it was made"][1:])
+    how = {r[0]: r[1] for r in tables["How it was made"][1:]}
     assert how["runs: command"].startswith("python train.py -m +experiment=") and "CPUs" in how["runs: machine"]
     assert how["report: command"].startswith("python -m readback.analysis ")
     shot = tmp_path / "shot.png"

@@ -120,7 +120,7 @@ def reference(tmp_path_factory) -> Path:
     root = tmp_path_factory.mktemp("reference")
     with ThreadPoolExecutor(2) as pool:
         results = list(pool.map(lambda d: _train(d), [root / "a", root / "b"]))
-    for rc, out, err in results:
+    for rc, _, err in results:
         assert rc == 0, err[-3000:]
     return root
 
@@ -163,7 +163,7 @@ def test_sigterm_and_sigusr1_checkpoint_exit_and_resume_in_the_same_wandb_run(tm
     wandb = ["logger=wandb", "logger.mode=offline"]
     for sig, when in ((signal.SIGTERM, 5), (signal.SIGUSR1, 15)):
         proc = _start(run_dir, *wandb, "trainer.resume=true", env=env)
-        _signal_when(proc, run_dir, sig, lambda: _last_step(run_dir) >= when)
+        _signal_when(proc, run_dir, sig, lambda when=when: _last_step(run_dir) >= when)
         rc, out, err = _finish(proc)
         assert rc == 128 + sig, err[-3000:]
         assert f"{signal.Signals(sig).name} received" in err
@@ -216,7 +216,7 @@ def test_sigkill_during_a_checkpoint_save_leaves_the_previous_one(tmp_path, refe
     torn = [p.name for p in ckpts.iterdir() if p.name.startswith(".step_0000012.pt.")]
     assert len(torn) == 1  # the half-written temp file, never under a checkpoint name
     assert load_checkpoint(list_checkpoints(ckpts)[-1][1])["step"] == 8
-    rc, out, err = _train(run_dir, "trainer.resume=true")
+    rc, _, err = _train(run_dir, "trainer.resume=true")
     assert rc == 0, err[-3000:]
     assert sorted(p.name for p in ckpts.iterdir()) == ["step_0000028.pt", "step_0000030.pt"]  # temp file gone
     _assert_same_run(run_dir, reference / "a")

@@ -76,7 +76,8 @@ WORKER = textwrap.dedent(
 
     for experiment in {experiments!r}:
         for parallel in ("ddp", "fsdp"):
-            run(cfg(f"+experiment={{experiment}}", f"trainer.parallel={{parallel}}"), out / f"{{experiment}}_{{parallel}}")
+            cfg_ = cfg(f"+experiment={{experiment}}", f"trainer.parallel={{parallel}}")
+            run(cfg_, out / f"{{experiment}}_{{parallel}}")
     if dist.get_rank() == 0:  # resume the FSDP run from its step-10 checkpoint
         shutil.copytree(out / "reuse_rounded_fsdp", out / "resumed")
         list_checkpoints(out / "resumed" / "checkpoints")[-1][1].unlink()

@@ -93,9 +93,9 @@ def grads(model: nn.Module) -> dict[str, torch.Tensor]:
 def test_sequential_with_rounding_off_equals_the_unconverted_model():
     reference = sequential()
     model = copy.deepcopy(reference)
-    weights = {n: p for n, p in model.named_parameters()}
+    weights = dict(model.named_parameters())
     report = readback.convert(model, precision="off")
-    assert {n: p for n, p in model.named_parameters()} == weights  # the very Parameters
+    assert dict(model.named_parameters()) == weights  # the very Parameters
     assert set(report.swapped) == {"0", "1", "2", "4", "5"}
     assert report.left == {"6": "shape (3, 16) not a multiple of 16"}
     assert type(model[6]) is nn.Linear and type(model[3]) is nn.GELU

@@ -94,7 +94,7 @@ def test_every_option_sets_every_key_of_its_schema(override):
 def test_validate_gives_the_typed_config_and_refuses_plus_keys():
     config = validate(compose("trainer.steps=7"))
     assert isinstance(config, Config) and config.trainer.steps == 7 and config.trainer.optim.eps == 1e-8
-    with pytest.raises(ConfigError, match="trainer.max_steps=100 is not a config key; did you mean trainer.steps"):
+    with pytest.raises(ConfigError, match=r"trainer.max_steps=100 is not a config key; did you mean trainer.steps"):
         validate(compose("+trainer.max_steps=100"))
 
 

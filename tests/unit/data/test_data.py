@@ -166,7 +166,7 @@ def test_two_processes_building_at_once_train_once_and_agree(tmp_path):
         assert p.exitcode == 0
     assert sorted(r[0] for r in results) == [0, 1]  # exactly one process trained
     assert results[0][1:] == results[1][1:]
-    assert not [f for f in tmp_path.rglob("*.tmp")]
+    assert not list(tmp_path.rglob("*.tmp"))
 
 
 # --- packing and split ---------------------------------------------------------------------

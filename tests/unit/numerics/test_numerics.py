@@ -7,7 +7,9 @@ neighbours taken from a table of every value of the format, decoded from its 256
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import math
+from operator import itemgetter
 
 import pytest
 import torch
@@ -76,7 +78,7 @@ def _same_bits(got: torch.Tensor, want: torch.Tensor) -> None:
 def _scaled_values(fmt: FP8Format):
     table = TABLES[fmt.name].tolist()
     pos = sorted({v for v in table if v > 0})
-    mids = [(a + b) / 2 for a, b in zip(pos, pos[1:])] + [pos[0] / 2]  # ties, incl. half the smallest subnormal
+    mids = [(a + b) / 2 for a, b in itertools.pairwise(pos)] + [pos[0] / 2]  # ties, incl. half the smallest subnormal
     sub_top = 2.0**fmt.min_exponent
     return st.one_of(
         st.sampled_from(table),  # exact grid points, subnormals and +-max included
@@ -523,7 +525,7 @@ def test_fp8_mm_matches_torch_scaled_mm(fmt_b, batch):
     qa, qb = _operands(7 + len(batch), (*batch, 96, 128), (*batch, 128, 112), E4M3, fmt_b)
     got = fp8_mm(qa, qb).to(torch.bfloat16)
     if batch:
-        want = torch.stack([_scaled_mm(qa.map(lambda d: d[i]), qb.map(lambda d: d[i])) for i in range(batch[0])])
+        want = torch.stack([_scaled_mm(qa.map(itemgetter(i)), qb.map(itemgetter(i))) for i in range(batch[0])])
     else:
         want = _scaled_mm(qa, qb)
     identical = (got.view(torch.int16) == want.view(torch.int16)).double().mean().item()

@@ -3,10 +3,12 @@ model and stream of ``toys`` (handed to ``run`` as its builders)."""
 
 from __future__ import annotations
 
+import itertools
 import json
 import logging
 import math
 from pathlib import Path
+from typing import ClassVar
 
 import pytest
 import torch
@@ -44,8 +46,8 @@ def test_schedule_warmup_stable_cooldown():
         assert s(t) == pytest.approx(mn + (peak - mn) * (1 - math.sqrt((t - 80) / 20)), rel=1e-12)
     assert s(100) == pytest.approx(mn)
     lrs = [s(t) for t in range(1, 101)]
-    assert all(a <= b for a, b in zip(lrs[:10], lrs[1:11]))
-    assert all(a >= b for a, b in zip(lrs[79:], lrs[80:]))
+    assert all(a <= b for a, b in itertools.pairwise(lrs[:11]))
+    assert all(a >= b for a, b in itertools.pairwise(lrs[79:]))
 
 
 def test_schedule_from_config_and_overlap():
@@ -159,7 +161,7 @@ def test_corrupt_newest_checkpoint_is_skipped(tmp_path, caplog):
     save_checkpoint({"step": 2}, tmp_path, 2)
     checkpoint_path(tmp_path, 3).write_bytes(b"garbage")
     with caplog.at_level(logging.WARNING):
-        path, state = load_latest_checkpoint(tmp_path)
+        _, state = load_latest_checkpoint(tmp_path)
     assert state["step"] == 2 and "step_0000003.pt" in caplog.text
     assert load_latest_checkpoint(tmp_path / "missing") is None
 
@@ -248,7 +250,7 @@ def test_wandb_init_and_log_failures_never_raise(tmp_path, monkeypatch):
     wb.finish()
 
     class CrashingRun:
-        summary: dict = {}
+        summary: ClassVar[dict] = {}
 
         def log(self, *a, **k):
             raise OSError("wandb service died")
@@ -426,6 +428,6 @@ def test_dry_run_builds_on_meta_and_skips_data(tmp_path, built, capsys):
 
 
 def test_indivisible_global_batch_is_a_config_error(tmp_path, built):
-    with pytest.raises(ConfigError, match="model.global_batch"):
+    with pytest.raises(ConfigError, match=r"model.global_batch"):
         train(make_cfg(**{"trainer.micro_batch": 3}), tmp_path / "run")
     assert not (tmp_path / "run").exists()
