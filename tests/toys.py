@@ -23,10 +23,10 @@ from readback.config import CONF_DIR
 from readback.train import Builders, run
 
 REPO = Path(__file__).resolve().parents[1]
-CONF = REPO / "conf"
+CONF = CONF_DIR
 # The study's experiments (conf/experiment/*.yaml).
 ALL_EXPERIMENTS = sorted(p.stem for p in (CONF / "experiment").glob("*.yaml"))
-# A narrowed tiny FOG (2 layers of width 32, 2 heads): a forward and backward in well under a second.
+# conf/model/tiny.yaml narrowed (2 layers of width 32, 2 heads, sequences of 16 tokens of a 64-token vocabulary).
 TINY_FOG = (
     "model.vocab_size=64",
     "model.seq_len=16",
