@@ -1,8 +1,8 @@
 """Faults during a run: divergence (NaN/Inf loss or gradients), FP8 saturation, preemption
 signals, and wandb failing in every way it can (no key, a bad key, no network, a crash mid-run).
 
-Here the real ``train.py`` in subprocesses (tiny model, synthetic data); the in-process cases on
-the toy model are in tests/unit/train/test_faults.py.
+These cases run the real ``train.py`` in subprocesses (tiny model, synthetic data); the in-process
+cases on the toy model are in tests/unit/train/test_faults.py.
 """
 
 from __future__ import annotations
