@@ -43,6 +43,14 @@ def compose(*overrides: str, **kwargs) -> DictConfig:
         return hydra_compose("train", overrides=list(overrides), **kwargs)
 
 
+def load_data_cfg(name: str, **overrides) -> DictConfig:
+    """``conf/data/<name>.yaml`` with ``overrides`` set (keys of the data group)."""
+    cfg = OmegaConf.load(CONF / "data" / f"{name}.yaml")
+    for key, value in overrides.items():
+        cfg[key] = value
+    return cfg
+
+
 class ToyNumerics:
     """Step counter, plus state that forwards in eval mode change and that feeds back into the
     loss (like amax histories and random streams): evaluation must not leak into training."""

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import math
-import multiprocessing as mp
 import socket
 from pathlib import Path
 
@@ -19,18 +18,11 @@ from readback.data.corpus import shakespeare_files
 from readback.data.stream import split_blocks
 from readback.data.synthetic import synthetic_split
 from readback.errors import ConfigError
-from toys import CONF
-
-
-def load_cfg(name: str, **overrides):
-    cfg = OmegaConf.load(CONF / "data" / f"{name}.yaml")
-    for key, value in overrides.items():
-        cfg[key] = value
-    return cfg
+from toys import CONF, load_data_cfg
 
 
 def synth(**overrides):
-    return load_cfg("synthetic", **{"n_tokens": 20_000, **overrides})
+    return load_data_cfg("synthetic", **{"n_tokens": 20_000, **overrides})
 
 
 def take(stream, n):
@@ -46,7 +38,7 @@ def same(batches_a, batches_b) -> bool:
 @pytest.fixture(scope="module")
 def text_cfg(tmp_path_factory):
     """Shakespeare with its own cache, built once here, cold, with every network call refused."""
-    cfg = load_cfg("shakespeare", cache_dir=str(tmp_path_factory.mktemp("cache")))
+    cfg = load_data_cfg("shakespeare", cache_dir=str(tmp_path_factory.mktemp("cache")))
     attempts: list[object] = []
 
     def refuse(*args, **kwargs):
@@ -83,7 +75,7 @@ def test_every_dataset_has_a_config_that_composes(monkeypatch, tmp_path):
 
 
 def test_cache_dir_follows_env_var_and_defaults_to_home(monkeypatch, tmp_path):
-    cfg = load_cfg("shakespeare")
+    cfg = load_data_cfg("shakespeare")
     monkeypatch.setenv("READBACK_CACHE", str(tmp_path))
     assert cache_root(cfg) == tmp_path
     monkeypatch.delenv("READBACK_CACHE")
@@ -124,7 +116,7 @@ def test_second_build_loads_the_cache_without_retraining(text_cfg, monkeypatch):
 
 def test_cache_is_keyed_by_corpus_and_vocab(tmp_path):
     plays = [str(f) for f in shakespeare_files() if f.name.startswith(("macbeth", "julius"))]
-    cfg = load_cfg("shakespeare", files=plays, vocab_size=400, cache_dir=str(tmp_path))
+    cfg = load_data_cfg("shakespeare", files=plays, vocab_size=400, cache_dir=str(tmp_path))
     start = tokmod.BUILDS["tokenizer"]
     build_data(cfg, seq_len=64, micro_batch=2, seed=0)
     build_data(cfg, seq_len=64, micro_batch=2, seed=0)
@@ -135,38 +127,6 @@ def test_cache_is_keyed_by_corpus_and_vocab(tmp_path):
     build_data(cfg, seq_len=64, micro_batch=2, seed=0)
     assert tokmod.BUILDS["tokenizer"] == start + 3
     assert len(list((tmp_path / "text").iterdir())) == 3
-
-
-def _build_in_child(cfg_yaml: str, barrier, queue) -> None:
-    import hashlib
-
-    import readback.data.tokenizer as t
-    from readback.data import build_data as build
-
-    cfg = OmegaConf.create(cfg_yaml)
-    barrier.wait(timeout=120)  # both look at the empty cache at the same moment
-    stream = build(cfg, seq_len=32, micro_batch=2, seed=0)
-    json_path = next(Path(cfg.cache_dir, "text").iterdir()) / "tokenizer.json"
-    queue.put(
-        (t.BUILDS["tokenizer"], hashlib.sha256(json_path.read_bytes()).hexdigest(), stream.next_batch()[0].tolist())
-    )
-
-
-def test_two_processes_building_at_once_train_once_and_agree(tmp_path):
-    plays = [str(f) for f in shakespeare_files() if f.name.startswith("macbeth")]
-    cfg = load_cfg("shakespeare", files=plays, vocab_size=300, cache_dir=str(tmp_path))
-    ctx = mp.get_context("spawn")
-    queue, barrier = ctx.Queue(), ctx.Barrier(2)
-    procs = [ctx.Process(target=_build_in_child, args=(OmegaConf.to_yaml(cfg), barrier, queue)) for _ in range(2)]
-    for p in procs:
-        p.start()
-    results = [queue.get(timeout=120) for _ in procs]
-    for p in procs:
-        p.join(timeout=60)
-        assert p.exitcode == 0
-    assert sorted(r[0] for r in results) == [0, 1]  # exactly one process trained
-    assert results[0][1:] == results[1][1:]
-    assert not list(tmp_path.rglob("*.tmp"))
 
 
 # --- packing and split ---------------------------------------------------------------------
@@ -426,7 +386,7 @@ def test_fineweb_without_network_fails_with_a_config_error(monkeypatch):
 
     monkeypatch.setattr(tokenizers.Tokenizer, "from_pretrained", offline)
     with pytest.raises(ConfigError) as info:
-        build_data(load_cfg("fineweb_edu"), seq_len=16, micro_batch=2, seed=0)
+        build_data(load_data_cfg("fineweb_edu"), seq_len=16, micro_batch=2, seed=0)
     assert info.value.key == "data.tokenizer" and "\n" not in str(info.value)
 
 
