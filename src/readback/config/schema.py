@@ -211,6 +211,7 @@ class Trainer(Checked):
     eval_batches: int = integer()
     ckpt_every: int = integer()
     keep_last: int = integer()
+    ckpt_async: bool = MISSING
     resume: bool = MISSING
     preempt_signals: list[str] = MISSING
     dry_run: bool = MISSING
