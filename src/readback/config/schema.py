@@ -149,6 +149,8 @@ class FinewebData(Data):
     val_docs: int = integer()
     shuffle_buffer: int = integer(minimum=0)
     doc_batch: int = integer()
+    loader_workers: int = integer(minimum=0)
+    prefetch: int = integer()
 
 
 @dataclass
