@@ -109,6 +109,11 @@ def atomic_write_text(path: Path, text: str) -> None:
     atomic_write_bytes(path, lambda f: f.write(text.encode("utf-8")))
 
 
+def is_checkpoint(path: Path) -> bool:
+    """Whether ``path`` is a complete checkpoint directory (its index written)."""
+    return (Path(path) / dcp_io.INDEX).is_file()
+
+
 def list_checkpoints(ckpt_dir: Path) -> list[tuple[int, Path]]:
     """``(step, directory)`` of every committed checkpoint in ``ckpt_dir``, oldest first."""
     ckpt_dir = Path(ckpt_dir)
@@ -140,7 +145,7 @@ def commit_checkpoint(ckpt_dir: Path, step: int, keep_last: int | None = None) -
     """Rename the written checkpoint of ``step`` onto its final name, then prune to ``keep_last``.
     Called by one process, after every rank's shards and the index are written."""
     tmp, path = temp_checkpoint_path(ckpt_dir, step), checkpoint_path(ckpt_dir, step)
-    if not (tmp / dcp_io.INDEX).is_file():
+    if not is_checkpoint(tmp):
         raise FileNotFoundError(f"{tmp} holds no complete checkpoint (no {dcp_io.INDEX})")
     if path.exists():  # an unreadable checkpoint of the same step, which resume skipped
         shutil.rmtree(path)
