@@ -1,6 +1,8 @@
 """Scale-out on CPU/gloo with two processes: FSDP2 (``trainer.parallel=fsdp``) trains the tiny FOG
-like DDP, resumes bit-exactly at the same world size and within a stated tolerance at another;
-FP8 scaling states agree across ranks; the dry run sizes every model and refuses what cannot fit.
+like DDP; its sharded checkpoints resume bit-exactly at the same world size (also after a rank
+was SIGKILLed in training, or in a save before its commit, and with asynchronous saves) and
+within a stated tolerance at another; FP8 scaling states agree across ranks; the dry run sizes
+every model and refuses what cannot fit.
 
 Why FSDP and DDP are not bit-identical: FSDP2 computes the global gradient norm from per-rank
 shard norms, DDP from whole gradients, so the clip factor differs in the last bit; FP8 rounding
@@ -197,10 +199,9 @@ def test_fsdp_sigkill_in_training_and_in_a_save_resumes_on_the_same_curve(runs, 
     run_dir, ckpts = tmp_path / "killed", tmp_path / "killed" / "checkpoints"
     overrides = [*TINY, "+experiment=reuse_rounded", "trainer.parallel=fsdp", "trainer.resume=true"]
 
-    def launch(kill_batch: int, kill_commit: int) -> subprocess.CompletedProcess:
-        return _torchrun(
-            run_dir, KILLER, str(run_dir), CONF, json.dumps(overrides), json.dumps([kill_batch, kill_commit])
-        )
+    def launch(kill_batch: int, kill_commit: int, *extra: str) -> subprocess.CompletedProcess:
+        kill = json.dumps([kill_batch, kill_commit])
+        return _torchrun(run_dir, KILLER, str(run_dir), CONF, json.dumps([*overrides, *extra]), kill)
 
     first = launch(15, 0)  # rank 1 dies in step 15
     assert first.returncode != 0 and [s for s, _ in list_checkpoints(ckpts)] == [10], first.stderr[-3000:]
@@ -209,7 +210,7 @@ def test_fsdp_sigkill_in_training_and_in_a_save_resumes_on_the_same_curve(runs, 
     assert second.returncode != 0 and [s for s, _ in list_checkpoints(ckpts)] == [10], second.stderr[-3000:]
     torn = ckpts / ".step_0000020.tmp"
     assert sorted(p.name for p in torn.iterdir()) == [".metadata", "__0_0.distcp", "__1_0.distcp"]
-    third = launch(0, 0)  # resumed from step 10 again, to the end
+    third = launch(0, 0, "trainer.ckpt_async=true")  # resumed from step 10 again, to the end, saving async
     assert third.returncode == 0, third.stdout[-3000:] + third.stderr[-3000:]
     assert _losses(run_dir) == _losses(runs / "reuse_rounded_fsdp")
     assert sorted(p.name for p in ckpts.iterdir()) == ["step_0000010", "step_0000020"]
