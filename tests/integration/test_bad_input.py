@@ -18,7 +18,9 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed.checkpoint as dcp
 
+from readback.train import dcp_io
 from readback.train.checkpoint import list_checkpoints
 from toys import REPO
 
@@ -241,7 +243,7 @@ EXISTING = [
         {"TAMPER": "malicious"},
         "was refused unread (Trying to load unsupported GLOBAL posix.mkdir",
     ),
-    ("resume_old_format", ["trainer.resume=true"], {"TAMPER": "format"}, "valid: a checkpoint of format 2;"),
+    ("resume_old_format", ["trainer.resume=true"], {"TAMPER": "format"}, "valid: a checkpoint of format 3;"),
     ("resume_world_size", ["trainer.resume=true"], {"WORLD_SIZE": "3"}, "x world size = 2 x 3 = 6"),
 ]
 
@@ -273,12 +275,14 @@ class _Mkdir:
 def _tamper(run_dir: Path, how: str, marker: Path) -> None:
     """The newest checkpoint of ``run_dir`` with a pickled call inside, or an old format number."""
     path = list_checkpoints(run_dir / "checkpoints")[-1][1]
-    state = torch.load(path, weights_only=True)
+    state = dcp_io.read(path)
+    shared = dcp_io.unpack(state["shared"], path)
     if how == "malicious":
-        state["progress"]["note"] = _Mkdir(marker)
+        shared["progress"]["note"] = _Mkdir(marker)
     else:
-        state["format"] = 1
-    torch.save(state, path)
+        shared["format"] = 1
+    state["shared"] = dcp_io.pack(shared)
+    dcp.save(state, checkpoint_id=path, no_dist=True)
 
 
 def _snapshot(run_dir: Path) -> dict[str, str]:
@@ -314,7 +318,8 @@ def test_bad_input_table(tmp_path, existing_run):
     corrupt = tmp_path / "corrupt"
     shutil.copytree(existing_run, corrupt)
     for _, path in list_checkpoints(corrupt / "checkpoints"):
-        path.write_bytes(path.read_bytes()[:200])  # truncated, as by a full disk
+        for part in path.iterdir():
+            part.write_bytes(part.read_bytes()[:200])  # truncated, as by a full disk
 
     def one(index_case):
         index, (name, args, env, expected) = index_case

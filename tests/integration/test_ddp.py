@@ -100,7 +100,7 @@ def test_two_processes_match_one(tmp_path, built, single_thread):
     # a 2-process checkpoint resumes in one process (same global batch) on the same curve
     resumed = tmp_path / "resumed"
     shutil.copytree(two, resumed)
-    checkpoint_path(resumed / "checkpoints", 8).unlink()
+    shutil.rmtree(checkpoint_path(resumed / "checkpoints", 8))
     assert [s for s, _ in list_checkpoints(resumed / "checkpoints")] == [4]
     toys.train(toys.make_cfg(**OVERRIDES, **{"trainer.resume": True}), resumed)
     c = read_jsonl(resumed / "metrics.jsonl")

@@ -181,19 +181,17 @@ def test_sigterm_and_sigusr1_checkpoint_exit_and_resume_in_the_same_wandb_run(tm
 
 KILL_AT_SAVE = """
 import os, runpy, signal, sys
-import torch
+from readback.train import checkpoint_manager
 
-calls, save = [0], torch.save
+calls, commit = [0], checkpoint_manager.commit_checkpoint
 
-def dying_save(obj, f, *args, **kwargs):
+def dying_commit(*args, **kwargs):  # the shards and the index are written, not yet renamed
     calls[0] += 1
     if calls[0] == int(os.environ["DIE_AT_SAVE"]):
-        f.write(b"PK\\x03\\x04 the first bytes of a checkpoint")
-        f.flush()
         os.kill(os.getpid(), signal.SIGKILL)
-    return save(obj, f, *args, **kwargs)
+    return commit(*args, **kwargs)
 
-torch.save = dying_save
+checkpoint_manager.commit_checkpoint = dying_commit
 sys.argv = ["train.py"] + sys.argv[1:]
 runpy.run_path("train.py", run_name="__main__")
 """
@@ -213,10 +211,10 @@ def test_sigkill_during_a_checkpoint_save_leaves_the_previous_one(tmp_path, refe
     )
     assert _finish(proc)[0] == -signal.SIGKILL  # killed inside the third save (step 12)
     assert [s for s, _ in list_checkpoints(ckpts)] == [4, 8]
-    torn = [p.name for p in ckpts.iterdir() if p.name.startswith(".step_0000012.pt.")]
-    assert len(torn) == 1  # the half-written temp file, never under a checkpoint name
+    torn = ckpts / ".step_0000012.tmp"  # written in full, never under a checkpoint name
+    assert sorted(p.name for p in torn.iterdir()) == [".metadata", "__0_0.distcp"]
     assert load_checkpoint(list_checkpoints(ckpts)[-1][1])["step"] == 8
     rc, _, err = _train(run_dir, "trainer.resume=true")
     assert rc == 0, err[-3000:]
-    assert sorted(p.name for p in ckpts.iterdir()) == ["step_0000028.pt", "step_0000030.pt"]  # temp file gone
+    assert sorted(p.name for p in ckpts.iterdir()) == ["step_0000028", "step_0000030"]  # temp directory gone
     _assert_same_run(run_dir, reference / "a")

@@ -1,6 +1,8 @@
 """Scale-out on CPU/gloo with two processes: FSDP2 (``trainer.parallel=fsdp``) trains the tiny FOG
-like DDP, resumes bit-exactly at the same world size and within a stated tolerance at another;
-FP8 scaling states agree across ranks; the dry run sizes every model and refuses what cannot fit.
+like DDP; its sharded checkpoints resume bit-exactly at the same world size (also after a rank
+was SIGKILLed in training, or in a save before its commit, and with asynchronous saves) and
+within a stated tolerance at another; FP8 scaling states agree across ranks; the dry run sizes
+every model and refuses what cannot fit.
 
 Why FSDP and DDP are not bit-identical: FSDP2 computes the global gradient norm from per-rank
 shard norms, DDP from whole gradients, so the clip factor differs in the last bit; FP8 rounding
@@ -80,12 +82,67 @@ WORKER = textwrap.dedent(
             run(cfg_, out / f"{{experiment}}_{{parallel}}")
     if dist.get_rank() == 0:  # resume the FSDP run from its step-10 checkpoint
         shutil.copytree(out / "reuse_rounded_fsdp", out / "resumed")
-        list_checkpoints(out / "resumed" / "checkpoints")[-1][1].unlink()
+        shutil.rmtree(list_checkpoints(out / "resumed" / "checkpoints")[-1][1])
     dist.barrier()
     run(cfg("+experiment=reuse_rounded", "trainer.parallel=fsdp", "trainer.resume=true"), out / "resumed")
     dist.destroy_process_group()
     """
 )
+
+
+# One FSDP run through two faults: rank 1 SIGKILLed in the middle of training, then (resumed)
+# rank 0 SIGKILLed inside the step-20 save, after every shard and the index are written but
+# before the commit; torchrun ends the other rank each time. ``KILL``: ``[batch of rank 1 or 0,
+# commit step of rank 0 or 0]``.
+KILLER = textwrap.dedent(
+    """
+    import json, os, signal, sys
+    from pathlib import Path
+
+    from hydra import compose, initialize_config_dir
+
+    import readback.config  # registers the schema
+    from readback.data import build_data
+    from readback.train import Builders, checkpoint_manager, run
+
+    out, conf, overrides, (kill_batch, kill_commit) = Path(sys.argv[1]), sys.argv[2], *map(json.loads, sys.argv[3:])
+    rank = int(os.environ["RANK"])
+
+    def data(cfg_data, **layout):
+        stream, calls = build_data(cfg_data, **layout), [0]
+        next_batch = stream.next_batch
+
+        def dying():
+            calls[0] += 1
+            if rank == 1 and calls[0] == kill_batch:
+                os.kill(os.getpid(), signal.SIGKILL)
+            return next_batch()
+
+        stream.next_batch = dying
+        return stream
+
+    commit = checkpoint_manager.commit_checkpoint
+
+    def dying_commit(ckpt_dir, step, keep_last):
+        if rank == 0 and step == kill_commit:
+            os.kill(os.getpid(), signal.SIGKILL)
+        return commit(ckpt_dir, step, keep_last)
+
+    checkpoint_manager.commit_checkpoint = dying_commit
+    with initialize_config_dir(conf, version_base="1.3"):
+        cfg = compose("train", overrides=overrides)
+    run(cfg, out, Builders(data=data))
+    """
+)
+
+
+def _torchrun(out: Path, script: str, *args: str) -> subprocess.CompletedProcess:
+    env = dict(os.environ, OMP_NUM_THREADS="1", WANDB_MODE="disabled")
+    env.pop("WORLD_SIZE", None)
+    path = out.parent / f"{out.name}_worker.py"
+    path.write_text(script)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(path), *args]
+    return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600, cwd=out.parent)
 
 
 def _losses(run_dir: Path) -> list[float]:
@@ -96,22 +153,7 @@ def _losses(run_dir: Path) -> list[float]:
 def runs(tmp_path_factory) -> Path:
     """Both experiments under DDP and FSDP in one 2-process launch, then the FSDP resume."""
     out = tmp_path_factory.mktemp("scaleout")
-    script = out / "worker.py"
-    script.write_text(WORKER.format(experiments=EXPERIMENTS))
-    env = dict(os.environ, OMP_NUM_THREADS="1", WANDB_MODE="disabled")
-    env.pop("WORLD_SIZE", None)
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        "--nproc_per_node=2",
-        str(script),
-        str(out),
-        CONF,
-        json.dumps(TINY),
-    ]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600, cwd=out)
+    proc = _torchrun(out, WORKER.format(experiments=EXPERIMENTS), str(out), CONF, json.dumps(TINY))
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return out
 
@@ -149,11 +191,32 @@ def test_fsdp_resume_at_the_same_world_size_is_exact(runs):
     assert _losses(runs / "resumed") == _losses(runs / "reuse_rounded_fsdp")
 
 
+def test_fsdp_sigkill_in_training_and_in_a_save_resumes_on_the_same_curve(runs, tmp_path):
+    run_dir, ckpts = tmp_path / "killed", tmp_path / "killed" / "checkpoints"
+    overrides = [*TINY, "+experiment=reuse_rounded", "trainer.parallel=fsdp", "trainer.resume=true"]
+
+    def launch(kill_batch: int, kill_commit: int, *extra: str) -> subprocess.CompletedProcess:
+        kill = json.dumps([kill_batch, kill_commit])
+        return _torchrun(run_dir, KILLER, str(run_dir), CONF, json.dumps([*overrides, *extra]), kill)
+
+    first = launch(15, 0)  # rank 1 dies in step 15
+    assert first.returncode != 0 and [s for s, _ in list_checkpoints(ckpts)] == [10], first.stderr[-3000:]
+    assert max(r["step"] for r in read_jsonl(run_dir / "metrics.jsonl")) >= 14  # logged past the checkpoint
+    second = launch(0, 20)  # resumed from step 10; rank 0 dies in the commit of step 20
+    assert second.returncode != 0 and [s for s, _ in list_checkpoints(ckpts)] == [10], second.stderr[-3000:]
+    torn = ckpts / ".step_0000020.tmp"
+    assert sorted(p.name for p in torn.iterdir()) == [".metadata", "__0_0.distcp", "__1_0.distcp"]
+    third = launch(0, 0, "trainer.ckpt_async=true")  # resumed from step 10 again, to the end, saving async
+    assert third.returncode == 0, third.stdout[-3000:] + third.stderr[-3000:]
+    assert _losses(run_dir) == _losses(runs / "reuse_rounded_fsdp")
+    assert sorted(p.name for p in ckpts.iterdir()) == ["step_0000010", "step_0000020"]
+
+
 def test_fsdp_checkpoint_resumes_in_one_process_within_tolerance(runs, tmp_path, monkeypatch):
     monkeypatch.delenv("WORLD_SIZE", raising=False)
     resumed = tmp_path / "one"
     shutil.copytree(runs / "reuse_rounded_fsdp", resumed)
-    list_checkpoints(resumed / "checkpoints")[-1][1].unlink()
+    shutil.rmtree(list_checkpoints(resumed / "checkpoints")[-1][1])
     before = torch.get_num_threads()
     torch.set_num_threads(1)
     try:

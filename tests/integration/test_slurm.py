@@ -27,6 +27,7 @@ from pathlib import Path
 
 import pytest
 
+from readback.train.checkpoint import list_checkpoints
 from toys import REPO, compose
 
 SCRIPTS = REPO / "scripts" / "slurm"
@@ -144,7 +145,7 @@ def _preempt_after_first_checkpoint(sweep: Path, run_dir: Path, env: dict, event
         if job_id is None:
             found = [m.group(1) for p in sweep.glob(".submitit/*_0") if (m := re.fullmatch(r"(\d+)_0", p.name))]
             job_id = f"{found[0]}_0" if found else None
-        if job_id and any((run_dir / "checkpoints").glob("step_*.pt")):
+        if job_id and list_checkpoints(run_dir / "checkpoints"):
             break
         time.sleep(0.05)
     else:
@@ -232,7 +233,7 @@ def test_sweep_on_slurm_fsdp_and_requeue_resume(slurm_env, tmp_path):
     assert events.get("signalled"), f"job 0 was never preempted\n{job_logs}"
     log0 = "\n".join(p.read_text() for p in sweep.glob(f".submitit/{events['signalled']}/*_0_log.out"))
     assert "Requeued job" in log0, job_logs
-    assert re.search(r"resumed from \S+step_\d+\.pt \(step [1-9]\d*\)", log0), log0
+    assert re.search(r"resumed from \S+step_\d+ \(step [1-9]\d*\)", log0), log0
 
 
 @pytest.mark.parametrize("submitit_job", [True, False])

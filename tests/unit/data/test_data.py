@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import re
 import socket
 from pathlib import Path
 
@@ -327,55 +328,70 @@ def test_a_tiny_model_learns_synthetic_data():
 # --- fineweb_edu (no network: the stream logic on an in-memory dataset) ----------------------
 
 
-def _docs_stream(n_docs: int, shards: int = 2):
+def _docs_stream(n_docs: int, shards: int):
     from datasets import Dataset
 
     texts = [f"Document {i}. " + " ".join(f"word{(i * 7 + j) % 50}" for j in range(5 + i % 17)) for i in range(n_docs)]
     return Dataset.from_dict({"text": texts}).to_iterable_dataset(num_shards=shards)
 
 
-def _token_stream(text_cfg, rank=0, world_size=1, seed=0):
-    from readback.data.fineweb import TokenStream
+def _token_stream(text_cfg, rank=0, world_size=1, workers=0):
+    """Rank ``rank``'s stream of 60 documents in 4 shards, the first 10 held out for validation."""
+    from readback.data.fineweb import TokenStream, hold_out
 
     tok = build_data(text_cfg, seq_len=16, micro_batch=2, seed=0).tokenizer
-    ds = _docs_stream(60)
+    train, val = hold_out(_docs_stream(60, shards=4), 10)
     return TokenStream(
-        ds.skip(10),
-        ds.take(10),
+        train,
+        val,
         tok,
         eos=0,
         vocab_size=text_cfg.vocab_size,
         seq_len=16,
         micro_batch=2,
-        seed=seed,
+        seed=0,
         rank=rank,
         world_size=world_size,
         doc_batch=4,
+        workers=workers,
         fingerprint="t",
     )
 
 
-def test_streaming_ranks_resume_and_validation(text_cfg):
+def _documents(stream, batches) -> list[int]:
+    """The numbers of the documents that ``batches`` (consecutive, from one stream) begin."""
+    text = stream.tokenizer.decode(torch.cat([x.flatten() for x, _ in batches]).tolist())
+    return [int(n) for n in re.findall(r"Document (\d+)\.", text)]
+
+
+def test_streaming_ranks_read_disjoint_shares_and_validation_is_held_out(text_cfg):
     single = _token_stream(text_cfg)
     batches = take(single, 100)  # more than one pass over the 50 training documents
     assert single.state_dict()["epoch"] == 1
     for x, y in batches:
         assert x.shape == (2, 16) and torch.equal(x[:, 1:], y[:, :-1])
+    assert set(_documents(single, batches)) == set(range(10, 60))
     r0, r1 = _token_stream(text_cfg, 0, 2), _token_stream(text_cfg, 1, 2)
-    for k in range(50):
-        together = torch.cat([r0.next_batch()[0], r1.next_batch()[0]])
-        assert torch.equal(together, torch.cat([batches[2 * k][0], batches[2 * k + 1][0]]))
-    for k in (5, 33, 80):
-        s = _token_stream(text_cfg)
-        take(s, k)
-        state = s.state_dict()
-        fresh = _token_stream(text_cfg)
-        fresh.load_state_dict(state)
-        assert same(take(fresh, 5), batches[k : k + 5])
+    share0, share1 = set(_documents(r0, take(r0, 12))), set(_documents(r1, take(r1, 12)))
+    assert share0 and share1 and not share0 & share1 and share0 | share1 <= set(range(10, 60))
     val = list(single.val_batches(3))
-    assert same(list(single.val_batches(3)), val)
+    assert same(list(r1.val_batches(3)), val) and same(list(single.val_batches(3)), val)
     val_text = single.tokenizer.decode(val[0][0][0].tolist())
     assert "Document" in val_text and not any(f"Document {i}." in val_text for i in range(10, 60))
+    with pytest.raises(ConfigError, match="rank1/2"):
+        r1.load_state_dict(r0.state_dict())  # another rank's share
+
+
+@pytest.mark.parametrize("rank, world_size, workers, stop", [(0, 1, 0, 5), (1, 2, 0, 45), (0, 2, 2, 45)])
+def test_streaming_resume_continues_with_the_same_batches(text_cfg, rank, world_size, workers, stop):
+    straight = take(_token_stream(text_cfg, rank, world_size, workers), stop + 5)
+    stopped = _token_stream(text_cfg, rank, world_size, workers)
+    take(stopped, stop)  # 45: past the end of the rank's share (about 40 batches), in its second epoch
+    state = stopped.state_dict()
+    assert len(state["workers"]) == max(workers, 1)
+    resumed = _token_stream(text_cfg, rank, world_size, workers)
+    resumed.load_state_dict(state)
+    assert same(take(resumed, 5), straight[stop:])
 
 
 def test_fineweb_without_network_fails_with_a_config_error(monkeypatch):

@@ -152,5 +152,5 @@ def test_checkpoint_holds_every_state_a_resume_needs(tmp_path, built):
     rank = state["ranks"][0]
     assert {"data", "numerics", "rng"} <= rank.keys()
     assert {"torch", "python", "numpy"} <= rank["rng"].keys()
-    assert state["schedule"]["last_epoch"] == state["step"] == 12 and state["format"] == 2
+    assert state["schedule"]["last_epoch"] == state["step"] == 12 and state["format"] == 3
     assert torch.is_tensor(rank["rng"]["torch"])

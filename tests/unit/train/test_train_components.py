@@ -17,14 +17,19 @@ from torch import nn
 
 from readback.config.schema import Optim
 from readback.errors import ConfigError
+from readback.train import dcp_io
 from readback.train.checkpoint import (
-    atomic_torch_save,
     checkpoint_path,
+    commit_checkpoint,
     list_checkpoints,
     load_checkpoint,
     load_latest_checkpoint,
+    remove_stale_temp_files,
     save_checkpoint,
+    temp_checkpoint_path,
 )
+from readback.train.checkpoint_manager import CheckpointManager
+from readback.train.distributed import DistEnv
 from readback.train.divergence import DivergenceDetector
 from readback.train.metrics import JsonlWriter, MetricsLogger, read_jsonl
 from readback.train.optim import build_optimizer, clip_gradients, nonfinite_grad_names, param_groups
@@ -139,39 +144,98 @@ def test_divergence_state_roundtrip():
 
 
 # --------------------------------------------------------------------------- checkpoints
-def test_atomic_checkpoint_survives_a_kill_mid_write(tmp_path, monkeypatch):
-    save_checkpoint({"step": 1, "w": torch.ones(3)}, tmp_path, 1)
+def _state(step: int, w: torch.Tensor, **shared) -> dict:
+    """A DCP state dict as the checkpoint manager writes it (one rank)."""
+    return {
+        "model": {"w": w},
+        "shared": dcp_io.pack({"step": step, "world_size": 1, **shared}),
+        "rank0": dcp_io.pack({}),
+    }
 
-    def dying_save(obj, f, *args, **kwargs):
-        f.write(b"PK\x03\x04 half a checkpoint")
-        raise KeyboardInterrupt("killed mid-write")
 
-    monkeypatch.setattr(torch, "save", dying_save)
-    with pytest.raises(KeyboardInterrupt):
-        save_checkpoint({"step": 2, "w": torch.zeros(3)}, tmp_path, 2)
+def test_atomic_checkpoint_survives_a_kill_after_the_shards(tmp_path, monkeypatch):
+    from torch.distributed.checkpoint import FileSystemWriter
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    save_checkpoint(_state(1, torch.ones(3)), tmp_path, 1)
+
+    def killed(self, metadata, results):
+        raise OSError("killed after the shards, before the index")
+
+    monkeypatch.setattr(FileSystemWriter, "finish", killed)
+    with pytest.raises(CheckpointException):  # DCP's wrapper of the OSError
+        save_checkpoint(_state(2, torch.zeros(3)), tmp_path, 2)
     monkeypatch.undo()
     assert [s for s, _ in list_checkpoints(tmp_path)] == [1]
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["step_0000001.pt"]  # no temp file left
-    path, state = load_latest_checkpoint(tmp_path)
-    assert path.name == "step_0000001.pt" and torch.equal(state["w"], torch.ones(3))
+    torn = temp_checkpoint_path(tmp_path, 2)
+    assert [p.suffix for p in torn.iterdir()] == [".distcp"]  # shards, no index: never committed
+    with pytest.raises(FileNotFoundError, match=r"no \.metadata"):
+        commit_checkpoint(tmp_path, 2)
+    path, shared = load_latest_checkpoint(tmp_path)
+    assert path == checkpoint_path(tmp_path, 1) and shared["step"] == 1
+    assert torch.equal(load_checkpoint(path)["model"]["w"], torch.ones(3))
+    assert remove_stale_temp_files(tmp_path) == [torn] and not torn.exists()
 
 
 def test_corrupt_newest_checkpoint_is_skipped(tmp_path, caplog):
-    save_checkpoint({"step": 1}, tmp_path, 1)
-    save_checkpoint({"step": 2}, tmp_path, 2)
-    checkpoint_path(tmp_path, 3).write_bytes(b"garbage")
+    save_checkpoint(_state(1, torch.ones(1)), tmp_path, 1)
+    save_checkpoint(_state(2, torch.ones(1)), tmp_path, 2)
+    checkpoint_path(tmp_path, 3).mkdir()
+    (checkpoint_path(tmp_path, 3) / dcp_io.INDEX).write_bytes(b"garbage")
     with caplog.at_level(logging.WARNING):
-        _, state = load_latest_checkpoint(tmp_path)
-    assert state["step"] == 2 and "step_0000003.pt" in caplog.text
+        _, shared = load_latest_checkpoint(tmp_path)
+    assert shared["step"] == 2 and "step_0000003" in caplog.text
     assert load_latest_checkpoint(tmp_path / "missing") is None
+
+
+class _Mkdir:
+    """Pickles as a call of ``os.mkdir(path)``: what a crafted checkpoint could run on load."""
+
+    def __init__(self, path: Path):
+        self.path = str(path)
+
+    def __reduce__(self):
+        import os
+
+        return os.mkdir, (self.path,)
+
+
+def test_a_crafted_index_or_blob_is_refused_unread(tmp_path):
+    import pickle
+
+    path = save_checkpoint(_state(1, torch.ones(1), note=_Mkdir(tmp_path / "blob")), tmp_path, 1)
+    with pytest.raises(ConfigError, match=r"refused unread \(Trying to load unsupported GLOBAL posix.mkdir") as e:
+        load_latest_checkpoint(tmp_path)
+    assert "\n" not in str(e.value)
+    (path / dcp_io.INDEX).write_bytes(pickle.dumps(_Mkdir(tmp_path / "index")))
+    with pytest.raises(ConfigError, match=r"unsupported GLOBAL posix.mkdir"):
+        load_checkpoint(path)
+    assert not (tmp_path / "blob").exists() and not (tmp_path / "index").exists()
 
 
 def test_keep_last_prunes(tmp_path):
     for step in (4, 8, 12, 16):
-        save_checkpoint({"step": step}, tmp_path, step, keep_last=2)
+        save_checkpoint(_state(step, torch.ones(1)), tmp_path, step, keep_last=2)
     assert [s for s, _ in list_checkpoints(tmp_path)] == [12, 16]
-    atomic_torch_save({"step": 20}, checkpoint_path(tmp_path, 20))
-    assert load_checkpoint(checkpoint_path(tmp_path, 20))["step"] == 20
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step_0000012", "step_0000016"]
+
+
+def test_async_save_commits_when_the_next_save_or_the_end_waits(tmp_path, built):
+    cfg = make_cfg(**{"trainer.ckpt_async": True})
+    model = ToyModel(8)
+    optimizer = torch.optim.AdamW(model.parameters())
+    manager = CheckpointManager(tmp_path, cfg, DistEnv(), model=model, optimizer=optimizer, shared={}, per_rank={})
+    before = model.fc.weight.detach().clone()
+    manager.save(1, wandb_run_id=None)
+    with torch.no_grad():
+        model.fc.weight.add_(1.0)  # while the first save may still be writing
+    assert list_checkpoints(manager.dir) == []  # written in the background, not committed yet
+    manager.save(2, wandb_run_id=None)  # waits for the first, commits it
+    assert [s for s, _ in list_checkpoints(manager.dir)] == [1]
+    manager.wait()
+    assert [s for s, _ in list_checkpoints(manager.dir)] == [1, 2]
+    first, second = (load_checkpoint(p)["model"]["fc.weight"] for _, p in list_checkpoints(manager.dir))
+    assert torch.equal(first, before) and torch.equal(second, before + 1.0)  # copied when the save started
 
 
 # --------------------------------------------------------------------------- metrics
@@ -333,6 +397,19 @@ def test_resume_reproduces_the_uninterrupted_curve_bit_exactly(tmp_path, built):
     a = load_checkpoint(checkpoint_path(straight / "checkpoints", 12))["model"]
     b = load_checkpoint(checkpoint_path(crashed / "checkpoints", 12))["model"]
     assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_async_checkpoints_give_the_same_run(tmp_path, built):
+    train(make_cfg(), tmp_path / "sync")
+    train(make_cfg(**{"trainer.ckpt_async": True}), tmp_path / "async")
+    assert _curve(tmp_path / "async") == _curve(tmp_path / "sync")
+    ckpts = [list_checkpoints(tmp_path / d / "checkpoints") for d in ("sync", "async")]
+    assert [s for s, _ in ckpts[0]] == [s for s, _ in ckpts[1]] == [8, 12]
+    a, b = (load_checkpoint(c[-1][1]) for c in ckpts)
+    assert all(torch.equal(a["model"][k], b["model"][k]) for k in a["model"])
+    assert (
+        [r["numerics"] for r in a["ranks"]] == [r["numerics"] for r in b["ranks"]] == [{"step": 12, "eval_forwards": 0}]
+    )
 
 
 def test_evaluation_leaves_training_untouched(tmp_path, built):
