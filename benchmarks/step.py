@@ -167,9 +167,8 @@ def print_table(size: str, threads: int, batch: int, rounds: int, rows: dict, me
         + ", ".join(f"{p} {bf16 / rows[p]['gflops']:.2f}" for p in PLAIN if p in rows)
     )
     if "probe" in rows:
-        print(
-            f"  probe (1 repeat) / reuse_rounded step: {rows['probe']['median_ms'] / rows['reuse_rounded']['median_ms']:.2f}"
-        )
+        ratio = rows["probe"]["median_ms"] / rows["reuse_rounded"]["median_ms"]
+        print(f"  probe (1 repeat) / reuse_rounded step: {ratio:.2f}")
 
 
 def main() -> None:

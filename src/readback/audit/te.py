@@ -35,7 +35,7 @@ def unavailable() -> str | None:
     if importlib.util.find_spec("transformer_engine") is None:
         return "Transformer Engine not importable: skipped TE rows"
     try:
-        import transformer_engine.pytorch  # noqa: F401
+        import transformer_engine.pytorch  # noqa: F401 - imported only to see whether its CUDA libraries load
     except Exception as error:  # TE raises OSError/RuntimeError when its CUDA libraries are missing
         return f"Transformer Engine not importable ({type(error).__name__}): skipped TE rows"
     if not torch.cuda.is_available():
@@ -151,7 +151,9 @@ def te_dot_product_attention(setup: Setup) -> list[Row]:
         out = module(q, k, v)
     out.backward(upstream.to(dev, out.dtype))
 
-    as_heads = lambda z: value(z).transpose(1, 2)  # noqa: E731  (B, T, n, hd) -> (B, n, T, hd)
+    def as_heads(z: torch.Tensor) -> torch.Tensor:  # (B, T, n, hd) -> (B, n, T, hd)
+        return value(z).transpose(1, 2)
+
     qh, kh, vh = as_heads(q), expand_groups(as_heads(k), h), expand_groups(as_heads(v), h)
     p = causal_softmax(qh @ kh.mT * c)
     d_out = value(upstream).to(dev).reshape(b, t, h, hd).transpose(1, 2)

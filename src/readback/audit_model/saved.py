@@ -71,7 +71,11 @@ class SavedTensors:
 
     def name_ops(self, loss: torch.Tensor) -> None:
         """Name each saved tensor by the graph node and attribute that saved it."""
-        key = lambda t: (t.data_ptr(), tuple(t.shape), t.stride(), t.dtype)  # noqa: E731 - unpacking may re-wrap
+
+        def key(t: torch.Tensor) -> tuple:
+            """Storage, shape, strides and dtype: unpacking a saved tensor may re-wrap it."""
+            return (t.data_ptr(), tuple(t.shape), t.stride(), t.dtype)
+
         unnamed: dict[tuple, list[Saved]] = {}
         for s in self.saved:
             unnamed.setdefault(key(s.tensor), []).append(s)

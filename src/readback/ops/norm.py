@@ -48,7 +48,7 @@ class _Norm(torch.autograd.Function):
     def backward(fctx, dy, _data, _scale):
         normalized, inv_std, gain, bias = fctx.saved_tensors
         dy = dy.to(normalized.dtype)
-        rows = lambda t: t.reshape(-1, dy.shape[-1]).sum(0)  # noqa: E731
+        rows = lambda t: t.reshape(-1, dy.shape[-1]).sum(0)  # noqa: E731 - one line, as the backward's formulas read
         d_gain = d_bias = None
         if fctx.needs_input_grad[1]:
             read = fctx.gain_reads

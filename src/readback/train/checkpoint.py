@@ -18,6 +18,7 @@ pickled object, say from a checkpoint someone else crafted -- is refused with on
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import pickle
@@ -89,10 +90,8 @@ def atomic_write_bytes(path: Path, write: Any) -> None:
             os.fsync(f.fileno())
         os.replace(tmp, path)
     except BaseException:
-        try:
+        with contextlib.suppress(OSError):
             os.unlink(tmp)
-        except OSError:
-            pass
         raise
     _fsync_dir(path.parent)
 

@@ -10,8 +10,8 @@ written by rank 0 after gathering every rank's part::
 The components are ``Stateful`` (``state_dict``/``load_state_dict``): the manager knows their
 names, not their insides. Model and optimizer states are full (unsharded) and keyed by parameter
 name (``torch.distributed.checkpoint.state_dict``): the same file for DDP, FSDP and one process,
-loadable at any world size; every rank joins the gathering, rank 0 writes. Rank 0 decides whether and from where to resume and tells the others,
-so every rank raises the same ``ConfigError``.
+loadable at any world size; every rank joins the gathering, rank 0 writes. Rank 0 decides whether
+and from where to resume and tells the others, so every rank raises the same ``ConfigError``.
 """
 
 from __future__ import annotations

@@ -102,7 +102,7 @@ class JsonlWriter:
 
     def write(self, record: Mapping[str, Any]) -> None:
         if self._f is None:
-            self._f = open(self.path, "a", encoding="utf-8")  # noqa: SIM115
+            self._f = open(self.path, "a", encoding="utf-8")  # noqa: SIM115 - kept open across writes; close() closes it
         self._f.write(json.dumps(json_safe(dict(record)), allow_nan=False) + "\n")
         self._f.flush()
 

@@ -18,6 +18,7 @@ one run; offline each start writes another ``wandb/offline-run-<time>-<id>`` fol
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import netrc
 import os
@@ -282,10 +283,9 @@ class WandbLogger:
             except Exception as e:
                 log.warning("wandb.init in %s mode failed (%s: %s)", attempt, type(e).__name__, e)
                 self._run = None
-                try:  # a failed init keeps the run id taken in this process: release it for the next try
+                # a failed init keeps the run id taken in this process: release it for the next try
+                with contextlib.suppress(Exception):
                     wandb.teardown()
-                except Exception:
-                    pass
         if self._run is None:
             log.warning("wandb disabled for this run; metrics go to metrics.jsonl only")
             return
