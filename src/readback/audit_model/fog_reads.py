@@ -11,7 +11,7 @@ from __future__ import annotations
 import re
 
 from readback.audit_model.core import AuditRow
-from readback.policy import read_rules
+from readback.ops import read_rules
 
 _LINEAR = re.compile(r"(\.(qkv|proj|up|down)|<root>)/MmBackward0\.(self|mat2)$")
 _ATTENTION = re.compile(r"layers\.\d+\.attn\.core/(BmmBackward0\.(self|mat2)|SoftmaxBackward0\.result)$")

@@ -100,8 +100,8 @@ def _calls_sdpa(cls: type) -> bool:
 def _numerics(precision, policy: str, attention_bwd: str, seed: int) -> Numerics:
     """The ``Numerics`` of ``precision``: ``"fp8"``, ``"bf16"``, ``"off"``, or a mapping of recipe
     keys (Transformer Engine's names), checked by the ``precision`` group's own schema."""
-    from readback.config.fields import valid_text
-    from readback.config.schema import Fp8Precision, Precision  # the config's checks, one line each
+    from readback.backends.precision import Fp8Precision, Precision  # the config's checks, one line each
+    from readback.fields import valid_text
 
     choose("policy", policy, POLICIES)
     choose("attention_bwd", attention_bwd, ATTENTION_BWD)

@@ -15,9 +15,9 @@ from hydra.errors import MissingConfigException
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import ConfigAttributeError, ConfigKeyError, MissingMandatoryValue, ValidationError
 
-from readback.config.fields import valid_text
 from readback.config.schema import OPTION_SCHEMAS, schema_keys
 from readback.errors import ConfigError
+from readback.fields import valid_text
 
 CONF_DIR = Path(__file__).resolve().parents[3] / "conf"
 
