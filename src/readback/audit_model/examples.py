@@ -78,7 +78,7 @@ def hf_example(seed: int = 0):
         num_attention_heads=2,
         num_key_value_heads=1,
         max_position_embeddings=32,
-        attn_implementation="eager",
+        attn_implementation="eager",  # type: ignore[call-arg]  # PretrainedConfig reads it; the signature omits it
     )
     model = LlamaForCausalLM(config)
     ids = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(seed))

@@ -20,7 +20,9 @@ _NORM = re.compile(r"layers\.\d+\.(attn|mlp)_norm/MulBackward0\.self$")
 
 def fog_reads(rows: list[AuditRow]) -> list[tuple[AuditRow, str, str]]:
     """``(row, op, gradient)`` for each saved tensor that a declared read names."""
-    out, bmm_seen, mul_seen = [], {}, {}
+    out: list[tuple[AuditRow, str, str]] = []
+    bmm_seen: dict[str, int] = {}
+    mul_seen: dict[str, int] = {}
     for row in rows:
         module = row.name.split("/")[0]
         if m := _LINEAR.search(row.name):

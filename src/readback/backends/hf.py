@@ -72,7 +72,7 @@ def llama(m: DictConfig) -> nn.Module:
         num_key_value_heads=m.n_kv_groups,
         max_position_embeddings=m.seq_len,
         tie_word_embeddings=m.tied,
-        attn_implementation="sdpa",
+        attn_implementation="sdpa",  # type: ignore[call-arg]  # PretrainedConfig reads it; the signature omits it
         use_cache=False,
     )
     return LlamaForCausalLM(config)

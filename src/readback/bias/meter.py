@@ -84,7 +84,7 @@ def measure_bias(model, batches, which: list[Variant] | None = None, dtype=torch
     which = variants(numerics) if which is None else which
     params = {n: p for n, p in model.named_parameters() if p.requires_grad}
     saved_grads = {n: p.grad for n, p in params.items()}
-    errors = {v.name: [] for v in which}
+    errors: dict[str, list[dict[str, torch.Tensor]]] = {v.name: [] for v in which}
     references = []
     start, step_seconds = time.perf_counter(), []
     try:

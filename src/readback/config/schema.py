@@ -357,6 +357,6 @@ def schema_keys(schema: type = Config, prefix: str = "") -> list[str]:
         kind = hints[field.name]
         subtypes = [kind, *OPTION_SCHEMAS.get(prefix + field.name, {}).values()] if not prefix else [kind]
         for sub in subtypes:
-            if dataclasses.is_dataclass(sub):
+            if isinstance(sub, type) and dataclasses.is_dataclass(sub):
                 keys += schema_keys(sub, f"{prefix}{field.name}.")
     return list(dict.fromkeys(keys))

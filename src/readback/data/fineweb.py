@@ -58,7 +58,8 @@ def build_fineweb(
     )
     eos_token = cfg_get(cfg, "eos_token", "</s>")
     eos = tok.token_to_id(eos_token)
-    require(eos is not None, "data.eos_token", eos_token, f"a token of {name}")
+    if eos is None:
+        raise ConfigError("data.eos_token", eos_token, f"a token of {name}")
     try:
         ds = datasets.load_dataset(path, name=subset, split="train", streaming=True)
     except Exception as e:

@@ -27,7 +27,7 @@ import re
 import tempfile
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 from omegaconf import OmegaConf
@@ -266,7 +266,7 @@ class RNGState:
     def state_dict(self) -> dict[str, Any]:
         import numpy as np
 
-        name, keys, pos, has_gauss, gauss = np.random.get_state()
+        name, keys, pos, has_gauss, gauss = cast("tuple[str, np.ndarray, int, int, float]", np.random.get_state())
         state: dict[str, Any] = {
             "torch": torch.get_rng_state(),
             "python": random.getstate(),

@@ -147,7 +147,8 @@ class CheckpointManager:
         """Load the checkpoint :func:`resume_plan` picks into the components: ``(step, wandb id)``,
         ``(0, None)`` for a fresh start. Also removes the temp files of interrupted writes."""
         env = self.env
-        found, decision = None, None
+        found = None
+        decision: tuple[str, Any] | None = None
         if env.is_main:
             try:
                 found = resume_plan(self.run_dir, self.cfg)

@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
-from typing import Any, Protocol, runtime_checkable
+from typing import Any, Protocol, cast, runtime_checkable
 
 import torch
 
@@ -43,6 +43,11 @@ class TrainableModel(Protocol):
     def __call__(self, idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor: ...
     def n_params(self) -> int: ...
     def flops_per_token(self) -> float: ...
+
+
+class TrainableModule(torch.nn.Module, TrainableModel):
+    """The type of what :func:`check_model` returns: an ``nn.Module`` that satisfies
+    :class:`TrainableModel` (for annotations; models need not inherit from it)."""
 
 
 @runtime_checkable
@@ -91,7 +96,7 @@ class Builders:
         return stream
 
 
-def check_model(model: object) -> TrainableModel:
+def check_model(model: object) -> TrainableModule:
     """``model`` itself, or a ``TypeError`` when it is not an ``nn.Module`` satisfying
     :class:`TrainableModel` (with :class:`RunNumerics`)."""
     if not (
@@ -100,4 +105,4 @@ def check_model(model: object) -> TrainableModel:
         and isinstance(model.numerics, RunNumerics)
     ):
         raise TypeError(f"{type(model).__name__} is not an nn.Module satisfying readback.train.contract.TrainableModel")
-    return model
+    return cast(TrainableModule, model)

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from omegaconf import DictConfig
 
 from readback.errors import ConfigError
-from readback.train.contract import TrainableModel
+from readback.train.contract import TrainableModule
 
 GB = 1e9
 
@@ -51,7 +51,7 @@ def activation_bytes(cfg: DictConfig) -> float:
     return m.n_layers * (b * s * (14 * d + 4 * f) + scores) + 8 * b * s * v
 
 
-def estimate(model: TrainableModel, cfg: DictConfig, parallel: str, world_size: int) -> MemoryEstimate:
+def estimate(model: TrainableModule, cfg: DictConfig, parallel: str, world_size: int) -> MemoryEstimate:
     """Per-GPU bytes of ``model`` (built on ``meta``) trained under ``parallel`` on ``world_size`` GPUs."""
     n = sum(p.numel() for p in model.parameters() if p.requires_grad)
     if parallel == "fsdp":

@@ -30,7 +30,7 @@ import sys
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal, cast
 from urllib.parse import urlparse
 
 from readback.overrides import config_value, is_setting, override_map, swept_keys
@@ -275,7 +275,7 @@ class WandbLogger:
                     dir=str(run_dir),
                     id=self.run_id,
                     resume="allow",
-                    mode=attempt,
+                    mode=cast(Literal["online", "offline", "disabled"], attempt),  # resolve_wandb_mode's
                     settings=wandb.Settings(init_timeout=float(init_timeout), silent=True),
                 )
                 self.mode = attempt
