@@ -12,12 +12,7 @@ import argparse
 import importlib
 import os
 import sys
-from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:
-    import torch
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -29,7 +24,6 @@ def main(argv: list[str] | None = None) -> int:
     from readback.audit_model import EXAMPLES, audit_saved, to_markdown, write
     from readback.audit_model.examples import missing
 
-    build: Callable[[], tuple[torch.nn.Module, Callable[[], torch.Tensor]]]
     if args.model in EXAMPLES:
         build, package = EXAMPLES[args.model]
         reason = missing(package) if package else None

@@ -10,26 +10,26 @@ built, after the run's TE environment variables are set.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 from omegaconf import DictConfig, OmegaConf
 
+from readback.fields import RunConfig
 from readback.model import FOG, fog_config
 from readback.ops.numerics import build_numerics
 
+if TYPE_CHECKING:
+    from readback.backends.hf import HFCausalLM
+
 BACKENDS = ("emulated", "te")
-
-
-# A typed readback.config.Config, a DictConfig or a mapping of the same keys.
-RunConfig = Any
 
 
 def _as_config(cfg: RunConfig) -> DictConfig:
     return OmegaConf.structured(cfg)
 
 
-def build_model(cfg: RunConfig, device: str | torch.device = "cpu") -> FOG:
+def build_model(cfg: RunConfig, device: str | torch.device = "cpu") -> FOG | HFCausalLM:
     """FOG of size ``cfg.model`` on ``device`` with the parts of ``cfg.backend.name``
     (``model=hf``: a transformers model converted to those parts).
 

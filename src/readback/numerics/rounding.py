@@ -42,7 +42,7 @@ class QTensor:
 
     data: torch.Tensor
     scale: torch.Tensor
-    fmt: FP8Format
+    fmt: FP8Format | None  # None: rounding off, ``data`` is the tensor itself
 
     @property
     def scale_inv(self) -> torch.Tensor:

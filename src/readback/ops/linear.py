@@ -6,10 +6,15 @@ on the operands below instead.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING, Any, cast
+
 import torch
 
 from readback.numerics import QTensor, matmul, pinned
 from readback.policy import POLICIES
+
+if TYPE_CHECKING:
+    from readback.ops.numerics import Numerics
 
 # gradient -> which value of the tensor it multiplies it reads:
 #   dgrad = dY W  reads the weight; wgrad = dY^T X reads the input.
@@ -19,7 +24,9 @@ READS = {policy: {"dgrad": "rounded", "wgrad": "rounded"} for policy in POLICIES
 
 class _Linear(torch.autograd.Function):
     @staticmethod
-    def forward(fctx, x, weight, numerics, name, x_q):
+    def forward(
+        fctx: Any, x: torch.Tensor, weight: torch.Tensor, numerics: Numerics, name: str, x_q: QTensor | None
+    ) -> torch.Tensor:
         reads = READS[numerics.policy]
         x2 = x.reshape(-1, x.shape[-1])
         rounding = numerics.rounding
@@ -40,20 +47,22 @@ class _Linear(torch.autograd.Function):
         return y.reshape(*x.shape[:-1], weight.shape[0])
 
     @staticmethod
-    def backward(fctx, dy):
-        numerics = fctx.numerics
+    def backward(fctx: Any, dy: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        numerics: Numerics = fctx.numerics
         dgrad, wgrad = numerics.linear_precision("dgrad"), numerics.linear_precision("wgrad")
         dy = dy.reshape(-1, dy.shape[-1]).to(numerics.dtype)
         dyq = numerics.site(f"{fctx.name}.grad_output", "bwd").quantize(dy) if "fp8" in (dgrad, wgrad) else None
         dx = dw = None
         if fctx.needs_input_grad[0]:
-            dx = matmul(dyq if dgrad == "fp8" else dy, fctx.w_for_dgrad, dgrad).reshape(fctx.x_shape)
+            dx = matmul(dy if dyq is None or dgrad != "fp8" else dyq, fctx.w_for_dgrad, dgrad).reshape(fctx.x_shape)
         if fctx.needs_input_grad[1]:
-            dw = matmul((dyq if wgrad == "fp8" else dy).mT, fctx.x_for_wgrad, wgrad)
+            dw = matmul((dy if dyq is None or wgrad != "fp8" else dyq).mT, fctx.x_for_wgrad, wgrad)
         return dx, dw, None, None, None
 
 
-def replay(x: torch.Tensor, weight: torch.Tensor, record: dict, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+def replay(
+    x: torch.Tensor, weight: torch.Tensor, record: dict[str, Any], dtype: torch.dtype = torch.float32
+) -> torch.Tensor:
     """Reference: plain autograd over the executed forward (operands and output pinned)."""
     x2 = pinned(x.reshape(-1, x.shape[-1]).to(dtype), record["input"].dequantize(dtype))
     w = pinned(weight.to(dtype), record["weight"].dequantize(dtype))
@@ -61,7 +70,9 @@ def replay(x: torch.Tensor, weight: torch.Tensor, record: dict, dtype: torch.dty
     return y.reshape(*x.shape[:-1], weight.shape[0])
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, numerics, name: str, x_q: QTensor | None = None) -> torch.Tensor:
+def linear(
+    x: torch.Tensor, weight: torch.Tensor, numerics: Numerics, name: str, x_q: QTensor | None = None
+) -> torch.Tensor:
     """``x @ weight.T`` at rounding sites ``{name}.input``, ``{name}.weight``, ``{name}.grad_output``.
 
     ``x_q`` is an input already rounded by its producer (attention output, a norm's rounded
@@ -70,4 +81,4 @@ def linear(x: torch.Tensor, weight: torch.Tensor, numerics, name: str, x_q: QTen
     """
     if numerics.replaying:
         return replay(x, weight, numerics.next_record(name), numerics.dtype)
-    return _Linear.apply(x, weight, numerics, name, x_q)
+    return cast(torch.Tensor, _Linear.apply(x, weight, numerics, name, x_q))  # type: ignore[no-untyped-call]  # torch leaves apply untyped
