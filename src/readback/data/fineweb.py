@@ -40,7 +40,6 @@ def build_fineweb(
     import datasets
     from tokenizers import Tokenizer
 
-    check_layout(seq_len, micro_batch, seed, rank, world_size)
     name = cfg_get(cfg, "tokenizer", "mistralai/Mistral-Nemo-Base-2407")
     path = cfg_get(cfg, "path", "HuggingFaceFW/fineweb-edu")
     subset = cfg_get(cfg, "subset", "sample-10BT")
