@@ -105,6 +105,8 @@ def test_a_logged_fog_step_records_them_and_the_analysis_plots_them(tmp_path):
     for key in ("attn_logit/max/", "attn_logit/mean/", "attn_entropy/mean/", "attn_dq_dterm_cos/mean/"):
         assert key + "layers.1.attn.core" in stats
     assert -1 <= stats["attn_dq_dterm_cos/mean/layers.0.attn.core"] <= 1
+    assert "attn_dq_dterm_cos/z/layers.0.attn.core" not in stats  # one value per layer and step: no spread
+    assert "attn_entropy/z/layers.0.attn.core" in stats  # one value per row
     records = [
         {"step": s, "tokens": s, "loss": 1.0, **stats, "fp8_underflow/layers.0.attn.core.output": 0.5} for s in (1, 2)
     ]

@@ -236,7 +236,8 @@ class Numerics:
     def pop_observations(self) -> dict[str, float]:
         """``{"<kind>/mean/<site>": mean, "<kind>/z/<site>": mean / standard error}`` of everything
         observed since the last call (and ``<kind>/max/<site>`` of ``observe_max``), then forget
-        it. The z-score tests "mean is zero"."""
+        it. The z-score tests "mean is zero"; it needs two values at least, so a quantity observed
+        once (one cosine per layer and step) has a mean only."""
         stats = {}
         for key, value in self.maxima.items():
             kind, site = key.split("/", 1)
@@ -247,7 +248,8 @@ class Numerics:
             mean = total / count
             variance = max(squares / count - mean * mean, 0.0) * count / max(count - 1, 1)
             stats[f"{kind}/mean/{site}"] = mean
-            stats[f"{kind}/z/{site}"] = mean / (variance / count) ** 0.5 if variance > 0 else 0.0
+            if count >= 2:
+                stats[f"{kind}/z/{site}"] = mean / (variance / count) ** 0.5 if variance > 0 else 0.0
         self.observations.clear()
         return stats
 
