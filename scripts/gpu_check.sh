@@ -2,11 +2,12 @@
 # The GPU check of readback, for one bare CUDA machine (written for an H200), in 8 minutes at most:
 #
 #   0. one line: torch, CUDA, cuDNN and Transformer Engine versions, the GPU and its capability
-#   1. tests/test_gpu.py           fp8_mm via torch._scaled_mm vs the emulation; FOG (head dim 128) on CUDA
-#   2. tests/test_te_backend.py    backend=te: real TE model steps, TE vs the emulated loss; with
-#                                  NVTE_DEBUG=1 NVTE_DEBUG_LEVEL=2, so TE logs why it disables a backend
-#   3. python -m readback.audit     the read-rule audit of single ops
-#   4. benchmarks/gpu_step.py      tokens/s, MFU, peak memory: fog_390m, seq 1024, micro-batch 8
+#   1. tests/unit/backends/test_gpu.py         fp8_mm via torch._scaled_mm vs the emulation; FOG (head dim
+#                                              128) on CUDA
+#   2. tests/unit/backends/test_te_backend.py  backend=te: real TE model steps, TE vs the emulated loss; with
+#                                              NVTE_DEBUG=1 NVTE_DEBUG_LEVEL=2, so TE logs why it disables a backend
+#   3. python -m readback.audit                the read-rule audit of single ops
+#   4. benchmarks/gpu_step.py                  tokens/s, MFU, peak memory: fog_390m, seq 1024, micro-batch 8
 #
 # It uses what the machine has and installs nothing from a registry. It stops at once, with one
 # line naming what is missing, when the machine lacks a CUDA torch, a GPU, Transformer Engine or
@@ -85,8 +86,8 @@ part() {  # part NAME SECONDS COMMAND...: log to NAME.log, one line in summary.t
 }
 
 PYTEST=("$PY" -m pytest -q -rA -p no:cacheprovider)
-part gpu_tests 80 "${PYTEST[@]}" tests/test_gpu.py
-part te_tests 110 env NVTE_DEBUG=1 NVTE_DEBUG_LEVEL=2 "${PYTEST[@]}" -s -m gpu tests/test_te_backend.py
+part gpu_tests 80 "${PYTEST[@]}" tests/unit/backends/test_gpu.py
+part te_tests 110 env NVTE_DEBUG=1 NVTE_DEBUG_LEVEL=2 "${PYTEST[@]}" -s -m gpu tests/unit/backends/test_te_backend.py
 grep -hoE "Disabling [^.]*|Selected backend = [A-Za-z]+" "$LOGS/te_tests.log" 2>/dev/null | sort | uniq -c \
   | sort -rn | head -n 12 | tee "$LOGS/te_backend_reasons.txt"
 part audit 50 "$PY" -m readback.audit

@@ -1,6 +1,17 @@
-"""Shared test settings: a hypothesis profile that keeps property tests fast and deterministic."""
+"""Shared test settings and fixtures: a hypothesis profile that keeps property tests fast and
+deterministic, the toy models a test builds, a tiny composed config, and the real tiny sweep,
+made once per session for every test that reads it."""
 
+import functools
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
 from hypothesis import HealthCheck, settings
+from omegaconf import DictConfig
+
+import sweeps
+import toys
 
 settings.register_profile(
     "readback",
@@ -10,3 +21,36 @@ settings.register_profile(
     suppress_health_check=[HealthCheck.too_slow],
 )
 settings.load_profile("readback")
+
+INTEGRATION = Path(__file__).parent / "integration"
+
+
+def pytest_collection_modifyitems(items):
+    """Everything under ``tests/integration/`` carries the ``integration`` marker."""
+    for item in items:
+        if INTEGRATION in item.path.parents:
+            item.add_marker(pytest.mark.integration)
+
+
+@pytest.fixture
+def built(monkeypatch):
+    """The toy models ``toys.train`` builds in this test (``toys.BUILT``, emptied first), with the
+    launcher's environment (wandb mode, world size, Slurm restarts) unset."""
+    for key in ("WANDB_MODE", "WORLD_SIZE", "SLURM_RESTART_COUNT"):
+        monkeypatch.delenv(key, raising=False)
+    toys.BUILT.clear()
+    return toys.BUILT
+
+
+@pytest.fixture
+def tiny_cfg() -> Callable[..., DictConfig]:
+    """Composes ``train`` with the narrowed tiny FOG (``toys.TINY_FOG``) and further overrides:
+    ``tiny_cfg("policy=exact")``; a fresh config per call."""
+    return functools.partial(toys.compose, *toys.TINY_FOG)
+
+
+@pytest.fixture(scope="session")
+def real_sweep(tmp_path_factory) -> sweeps.Sweep:
+    """The real tiny sweep of ``train.py`` (``sweeps.make_sweep``), made once per session; tests
+    that change it work on a copy."""
+    return sweeps.make_sweep(tmp_path_factory.mktemp("real_sweep"))

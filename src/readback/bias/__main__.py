@@ -1,6 +1,6 @@
 """``python -m readback.bias CHECKPOINT_OR_RUN_DIR [--batches N] [--out DIR] [--dtype fp64|fp32]``
 
-Loads a training checkpoint (a file, or a run directory's newest), and runs the bias meter at its
+Loads a training checkpoint (its directory, or a run directory's newest), and runs the bias meter at its
 weights and FP8 scales on the run's first N validation batches; writes ``bias.json``,
 ``bias.md`` and ``bias.png`` to DIR (default ``<run dir>/bias/step<step>``) and prints the
 table's total rows. Exit code 2, one line on stderr, when there is no checkpoint to read.
@@ -22,12 +22,12 @@ DTYPES = {"fp64": torch.float64, "fp32": torch.float32}
 
 
 def load_run(path: Path):
-    """``(model, stream, step, run_dir)`` from a checkpoint file or a run directory's newest one."""
+    """``(model, stream, step, run_dir)`` from a checkpoint or a run directory's newest one."""
     from readback.backends import build_model
     from readback.data import build_data
-    from readback.train.checkpoint import checkpoint_dir, list_checkpoints, load_checkpoint
+    from readback.train.checkpoint import checkpoint_dir, is_checkpoint, list_checkpoints, load_checkpoint
 
-    if path.is_dir():
+    if not is_checkpoint(path):
         found = list_checkpoints(checkpoint_dir(path)) or list_checkpoints(path)
         if not found:
             raise FileNotFoundError(f"no checkpoint in {path} (nor in {checkpoint_dir(path)})")

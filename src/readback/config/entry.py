@@ -126,7 +126,7 @@ def _check_run_dir_of(cfg: DictConfig, config: Config) -> None:
         if not config.trainer.dry_run:
             from readback.train.checkpoint import resume_plan
 
-            resume_plan(run_dir, config, mmap=True)
+            resume_plan(run_dir, config, quiet=True)
 
 
 def _hydra_files(run_dir: Path) -> dict[str, bytes]:

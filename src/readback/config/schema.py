@@ -128,6 +128,8 @@ class FinewebData(Data):
     val_docs: int = integer()
     shuffle_buffer: int = integer(minimum=0)
     doc_batch: int = integer()
+    loader_workers: int = integer(minimum=0)
+    prefetch: int = integer()
 
 
 @dataclass
@@ -190,6 +192,7 @@ class Trainer(Checked):
     eval_batches: int = integer()
     ckpt_every: int = integer()
     keep_last: int = integer()
+    ckpt_async: bool = MISSING
     resume: bool = MISSING
     preempt_signals: list[str] = MISSING
     dry_run: bool = MISSING

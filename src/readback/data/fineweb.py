@@ -2,21 +2,28 @@
 
 The text is never stored: documents are streamed with ``datasets`` (``streaming=True``),
 tokenised with the Mistral-Nemo tokenizer (131072 ids), joined with its EOS token and cut into
-the same ``seq_len + 1`` windows, global order and rank split as ``stream.PackedStream``:
-every rank reads the whole stream and keeps its own rows, which keeps a 2-process run equal
-to a 1-process run of the same global batch at the price of tokenising on every rank.
+``seq_len + 1`` windows. Each rank streams only its share of the documents
+(``datasets.distributed.split_dataset_by_node``: whole shards when their number divides by the
+world size, every ``world_size``-th document otherwise), and tokenises it in ``data.loader_workers``
+``DataLoader`` worker processes that read ``data.prefetch`` document batches ahead.
 
-Validation is the first ``val_docs`` documents of the stream, and training skips them.
-Resumption uses ``IterableDataset.state_dict`` plus the tokens not yet handed out. It is
-exact with ``shuffle_buffer: 0`` (documents in stream order, the default); with a shuffle
-buffer, ``datasets`` refills that buffer with new documents on resume, so the run continues
-on different (equally distributed) data.
+Validation is the first ``val_docs`` documents of the stream, the same on every rank; training
+leaves out every document with the text of one of them (a filter, which stays right however the
+stream is split, where ``skip`` would spread over the shards).
+
+Resumption is exact with ``shuffle_buffer: 0`` (documents in stream order, the default): the
+state is each worker's ``IterableDataset.state_dict`` after the last document batch it handed
+out, plus the tokens not yet handed out. Workers answer in rounds, one batch each in worker
+order, so a restarted ``DataLoader`` continues where the old one was. With a shuffle buffer,
+``datasets`` refills that buffer with new documents on resume, so the run continues on different
+(equally distributed) data.
 """
 
 from __future__ import annotations
 
+import hashlib
 import os
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from itertools import islice
 from typing import Any
 
@@ -67,15 +74,14 @@ def build_fineweb(
             f"{path}/{subset}",
             f"a dataset and subset this machine can stream from the hub [{_one_line(e)}]",
         ) from e
-    ds = ds.select_columns(["text"])
     val_docs = cfg_get(cfg, "val_docs", 2000)
     shuffle_buffer = cfg_get(cfg, "shuffle_buffer", 0)
-    train = ds.skip(val_docs)
+    train, val = hold_out(ds.select_columns(["text"]), val_docs)
     if shuffle_buffer > 0:
         train = train.shuffle(seed=seed % (1 << 32), buffer_size=shuffle_buffer)
     return TokenStream(
         train,
-        ds.take(val_docs),
+        val,
         tok,
         eos=eos,
         vocab_size=vocab_size,
@@ -85,21 +91,75 @@ def build_fineweb(
         rank=rank,
         world_size=world_size,
         doc_batch=cfg_get(cfg, "doc_batch", 256),
+        workers=cfg_get(cfg, "loader_workers", 2),
+        prefetch=cfg_get(cfg, "prefetch", 2),
         fingerprint=f"fineweb:{path}:{subset}:{name}:val{val_docs}:buf{shuffle_buffer}",
     )
+
+
+def _digest(text: str) -> bytes:
+    return hashlib.blake2b(text.encode("utf-8"), digest_size=16).digest()
+
+
+class _NotHeldOut:
+    """The training filter: a document whose text is not one of the validation documents'."""
+
+    def __init__(self, held_out: set[bytes]) -> None:
+        self.held_out = held_out
+
+    def __call__(self, row: dict) -> bool:
+        return _digest(row["text"]) not in self.held_out
+
+
+def hold_out(ds: Any, val_docs: int) -> tuple[Any, list[dict]]:
+    """``(training stream, validation rows)``: the first ``val_docs`` documents, read now, and the
+    stream without them."""
+    val = list(ds.take(val_docs))
+    return ds.filter(_NotHeldOut({_digest(r["text"]) for r in val})), val
+
+
+def _encode(tokenizer: Any, eos: int, rows: list[dict]) -> np.ndarray:
+    encs = tokenizer.encode_batch([r["text"] for r in rows], add_special_tokens=False)
+    return np.concatenate([np.append(np.asarray(e.ids, dtype=np.int64), eos) for e in encs])
+
+
+def _as_is(answer: Any) -> Any:
+    return answer
+
+
+class _Documents(torch.utils.data.IterableDataset):
+    """A rank's documents, tokenised where they are read (a ``DataLoader`` worker or this process):
+    per ``doc_batch`` documents ``(tokens, worker, state)``, ``state`` the position of this worker's
+    share after them. Once its share is read a worker answers ``(None, worker, state)`` for ever,
+    so that every round has one answer of every worker, in worker order."""
+
+    def __init__(self, docs: Any, tokenizer: Any, eos: int, doc_batch: int, states: dict[int, dict]) -> None:
+        self.docs, self.tokenizer, self.eos, self.doc_batch, self.states = docs, tokenizer, eos, doc_batch, states
+
+    def __iter__(self) -> Iterator[tuple[np.ndarray | None, int, dict]]:
+        info = torch.utils.data.get_worker_info()
+        worker = info.id if info is not None else 0
+        if worker in self.states:
+            self.docs.load_state_dict(self.states[worker])
+        rows = iter(self.docs)  # in a worker, datasets keeps the worker's shards of the rank's share
+        while True:
+            batch = list(islice(rows, self.doc_batch))
+            yield (_encode(self.tokenizer, self.eos, batch) if batch else None), worker, self.docs.state_dict()
 
 
 class TokenStream:
     """Batches from a (streaming) dataset of ``{"text": ...}`` rows, tokenised as they arrive.
 
-    ``train`` must support ``iter``, ``state_dict``, ``load_state_dict`` and ``set_epoch``
-    (a ``datasets.IterableDataset``); ``val`` only iteration.
+    ``train`` (all ranks' documents) must support ``iter``, ``state_dict``, ``load_state_dict`` and
+    ``set_epoch`` (a ``datasets.IterableDataset``); this rank streams its share of it. ``val``
+    only iteration. ``workers``: ``DataLoader`` worker processes that tokenise (0: this process),
+    each ``prefetch`` document batches ahead.
     """
 
     def __init__(
         self,
         train: Any,
-        val: Any,
+        val: Iterable[dict],
         tokenizer: Any,
         *,
         eos: int,
@@ -110,46 +170,61 @@ class TokenStream:
         rank: int = 0,
         world_size: int = 1,
         doc_batch: int = 256,
+        workers: int = 0,
+        prefetch: int = 2,
         fingerprint: str = "",
     ):
+        from datasets.distributed import split_dataset_by_node
+
         check_layout(seq_len, micro_batch, seed, rank, world_size)
         self.vocab_size, self.seq_len, self.micro_batch = int(vocab_size), int(seq_len), int(micro_batch)
         self.seed, self.rank, self.world_size = int(seed), int(rank), int(world_size)
         self.tokens_per_batch = micro_batch * seq_len
-        self.tokenizer, self.fingerprint = tokenizer, fingerprint
-        self._train, self._val, self._eos, self._doc_batch = train, val, eos, doc_batch
+        self.tokenizer, self.workers, self.prefetch = tokenizer, int(workers), int(prefetch)
+        self.fingerprint = f"{fingerprint}:rank{rank}/{world_size}:workers{workers}"  # whose share, split how
+        self._train = split_dataset_by_node(train, rank=rank, world_size=world_size) if world_size > 1 else train
+        self._val, self._eos, self._doc_batch = val, eos, doc_batch
         self._epoch, self._consumed = 0, 0
-        self._buf = np.zeros(0, dtype=np.int64)  # tokens read but not yet handed out (all ranks')
+        self._states: dict[int, dict] = {}  # each worker's position after the last batch it handed out
+        self._buf = np.zeros(0, dtype=np.int64)  # this rank's tokens read but not yet handed out
         self._val_tokens: np.ndarray | None = None
         self._train.set_epoch(0)
-        self._it = iter(self._train)
+        self._answers: Iterator[tuple[np.ndarray | None, int, dict]] | None = None  # started on first use
 
-    def _encode(self, rows: list[dict]) -> np.ndarray:
-        encs = self.tokenizer.encode_batch([r["text"] for r in rows], add_special_tokens=False)
-        return np.concatenate([np.append(np.asarray(e.ids, dtype=np.int64), self._eos) for e in encs])
+    def _start(self) -> Iterator[tuple[np.ndarray | None, int, dict]]:
+        docs = _Documents(self._train, self.tokenizer, self._eos, self._doc_batch, dict(self._states))
+        if not self.workers:
+            return iter(docs)
+        loader = torch.utils.data.DataLoader(
+            docs, batch_size=None, num_workers=self.workers, prefetch_factor=self.prefetch, collate_fn=_as_is
+        )
+        return iter(loader)
 
     def _fill(self, need: int) -> None:
-        """Read documents until ``need`` tokens are buffered, starting a new epoch at the end."""
+        """Read document batches, a round at a time, until ``need`` tokens are buffered, starting a
+        new epoch when every worker has read its share."""
         empty_epochs = 0
         while len(self._buf) < need:
-            rows = list(islice(self._it, self._doc_batch))
-            if rows:
-                self._buf, empty_epochs = np.concatenate([self._buf, self._encode(rows)]), 0
+            if self._answers is None:
+                self._answers = self._start()
+            answers = [next(self._answers) for _ in range(max(self.workers, 1))]
+            self._states.update({worker: state for _, worker, state in answers})
+            tokens = [t for t, _, _ in answers if t is not None]
+            if tokens:
+                self._buf, empty_epochs = np.concatenate([self._buf, *tokens]), 0
                 continue
             empty_epochs += 1
             require(empty_epochs < 2, "data", self.fingerprint, "a training stream with documents in it")
             self._epoch += 1
             self._train.set_epoch(self._epoch)
-            self._it = iter(self._train)
+            self._states, self._answers = {}, None
 
     def next_batch(self) -> Batch:
-        """This rank's rows of the next ``micro_batch * world_size`` windows of the stream."""
-        n_global = self.micro_batch * self.world_size
-        self._fill(n_global * self.seq_len + 1)
-        index = self.rank * self.micro_batch + np.arange(self.micro_batch)
-        batch = windows(self._buf, index, self.seq_len)
-        self._buf = self._buf[n_global * self.seq_len :]
-        self._consumed += n_global
+        """The next ``micro_batch`` windows of this rank's share of the stream."""
+        self._fill(self.micro_batch * self.seq_len + 1)
+        batch = windows(self._buf, np.arange(self.micro_batch), self.seq_len)
+        self._buf = self._buf[self.micro_batch * self.seq_len :]
+        self._consumed += self.micro_batch * self.world_size
         return batch
 
     def val_batches(self, n: int) -> Iterator[Batch]:
@@ -158,16 +233,16 @@ class TokenStream:
         if self._val_tokens is None:
             rows = list(self._val)
             require(bool(rows), "data.val_docs", 0, "an integer >= 1 for validation batches")
-            self._val_tokens = self._encode(rows)
+            self._val_tokens = _encode(self.tokenizer, self._eos, rows)
         return val_iter(self._val_tokens, n, self.micro_batch, self.seq_len)
 
     def state_dict(self) -> dict:
-        """The dataset's stream position, the epoch and the buffered tokens (at most a few documents)."""
+        """The epoch, each worker's stream position and the buffered tokens (at most a few documents)."""
         return {
             "consumed": self._consumed,
             "epoch": self._epoch,
             "fingerprint": self.fingerprint,
-            "dataset": self._train.state_dict(),
+            "workers": {int(w): state for w, state in self._states.items()},
             "buffer": torch.from_numpy(self._buf.copy()),
         }
 
@@ -176,10 +251,9 @@ class TokenStream:
             state.get("fingerprint") == self.fingerprint,
             "data state",
             state.get("fingerprint"),
-            f"a state saved by a stream of the same data config ({self.fingerprint})",
+            f"a state saved by a stream of the same data config, rank and world size ({self.fingerprint})",
         )
         self._consumed, self._epoch = int(state["consumed"]), int(state["epoch"])
         self._train.set_epoch(self._epoch)
-        self._train.load_state_dict(state["dataset"])
-        self._it = iter(self._train)
+        self._states, self._answers = {int(w): s for w, s in state["workers"].items()}, None
         self._buf = torch.as_tensor(state["buffer"]).numpy().astype(np.int64)

@@ -1,19 +1,22 @@
-"""Atomic checkpoints: ``run_dir/checkpoints/step_XXXXXXX.pt``, newest-readable resume, pruning.
+"""Checkpoint directories: ``run_dir/checkpoints/step_XXXXXXX/``, atomic commit, newest-readable
+resume, pruning. What a checkpoint holds is :mod:`checkpoint_manager`'s; how it is written and
+read (sharded, through ``torch.distributed.checkpoint``) :mod:`dcp_io`'s.
 
-A file is written to a temporary name in the same directory, flushed, ``fsync``-ed and then
-``os.replace``-d onto its final name, so a crash at any moment leaves either the previous
-checkpoint set or the new one, never a truncated file under a checkpoint name. The temporary
-file of a save that a ``SIGKILL`` interrupted is removed when the run resumes
-(:func:`remove_stale_temp_files`).
+Every rank writes its shards into ``.step_XXXXXXX.tmp/``; when all are written and the index too,
+rank 0 renames that directory onto its final name (:func:`commit_checkpoint`), so a crash at any
+moment leaves either the previous checkpoint set or the new one, never a partial directory under
+a checkpoint name. The temporary directory of a save that a ``SIGKILL`` interrupted is removed
+when the run resumes (:func:`remove_stale_temp_files`). Other files (``summary.json``,
+``metrics.jsonl``) are written to a temporary name and ``os.replace``-d (:func:`atomic_write_bytes`).
 
 :func:`resume_plan` decides, from a run directory and a config, where a run starts: the newest
 readable checkpoint (``trainer.resume=true``), step 0 (an empty run directory), or a
 ``ConfigError`` (checkpoints that cannot be resumed, or would be overwritten). ``train.py`` asks it
-before Hydra touches the run directory, the trainer again when it starts.
+before Hydra touches the run directory, the trainer again when it starts. It reads only the
+index and the small shared state of a checkpoint, never its tensors.
 
-Loading runs no code: a checkpoint holds tensors and plain containers only (the RNG states
-included), and is read with ``torch.load(weights_only=True)``. A file that needs more -- a
-pickled object, say from a checkpoint someone else crafted -- is refused with one line.
+Loading runs no code (:mod:`dcp_io`): a checkpoint that would need to unpickle anything but
+tensors and plain containers is refused with one line.
 """
 
 from __future__ import annotations
@@ -21,27 +24,27 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-import pickle
-import random
 import re
+import shutil
 import tempfile
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, cast
+from typing import Any
 
-import torch
 from omegaconf import OmegaConf
 
 from readback.errors import ConfigError
+from readback.train import dcp_io
 
 log = logging.getLogger(__name__)
 
 _UMASK = os.umask(0o022)
 os.umask(_UMASK)
 
-CHECKPOINT_FORMAT = 2  # 2: loads with weights_only=True and carries the LR scheduler's state
-_NAME = re.compile(r"^step_(\d+)\.pt$")
-_TEMP = re.compile(r"^\.(step_\d+\.pt|summary\.json|metrics\.jsonl)\..+\.tmp$")  # atomic_write_bytes' temp files
+CHECKPOINT_FORMAT = 3  # 3: a sharded DCP directory (2: one weights_only file of full state dicts)
+_NAME = re.compile(r"^step_(\d+)$")
+_LEGACY = "step_*.pt"  # format 2's single files
+_TEMP = re.compile(r"^\.(step_\d+\.tmp|(summary\.json|metrics\.jsonl)\..+\.tmp)$")  # interrupted writes
 # Keys a checkpoint can only be resumed under with the value it was trained with.
 ARCHITECTURE_KEYS = (
     "model.n_layers",
@@ -61,7 +64,12 @@ def checkpoint_dir(run_dir: Path) -> Path:
 
 
 def checkpoint_path(ckpt_dir: Path, step: int) -> Path:
-    return Path(ckpt_dir) / f"step_{int(step):07d}.pt"
+    return Path(ckpt_dir) / f"step_{int(step):07d}"
+
+
+def temp_checkpoint_path(ckpt_dir: Path, step: int) -> Path:
+    """Where the ranks write the checkpoint of ``step`` before :func:`commit_checkpoint`."""
+    return Path(ckpt_dir) / f".step_{int(step):07d}.tmp"
 
 
 def _fsync_dir(path: Path) -> None:
@@ -100,19 +108,20 @@ def atomic_write_text(path: Path, text: str) -> None:
     atomic_write_bytes(path, lambda f: f.write(text.encode("utf-8")))
 
 
-def atomic_torch_save(obj: Any, path: Path) -> None:
-    atomic_write_bytes(path, lambda f: torch.save(obj, f))
+def is_checkpoint(path: Path) -> bool:
+    """Whether ``path`` is a complete checkpoint directory (its index written)."""
+    return (Path(path) / dcp_io.INDEX).is_file()
 
 
 def list_checkpoints(ckpt_dir: Path) -> list[tuple[int, Path]]:
-    """``(step, path)`` of every checkpoint file in ``ckpt_dir``, oldest first."""
+    """``(step, directory)`` of every committed checkpoint in ``ckpt_dir``, oldest first."""
     ckpt_dir = Path(ckpt_dir)
     if not ckpt_dir.is_dir():
         return []
     found = []
     for p in ckpt_dir.iterdir():
         m = _NAME.match(p.name)
-        if m and p.is_file():
+        if m and p.is_dir():
             found.append((int(m.group(1)), p))
     return sorted(found)
 
@@ -124,64 +133,72 @@ def prune_checkpoints(ckpt_dir: Path, keep_last: int | None) -> list[Path]:
     removed = []
     for _, p in list_checkpoints(ckpt_dir)[: -int(keep_last)]:
         try:
-            p.unlink()
+            shutil.rmtree(p)
             removed.append(p)
         except OSError as e:  # pragma: no cover - a concurrent delete
             log.warning("could not remove old checkpoint %s: %s", p, e)
     return removed
 
 
-def save_checkpoint(state: dict[str, Any], ckpt_dir: Path, step: int, keep_last: int | None = None) -> Path:
-    """Atomically write ``state`` as the checkpoint of ``step``, then prune to ``keep_last``."""
-    path = checkpoint_path(ckpt_dir, step)
-    atomic_torch_save(state, path)
+def commit_checkpoint(ckpt_dir: Path, step: int, keep_last: int | None = None) -> Path:
+    """Rename the written checkpoint of ``step`` onto its final name, then prune to ``keep_last``.
+    Called by one process, after every rank's shards and the index are written."""
+    tmp, path = temp_checkpoint_path(ckpt_dir, step), checkpoint_path(ckpt_dir, step)
+    if not is_checkpoint(tmp):
+        raise FileNotFoundError(f"{tmp} holds no complete checkpoint (no {dcp_io.INDEX})")
+    if path.exists():  # an unreadable checkpoint of the same step, which resume skipped
+        shutil.rmtree(path)
+    os.rename(tmp, path)
+    _fsync_dir(path.parent)
     prune_checkpoints(ckpt_dir, keep_last)
     return path
 
 
+def save_checkpoint(state: dict[str, Any], ckpt_dir: Path, step: int, keep_last: int | None = None) -> Path:
+    """Write ``state`` (a DCP state dict) from this process alone as the checkpoint of ``step``."""
+    dcp_io.save(state, temp_checkpoint_path(ckpt_dir, step), distributed=False)
+    return commit_checkpoint(ckpt_dir, step, keep_last)
+
+
 def remove_stale_temp_files(directory: Path) -> list[Path]:
-    """Delete the temporary files of writes a crash interrupted (``.step_*.pt.*.tmp``, ...)."""
+    """Delete what writes a crash interrupted (``.step_*.tmp/``, ``.summary.json.*.tmp``, ...)."""
     directory = Path(directory)
     removed = []
     if directory.is_dir():
         for p in directory.iterdir():
-            if _TEMP.match(p.name) and p.is_file():
+            if _TEMP.match(p.name):
                 try:
-                    p.unlink()
+                    shutil.rmtree(p) if p.is_dir() else p.unlink()
                     removed.append(p)
                 except OSError:  # pragma: no cover - a concurrent delete
                     pass
     return removed
 
 
-def load_checkpoint(path: Path, map_location: Any = "cpu", mmap: bool = False) -> dict[str, Any]:
-    """A checkpoint file's state, read without running code. ``mmap``: map the tensors instead
-    of reading them (a quick look at a large checkpoint). A file that would need to unpickle
-    anything but tensors and plain containers raises a one-line ``ConfigError``."""
-    try:
-        state = torch.load(path, map_location=map_location, weights_only=True, mmap=mmap)
-    except pickle.UnpicklingError as e:
-        refused = next((line.strip() for line in str(e).splitlines() if "GLOBAL" in line), None)
-        if refused is None:  # not a pickled callable: an unreadable file, which resume skips
-            raise
-        raise ConfigError(
-            "trainer.resume",
-            str(path),
-            f"a checkpoint of tensors and plain containers; this file "
-            f"was refused unread ({refused}), as loading it could run code",
-        ) from e
+def read_shared(path: Path) -> dict[str, Any]:
+    """A checkpoint's shared state (format, step, world size, config, ...) without its tensors."""
+    state = dcp_io.unpack(dcp_io.read(path, keys={"shared"})["shared"], path)
     if not isinstance(state, dict) or "step" not in state:
         raise ValueError(f"{path} is not a readback checkpoint")
     return state
 
 
-def load_latest_checkpoint(
-    ckpt_dir: Path, map_location: Any = "cpu", mmap: bool = False, quiet: bool = False
-) -> tuple[Path, dict[str, Any]] | None:
-    """The newest checkpoint that loads; unreadable ones are skipped with a warning."""
+def load_checkpoint(path: Path) -> dict[str, Any]:
+    """A whole checkpoint, unsharded, in this process: its shared state, ``model`` and
+    ``optimizer`` (full state dicts keyed by parameter name) and ``ranks`` (each rank's state).
+    Read without running code: a crafted checkpoint raises a one-line ``ConfigError``."""
+    state = dcp_io.read(path)
+    shared = dcp_io.unpack(state.pop("shared"), path)
+    ranks = [dcp_io.unpack(state.pop(f"rank{r}"), path) for r in range(shared["world_size"])]
+    return {**shared, **state, "ranks": ranks}
+
+
+def load_latest_checkpoint(ckpt_dir: Path, quiet: bool = False) -> tuple[Path, dict[str, Any]] | None:
+    """The newest checkpoint whose shared state loads (:func:`read_shared`); unreadable ones are
+    skipped with a warning."""
     for step, path in reversed(list_checkpoints(ckpt_dir)):
         try:
-            return path, load_checkpoint(path, map_location, mmap)
+            return path, read_shared(path)
         except ConfigError:  # refused as unsafe: never skipped for an older one
             raise
         except Exception as e:
@@ -207,9 +224,9 @@ def config_mismatch(saved_config: Mapping[str, Any] | None, cfg: Any) -> tuple[s
     return None
 
 
-def resume_plan(run_dir: Path, cfg: Any, *, mmap: bool = False) -> tuple[Path, dict[str, Any]] | None:
-    """Where a run in ``run_dir`` starts: ``(path, state)`` of the checkpoint to resume from, or
-    ``None`` for step 0. Raises ``ConfigError`` when
+def resume_plan(run_dir: Path, cfg: Any, *, quiet: bool = False) -> tuple[Path, dict[str, Any]] | None:
+    """Where a run in ``run_dir`` starts: ``(path, shared state)`` of the checkpoint to resume
+    from, or ``None`` for step 0. Raises ``ConfigError`` when
 
     * the run directory holds checkpoints but ``trainer.resume`` is false (they would be
       overwritten) -- unless this is a requeued Slurm job, which resumes;
@@ -221,6 +238,14 @@ def resume_plan(run_dir: Path, cfg: Any, *, mmap: bool = False) -> tuple[Path, d
 
     ckpt_dir = checkpoint_dir(run_dir)
     found = list_checkpoints(ckpt_dir)
+    legacy = sorted(ckpt_dir.glob(_LEGACY)) if ckpt_dir.is_dir() else []
+    if legacy and not found:
+        raise ConfigError(
+            "trainer.resume",
+            cfg.trainer.resume,
+            f"a checkpoint of format {CHECKPOINT_FORMAT}; {legacy[-1]} is a single file of format 2 "
+            f"(resume it with the readback that wrote it, or use a new hydra.run.dir)",
+        )
     if not found:
         return None
     resume = cfg.trainer.resume
@@ -236,7 +261,7 @@ def resume_plan(run_dir: Path, cfg: Any, *, mmap: bool = False) -> tuple[Path, d
             f"true to continue the run in {run_dir} (it holds {len(found)} "
             f"checkpoint(s), up to step {found[-1][0]}), or a new hydra.run.dir",
         )
-    latest = load_latest_checkpoint(ckpt_dir, mmap=mmap, quiet=mmap)
+    latest = load_latest_checkpoint(ckpt_dir, quiet=quiet)
     if latest is None:
         raise ConfigError(
             "trainer.resume",
@@ -257,31 +282,3 @@ def resume_plan(run_dir: Path, cfg: Any, *, mmap: bool = False) -> tuple[Path, d
         key, now, was = mismatch
         raise ConfigError(key, now, f"{was!r}, the value {path} was trained with (or a new hydra.run.dir)")
     return path, state
-
-
-class RNGState:
-    """This process's torch (CPU and CUDA), Python and NumPy RNG states as tensors, ints and
-    tuples (what ``weights_only`` loading accepts); a ``Stateful`` for the checkpoint manager."""
-
-    def state_dict(self) -> dict[str, Any]:
-        import numpy as np
-
-        name, keys, pos, has_gauss, gauss = cast("tuple[str, np.ndarray, int, int, float]", np.random.get_state())
-        state: dict[str, Any] = {
-            "torch": torch.get_rng_state(),
-            "python": random.getstate(),
-            "numpy": (name, torch.from_numpy(keys.astype(np.int64)), pos, has_gauss, gauss),
-        }
-        if torch.cuda.is_available() and torch.cuda.is_initialized():
-            state["cuda"] = torch.cuda.get_rng_state_all()
-        return state
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        import numpy as np
-
-        torch.set_rng_state(state["torch"].cpu())
-        random.setstate(state["python"])
-        name, keys, pos, has_gauss, gauss = state["numpy"]
-        np.random.set_state((name, keys.numpy().astype(np.uint32), pos, has_gauss, gauss))
-        if "cuda" in state and torch.cuda.is_available():
-            torch.cuda.set_rng_state_all([s.cpu() for s in state["cuda"]])

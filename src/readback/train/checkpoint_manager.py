@@ -1,31 +1,41 @@
-"""What a checkpoint holds and how a run resumes from one; the file handling is :mod:`checkpoint`.
+"""What a checkpoint holds and how a run resumes from one; the files are :mod:`checkpoint`'s and
+the DCP reading and writing :mod:`dcp_io`'s.
 
-Schema (format :data:`~readback.train.checkpoint.CHECKPOINT_FORMAT`), one file per checkpoint,
-written by rank 0 after gathering every rank's part::
+Schema (format :data:`~readback.train.checkpoint.CHECKPOINT_FORMAT`), one DCP directory per
+checkpoint, every rank writing its part::
 
-    format, step, world_size, config, wandb_run_id,
-    <shared>: model, optimizer, schedule, divergence, progress   (the same on every rank)
-    ranks: [{<per rank>: data, numerics, rng}, ...]               (one entry per rank)
+    model, optimizer    sharded tensors (FSDP2: each rank its shards; DDP: one copy, the
+                        writing spread over the ranks), keyed by parameter name
+    shared              a blob, written by rank 0: format, step, world_size, config,
+                        wandb_run_id and the components the same on every rank (schedule,
+                        divergence, progress)
+    rank<r>             a blob, written by rank r: data position, numerics (FP8 scaling
+                        states, random streams), RNG states
 
-The components are ``Stateful`` (``state_dict``/``load_state_dict``): the manager knows their
-names, not their insides. Model and optimizer states are full (unsharded) and keyed by parameter
-name (``torch.distributed.checkpoint.state_dict``): the same file for DDP, FSDP and one process,
-loadable at any world size; every rank joins the gathering, rank 0 writes. Rank 0 decides whether
+DCP reshards model and optimizer on load to any world size; a rank that the checkpoint has no
+``rank<r>`` for takes rank 0's. The components are ``Stateful`` (``state_dict``/
+``load_state_dict``): the manager knows their names, not their insides. Rank 0 decides whether
 and from where to resume and tells the others, so every rank raises the same ``ConfigError``.
+
+``trainer.ckpt_async``: the state is copied when the save starts and written by a background
+thread (``dcp.async_save``, over a process group of its own); the commit waits for the next save
+or the end of the run (:meth:`CheckpointManager.wait`).
 """
 
 from __future__ import annotations
 
 import logging
+import random
 from collections.abc import Mapping
+from concurrent.futures import Future
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, Protocol, cast
 
 import torch
+import torch.distributed as dist
 from omegaconf import DictConfig, OmegaConf
 from torch import nn
 from torch.distributed.checkpoint.state_dict import (
-    StateDictOptions,
     get_model_state_dict,
     get_optimizer_state_dict,
     set_model_state_dict,
@@ -33,20 +43,16 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from readback.errors import ConfigError
+from readback.train import dcp_io
 from readback.train.checkpoint import (
     CHECKPOINT_FORMAT,
     checkpoint_dir,
-    load_checkpoint,
+    commit_checkpoint,
     remove_stale_temp_files,
     resume_plan,
-    save_checkpoint,
+    temp_checkpoint_path,
 )
-from readback.train.distributed import (
-    DistEnv,
-    barrier,
-    broadcast_object,
-    gather_objects,
-)
+from readback.train.distributed import DistEnv, barrier, broadcast_object
 
 log = logging.getLogger(__name__)
 
@@ -56,33 +62,58 @@ class Stateful(Protocol):
     def load_state_dict(self, state: Any) -> Any: ...
 
 
-_FULL = StateDictOptions(full_state_dict=True, cpu_offload=True)
-
-
 class ModelState:
-    """The model's full state dict on rank 0 (FSDP shards gathered), loaded into any sharding."""
+    """The model's state dict as this rank holds it (FSDP: its shards), loaded into any sharding."""
 
     def __init__(self, model: nn.Module) -> None:
         self.model = model
 
     def state_dict(self) -> dict[str, Any]:
-        return get_model_state_dict(self.model, options=_FULL)
+        return get_model_state_dict(self.model)
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        set_model_state_dict(self.model, state, options=StateDictOptions(full_state_dict=True))
+        set_model_state_dict(self.model, state)
 
 
 class OptimizerState:
-    """The optimizer's full state, keyed by parameter name."""
+    """The optimizer's state, keyed by parameter name, as this rank holds it."""
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
         self.model, self.optimizer = model, optimizer
 
     def state_dict(self) -> dict[str, Any]:
-        return get_optimizer_state_dict(self.model, self.optimizer, options=_FULL)
+        return get_optimizer_state_dict(self.model, self.optimizer)
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        set_optimizer_state_dict(self.model, self.optimizer, state, options=StateDictOptions(full_state_dict=True))
+        set_optimizer_state_dict(self.model, self.optimizer, state)
+
+
+class RNGState:
+    """This process's torch (CPU and CUDA), Python and NumPy RNG states as tensors, ints and
+    tuples (what ``weights_only`` loading accepts); a ``Stateful`` for the checkpoint manager."""
+
+    def state_dict(self) -> dict[str, Any]:
+        import numpy as np
+
+        name, keys, pos, has_gauss, gauss = cast("tuple[str, np.ndarray, int, int, float]", np.random.get_state())
+        state: dict[str, Any] = {
+            "torch": torch.get_rng_state(),
+            "python": random.getstate(),
+            "numpy": (name, torch.from_numpy(keys.astype(np.int64)), pos, has_gauss, gauss),
+        }
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            state["cuda"] = torch.cuda.get_rng_state_all()
+        return state
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        import numpy as np
+
+        torch.set_rng_state(state["torch"].cpu())
+        random.setstate(state["python"])
+        name, keys, pos, has_gauss, gauss = state["numpy"]
+        np.random.set_state((name, keys.numpy().astype(np.uint32), pos, has_gauss, gauss))
+        if "cuda" in state and torch.cuda.is_available():
+            torch.cuda.set_rng_state_all([s.cpu() for s in state["cuda"]])
 
 
 def plain_config(cfg: DictConfig) -> dict[str, Any]:
@@ -105,7 +136,7 @@ def to_cpu(obj: Any) -> Any:
 
 
 class CheckpointManager:
-    """Saves and restores the ``shared`` and ``per_rank`` components of a run."""
+    """Saves and restores a run's model and optimizer and its ``shared`` and ``per_rank`` components."""
 
     def __init__(
         self,
@@ -113,63 +144,82 @@ class CheckpointManager:
         cfg: DictConfig,
         env: DistEnv,
         *,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer,
         shared: Mapping[str, Stateful],
         per_rank: Mapping[str, Stateful],
     ) -> None:
         t = cfg.trainer
         self.run_dir, self.cfg, self.env = Path(run_dir), cfg, env
         self.dir = checkpoint_dir(run_dir)
-        self.every, self.keep_last = t.ckpt_every, t.keep_last
+        self.every, self.keep_last, self.asynchronous = t.ckpt_every, t.keep_last, t.ckpt_async
+        self.tensors = {"model": ModelState(model), "optimizer": OptimizerState(model, optimizer)}
         self.shared, self.per_rank = dict(shared), dict(per_rank)
         self.last_path: str | None = None
+        self.pending: tuple[int, Future | None] | None = None  # the save not yet committed
+        # async saves talk over their own group: their collectives run beside the training's
+        self.group = dist.new_group(backend="gloo") if self.asynchronous and env.distributed else None
 
     def due(self, step: int, last_step: int) -> bool:
         return step % self.every == 0 or step == last_step
 
     def save(self, step: int, *, wandb_run_id: str | None) -> None:
+        """Write the checkpoint of ``step`` on every rank; committed at once, or with
+        ``trainer.ckpt_async`` by the next :meth:`wait` (the next save waits for this one)."""
+        self.wait()
         env = self.env
-        ranks = gather_objects(to_cpu({k: c.state_dict() for k, c in self.per_rank.items()}), env)
-        shared = {k: c.state_dict() for k, c in self.shared.items()}  # every rank: FSDP gathers
+        state: dict[str, Any] = {
+            **self.tensors,
+            f"rank{env.rank}": dcp_io.pack(to_cpu({k: c.state_dict() for k, c in self.per_rank.items()})),
+        }
         if env.is_main:
-            state = {
-                "format": CHECKPOINT_FORMAT,
-                "step": step,
-                "world_size": env.world_size,
-                "config": plain_config(self.cfg),
-                "wandb_run_id": wandb_run_id,
-                **shared,
-                "ranks": ranks,
-            }
-            self.last_path = str(save_checkpoint(state, self.dir, step, self.keep_last))
-        barrier(env)
+            shared = {k: c.state_dict() for k, c in self.shared.items()}
+            meta: dict[str, Any] = {"format": CHECKPOINT_FORMAT, "step": step, "world_size": env.world_size}
+            meta |= {"config": plain_config(self.cfg), "wandb_run_id": wandb_run_id}
+            state["shared"] = dcp_io.pack(to_cpu({**meta, **shared}))
+        tmp = temp_checkpoint_path(self.dir, step)
+        future = dcp_io.save(
+            state, tmp, distributed=env.distributed, process_group=self.group, asynchronous=self.asynchronous
+        )
+        self.pending = (step, future)
+        if not self.asynchronous:
+            self.wait()
+
+    def wait(self) -> None:
+        """Finish the save in flight: every rank's shards and the index written, rank 0 commits."""
+        if self.pending is None:
+            return
+        (step, future), self.pending = self.pending, None
+        if future is not None:
+            future.result()
+        if self.env.is_main:
+            self.last_path = str(commit_checkpoint(self.dir, step, self.keep_last))
+        barrier(self.env)
 
     def resume(self) -> tuple[int, str | None]:
         """Load the checkpoint :func:`resume_plan` picks into the components: ``(step, wandb id)``,
-        ``(0, None)`` for a fresh start. Also removes the temp files of interrupted writes."""
+        ``(0, None)`` for a fresh start. Also removes what interrupted writes left."""
         env = self.env
-        found = None
         decision: tuple[str, Any] | None = None
         if env.is_main:
             try:
                 found = resume_plan(self.run_dir, self.cfg)
-                decision = ("load", str(found[0])) if found else ("fresh", None)
+                decision = ("load", (str(found[0]), found[1]["world_size"])) if found else ("fresh", None)
             except ConfigError as e:
                 decision = ("error", (e.key, e.value, e.valid))
-        decision = broadcast_object(decision, env)
-        if decision[0] == "error":
-            raise ConfigError(*decision[1])
-        if env.is_main:
             for directory in (self.run_dir, self.dir):
                 for p in remove_stale_temp_files(directory):
                     log.info("removed %s, left by an interrupted write", p)
+        decision = broadcast_object(decision, env)
+        if decision[0] == "error":
+            raise ConfigError(*decision[1])
         if decision[0] == "fresh":
             if env.is_main and self.cfg.trainer.resume:
                 log.info("trainer.resume=true but no checkpoint in %s; starting from step 0", self.dir)
             return 0, None
-        path = decision[1]
-        state = found[1] if found is not None else load_checkpoint(Path(path))
+        path, saved_world = Path(decision[1][0]), decision[1][1]
         try:
-            self._load(state)
+            shared = self._load(path, saved_world)
         except ConfigError:
             raise
         except Exception as e:
@@ -182,20 +232,24 @@ class CheckpointManager:
                 f"it was trained with, or use a new hydra.run.dir",
             ) from e
         if env.is_main:
-            log.info("resumed from %s (step %d)", path, state["step"])
-        return int(state["step"]), state["wandb_run_id"]
+            log.info("resumed from %s (step %d)", path, shared["step"])
+        return int(shared["step"]), shared["wandb_run_id"]
 
-    def _load(self, state: dict[str, Any]) -> None:
+    def _load(self, path: Path, saved_world: int) -> dict[str, Any]:
         env = self.env
-        if state["world_size"] != env.world_size and env.is_main:
+        if saved_world != env.world_size and env.is_main:
             log.warning(
                 "resuming a %d-process checkpoint with %d processes: same global batch and data order, "
                 "but RNG and FP8 scaling states of missing ranks come from rank 0 (not bit-exact)",
-                state["world_size"],
+                saved_world,
                 env.world_size,
             )
+        mine = f"rank{env.rank if env.rank < saved_world else 0}"
+        state: dict[str, Any] = {**self.tensors, "shared": None, mine: None}
+        dcp_io.load(state, path, distributed=env.distributed)
+        shared, own = dcp_io.unpack(state["shared"], path), dcp_io.unpack(state[mine], path)
         for key, component in self.shared.items():
-            component.load_state_dict(state[key])
-        mine = state["ranks"][env.rank if env.rank < len(state["ranks"]) else 0]
+            component.load_state_dict(shared[key])
         for key, component in self.per_rank.items():
-            component.load_state_dict(mine[key])
+            component.load_state_dict(own[key])
+        return shared

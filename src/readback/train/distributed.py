@@ -137,15 +137,6 @@ def broadcast_object(obj: Any, env: DistEnv, src: int = 0) -> Any:
     return box[0]
 
 
-def gather_objects(obj: Any, env: DistEnv) -> list[Any] | None:
-    """Every rank's ``obj`` on rank 0 (a list by rank), ``None`` elsewhere."""
-    if not env.distributed:
-        return [obj]
-    out = [None] * env.world_size if env.is_main else None
-    dist.gather_object(obj, out, dst=0)
-    return out
-
-
 def barrier(env: DistEnv) -> None:
     if env.distributed:
         dist.barrier()

@@ -3,6 +3,7 @@ the model's statistics, the progress bar, and the run-level results a summary re
 
 from __future__ import annotations
 
+import logging
 import math
 import time
 from typing import Any
@@ -12,6 +13,8 @@ import torch
 from readback.train.contract import TrainableModel
 from readback.train.distributed import DistEnv
 from readback.train.metrics import MetricsLogger, peak_bf16_flops
+
+log = logging.getLogger(__name__)
 
 
 class Window:
@@ -53,6 +56,20 @@ class MetricsProcessor:
         self.pbar: Any = None
         self.t_start = t_start
         self.peak_flops = peak_bf16_flops(torch.cuda.get_device_name(env.device)) if env.device.type == "cuda" else None
+
+    def log_start(self, experiment: str, n_params: int | None, *, steps: int, accum: int) -> None:
+        if self.env.is_main:
+            log.info(
+                "%s: %s params, %.4g FLOPs/token, %d steps x %d tokens, accum %d, world %d, %s",
+                experiment,
+                f"{n_params:,}",
+                self.flops_per_token,
+                steps,
+                self.tokens_per_step,
+                accum,
+                self.env.world_size,
+                self.env.device,
+            )
 
     def open_progress_bar(self, total: int, initial: int, desc: str) -> None:
         if self.env.is_main:

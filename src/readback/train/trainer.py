@@ -39,13 +39,7 @@ from readback.backends import site_implementations
 from readback.errors import ConfigError
 from readback.model import ActivationStats
 from readback.probe import GradientProbe
-from readback.train.checkpoint import RNGState
-from readback.train.checkpoint_manager import (
-    CheckpointManager,
-    ModelState,
-    OptimizerState,
-    plain_config,
-)
+from readback.train.checkpoint_manager import CheckpointManager, RNGState, plain_config
 from readback.train.contract import Builders, check_model
 from readback.train.distributed import DistEnv, all_reduce_mean
 from readback.train.divergence import DivergenceDetector
@@ -130,13 +124,9 @@ class Trainer:
             self.run_dir,
             cfg,
             env,
-            shared={
-                "model": ModelState(self.model),
-                "optimizer": OptimizerState(self.model, self.optimizer),
-                "schedule": self.scheduler,
-                "divergence": self.detector,
-                "progress": self.metrics,
-            },
+            model=self.model,
+            optimizer=self.optimizer,
+            shared={"schedule": self.scheduler, "divergence": self.detector, "progress": self.metrics},
             per_rank={"data": self.stream, "numerics": self.model.numerics, "rng": RNGState()},
         )
 
@@ -157,19 +147,9 @@ class Trainer:
                 config=plain_config(self.cfg),
                 wandb_run_id=wandb_id,
             )
-            if env.is_main:
-                log.info(
-                    "%s: %s params, %.4g FLOPs/token, %d steps x %d tokens, accum %d, world %d, %s",
-                    self.experiment,
-                    f"{self.n_params:,}",
-                    self._metrics.flops_per_token,
-                    self.steps,
-                    self.tokens_per_step,
-                    self.accum,
-                    env.world_size,
-                    env.device,
-                )
+            self._metrics.log_start(self.experiment, self.n_params, steps=self.steps, accum=self.accum)
             status = self._loop(start)
+            self.checkpoints.wait()  # an asynchronous save still in flight
         except Preempted as p:
             if env.is_main:
                 log.warning("%s; no summary.json: the requeued job resumes and writes it", p)
@@ -299,6 +279,7 @@ class Trainer:
                 if last_saved != step:
                     self._save()
                 signum = self.guard.requested or int(signal.SIGTERM)  # the signal reached another rank
+                self.checkpoints.wait()
                 raise Preempted(signum, step, self.checkpoints.last_path if env.is_main else None)
         if last_saved != self.step:
             self._save()

@@ -1,0 +1,177 @@
+"""Sharded checkpoints through ``torch.distributed.checkpoint`` (DCP), read without running code.
+
+A checkpoint is a DCP directory: every rank writes its own shards (``__<rank>_0.distcp``), the
+coordinator the index (``.metadata``) once all shards are written. Tensors (model, optimizer) are
+DCP items, resharded on load to any world size. Other state travels as blobs: :func:`pack`
+``torch.save``-s a component's state (tensors and plain containers) into a uint8 tensor, one item.
+
+DCP alone would unpickle its index with ``pickle.load`` and its non-tensor items with
+``torch.load(weights_only=False)``: a checkpoint someone crafted could run code on resume. Here
+the index goes through an unpickler that knows only DCP's metadata classes, and items and blobs
+load with ``weights_only=True``; anything else is refused with one line (:func:`refuse`).
+"""
+
+from __future__ import annotations
+
+import io
+import pickle
+import warnings
+from concurrent.futures import Future
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint._nested_dict import set_element
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, _EmptyStateDictLoadPlanner
+from torch.distributed.checkpoint.planner import ReadItem
+from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
+
+from readback.errors import ConfigError
+
+# without a process group DCP warns on every call that it assumes one process: so it does
+warnings.filterwarnings("ignore", message="torch.distributed is .*assuming the intent is to")
+
+INDEX = ".metadata"  # DCP's index, written last: a directory without it holds no checkpoint
+_INDEX_MODULES = ("torch.distributed.checkpoint.metadata",)
+_INDEX_GLOBALS = {
+    ("torch", "Size"),
+    ("torch.serialization", "_get_layout"),
+    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
+    ("pathlib", "PosixPath"),
+    ("pathlib", "PurePosixPath"),
+    ("pathlib", "WindowsPath"),
+    ("pathlib", "PureWindowsPath"),
+    ("collections", "OrderedDict"),
+}
+
+
+def refuse(path: Path, error: pickle.UnpicklingError) -> None:
+    """Raise the one-line refusal of a checkpoint whose pickle names a callable; re-raise
+    ``error`` when it names none (an unreadable file, which resume skips)."""
+    refused = next((line.strip() for line in str(error).splitlines() if "GLOBAL" in line), None)
+    if refused is None:
+        raise error
+    raise ConfigError(
+        "trainer.resume",
+        str(path),
+        f"a checkpoint of tensors and plain containers; this file "
+        f"was refused unread ({refused}), as loading it could run code",
+    ) from error
+
+
+class _IndexUnpickler(pickle.Unpickler):
+    """Unpickles DCP's index: its metadata dataclasses, sizes, dtypes and paths, nothing else."""
+
+    def find_class(self, module: str, name: str) -> Any:
+        known = module == "torch" or module in _INDEX_MODULES
+        found = getattr(__import__(module, fromlist=[name]), name, None) if known else None
+        allowed = (
+            (module, name) in _INDEX_GLOBALS
+            or (module in _INDEX_MODULES and isinstance(found, type) and found.__module__ == module)
+            or (module == "torch" and isinstance(found, torch.dtype))
+        )
+        if not allowed:
+            raise pickle.UnpicklingError(f"Trying to load unsupported GLOBAL {module}.{name}")
+        return super().find_class(module, name)
+
+
+def check_index(path: Path) -> None:
+    """Refuse (:func:`refuse`) a checkpoint whose index names anything but DCP's own classes."""
+    with open(Path(path) / INDEX, "rb") as f:
+        try:
+            _IndexUnpickler(f).load()
+        except pickle.UnpicklingError as e:
+            refuse(Path(path), e)
+
+
+class _SafeReader(FileSystemReader):
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Any:
+        check_index(Path(self.path))
+        return super().read_metadata(*args, **kwargs)
+
+
+class _SafeBytes:
+    """A load planner's ``load_bytes`` with ``weights_only=True``; a refusal is kept for after the load."""
+
+    refused: pickle.UnpicklingError | None = None
+
+    def load_bytes(self, read_item: ReadItem, value: io.BytesIO) -> None:
+        try:
+            obj = torch.load(value, weights_only=True)
+        except pickle.UnpicklingError as e:
+            self.refused, obj = e, None
+        fqn = read_item.dest_index.fqn
+        if self.flatten_state_dict:  # type: ignore[attr-defined]
+            set_element(self.original_state_dict, self.mappings[fqn], obj)  # type: ignore[attr-defined]
+        else:
+            self.state_dict[fqn] = obj  # type: ignore[attr-defined]
+
+    def raise_refused(self, path: Path) -> None:
+        if self.refused is not None:
+            refuse(path, self.refused)
+
+
+class _SafeLoadPlanner(_SafeBytes, DefaultLoadPlanner):
+    pass
+
+
+class _SafeFullPlanner(_SafeBytes, _EmptyStateDictLoadPlanner):
+    pass
+
+
+def pack(obj: Any) -> torch.Tensor:
+    buffer = io.BytesIO()
+    torch.save(obj, buffer)
+    return torch.frombuffer(bytearray(buffer.getvalue()), dtype=torch.uint8)
+
+
+def unpack(blob: torch.Tensor, path: Path) -> Any:
+    """A :func:`pack`-ed blob of the checkpoint at ``path``, loaded with ``weights_only=True``."""
+    try:
+        return torch.load(io.BytesIO(blob.numpy().tobytes()), weights_only=True)
+    except pickle.UnpicklingError as e:
+        refuse(path, e)
+
+
+def save(
+    state_dict: dict[str, Any],
+    path: Path,
+    *,
+    distributed: bool,
+    process_group: Any = None,
+    asynchronous: bool = False,
+) -> Future | None:
+    """Every rank writes its part of ``state_dict`` (``Stateful`` values are asked for their
+    state) into the directory ``path``. Asynchronous: the state is copied now and written by a
+    background thread; the returned future completes when the index is written."""
+    writer = FileSystemWriter(str(path), single_file_per_rank=True, sync_files=True)
+    kwargs = {"storage_writer": writer, "process_group": process_group, "no_dist": not distributed}
+    if asynchronous:
+        return dcp.async_save(state_dict, **kwargs)  # type: ignore[return-value]
+    dcp.save(state_dict, **kwargs)
+    return None
+
+
+def load(state_dict: dict[str, Any], path: Path, *, distributed: bool) -> None:
+    """Fill ``state_dict`` in place (every rank reads the shards it needs; ``Stateful`` values
+    get theirs through ``load_state_dict``; a ``None`` value becomes its blob) from the
+    checkpoint directory ``path``."""
+    index = _SafeReader(str(path)).read_metadata()
+    for key in [k for k, v in state_dict.items() if v is None]:
+        state_dict[key] = torch.empty(index.state_dict_metadata[key].size, dtype=torch.uint8)
+    planner = _SafeLoadPlanner()
+    dcp.load(state_dict, storage_reader=_SafeReader(str(path)), planner=planner, no_dist=not distributed)
+    planner.raise_refused(Path(path))
+
+
+def read(path: Path, keys: set[str] | None = None) -> dict[str, Any]:
+    """The checkpoint at ``path`` as full (unsharded) tensors and blobs, in this process alone;
+    ``keys``: only those top-level entries."""
+    check_index(Path(path))
+    planner = _SafeFullPlanner(keys=keys)
+    state: dict[str, Any] = {}
+    _load_state_dict(state, storage_reader=_SafeReader(str(path)), planner=planner, no_dist=True)
+    planner.raise_refused(Path(path))
+    return state

@@ -1,0 +1,56 @@
+"""The bias meter inside a real ``train.py`` run, and ``python -m readback.bias`` from its checkpoint."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from readback.bias.__main__ import main as bias_main
+from toys import REPO
+
+
+@pytest.mark.slow
+def test_bias_in_training_and_from_a_checkpoint(tmp_path):
+    run = tmp_path / "run"
+    tiny = [
+        "data=synthetic",
+        "logger=none",
+        "trainer.progress=false",
+        "model.n_layers=1",
+        "model.d_model=32",
+        "model.n_heads=2",
+        "model.n_kv_groups=1",
+        "model.ffn_dim=64",
+        "model.seq_len=32",
+        "model.global_batch=4",
+        "trainer.micro_batch=2",
+        "trainer.steps=2",
+        "trainer.log_every=1",
+        "trainer.eval_every=2",
+        "trainer.eval_batches=1",
+        "trainer.ckpt_every=2",
+        "+experiment=reuse_rounded",
+        "precision.site_margin={attn.core.output:12}",
+        "probe.bias_every=2",
+        "probe.bias_batches=1",
+    ]
+    subprocess.run(
+        [sys.executable, "train.py", *tiny, f"hydra.run.dir={run}"],
+        cwd=REPO,
+        check=True,
+        capture_output=True,
+        timeout=300,
+    )
+    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert "grad_bias/reuse_rounded/layers.0.attn.qkv" in records[-1]
+    assert "grad_bias/contrib.exact_read.attention.D/total" in records[-1]
+    assert "fp8_underflow/layers.0.attn.core.output" in records[-1]
+    assert bias_main([str(run), "--batches", "2", "--out", str(tmp_path / "bias")]) == 0
+    written = json.loads((tmp_path / "bias" / "bias.json").read_text())
+    assert written["checkpoint_step"] == 2 and written["batches"] == 2
+    assert (tmp_path / "bias" / "bias.png").stat().st_size > 0
+    assert "| contrib.exact_read.attention.D | total |" in (tmp_path / "bias" / "bias.md").read_text()
+    with pytest.raises(SystemExit) as exit_:
+        bias_main([str(tmp_path / "nothing_here")])
+    assert exit_.value.code == 2

@@ -1,0 +1,220 @@
+"""Reproducible runs that survive faults, with the real ``train.py`` in subprocesses: the same
+seed twice gives the same bits; a run killed with SIGKILL (at several moments, and in the middle
+of a checkpoint save) or stopped by a preemption signal resumes with ``trainer.resume=true`` on
+the uninterrupted run's curve, bit for bit, in the same ``metrics.jsonl`` and wandb run.
+
+Every run uses the tiny model on synthetic data with stochastic forward rounding, the
+``fresh_reround`` policy (an independent random stream per site) and a 2-repeat gradient probe
+(salted streams), so every random stream of the run has to be restored for the curves to match.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+import torch
+
+from readback.train.checkpoint import list_checkpoints, load_checkpoint
+from readback.train.metrics import read_jsonl
+from toys import REPO
+
+STEPS = 30
+TINY = [
+    "+experiment=fresh_reround",
+    "precision.rounding=stochastic",
+    "seed=7",
+    "data=synthetic",
+    "data.n_tokens=65536",
+    "model.n_layers=2",
+    "model.d_model=32",
+    "model.n_heads=2",
+    "model.n_kv_groups=1",
+    "model.ffn_dim=64",
+    "model.seq_len=32",
+    "model.global_batch=4",
+    "trainer.micro_batch=2",
+    f"trainer.steps={STEPS}",
+    "trainer.log_every=3",
+    "trainer.eval_every=10",
+    "trainer.eval_batches=1",
+    "trainer.ckpt_every=4",
+    "trainer.keep_last=2",
+    "trainer.optim.warmup_steps=3",
+    "trainer.progress=false",
+    "probe.every=5",
+    "probe.repeats=2",
+    "logger=none",
+]
+# Logged steps: multiples of 3, eval steps (10, 20, 30) and probe steps (5, 10, ...). Checkpoints at
+# multiples of 4 fall between logged steps, so the window of losses and the saturation counts not
+# yet logged must travel in the checkpoint too.
+LOGGED = sorted({s for s in range(1, STEPS + 1) if s % 3 == 0 or s % 10 == 0 or s % 5 == 0})
+TIMING_KEYS = {"tokens_per_s", "mfu", "mem_gib"}  # wall-clock measurements, not results
+
+
+def _env(**extra: str) -> dict[str, str]:
+    env = dict(os.environ, OMP_NUM_THREADS="1", WANDB_MODE="disabled", WANDB_SILENT="true")
+    env.pop("WORLD_SIZE", None)
+    env.pop("SLURM_RESTART_COUNT", None)
+    env.update(extra)
+    return env
+
+
+def _start(run_dir: Path, *extra: str, env: dict[str, str] | None = None, script: str = "train.py") -> subprocess.Popen:
+    cmd = [sys.executable, script, *TINY, *extra, f"hydra.run.dir={run_dir}"]
+    return subprocess.Popen(cmd, cwd=REPO, env=env or _env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def _finish(proc: subprocess.Popen, timeout: float = 240) -> tuple[int, str, str]:
+    out, err = proc.communicate(timeout=timeout)
+    return proc.returncode, out, err
+
+
+def _train(run_dir: Path, *extra: str, env: dict[str, str] | None = None) -> tuple[int, str, str]:
+    return _finish(_start(run_dir, *extra, env=env))
+
+
+def _last_step(run_dir: Path) -> int:
+    records = read_jsonl(run_dir / "metrics.jsonl")
+    return records[-1]["step"] if records else 0
+
+
+def _signal_when(proc: subprocess.Popen, run_dir: Path, sig: int, ready, timeout: float = 240) -> None:
+    """Send ``sig`` to ``proc`` as soon as ``ready()`` holds; fail if the run ends first."""
+    deadline = time.monotonic() + timeout
+    while not ready():
+        assert proc.poll() is None, f"the run ended before the signal: {proc.communicate()}"
+        assert time.monotonic() < deadline, "timed out waiting for the kill point"
+        time.sleep(0.003)
+    proc.send_signal(sig)
+
+
+def _results(run_dir: Path) -> list[dict]:
+    """The metrics records without wall-clock measurements."""
+    return [{k: v for k, v in r.items() if k not in TIMING_KEYS} for r in read_jsonl(run_dir / "metrics.jsonl")]
+
+
+def _assert_same_run(run_dir: Path, reference: Path) -> None:
+    got, want = _results(run_dir), _results(reference)
+    assert [r["step"] for r in got] == LOGGED  # appended: no duplicate, no missing step
+    for g, w in zip(got, want, strict=True):
+        assert g == w, {k: (g.get(k), w.get(k)) for k in set(g) | set(w) if g.get(k) != w.get(k)}
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["status"] == "completed" and summary["steps"] == STEPS
+    a = load_checkpoint(list_checkpoints(run_dir / "checkpoints")[-1][1])["model"]
+    b = load_checkpoint(list_checkpoints(reference / "checkpoints")[-1][1])["model"]
+    assert all(torch.equal(a[k], b[k]) for k in b)
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory) -> Path:
+    """The uninterrupted run, trained twice at the same time from the same config and seed."""
+    root = tmp_path_factory.mktemp("reference")
+    with ThreadPoolExecutor(2) as pool:
+        results = list(pool.map(lambda d: _train(d), [root / "a", root / "b"]))
+    for rc, _, err in results:
+        assert rc == 0, err[-3000:]
+    return root
+
+
+def test_same_config_and_seed_give_identical_bits(reference):
+    a, b = _results(reference / "a"), _results(reference / "b")
+    assert a == b and [r["step"] for r in a] == LOGGED
+    assert any(k.startswith("grad_error/bias/") for k in a[1])  # step 5: the probe's repeats ran
+    assert any(k.startswith("fp8_saturation/") for r in a for k in r)
+    assert len({r["loss"] for r in a}) == len(a)  # a real curve, not a constant
+
+
+def test_sigkill_at_several_points_resumes_bit_exactly(tmp_path, reference):
+    run_dir, ckpts = tmp_path / "run", tmp_path / "run" / "checkpoints"
+    # 1: killed in the middle of training, metrics ahead of the last checkpoint
+    proc = _start(run_dir)
+    _signal_when(proc, run_dir, signal.SIGKILL, lambda: _last_step(run_dir) >= 9)
+    assert _finish(proc)[0] == -signal.SIGKILL
+    assert not (run_dir / "summary.json").exists()
+    assert len(list_checkpoints(ckpts)) <= 2
+    # 2: resumed, then killed right after a checkpoint appears
+    proc = _start(run_dir, "trainer.resume=true")
+    _signal_when(proc, run_dir, signal.SIGKILL, lambda: any(s >= 16 for s, _ in list_checkpoints(ckpts)))
+    assert _finish(proc)[0] == -signal.SIGKILL
+    # 3: resumed, then killed as soon as it logs its first step
+    first = list_checkpoints(ckpts)[-1][0]
+    proc = _start(run_dir, "trainer.resume=true")
+    _signal_when(proc, run_dir, signal.SIGKILL, lambda: _last_step(run_dir) > first)
+    assert _finish(proc)[0] == -signal.SIGKILL
+    # 4: resumed to the end
+    rc, _, err = _train(run_dir, "trainer.resume=true")
+    assert rc == 0, err[-3000:]
+    _assert_same_run(run_dir, reference / "a")
+    assert [s for s, _ in list_checkpoints(ckpts)] == [28, 30]  # keep_last=2
+
+
+def test_sigterm_and_sigusr1_checkpoint_exit_and_resume_in_the_same_wandb_run(tmp_path, reference):
+    run_dir = tmp_path / "run"
+    env = _env(WANDB_MODE="offline")
+    wandb = ["logger=wandb", "logger.mode=offline"]
+    for sig, when in ((signal.SIGTERM, 5), (signal.SIGUSR1, 15)):
+        proc = _start(run_dir, *wandb, "trainer.resume=true", env=env)
+        _signal_when(proc, run_dir, sig, lambda when=when: _last_step(run_dir) >= when)
+        rc, out, err = _finish(proc)
+        assert rc == 128 + sig, err[-3000:]
+        assert f"{signal.Signals(sig).name} received" in err
+        reached = list_checkpoints(run_dir / "checkpoints")[-1][0]  # saved at the step reached
+        assert reached >= _last_step(run_dir) >= when
+        assert f"stopped after step {reached}" in out
+        assert not (run_dir / "summary.json").exists()  # the run is not over
+    rc, _, err = _train(run_dir, *wandb, "trainer.resume=true", env=env)
+    assert rc == 0, err[-3000:]
+    _assert_same_run(run_dir, reference / "a")
+    run_id = load_checkpoint(list_checkpoints(run_dir / "checkpoints")[-1][1])["wandb_run_id"]
+    runs = sorted((run_dir / "wandb").glob("offline-run-*"))
+    assert len(runs) == 3 and all(r.name.endswith(f"-{run_id}") for r in runs), runs
+
+
+KILL_AT_SAVE = """
+import os, runpy, signal, sys
+from readback.train import checkpoint_manager
+
+calls, commit = [0], checkpoint_manager.commit_checkpoint
+
+def dying_commit(*args, **kwargs):  # the shards and the index are written, not yet renamed
+    calls[0] += 1
+    if calls[0] == int(os.environ["DIE_AT_SAVE"]):
+        os.kill(os.getpid(), signal.SIGKILL)
+    return commit(*args, **kwargs)
+
+checkpoint_manager.commit_checkpoint = dying_commit
+sys.argv = ["train.py"] + sys.argv[1:]
+runpy.run_path("train.py", run_name="__main__")
+"""
+
+
+def test_sigkill_during_a_checkpoint_save_leaves_the_previous_one(tmp_path, reference):
+    run_dir, ckpts = tmp_path / "run", tmp_path / "run" / "checkpoints"
+    script = tmp_path / "kill_at_save.py"
+    script.write_text(KILL_AT_SAVE)
+    proc = subprocess.Popen(
+        [sys.executable, str(script), *TINY, f"hydra.run.dir={run_dir}"],
+        cwd=REPO,
+        env=_env(DIE_AT_SAVE="3"),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    assert _finish(proc)[0] == -signal.SIGKILL  # killed inside the third save (step 12)
+    assert [s for s, _ in list_checkpoints(ckpts)] == [4, 8]
+    torn = ckpts / ".step_0000012.tmp"  # written in full, never under a checkpoint name
+    assert sorted(p.name for p in torn.iterdir()) == [".metadata", "__0_0.distcp"]
+    assert load_checkpoint(list_checkpoints(ckpts)[-1][1])["step"] == 8
+    rc, _, err = _train(run_dir, "trainer.resume=true")
+    assert rc == 0, err[-3000:]
+    assert sorted(p.name for p in ckpts.iterdir()) == ["step_0000028", "step_0000030"]  # temp directory gone
+    _assert_same_run(run_dir, reference / "a")

@@ -1,0 +1,258 @@
+"""Toy stand-ins shared by the tests, imported by name (``pyproject.toml`` puts ``tests/`` on the path).
+
+A toy model and data stream that satisfy the trainer's contract (``readback.train.contract``:
+``TrainableModel``, ``RunNumerics``, ``DataStream``), handed to ``readback.train.run`` as its
+builders; ``make_cfg`` gives them the real trainer/logger/probe configs at toy sizes, and
+``compose`` the real composed ``train`` config (Hydra) with overrides.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from hydra import compose as hydra_compose
+from hydra import initialize_config_dir
+from omegaconf import DictConfig, OmegaConf
+from torch import nn
+
+from readback.config import CONF_DIR
+from readback.train import Builders, run
+
+REPO = Path(__file__).resolve().parents[1]
+CONF = CONF_DIR
+# The study's experiments (conf/experiment/*.yaml).
+ALL_EXPERIMENTS = sorted(p.stem for p in (CONF / "experiment").glob("*.yaml"))
+# conf/model/tiny.yaml narrowed (2 layers of width 32, 2 heads, sequences of 16 tokens of a 64-token vocabulary).
+TINY_FOG = (
+    "model.vocab_size=64",
+    "model.seq_len=16",
+    "model.d_model=32",
+    "model.n_heads=2",
+    "model.n_kv_groups=1",
+    "model.ffn_dim=48",
+)
+
+
+def compose(*overrides: str, **kwargs) -> DictConfig:
+    """``conf/train.yaml`` composed with ``overrides``, as ``train.py`` would (not validated)."""
+    with initialize_config_dir(str(CONF_DIR), version_base="1.3"):
+        return hydra_compose("train", overrides=list(overrides), **kwargs)
+
+
+def load_data_cfg(name: str, **overrides) -> DictConfig:
+    """``conf/data/<name>.yaml`` with ``overrides`` set (keys of the data group)."""
+    cfg = OmegaConf.load(CONF / "data" / f"{name}.yaml")
+    for key, value in overrides.items():
+        cfg[key] = value
+    return cfg
+
+
+class ToyNumerics:
+    """Step counter, plus state that forwards in eval mode change and that feeds back into the
+    loss (like amax histories and random streams): evaluation must not leak into training."""
+
+    def __init__(self) -> None:
+        self.step = 0
+        self.eval_forwards = 0
+        self.mechanism = False
+
+    def end_step(self) -> None:
+        self.step += 1
+
+    def state_dict(self) -> dict:
+        return {"step": self.step, "eval_forwards": self.eval_forwards}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.step = int(state["step"])
+        self.eval_forwards = int(state["eval_forwards"])
+
+    def saturation_counts(self) -> dict[str, int]:
+        return {"toy.out": self.step % 3}
+
+    def underflow_fractions(self) -> dict[str, float]:
+        return {"toy.out": 0.0}
+
+    def pop_observations(self) -> dict[str, float]:
+        return {}
+
+    @contextlib.contextmanager
+    def isolated(self):
+        """Like ``Numerics.isolated``: whatever happens inside is undone on exit."""
+        state = self.state_dict()
+        try:
+            yield
+        finally:
+            self.load_state_dict(state)
+
+
+class ToyModel(nn.Module):
+    """Embedding -> gated residual MLP -> head. Deterministic, tiny, with a 1-D gain, a frozen
+    1-D parameter and switches that poison the loss or one gradient at a chosen step."""
+
+    def __init__(self, vocab: int, d: int = 16, nan_loss_at: int | None = None, nan_grad_at: int | None = None):
+        super().__init__()
+        self.vocab = vocab
+        self.emb = nn.Embedding(vocab, d)
+        self.gain = nn.Parameter(torch.ones(d))
+        self.frozen = nn.Parameter(torch.ones(d), requires_grad=False)
+        self.fc = nn.Linear(d, d)
+        self.head = nn.Linear(d, vocab, bias=False)
+        self.numerics = ToyNumerics()
+        self.nan_loss_at, self.nan_grad_at = nan_loss_at, nan_grad_at
+        self.layers = nn.ModuleList([nn.Module()])  # layers.0.attn.core: watched by the stats hooks
+        self.layers[0].attn = nn.Module()
+        self.layers[0].attn.core = nn.Identity()
+
+    def _this_step(self) -> int:
+        return self.numerics.step + 1
+
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        gain = self.gain
+        if self.training and self.nan_grad_at == self._this_step():
+            gain = gain + 0.0
+            gain.register_hook(lambda g: torch.full_like(g, math.nan))
+        h = self.emb(idx)
+        if self.training:  # a leak of evaluation state into training would change the loss
+            h = h * (1.0 + 0.01 * self.numerics.eval_forwards)
+        else:
+            self.numerics.eval_forwards += 1
+        h = h + torch.tanh(self.fc(h * gain * self.frozen))
+        h = self.layers[0].attn.core(h)
+        loss = F.cross_entropy(self.head(h).flatten(0, 1), targets.flatten())
+        if self.training and self.nan_loss_at == self._this_step():
+            loss = loss * math.nan
+        return loss
+
+    def n_params(self) -> int:
+        return sum(p.numel() for p in self.parameters())
+
+    def flops_per_token(self) -> float:
+        return 6.0 * self.n_params()
+
+
+class ToyStream:
+    """Sequences ``start, start+k, start+2k, ... (mod vocab)``, ``k`` in 1..3, one per global index;
+    rank ``r`` takes its share of every global batch (like the real stream)."""
+
+    def __init__(
+        self,
+        vocab: int,
+        *,
+        seq_len: int,
+        micro_batch: int,
+        seed: int,
+        rank: int,
+        world_size: int,
+        crash_at_call: int | None = None,
+    ):
+        self.vocab_size, self.seq_len, self.micro_batch = vocab, seq_len, micro_batch
+        self.seed, self.rank, self.world_size = seed, rank, world_size
+        self.tokens_per_batch = micro_batch * seq_len
+        self.consumed = 0
+        self.calls = 0
+        self.crash_at_call = crash_at_call
+
+    def _seq(self, index: int) -> torch.Tensor:
+        g = torch.Generator().manual_seed(self.seed * 1_000_003 + index)
+        start = int(torch.randint(0, self.vocab_size, (1,), generator=g))
+        k = int(torch.randint(1, 4, (1,), generator=g))
+        return (start + k * torch.arange(self.seq_len + 1)) % self.vocab_size
+
+    def _batch(self, first: int) -> tuple[torch.Tensor, torch.Tensor]:
+        seqs = torch.stack([self._seq(first + j) for j in range(self.micro_batch)])
+        return seqs[:, :-1].contiguous(), seqs[:, 1:].contiguous()
+
+    def next_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.crash_at_call is not None and self.calls == self.crash_at_call:
+            raise RuntimeError("simulated crash")
+        self.calls += 1
+        batch = self._batch(self.consumed + self.rank * self.micro_batch)
+        self.consumed += self.micro_batch * self.world_size
+        return batch
+
+    def val_batches(self, n: int):
+        for i in range(n):
+            yield self._batch(10**6 + i * self.micro_batch)
+
+    def state_dict(self) -> dict:
+        return {"consumed": self.consumed}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.consumed = int(state["consumed"])
+
+
+BUILT: list[ToyModel] = []
+
+
+def toy_build_model(cfg, device):
+    m = cfg.model
+    with torch.device(device):
+        model = ToyModel(int(m.vocab_size), int(m.d_model), m.get("nan_loss_at"), m.get("nan_grad_at"))
+    BUILT.append(model)
+    return model
+
+
+def toy_build_data(cfg_data, *, seq_len, micro_batch, seed, rank=0, world_size=1):
+    if cfg_data.get("forbid_build"):
+        raise AssertionError("build_data must not be called")
+    return ToyStream(
+        int(cfg_data.vocab),
+        seq_len=seq_len,
+        micro_batch=micro_batch,
+        seed=seed,
+        rank=rank,
+        world_size=world_size,
+        crash_at_call=cfg_data.get("crash_at_call"),
+    )
+
+
+TOYS = Builders(model=toy_build_model, data=toy_build_data)
+
+
+def train(cfg, run_dir):
+    """``readback.train.run`` with the toy builders."""
+    return run(cfg, run_dir, TOYS)
+
+
+def make_cfg(**trainer):
+    """The real ``conf/trainer/default.yaml`` and ``conf/logger/none.yaml`` with toy sizes."""
+    base = OmegaConf.load(CONF / "trainer" / "default.yaml")
+    small = dict(
+        steps=12,
+        micro_batch=2,
+        log_every=2,
+        eval_every=4,
+        eval_batches=2,
+        ckpt_every=4,
+        keep_last=2,
+        progress=False,
+        device="cpu",
+    )
+    base = OmegaConf.merge(base, small, {"optim": {"warmup_steps": 3}})
+    cfg = OmegaConf.create(
+        {
+            "seed": 3,
+            "experiment": "toy",
+            "model": {
+                "seq_len": 8,
+                "global_batch": 8,
+                "lr": 3e-2,
+                "vocab_size": None,
+                "d_model": 16,
+                "n_layers": 1,
+                "n_heads": 1,
+                "ffn_dim": 16,
+            },  # the last three size its activations
+            "data": {"vocab": 24},
+            "trainer": base,
+            "logger": OmegaConf.load(CONF / "logger" / "none.yaml"),
+            "probe": OmegaConf.load(CONF / "probe" / "default.yaml"),
+        }
+    )
+    for key, value in trainer.items():
+        OmegaConf.update(cfg, key, value, force_add=True)
+    return cfg

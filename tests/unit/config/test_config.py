@@ -1,0 +1,104 @@
+"""Configs: every experiment composes, validates and sets only the study's axes (each one trains
+through the real ``train.py``: tests/integration/test_experiments.py)."""
+
+import pytest
+from omegaconf import OmegaConf
+
+from readback.config import Config, validate
+from readback.config.refusals import options
+from readback.errors import ConfigError
+from toys import ALL_EXPERIMENTS, compose
+
+STUDY_AXES = {"precision", "policy", "attention", "experiment"}
+
+
+def test_the_study_experiments_exist():
+    assert ALL_EXPERIMENTS == [
+        "bf16_baseline",
+        "fresh_reround",
+        "no_saved_copy",
+        "reuse_rounded",
+        "reuse_rounded_bf16_bwd",
+    ]
+
+
+@pytest.mark.parametrize("experiment", ALL_EXPERIMENTS)
+def test_experiment_composes_validates_and_sets_only_the_study_axes(experiment):
+    base = OmegaConf.to_container(compose())
+    cfg = compose(f"+experiment={experiment}")
+    validate(cfg)
+    changed = {key for key, value in OmegaConf.to_container(cfg).items() if base.get(key) != value}
+    assert changed <= STUDY_AXES, changed
+    assert cfg.experiment == experiment
+    # model=, data= and trainer.* stay free under an experiment
+    free = compose(f"+experiment={experiment}", "model=small", "data=synthetic", "trainer.steps=7")
+    assert (free.model.name, free.data.name, free.trainer.steps) == ("small", "synthetic", 7)
+
+
+@pytest.mark.parametrize(
+    "experiment, precision, policy, bwd",
+    [
+        ("reuse_rounded", "fp8", "reuse_rounded", "fp8"),
+        ("fresh_reround", "fp8", "fresh_reround", "fp8"),
+        ("no_saved_copy", "fp8", "no_saved_copy", "fp8"),
+        ("reuse_rounded_bf16_bwd", "fp8", "reuse_rounded", "bf16"),
+        ("bf16_baseline", "bf16", "exact", "bf16"),
+    ],
+)
+def test_experiment_axes(experiment, precision, policy, bwd):
+    cfg = compose(f"+experiment={experiment}")
+    assert (cfg.precision.name, cfg.policy.name, cfg.attention.bwd_precision) == (precision, policy, bwd)
+
+
+def test_the_study_recipe_is_transformer_engine_default_delayed_scaling():
+    p = compose("+experiment=reuse_rounded").precision
+    assert (p.recipe, p.fp8_format, p.margin, p.amax_history_len, p.amax_compute_algo) == (
+        "delayed",
+        "HYBRID",
+        0,
+        1024,
+        "max",
+    )
+    assert list(p.bf16_layers) == ["lm_head"] and p.rounding == "nearest"
+
+
+@pytest.mark.parametrize(
+    "override, key",
+    [
+        ("model.n_heads=3", "model.n_heads"),
+        ("model.ffn_dim=200", "model.ffn_dim"),
+        ("trainer.micro_batch=5", "trainer.micro_batch"),
+        ("precision.interval=0", "precision.interval"),
+        ("probe.repeats=0", "probe.repeats"),
+    ],
+)
+def test_validate_names_the_bad_key(override, key):
+    with pytest.raises(ConfigError) as error:
+        validate(compose(override))
+    assert error.value.key == key and "valid:" in str(error.value)
+
+
+@pytest.mark.parametrize(
+    "override",
+    [
+        f"{group}={option}"
+        for group in ("model", "precision", "policy", "data", "backend", "logger")
+        for option in options(group)
+    ],
+)
+def test_every_option_sets_every_key_of_its_schema(override):
+    """``to_object`` refuses a field no YAML file sets (``???``) and runs every range check."""
+    assert isinstance(OmegaConf.to_object(compose(override)), Config)
+
+
+def test_validate_gives_the_typed_config_and_refuses_plus_keys():
+    config = validate(compose("trainer.steps=7"))
+    assert isinstance(config, Config) and config.trainer.steps == 7 and config.trainer.optim.eps == 1e-8
+    with pytest.raises(ConfigError, match=r"trainer.max_steps=100 is not a config key; did you mean trainer.steps"):
+        validate(compose("+trainer.max_steps=100"))
+
+
+def test_bf16_allows_widths_fp8_refuses():
+    validate(compose("+experiment=bf16_baseline", "model.ffn_dim=200"))
+    with pytest.raises(ConfigError):
+        validate(compose("+experiment=reuse_rounded", "model.ffn_dim=200"))

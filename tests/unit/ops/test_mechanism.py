@@ -1,0 +1,115 @@
+"""Mechanism statistics of attention: hand-made cases for the logit, entropy and D-term
+cosine, their keys from a FOG step on a log step, and the analysis plot."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from readback.analysis import runs_from_records
+from readback.analysis.plots import plot_mechanism
+from readback.backends import build_model
+from readback.numerics import CurrentScaling
+from readback.ops import attention as attention_op
+from readback.ops import mechanism
+from readback.ops.numerics import Numerics
+from toys import compose
+
+
+def test_logits_and_entropy_by_hand():
+    numerics = Numerics(precision="off")
+    scores = torch.tensor([[[[1.0, 9.0], [2.0, 4.0]]]])
+    probs = torch.tensor([[[[1.0, 0.0], [0.5, 0.5]]]])
+    mechanism.observe_logits(numerics, "a", scores, probs)
+    stats = numerics.pop_observations()
+    assert stats["attn_logit/max/a"] == 4.0  # 9.0 is masked
+    assert stats["attn_logit/mean/a"] == pytest.approx(7 / 3)
+    assert stats["attn_entropy/mean/a"] == pytest.approx(math.log(2) / 2)
+
+
+def test_dterm_cosine_is_minus_one_for_a_one_signed_d_and_small_for_a_signless_one():
+    g = torch.Generator().manual_seed(0)
+    probs = torch.softmax(torch.randn(2, 2, 64, 64, generator=g), -1)
+    keys = torch.randn(2, 2, 64, 8, generator=g)
+    numerics = Numerics(precision="off")
+    d_term = mechanism.DTermCosine(keys)
+    d_term.add(probs, torch.full((2, 2, 64, 1), 0.3))
+    d_term.observe(numerics, "a")
+    assert numerics.pop_observations()["attn_dq_dterm_cos/mean/a"] == pytest.approx(-1.0)
+    signs = torch.randint(0, 2, (2, 2, 64, 1), generator=g) * 2.0 - 1
+    d_term = mechanism.DTermCosine(keys)
+    d_term.add(probs, signs)
+    d_term.observe(numerics, "a")
+    assert abs(numerics.pop_observations()["attn_dq_dterm_cos/mean/a"]) < 0.2
+
+
+def test_dterm_cosine_over_row_blocks_is_that_of_the_whole_layer():
+    """The backward adds it block by block of query rows; the sums must give the whole-layer cosine."""
+    g = torch.Generator().manual_seed(1)
+    probs = torch.softmax(torch.randn(2, 2, 100, 100, generator=g), -1)
+    keys, row_term = torch.randn(2, 2, 100, 8, generator=g), torch.randn(2, 2, 100, 1, generator=g) + 0.2
+    whole, blocked = Numerics(precision="off"), Numerics(precision="off")
+    d_term = mechanism.DTermCosine(keys)
+    d_term.add(probs, row_term)
+    d_term.observe(whole, "a")
+    d_term = mechanism.DTermCosine(keys)
+    for rows in (slice(0, 64), slice(64, 100)):
+        d_term.add(probs[:, :, rows], row_term[:, :, rows])
+    d_term.observe(blocked, "a")
+    mean_key = probs @ keys
+    expected = torch.nn.functional.cosine_similarity((-row_term * mean_key).flatten(), mean_key.flatten(), dim=0)
+    key = "attn_dq_dterm_cos/mean/a"
+    assert (
+        blocked.pop_observations()[key]
+        == pytest.approx(whole.pop_observations()[key])
+        == pytest.approx(float(expected))
+    )
+
+
+@pytest.mark.parametrize("policy", ["reuse_rounded", "no_saved_copy"])
+def test_the_row_blocked_backward_logs_the_cosine_one_block_would(monkeypatch, policy):
+    g = torch.Generator().manual_seed(2)
+    q, k, v = (
+        torch.randn(1, 4, 100, 16, generator=g),
+        torch.randn(1, 2, 100, 16, generator=g),
+        torch.randn(1, 2, 100, 16, generator=g),
+    )
+    d_o = torch.randn(1, 100, 64, generator=g)
+
+    def cosine(row_block: int) -> float:
+        monkeypatch.setattr(attention_op, "ROW_BLOCK", row_block)
+        numerics = Numerics(recipe=CurrentScaling(), policy=policy)
+        numerics.mechanism = True
+        o, _ = attention_op.attention(*(t.clone().requires_grad_() for t in (q, k, v)), numerics, "a")
+        o.backward(d_o)
+        return numerics.pop_observations()["attn_dq_dterm_cos/mean/a"]
+
+    blocked = cosine(attention_op.ROW_BLOCK)
+    assert attention_op.ROW_BLOCK < 100 and blocked != 0
+    assert blocked == pytest.approx(cosine(128), rel=1e-5, abs=1e-7)
+
+
+def test_a_logged_fog_step_records_them_and_the_analysis_plots_them(tmp_path):
+    cfg = compose("model.vocab_size=64", "model.seq_len=16", "policy=reuse_rounded")
+    model = build_model(cfg)
+    idx = torch.randint(0, 64, (2, 16))
+    model(idx, idx).backward()  # not a log step: nothing measured
+    assert not any(k.startswith("attn_logit") for k in model.numerics.pop_observations())
+    model.numerics.mechanism = True  # the trainer's log steps switch it on
+    model(idx, idx).backward()
+    stats = model.numerics.pop_observations()
+    for key in ("attn_logit/max/", "attn_logit/mean/", "attn_entropy/mean/", "attn_dq_dterm_cos/mean/"):
+        assert key + "layers.1.attn.core" in stats
+    assert -1 <= stats["attn_dq_dterm_cos/mean/layers.0.attn.core"] <= 1
+    assert "attn_dq_dterm_cos/z/layers.0.attn.core" not in stats  # one value per layer and step: no spread
+    assert "attn_entropy/z/layers.0.attn.core" in stats  # one value per row
+    records = [
+        {"step": s, "tokens": s, "loss": 1.0, **stats, "fp8_underflow/layers.0.attn.core.output": 0.5} for s in (1, 2)
+    ]
+    runs = runs_from_records(
+        [{"run_id": "r", "config": {"experiment": "reuse_rounded", "seed": 0}, "summary": None, "records": records}]
+    )
+    fig = plot_mechanism(runs, x="step", path=tmp_path / "mechanism.png")
+    assert len(fig.axes) >= 9 and (tmp_path / "mechanism.png").stat().st_size > 0

@@ -1,0 +1,127 @@
+"""The gradient-error probe: the reference is the gradient of the executed forward."""
+
+import json
+
+import pytest
+import torch
+
+from readback.backends import build_model
+from readback.probe import GradientProbe, compare
+from toys import compose
+
+FP32_BACKWARD = ["attention.bwd_precision=fp32", "precision.override_linear_precision=[false,true,true]"]
+
+
+def _cfg(*overrides):
+    return compose("model.vocab_size=128", *overrides)
+
+
+def _trained_model(*overrides, steps=3):
+    """A tiny FOG after a few steps, so delayed scales are no longer 1."""
+    torch.manual_seed(0)
+    model = build_model(_cfg(*overrides))
+    idx = torch.randint(0, 128, (4, 32))
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    for _ in range(steps):
+        model(idx, idx.roll(-1, 1)).backward()
+        opt.step()
+        opt.zero_grad()
+        model.numerics.end_step()
+    return model, idx, idx.roll(-1, 1)
+
+
+def test_exact_policy_with_fp32_backward_is_the_reference_to_round_off():
+    model, x, y = _trained_model("+experiment=no_saved_copy", "policy=exact", *FP32_BACKWARD)
+    stats = GradientProbe(every=1).measure(model, x, y)
+    assert stats["grad_error/rel_err/total"] < 1e-5
+    assert stats["grad_error/cosine/total"] > 1 - 1e-9
+    assert stats["grad_error/rel_err/layers.1.attn.core.dq"] < 1e-5
+
+
+def test_reuse_rounded_error_is_orders_larger_and_starts_at_attention():
+    exact = GradientProbe(every=1).measure(*_trained_model("+experiment=no_saved_copy", "policy=exact", *FP32_BACKWARD))
+    model, x, y = _trained_model("+experiment=reuse_rounded", *FP32_BACKWARD)
+    reuse = GradientProbe(every=1).measure(model, x, y)
+    assert reuse["grad_error/rel_err/total"] > 1000 * exact["grad_error/rel_err/total"]
+    # The backward reaches the last block's MLP before any attention: its gradients are still exact.
+    assert reuse["grad_error/rel_err/layers.1.mlp.down.weight"] < 1e-5
+    assert reuse["grad_error/rel_err/layers.1.mlp_norm.gain"] < 1e-5
+    # The error appears at the last attention core's inputs and flows upstream from there.
+    assert reuse["grad_error/rel_err/layers.1.attn.core.dq"] > 1e-3
+    assert reuse["grad_error/rel_err/layers.1.attn.core.dv"] < 1e-5  # dV = P8^T dO needs no D-term
+    assert reuse["grad_error/rel_err/layers.0.attn.qkv.weight"] > 1e-4
+
+
+def test_fresh_reround_bias_is_within_its_noise_and_reuse_has_no_noise():
+    model, x, y = _trained_model("+experiment=fresh_reround", *FP32_BACKWARD)
+    fresh = GradientProbe(every=1, repeats=8).measure(model, x, y)
+    assert fresh["grad_error/noise/total"] > 0
+    assert fresh["grad_error/bias/total"] < 3 * fresh["grad_error_se/bias/total"]
+
+    model, x, y = _trained_model("+experiment=reuse_rounded", *FP32_BACKWARD)
+    reuse = GradientProbe(every=1, repeats=3).measure(model, x, y)
+    assert reuse["grad_error/noise/total"] == 0  # nearest forward rounding: every repeat is the same
+    assert reuse["grad_error/bias/total"] == pytest.approx(reuse["grad_error/rel_err/total"])
+
+
+def test_probe_leaves_model_grads_and_numerics_untouched():
+    model, x, y = _trained_model("+experiment=fresh_reround", "precision.rounding=stochastic")
+    before_params = [p.detach().clone() for p in model.parameters()]
+    before_state = model.numerics.state_dict()
+    before_sites = set(model.numerics.sites)
+    GradientProbe(every=1, repeats=2).measure(model, x, y)
+    assert all(torch.equal(a, p) for a, p in zip(before_params, model.parameters()))
+    assert all(p.grad is None for p in model.parameters())
+    assert set(model.numerics.sites) == before_sites
+    after = model.numerics.state_dict()
+    for name, saved in before_state["sites"].items():
+        for key, value in saved["state"].items():
+            assert torch.equal(torch.as_tensor(value), torch.as_tensor(after["sites"][name]["state"][key])), (name, key)
+    # The step's own random streams are the ones training will use next.
+    loss_after_probe = model(x, y).item()
+    model2, _, _ = _trained_model("+experiment=fresh_reround", "precision.rounding=stochastic")
+    assert model2(x, y).item() == loss_after_probe
+
+
+def test_compare_statistics_by_hand():
+    ref = [{"w": torch.tensor([1.0, 0.0], dtype=torch.float64)}] * 2
+    err = [{"w": torch.tensor([0.1, 0.0], dtype=torch.float64)}, {"w": torch.tensor([0.3, 0.0], dtype=torch.float64)}]
+    stats = compare(err, ref)
+    assert stats["grad_error/rel_err/w"] == pytest.approx(0.2)
+    assert stats["grad_error/bias/w"] == pytest.approx(0.2)  # |mean error| / |mean reference|
+    assert stats["grad_error/noise/w"] == pytest.approx((2 * 0.1**2 / 1) ** 0.5)  # sample std over repeats
+    assert stats["grad_error_se/bias/w"] == pytest.approx(stats["grad_error/noise/w"] / 2**0.5)
+    assert stats["grad_error/rel_err/total"] == pytest.approx(0.2)
+
+
+def _losses(run_dir):
+    return {r["step"]: r["loss"] for r in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines())}
+
+
+def test_probe_does_not_change_the_training_trajectory(tmp_path):
+    from readback.train import run
+
+    common = [
+        "+experiment=fresh_reround",
+        "precision.rounding=stochastic",
+        "data=synthetic",
+        "data.vocab_size=128",
+        "logger=none",
+        "trainer.steps=6",
+        "trainer.log_every=1",
+        "trainer.eval_every=6",
+        "trainer.progress=false",
+        "model.d_model=32",
+        "model.ffn_dim=64",
+        "model.global_batch=4",
+        "trainer.micro_batch=2",
+        "model.seq_len=32",
+    ]
+    run(_cfg(*common), tmp_path / "plain")
+    run(_cfg(*common, "probe.every=2", "probe.repeats=2"), tmp_path / "probed")
+    plain, probed = _losses(tmp_path / "plain"), _losses(tmp_path / "probed")
+    assert plain == probed
+    records = [json.loads(line) for line in (tmp_path / "probed" / "metrics.jsonl").read_text().splitlines()]
+    probed_steps = [r["step"] for r in records if "grad_error/rel_err/total" in r]
+    assert probed_steps == [2, 4, 6]
+    assert all("grad_error/bias/total" in r for r in records if r["step"] in probed_steps)

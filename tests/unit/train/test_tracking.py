@@ -1,0 +1,64 @@
+"""Run identity from the launch overrides (wandb's name, group and tags), the Slurm job id, and
+``readback.sync`` on a directory without offline runs; wandb on a real sweep is in
+tests/integration/test_tracking.py."""
+
+from readback.overrides import swept_keys
+from readback.train.tracking import run_identity
+
+
+def test_identity_from_overrides():
+    launch = {
+        "overrides": ["+experiment=reuse_rounded", "seed=2", "trainer.optim.lr=0.03", "model=tiny"],
+        "sweep_overrides": [
+            "+experiment=reuse_rounded,no_saved_copy",
+            "seed=0,1,2",
+            "trainer.optim.lr=0.001,0.03",
+            "model=tiny",
+            "trainer.resume=true",
+        ],
+        "sweep": "lr_study",
+    }
+    cfg = {
+        "experiment": "reuse_rounded",
+        "seed": 2,
+        "policy": {"name": "reuse_rounded"},
+        "precision": {"name": "fp8", "rounding": "nearest"},
+    }
+    ident = run_identity(cfg, launch, user_tags=["mine"])
+    assert ident.name == "reuse_rounded trainer.optim.lr=0.03 s2"
+    assert ident.group == "lr_study/reuse_rounded trainer.optim.lr=0.03"
+    assert ident.job_type == "train"
+    assert ident.tags == [
+        "reuse_rounded",
+        "precision=fp8",
+        "rounding=nearest",
+        "policy=reuse_rounded",
+        "trainer.optim.lr=0.03",
+        "sweep=lr_study",
+        "mine",
+    ]
+    assert ident.config["launch"] is not launch and ident.config["launch"]["overrides"] == launch["overrides"]
+    assert swept_keys(["seed=range(3)", "a=1", "b=x,y", "+experiment=glob(*)"]) == ["seed", "b", "experiment"]
+    single = run_identity({"experiment": "custom", "seed": 0}, {"overrides": [], "sweep_overrides": []})
+    assert (single.name, single.group) == ("custom s0", "custom")
+
+
+def test_sync_refuses_a_directory_without_offline_runs(tmp_path, capsys):
+    from readback.sync import main
+
+    assert main([str(tmp_path)]) == 2
+    assert "no offline wandb runs" in capsys.readouterr().err
+    assert main([str(tmp_path / "missing")]) == 2
+
+
+def test_slurm_job_id_names_the_array_task(monkeypatch):
+    from readback.train.tracking import slurm_job_id
+
+    for key in ("SLURM_JOB_ID", "SLURM_ARRAY_JOB_ID", "SLURM_ARRAY_TASK_ID"):
+        monkeypatch.delenv(key, raising=False)
+    assert slurm_job_id() is None
+    monkeypatch.setenv("SLURM_JOB_ID", "4711")
+    assert slurm_job_id() == "4711"
+    monkeypatch.setenv("SLURM_ARRAY_JOB_ID", "4700")
+    monkeypatch.setenv("SLURM_ARRAY_TASK_ID", "11")
+    assert slurm_job_id() == "4700_11"
