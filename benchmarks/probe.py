@@ -7,6 +7,7 @@ A probe with K repeats runs K executed forward/backward passes and K reference r
 """
 
 import argparse
+import functools
 
 import torch
 from hydra import compose, initialize_config_dir
@@ -46,7 +47,7 @@ def main() -> None:
     print(f"  plain step (forward + backward)   {plain:9.1f} ms   1.00x")
     for k in args.repeats:
         probe = GradientProbe(every=1, repeats=k)
-        ms = median_ms(lambda: probe.measure(model, x, y), args.steps)
+        ms = median_ms(functools.partial(probe.measure, model, x, y), args.steps)
         print(f"  probe, repeats={k:<2}                {ms:9.1f} ms   {ms / plain:5.2f}x")
 
 

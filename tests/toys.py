@@ -59,6 +59,7 @@ class ToyNumerics:
         self.step = 0
         self.eval_forwards = 0
         self.mechanism = False
+        self.sites: dict[str, object] = {}  # no rounding sites
 
     def end_step(self) -> None:
         self.step += 1

@@ -2,7 +2,7 @@
 
 A policy names one read mode per (op, gradient). Each op declares its own table, ``READS``,
 next to its backward, and its backward looks its reads up there; this module names the policies
-and gathers the tables, for validation, the audit and the docs.
+(``readback.ops.read_rules`` gathers the tables, for validation, the audit and the docs).
 """
 
 from __future__ import annotations
@@ -17,10 +17,3 @@ POLICIES = {
     "original": "attention D-term reads the high-precision O (Transformer Engine current scaling)",
     "exact": "every gradient reads what its forward used: the gradient of the executed forward",
 }
-
-
-def read_rules(policy: str) -> dict[str, dict[str, str]]:
-    """``{op: {gradient: read mode}}`` of every op under ``policy``."""
-    from readback.ops import OPS
-
-    return {name: dict(op.READS[policy]) for name, op in OPS.items()}

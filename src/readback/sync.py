@@ -58,7 +58,7 @@ def _records(path: Path) -> Iterator[Any]:
         buf += data[pos + 7 : pos + 7 + length]
         pos += 7 + length
         if kind in (_FULL, _LAST):
-            record = wandb_internal_pb2.Record()
+            record = wandb_internal_pb2.Record()  # type: ignore[attr-defined]  # protobuf makes it at import
             record.ParseFromString(buf)
             buf = b""
             yield record
@@ -127,9 +127,8 @@ def main(argv: list[str] | None = None) -> int:
         by_id.setdefault(OFFLINE_FOLDER.match(f.name).group(2), []).append(f)  # type: ignore[union-attr]
     for run_id, fs in by_id.items():
         info = read_offline_run(fs[-1])
-        print(
-            f"{run_id}  {info.get('name', '')!s:40}  group {info.get('group', '')}  ({len(fs)} folder{'s' * (len(fs) > 1)})"
-        )
+        count = f"{len(fs)} folder{'s' * (len(fs) > 1)}"
+        print(f"{run_id}  {info.get('name', '')!s:40}  group {info.get('group', '')}  ({count})")
     wandb_cli = shutil.which("wandb") or str(Path(sys.executable).with_name("wandb"))
     cmd = [wandb_cli, "sync", "--yes", *(["--dry-run"] if args.dry_run else [])]
     cmd += [*(["--project", args.project] if args.project else []), *(["--entity", args.entity] if args.entity else [])]

@@ -15,8 +15,9 @@ from __future__ import annotations
 
 import os
 import re
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pandas as pd
@@ -441,7 +442,7 @@ def _short(layer: str) -> str:
 
 
 #: name -> plot function, in the order the CLI and the notebook show them.
-PLOTS = {
+PLOTS: dict[str, Callable[..., Any]] = {
     "loss": plot_loss,
     "grad_error": plot_grad_error,
     "kurtosis": plot_kurtosis,

@@ -122,10 +122,10 @@ def final_loss_cells(
     extra = bool(len(table)) and bool((table["n_failed"] + table["n_running"]).sum())
     if extra:
         headers.append("failed / running")
-    diffs = paired is not None and len(paired) > 0
-    if diffs:
+    diffs = paired if paired is not None and len(paired) > 0 else None
+    if diffs is not None:
         headers += ["Δ final, paired", "Δ final, unpaired", "Δ val, paired", "Δ val, unpaired"]
-        by = {(r["group"], r["metric"]): r for _, r in paired.iterrows()}
+        by = {(r["group"], r["metric"]): r for _, r in diffs.iterrows()}
     rows = []
     for _, r in table.iterrows():
         loss = _pm(r["final_loss_mean"], r["final_loss_std"], digits)
@@ -138,7 +138,7 @@ def final_loss_cells(
         row = [str(r["group"]), seeds, loss, _pm(r["val_loss_mean"], r["val_loss_std"], digits), div]
         if extra:
             row.append(f"{r['n_failed']} / {r['n_running']}")
-        if diffs:
+        if diffs is not None:
             for metric in ("final_loss", "val_loss"):
                 d = by.get((r["group"], metric))
                 row += (
@@ -154,8 +154,8 @@ def final_loss_cells(
         "final loss: last logged train loss of each finished run (completed or diverged), "
         "mean ± sample std over seeds; val loss likewise."
     ]
-    if diffs:
-        controls = ", ".join(sorted(set(paired["control"])))
+    if diffs is not None:
+        controls = ", ".join(sorted(set(diffs["control"])))
         notes.append(
             f"Δ: minus the control ({controls}); paired: mean over seeds run in both of the "
             "per-seed difference ± its SE (n = pairs); unpaired: difference of the means ± "

@@ -19,6 +19,7 @@ import json
 import sys
 import time
 from pathlib import Path
+from typing import NoReturn
 
 from readback.audit import readback_ops, te, torch_ops
 from readback.audit.core import TOL, Row, format_table
@@ -50,7 +51,7 @@ def run_audit(seed: int = 0, te_rows: bool = True) -> tuple[list[Row], list[str]
 
 
 class _Parser(argparse.ArgumentParser):
-    def error(self, message: str) -> None:  # one line, exit 2
+    def error(self, message: str) -> NoReturn:  # one line, exit 2
         self.exit(2, f"{self.prog}: error: {message}\n")
 
 

@@ -70,7 +70,7 @@ def match(
     ``tol`` of the best of those (candidates too close to each other are a tie, not a finding).
     Empty when none is within ``tol``."""
     dist = {key: distance(grad, value, scale) for key, value in candidates.items()}
-    best = min(dist, key=dist.get)
+    best = min(dist, key=dist.__getitem__)
     if dist[best] > tol:
         return []
     return [key for key in candidates if dist[key] <= tol or distance(candidates[key], candidates[best], scale) <= tol]

@@ -68,8 +68,8 @@ def backprop(
     for tap in taps.values():
         tap.retain_grad()
     out.backward(upstream.to(out.dtype))
-    grads = {name: leaf.grad for name, leaf in leaves.items()}
-    grads.update({name: tap.grad for name, tap in taps.items()})
+    grads = {name: leaf.grad for name, leaf in leaves.items() if leaf.grad is not None}
+    grads.update({name: tap.grad for name, tap in taps.items() if tap.grad is not None})
     grads.update({f"{name}.value": tap.detach() for name, tap in taps.items()})
     return grads
 
@@ -146,3 +146,10 @@ def attention_grads(
     row_term = (d_out * o_read if o_read is not None else p * d_p).sum(-1, keepdim=True)
     d_s = p * (d_p - row_term)
     return scale * d_s @ k, group_sum(scale * d_s.mT @ q, groups)
+
+
+def grad_of(t: torch.Tensor) -> torch.Tensor:
+    """``t.grad``, which the backward just run must have filled."""
+    if t.grad is None:
+        raise RuntimeError("the backward left no gradient here")
+    return t.grad

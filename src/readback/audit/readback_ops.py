@@ -10,6 +10,8 @@ step); a draw from another seed is a second candidate that must NOT match.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from readback.audit.core import Row, audit, cat
@@ -49,6 +51,8 @@ def fresh_draw(numerics: Numerics, site: str, original: torch.Tensor, executed: 
     twin = Numerics("fp8", numerics.recipe, numerics.policy, seed=seed)
     twin.step, twin.stream_salt = numerics.step, numerics.stream_salt
     generator = twin.generator(site, "fresh", original.device)
+    if executed.fmt is None:
+        raise ValueError(f"{site} does not round: no fresh draw")
     return quantize(original.detach().float(), executed.fmt, executed.scale, "stochastic", generator).dequantize(F64)
 
 
@@ -62,7 +66,9 @@ def readings(numerics: Numerics, site: str, original: torch.Tensor, executed: QT
     }
 
 
-def _tape(numerics: Numerics) -> dict[str, dict]:
+def _tape(numerics: Numerics) -> dict[str, dict[str, Any]]:
+    if numerics.tape is None:
+        raise RuntimeError("no tape was recorded")
     return dict(numerics.tape)
 
 
@@ -85,7 +91,7 @@ def rb_linear(setup: Setup, policy: str) -> list[Row]:
     dy = value(upstream).reshape(-1, d // 2)
     xs = readings(numerics, "lin.input", x.reshape(-1, d), record["input"])
     ws = readings(numerics, "lin.weight", weight, record["weight"])
-    common = dict(policy=policy, declared=linear_op.READS[policy], tol=setup.tol)
+    common: dict[str, Any] = dict(policy=policy, declared=linear_op.READS[policy], tol=setup.tol)
     return [
         *audit(
             "readback.linear",
@@ -180,7 +186,9 @@ def rb_attention(setup: Setup, policy: str, rounding: str = "nearest") -> list[R
     qh, kh, vh = value(rec["q"]), value(rec["k"]), value(rec["v"])  # K, V recorded expanded to H heads
     probs = causal_softmax(rec["scores"])  # the op's FP32 P, recomputed the way the forward did
     ps = readings(numerics, "attn.probs", probs, rec["probs"])
-    os = {m: heads(o, b, t, h) for m, o in readings(numerics, "attn.output", rec["out"], rec["output"]).items()}
+    os: dict[str, torch.Tensor | None] = {
+        m: heads(o, b, t, h) for m, o in readings(numerics, "attn.output", rec["out"], rec["output"]).items()
+    }
     os["none"] = None
     d_out = heads(value(got["o"]), b, t, h)
     d_proj = value(upstream).reshape(-1, d)
@@ -188,7 +196,7 @@ def rb_attention(setup: Setup, policy: str, rounding: str = "nearest") -> list[R
     joint = {
         (mp, mo): cat(*attention_grads(p, d_out, qh, kh, vh, o, c, grp)) for mp, p in ps.items() for mo, o in os.items()
     }
-    common = dict(policy=policy, declared=attention_op.READS[policy], tol=setup.tol)
+    common: dict[str, Any] = dict(policy=policy, declared=attention_op.READS[policy], tol=setup.tol)
     return [
         *audit(op, "dV", got["v"], ref["v"], {m: group_sum(p.mT @ d_out, grp) for m, p in ps.items()}, **common),
         *audit(op, ("dS", "D"), cat(got["q"], got["k"]), cat(ref["q"], ref["k"]), joint, **common),

@@ -22,7 +22,7 @@ import importlib.util
 import torch
 
 from readback.audit.core import Row, audit, distance_to
-from readback.audit.harness import Setup, causal_softmax, expand_groups, value
+from readback.audit.harness import Setup, causal_softmax, expand_groups, grad_of, value
 from readback.numerics import E4M3, E5M2, FP8Format, QTensor, compute_scale, quantize
 
 DEVICE = "cuda"
@@ -35,7 +35,7 @@ def unavailable() -> str | None:
     if importlib.util.find_spec("transformer_engine") is None:
         return "Transformer Engine not importable: skipped TE rows"
     try:
-        import transformer_engine.pytorch  # noqa: F401
+        import transformer_engine.pytorch  # noqa: F401 - imported only to see whether its CUDA libraries load
     except Exception as error:  # TE raises OSError/RuntimeError when its CUDA libraries are missing
         return f"Transformer Engine not importable ({type(error).__name__}): skipped TE rows"
     if not torch.cuda.is_available():
@@ -86,8 +86,8 @@ def te_linear(setup: Setup) -> list[Row]:
     wgrad = {m: dy.mT @ v for m, v in xs.items()}
     # reference: autograd of the executed forward, i.e. the rounded operands (with the same dy)
     return [
-        *audit("te.Linear", "dgrad", x.grad, dgrad["rounded"], dgrad, tol=TE_TOL),
-        *audit("te.Linear", "wgrad", module.weight.grad, wgrad["rounded"], wgrad, tol=TE_TOL),
+        *audit("te.Linear", "dgrad", grad_of(x), dgrad["rounded"], dgrad, tol=TE_TOL),
+        *audit("te.Linear", "wgrad", grad_of(module.weight), wgrad["rounded"], wgrad, tol=TE_TOL),
     ]
 
 
@@ -151,7 +151,9 @@ def te_dot_product_attention(setup: Setup) -> list[Row]:
         out = module(q, k, v)
     out.backward(upstream.to(dev, out.dtype))
 
-    as_heads = lambda z: value(z).transpose(1, 2)  # noqa: E731  (B, T, n, hd) -> (B, n, T, hd)
+    def as_heads(z: torch.Tensor) -> torch.Tensor:  # (B, T, n, hd) -> (B, n, T, hd)
+        return value(z).transpose(1, 2)
+
     qh, kh, vh = as_heads(q), expand_groups(as_heads(k), h), expand_groups(as_heads(v), h)
     p = causal_softmax(qh @ kh.mT * c)
     d_out = value(upstream).to(dev).reshape(b, t, h, hd).transpose(1, 2)
@@ -166,7 +168,7 @@ def te_dot_product_attention(setup: Setup) -> list[Row]:
         o_read = {"rounded": o8, "original": returned}
     candidates = {m: exact_term - (d_out * o).sum(-1) for m, o in o_read.items()}
     candidates["none"] = torch.zeros_like(exact_term)
-    rowsum = value(q.grad)[..., 0].transpose(1, 2) / c  # (B, H, T)
+    rowsum = value(grad_of(q))[..., 0].transpose(1, 2) / c  # (B, H, T)
 
     # reference: plain autograd of the same attention in float64 (no FP8): rowsum(dS) = 0
     qr, kr, vr = (value(z).requires_grad_() for z in (q, k, v))
@@ -174,7 +176,7 @@ def te_dot_product_attention(setup: Setup) -> list[Row]:
         vr.transpose(1, 2), h
     )
     o_ref.backward(d_out)
-    ref_rowsum = qr.grad[..., 0].transpose(1, 2) / c
+    ref_rowsum = grad_of(qr)[..., 0].transpose(1, 2) / c
     spread = candidates["rounded"].norm().item()  # how far reading O8 moves rowsum(dS) from 0
     label = "te.DotProductAttention" + (" (fp8_dpa)" if fp8 else " (bf16)")
     return audit(
@@ -185,7 +187,7 @@ def te_dot_product_attention(setup: Setup) -> list[Row]:
         candidates,
         tol=TE_ROWSUM_TOL,
         scale=spread or 1.0,
-        rel_err=distance_to(q.grad, qr.grad),
+        rel_err=distance_to(grad_of(q), grad_of(qr)),
     )
 
 

@@ -45,7 +45,7 @@ class AuditRow:
 
     def hurts(self, top: int = 3) -> list[str]:
         """The parameter groups whose gradient some rounded storage moves most (above ``FREE``)."""
-        worst = {}
+        worst: dict[str, float] = {}
         for storage, errors in self.errors.items():
             for g, e in errors.items():
                 if storage != "original" and g != "total":
@@ -80,8 +80,8 @@ def audit_saved(
         loss = loss_fn()
     recorder.name_ops(loss)
     names = list(params)
-    reference = torch.autograd.grad(loss, list(params.values()), retain_graph=True, allow_unused=True)
-    reference = {n: g for n, g in zip(names, reference) if g is not None}
+    grads = torch.autograd.grad(loss, list(params.values()), retain_graph=True, allow_unused=True)
+    reference = {n: g for n, g in zip(names, grads) if g is not None}
     generator = torch.Generator().manual_seed(seed)
     rows = []
     for s in recorder.saved:

@@ -5,6 +5,7 @@
 from __future__ import annotations
 
 import importlib.util
+from collections.abc import Callable
 
 import torch
 
@@ -36,7 +37,11 @@ def fog_loss(model, inputs: torch.Tensor, targets: torch.Tensor, dtype=torch.flo
     return loss_fn
 
 
-def fog_example(policy: str = "exact", seed: int = 0, *overrides: str):
+# A model and its loss closure.
+Example = tuple[torch.nn.Module, Callable[[], torch.Tensor]]
+
+
+def fog_example(policy: str = "exact", seed: int = 0, *overrides: str) -> Example:
     from hydra import compose, initialize_config_dir
 
     from readback.backends import build_model
@@ -64,7 +69,7 @@ def fog_example(policy: str = "exact", seed: int = 0, *overrides: str):
     return model, fog_loss(model, idx[:, :-1], idx[:, 1:])
 
 
-def hf_example(seed: int = 0):
+def hf_example(seed: int = 0) -> Example:
     """A 2-layer Llama (GQA, RoPE, RMSNorm, SwiGLU) from a tiny config, eager attention (so the
     softmax is an autograd op whose saved output the audit sees)."""
     from transformers import LlamaConfig, LlamaForCausalLM
@@ -78,14 +83,14 @@ def hf_example(seed: int = 0):
         num_attention_heads=2,
         num_key_value_heads=1,
         max_position_embeddings=32,
-        attn_implementation="eager",
+        attn_implementation="eager",  # type: ignore[call-arg]  # PretrainedConfig reads it; the signature omits it
     )
     model = LlamaForCausalLM(config)
     ids = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(seed))
     return model, lambda: model(input_ids=ids, labels=ids).loss
 
 
-def torchao_example(seed: int = 0):
+def torchao_example(seed: int = 0) -> Example:
     """A two-linear MLP converted by torchao's ``convert_to_float8_training`` (tensorwise
     scaling, ``emulate=True``): the rows show which value its linear backward reads."""
     from torchao.float8 import Float8LinearConfig, convert_to_float8_training
@@ -99,4 +104,8 @@ def torchao_example(seed: int = 0):
     return model, lambda: model(x).pow(2).mean()
 
 
-EXAMPLES = {"fog": (fog_example, None), "hf": (hf_example, "transformers"), "torchao": (torchao_example, "torchao")}
+EXAMPLES: dict[str, tuple[Callable[..., Example], str | None]] = {
+    "fog": (fog_example, None),
+    "hf": (hf_example, "transformers"),
+    "torchao": (torchao_example, "torchao"),
+}

@@ -11,7 +11,7 @@ from __future__ import annotations
 import re
 
 from readback.audit_model.core import AuditRow
-from readback.policy import read_rules
+from readback.ops import read_rules
 
 _LINEAR = re.compile(r"(\.(qkv|proj|up|down)|<root>)/MmBackward0\.(self|mat2)$")
 _ATTENTION = re.compile(r"layers\.\d+\.attn\.core/(BmmBackward0\.(self|mat2)|SoftmaxBackward0\.result)$")
@@ -20,7 +20,9 @@ _NORM = re.compile(r"layers\.\d+\.(attn|mlp)_norm/MulBackward0\.self$")
 
 def fog_reads(rows: list[AuditRow]) -> list[tuple[AuditRow, str, str]]:
     """``(row, op, gradient)`` for each saved tensor that a declared read names."""
-    out, bmm_seen, mul_seen = [], {}, {}
+    out: list[tuple[AuditRow, str, str]] = []
+    bmm_seen: dict[str, int] = {}
+    mul_seen: dict[str, int] = {}
     for row in rows:
         module = row.name.split("/")[0]
         if m := _LINEAR.search(row.name):

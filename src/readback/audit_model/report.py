@@ -62,7 +62,10 @@ def write(rows: list[AuditRow], out: str | Path, title: str = "") -> dict[str, P
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     paths = {"json": out / "audit.json", "markdown": out / "audit.md", "plot": out / "audit.png"}
-    finite = lambda v: v if not (isinstance(v, float) and math.isinf(v)) else None  # noqa: E731
+
+    def finite(v: float) -> float | None:
+        return v if not (isinstance(v, float) and math.isinf(v)) else None
+
     data = [
         {**r.to_json(), "errors": {s: {g: finite(e) for g, e in errs.items()} for s, errs in r.errors.items()}}
         for r in rows

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass
+from typing import Any, cast
 
 import torch
 
@@ -35,7 +36,7 @@ class Saved:
 class SavedTensors:
     """The saved tensors of one forward, and the switch that replaces one of them on unpack."""
 
-    def __init__(self):
+    def __init__(self) -> None:
         self.saved: list[Saved] = []
         self.replacement: tuple[int, torch.Tensor] | None = None
         self._modules: list[str] = []
@@ -71,7 +72,11 @@ class SavedTensors:
 
     def name_ops(self, loss: torch.Tensor) -> None:
         """Name each saved tensor by the graph node and attribute that saved it."""
-        key = lambda t: (t.data_ptr(), tuple(t.shape), t.stride(), t.dtype)  # noqa: E731 - unpacking may re-wrap
+
+        def key(t: torch.Tensor) -> tuple:
+            """Storage, shape, strides and dtype: unpacking a saved tensor may re-wrap it."""
+            return (t.data_ptr(), tuple(t.shape), t.stride(), t.dtype)
+
         unnamed: dict[tuple, list[Saved]] = {}
         for s in self.saved:
             unnamed.setdefault(key(s.tensor), []).append(s)
@@ -85,7 +90,7 @@ class SavedTensors:
             attrs = [(a[len("_saved_") :], getattr(node, a, None)) for a in dir(node) if a.startswith("_saved_")]
             if not attrs:  # a custom autograd.Function: its ctx.save_for_backward list
                 with contextlib.suppress(Exception):
-                    attrs = [(f"saved_tensors[{i}]", t) for i, t in enumerate(node.saved_tensors)]
+                    attrs = [(f"saved_tensors[{i}]", t) for i, t in enumerate(cast(Any, node).saved_tensors)]
             for attr, value in attrs:
                 for i, t in enumerate(value if isinstance(value, (tuple, list)) else [value]):
                     if isinstance(t, torch.Tensor) and unnamed.get(key(t)):

@@ -10,22 +10,26 @@ built, after the run's TE environment variables are set.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from typing import TYPE_CHECKING
 
 import torch
 from omegaconf import DictConfig, OmegaConf
 
+from readback.fields import RunConfig
 from readback.model import FOG, fog_config
 from readback.ops.numerics import build_numerics
+
+if TYPE_CHECKING:
+    from readback.backends.hf import HFCausalLM
 
 BACKENDS = ("emulated", "te")
 
 
-def _as_config(cfg: DictConfig | Mapping) -> DictConfig:
-    return OmegaConf.structured(cfg)  # a typed Config, a DictConfig or a mapping
+def _as_config(cfg: RunConfig) -> DictConfig:
+    return OmegaConf.structured(cfg)
 
 
-def build_model(cfg: DictConfig | Mapping, device: str | torch.device = "cpu") -> FOG:
+def build_model(cfg: RunConfig, device: str | torch.device = "cpu") -> FOG | HFCausalLM:
     """FOG of size ``cfg.model`` on ``device`` with the parts of ``cfg.backend.name``
     (``model=hf``: a transformers model converted to those parts).
 
@@ -46,7 +50,7 @@ def build_model(cfg: DictConfig | Mapping, device: str | torch.device = "cpu") -
         return FOG(fog_config(cfg.model), build_numerics(cfg))
 
 
-def site_implementations(cfg: DictConfig | Mapping) -> dict[str, str]:
+def site_implementations(cfg: RunConfig) -> dict[str, str]:
     """``{site: implementation}`` for the run's summary: which code ran each site
     (``linear``, ``attn_proj``, ``attention_core``, ``norm``, ``qk_norm``, ``activation``,
     ``embedding``, ``lm_head``) under ``cfg.backend.name``, and which value each attention
@@ -65,7 +69,7 @@ def site_implementations(cfg: DictConfig | Mapping) -> dict[str, str]:
     return emulated_sites(cfg)
 
 
-def check_available(cfg: DictConfig | Mapping) -> None:
+def check_available(cfg: RunConfig) -> None:
     """Raise ``ConfigError`` when ``cfg.backend`` cannot run on this machine, or (``te``) when
     the installed Transformer Engine cannot run ``cfg`` on this GPU as configured."""
     cfg = _as_config(cfg)

@@ -21,6 +21,7 @@ import functools
 import inspect
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 import torch.nn as nn
@@ -87,7 +88,7 @@ def _is_rms_norm(module: nn.Module) -> str | None:
 
 
 @functools.cache
-def _calls_sdpa(cls: type) -> bool:
+def _calls_sdpa(cls: type[nn.Module]) -> bool:
     """Whether the forward of ``cls`` calls torch's SDPA, directly or through HF's attention
     functions (``ALL_ATTENTION_FUNCTIONS``)."""
     try:
@@ -100,14 +101,16 @@ def _calls_sdpa(cls: type) -> bool:
 def _numerics(precision, policy: str, attention_bwd: str, seed: int) -> Numerics:
     """The ``Numerics`` of ``precision``: ``"fp8"``, ``"bf16"``, ``"off"``, or a mapping of recipe
     keys (Transformer Engine's names), checked by the ``precision`` group's own schema."""
-    from readback.config.fields import valid_text
-    from readback.config.schema import Fp8Precision, Precision  # the config's checks, one line each
+    from readback.backends.precision import Fp8Precision, Precision  # the config's checks, one line each
+    from readback.fields import valid_text
 
     choose("policy", policy, POLICIES)
     choose("attention_bwd", attention_bwd, ATTENTION_BWD)
     if isinstance(precision, str):
         precision = {"name": precision}
-    precision = dict(OmegaConf.to_container(precision) if OmegaConf.is_config(precision) else precision)
+    precision = dict(
+        cast(Mapping[str, Any], OmegaConf.to_container(precision)) if OmegaConf.is_config(precision) else precision
+    )
     name = choose("precision.name", precision.pop("name", "fp8"), PRECISIONS)
     if name == "off":
         return Numerics("off", policy=policy, attention_bwd=attention_bwd, seed=seed)
@@ -119,7 +122,9 @@ def _numerics(precision, policy: str, attention_bwd: str, seed: int) -> Numerics
     try:
         node = OmegaConf.merge(OmegaConf.structured(schema), values)  # types
     except ValidationError as error:
-        raise ConfigError(f"precision.{error.key}", values.get(error.key), valid_text(schema, error.key)) from None
+        raise ConfigError(
+            f"precision.{error.key}", values.get(error.key), valid_text(schema, str(error.key)) or "a value of its type"
+        ) from None
     OmegaConf.to_object(node)  # ranges and choices
     return build_numerics(
         OmegaConf.create(
@@ -147,7 +152,7 @@ def _kind(module: nn.Module) -> str | None:
     return None
 
 
-def _why_left(module: nn.Module, kind: str | None) -> str | None:
+def _why_left(module: Any, kind: str | None) -> str | None:
     if kind is None:
         return f"unknown type {type(module).__name__}"
     if kind == "linear":
@@ -192,6 +197,7 @@ def convert(
     numerics = precision if isinstance(precision, Numerics) else _numerics(precision, policy, attention_bwd, seed)
     report = ConvertReport(numerics)
     filter = tuple(filter)
+    parts: ConvertParts | TEConverter
     if backend == "te":
         from readback.backends.convert_te import TEConverter
 
@@ -203,7 +209,7 @@ def convert(
         if type(module).__module__.startswith("readback."):
             continue  # already readback's (FOG's parts, an earlier conversion)
         kind = _kind(module)
-        if kind is None and attention and backend == "emulated" and _calls_sdpa(type(module)):
+        if kind is None and attention and backend == "emulated" and _calls_sdpa(type(module)):  # type: ignore[arg-type]  # a class is hashable; mypy's Hashable misses type[...]
             kind = "attention"
         if kind is None and (next(module.children(), None) is not None or not list(module.parameters(recurse=False))):
             continue  # containers and parameter-free leaves are not reported
@@ -212,9 +218,10 @@ def convert(
         if why is not None:
             report.left[name] = why
         elif kind == "attention":
+            assert isinstance(parts, ConvertParts)  # SDPA is routed on the emulated backend only
             SDPARouter(numerics, parts.handoff, report).attach(module, name)
             report.swapped[name] = "SDPA -> readback.ops.attention (causal, mask-free calls)"
-        else:
+        elif kind is not None:  # else _why_left said why
             swaps.append((name, module, kind))
     for name, module, kind in swaps:
         if kind == "linear":
@@ -224,11 +231,14 @@ def convert(
         parent_name, _, child = name.rpartition(".")
         setattr(model.get_submodule(parent_name), child, new)
         report.swapped[name] = f"{type(module).__name__} -> {parts.describe(kind)}"
-    if backend == "emulated":
+    if isinstance(parts, ConvertParts):  # backend="emulated"
         model.register_forward_pre_hook(parts.handoff.clear)
         model.register_forward_hook(parts.handoff.clear, always_call=True)
-    model.numerics = numerics
+    model.numerics = numerics  # type: ignore[assignment]  # a plain attribute, as on FOG
     return report
 
+
+if TYPE_CHECKING:
+    from readback.backends.convert_te import TEConverter
 
 __all__ = ["ConfigError", "ConvertReport", "convert"]

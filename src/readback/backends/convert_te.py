@@ -10,6 +10,8 @@ only, and TE's linears read what TE reads (the FP8 copies they saved).
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.nn as nn
 
@@ -21,12 +23,12 @@ from readback.numerics import CurrentScaling
 from readback.ops.numerics import Numerics
 
 
-def te_recipe(numerics: Numerics):
+def te_recipe(numerics: Numerics) -> Any:
     """TE's recipe object for readback's FP8 recipe (None without FP8)."""
-    if numerics.precision != "fp8":
+    r = numerics.recipe
+    if numerics.precision != "fp8" or r is None:  # FP8 Numerics always have a recipe
         return None
     _, recipes = te_modules()
-    r = numerics.recipe
     if any(r.override_linear_precision) or getattr(r, "interval", 1) != 1:  # not passed on to TE here
         raise ConfigError(
             "precision",
@@ -52,7 +54,7 @@ class TEConverter:
         self.recipe, self.device = te_recipe(numerics), torch.device(device)
         recipe = self.recipe
 
-        class FP8Linear(self.te.Linear):
+        class FP8Linear(self.te.Linear):  # type: ignore[name-defined]  # TE's class, imported at run time
             """``te.Linear`` that enters TE's FP8 autocast around its own forward."""
 
             def forward(self, x):
@@ -71,7 +73,7 @@ class TEConverter:
         )
         return _copied(module, new)
 
-    def norm_from(self, module: nn.Module, name: str, center: bool) -> nn.Module:
+    def norm_from(self, module: Any, name: str, center: bool) -> nn.Module:
         cls = self.te.LayerNorm if center else self.te.RMSNorm
         new = cls(module.weight.shape[0], eps=eps_of(module), params_dtype=module.weight.dtype, device=self.device)
         return _copied(module, new)
@@ -84,8 +86,9 @@ class TEConverter:
         }[kind]
 
 
-def _copied(old: nn.Module, new: nn.Module) -> nn.Module:
-    """``new`` holding ``old``'s weight and bias values (a missing bias stays TE's zeros)."""
+def _copied(old: Any, new: Any) -> nn.Module:
+    """``new`` holding ``old``'s weight and bias values (a missing bias stays TE's zeros); both
+    are modules with a ``weight`` (and maybe a ``bias``)."""
     with torch.no_grad():
         new.weight.copy_(old.weight)
         if getattr(old, "bias", None) is not None:

@@ -5,6 +5,7 @@ attention op. Producer and consumer share rounded copies through a ``Handoff``."
 from __future__ import annotations
 
 import weakref
+from typing import cast
 
 import torch
 import torch.nn as nn
@@ -66,7 +67,7 @@ class ConvertedLinear(Linear):
     def __init__(self, module: nn.Linear, name: str, numerics: Numerics, handoff: Handoff):
         with torch.device("meta"):  # the new weight is replaced at once: allocate nothing
             super().__init__(module.in_features, module.out_features, name, numerics, std=1.0)
-        self.weight, self.bias, self.handoff = module.weight, module.bias, handoff
+        self.weight, self.bias, self.handoff = cast(nn.Parameter, module.weight), module.bias, handoff
 
     def forward(self, x, x_q=None):
         if x_q is None:
@@ -83,7 +84,8 @@ class ConvertedNorm(nn.Module):
         super().__init__()
         weight = getattr(module, "weight", None)
         if weight is None:  # no elementwise affine: a constant unit gain
-            self.register_buffer("weight", torch.ones(module.normalized_shape[-1]), persistent=False)
+            shape = cast(tuple[int, ...], module.normalized_shape)
+            self.register_buffer("weight", torch.ones(shape[-1]), persistent=False)
         else:
             self.weight = weight
         self.bias = getattr(module, "bias", None) if center else None

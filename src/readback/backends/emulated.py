@@ -2,10 +2,9 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from omegaconf import OmegaConf
 
-from omegaconf import DictConfig, OmegaConf
-
+from readback.fields import RunConfig
 from readback.ops.attention import READS as ATTENTION_READS
 
 # attention gradient -> the forward tensor it reads (dO is every gradient's other operand)
@@ -24,7 +23,7 @@ def attention_reads(policy: str) -> dict[str, str]:
     return {f"attention_core.{g}": _READ_LABELS[reads[g]].format(x) for g, x in READ_OPERANDS.items()}
 
 
-def site_implementations(cfg: DictConfig | Mapping) -> dict[str, str]:
+def site_implementations(cfg: RunConfig) -> dict[str, str]:
     """``{site: implementation}`` of a ``backend=emulated`` run, for the run's summary."""
     cfg = OmegaConf.structured(cfg)  # a typed Config, a DictConfig or a mapping
     p = cfg.precision

@@ -10,6 +10,7 @@ extra (``.[hf]``).
 from __future__ import annotations
 
 import importlib.util
+from typing import Any, cast
 
 import torch
 import torch.nn as nn
@@ -35,7 +36,8 @@ class HFCausalLM(nn.Module):
 
     def __init__(self, lm: nn.Module, report: ConvertReport, seq_len: int):
         super().__init__()
-        self.lm, self.report, self.numerics, self.seq_len = lm, report, report.numerics, seq_len
+        self.report, self.numerics, self.seq_len = report, report.numerics, seq_len
+        self.lm: Any = lm  # a transformers causal LM: its .model.layers and .config are read
 
     def forward(self, idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """Mean next-token cross-entropy (FP32) of ``idx`` against ``targets``, both (B, T)."""
@@ -54,7 +56,8 @@ class HFCausalLM(nn.Module):
         """6 per GEMM weight (every linear, the LM head included) plus the causal attention
         products, as FOG counts them."""
         c = self.lm.config
-        linears = [m for m in self.lm.modules() if isinstance(m, Linear) or hasattr(m, "in_features")]  # TE's too
+        modules: list[Any] = list(self.lm.modules())
+        linears = [m for m in modules if isinstance(m, Linear) or hasattr(m, "in_features")]  # TE's too
         gemm_weights = sum(m.weight.numel() for m in linears)
         return 6 * gemm_weights + 6 * c.num_hidden_layers * self.seq_len * c.hidden_size
 
@@ -72,7 +75,7 @@ def llama(m: DictConfig) -> nn.Module:
         num_key_value_heads=m.n_kv_groups,
         max_position_embeddings=m.seq_len,
         tie_word_embeddings=m.tied,
-        attn_implementation="sdpa",
+        attn_implementation="sdpa",  # type: ignore[call-arg]  # PretrainedConfig reads it; the signature omits it
         use_cache=False,
     )
     return LlamaForCausalLM(config)
@@ -93,7 +96,7 @@ def site_implementations(cfg: DictConfig) -> dict[str, str]:
     """``{site: implementation}`` of a ``model=hf`` run, for the run's summary."""
     from readback.backends.emulated import attention_reads
 
-    filtered = ", ".join(OmegaConf.to_container(cfg.model.get("filter") or OmegaConf.create([])))
+    filtered = ", ".join(cast(list[str], OmegaConf.to_container(cfg.model.get("filter") or OmegaConf.create([]))))
     if cfg.backend.name == "te":
         return {
             "model": f"transformers {cfg.model.architecture}",

@@ -25,6 +25,7 @@ import importlib.util
 import os
 import sys
 from collections.abc import Mapping
+from typing import Any, cast
 
 import torch
 import torch.nn as nn
@@ -33,6 +34,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from readback.backends.te_plan import IMPORT_TIME_ENV, RECIPES, TEPlan, site_implementations, te_plan
 from readback.errors import ConfigError
+from readback.fields import RunConfig
 from readback.model import FOG, fog_config
 from readback.model.fog import XIELU, AttentionCore, FOGConfig, Linear, Parts
 from readback.ops.linear import linear
@@ -48,7 +50,7 @@ _IMPORT_TIME_DEFAULTS = {"NVTE_DPA_FP8CS_O_in_F16": "1"}
 __all__ = ["TEParts", "apply_te_env", "build_te_model", "check_available", "site_implementations", "te_plan"]
 
 
-def _as_config(cfg: DictConfig | Mapping) -> DictConfig:
+def _as_config(cfg: RunConfig) -> DictConfig:
     return OmegaConf.structured(cfg)  # a typed Config, a DictConfig or a mapping
 
 
@@ -78,7 +80,7 @@ def apply_te_env(env: Mapping[str, str]) -> None:
 _TE = None
 
 
-def _te():
+def _te() -> tuple[Any, Any]:
     """``(transformer_engine.pytorch, transformer_engine.common.recipe)``, imported once."""
     global _TE
     if _TE is None:
@@ -127,7 +129,7 @@ def _in_fp32(cls: type[nn.Module]) -> type[nn.Module]:
     """``cls``, a readback op module, run inside TE's BF16 autocast: FP32 inputs, autocast off
     (readback's ops choose their own precisions). Parameter names are ``cls``'s."""
 
-    class InFP32(cls):
+    class InFP32(cls):  # type: ignore[valid-type,misc]  # one subclass per op module class
         def forward(self, *tensors, **kwargs):
             with torch.autocast(tensors[0].device.type, enabled=False):
                 return super().forward(*(t.float() for t in tensors), **kwargs)
@@ -140,7 +142,7 @@ def _te_classes(plan: TEPlan):
     """The TE modules the parts use, subclassed for FOG's calling conventions."""
     te, _ = _te()
 
-    class TELinear(te.Linear):
+    class TELinear(te.Linear):  # type: ignore[name-defined]  # TE's class, imported at run time
         """``te.Linear`` without bias; with ``readback_fp8_off`` (``precision.bf16_layers``) its
         GEMMs run in BF16."""
 
@@ -156,13 +158,13 @@ def _te_classes(plan: TEPlan):
                     return super().forward(x)
             return super().forward(x)
 
-    class TEQKNorm(te.RMSNorm):
+    class TEQKNorm(te.RMSNorm):  # type: ignore[name-defined]  # TE's class, imported at run time
         """The frozen QK-norm; returns FP32 so that RoPE is computed in FP32."""
 
         def forward(self, x):
             return super().forward(x.contiguous()).float()
 
-    class TEAttentionCore(te.DotProductAttention):
+    class TEAttentionCore(te.DotProductAttention):  # type: ignore[name-defined]  # TE's class, imported at run time
         """(B, heads, T, hd) in, ``(o, None)`` out: TE hands over no readback O8 copy (with
         ``fp8_output`` the projection multiplies TE's own FP8 ``o``)."""
 
@@ -245,11 +247,11 @@ class TEParts(Parts):
 def _readback_numerics(cfg: DictConfig, plan: TEPlan) -> Numerics:
     """readback's Numerics for the sites its ops own; per-tensor current scaling under mxfp8."""
     if plan.fp8 and cfg.precision.recipe != plan.readback_recipe:
-        cfg = OmegaConf.merge(cfg, {"precision": {"recipe": plan.readback_recipe}})
+        cfg = cast(DictConfig, OmegaConf.merge(cfg, {"precision": {"recipe": plan.readback_recipe}}))
     return build_numerics(cfg)
 
 
-def build_te_model(cfg: DictConfig | Mapping, device: str | torch.device = "cuda") -> FOG:
+def build_te_model(cfg: RunConfig, device: str | torch.device = "cuda") -> FOG:
     """The FOG of ``cfg.model`` on Transformer Engine's parts, on a CUDA ``device``.
     Raises ``ConfigError`` (one line) when TE or CUDA is missing or cannot run ``cfg`` here."""
     cfg = _as_config(cfg)

@@ -66,7 +66,7 @@ def installed_hardware() -> Hardware:
 
     if not torch.cuda.is_available():
         return Hardware()
-    return Hardware(tuple(torch.cuda.get_device_capability()), cudnn_version(torch.backends.cudnn.version()))
+    return Hardware(torch.cuda.get_device_capability(), cudnn_version(torch.backends.cudnn.version()))
 
 
 def version_tuple(version: str | None) -> tuple[int, int, int] | None:

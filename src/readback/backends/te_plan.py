@@ -21,11 +21,10 @@ The study's axes map onto TE where TE has a switch for them:
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import OmegaConf
 
 from readback.backends.emulated import attention_reads as readback_attention_reads
 from readback.backends.te_facts import (
@@ -42,6 +41,7 @@ from readback.backends.te_facts import (
     version_tuple,
 )
 from readback.errors import ConfigError, choose, require
+from readback.fields import RunConfig
 from readback.ops.linear import READS as LINEAR_READS
 
 # precision.recipe -> Transformer Engine recipe class. ``mxfp8`` exists only for backend=te.
@@ -94,12 +94,10 @@ def _te_name(version: str | None) -> str:
     return f"Transformer Engine {version}" if version else "Transformer Engine (not installed here; 2.x assumed)"
 
 
-_INSTALLED = object()
+_INSTALLED: Any = object()  # default: what this machine has
 
 
-def te_plan(
-    cfg: DictConfig | Mapping, te_version: str | object | None = _INSTALLED, hardware: Hardware | object = _INSTALLED
-) -> TEPlan:
+def te_plan(cfg: RunConfig, te_version: str | None = _INSTALLED, hardware: Hardware = _INSTALLED) -> TEPlan:
     """The plan for ``cfg`` under ``te_version`` on ``hardware`` (defaults: what this machine
     has; no TE means 2.x, no GPU means the checks that need one are not made). Raises
     ``ConfigError`` (one line naming the TE version, the GPU and the setting) for what this TE
@@ -122,7 +120,7 @@ def te_plan(
         recipe_key = _check_fp8_recipe(p, vt, hw, where)
 
     attention = None if core_choice == "readback" else _te_attention(fp8, recipe_key, policy, bwd)
-    if attention is not None and fp8:
+    if attention is not None and recipe_key is not None:  # fp8
         _check_fp8_attention(cfg, recipe_key, vt, hw, where)
     if fp8_mha and (attention is None or not fp8):
         raise ConfigError(
@@ -144,7 +142,11 @@ def te_plan(
     if attention is not None:
         env = {**env, **PINNED_BACKEND}
 
-    kwargs = _recipe_kwargs(p, recipe_key, fp8_dpa=fp8 and attention is not None, fp8_mha=fp8_mha, vt=vt) if fp8 else {}
+    kwargs = (
+        _recipe_kwargs(p, recipe_key, fp8_dpa=attention is not None, fp8_mha=fp8_mha, vt=vt)
+        if recipe_key is not None  # fp8
+        else {}
+    )
     bf16_layers = tuple(p.get("bf16_layers", ()) or ()) if fp8 else ()
     proj = _projection_label(attention is not None, recipe_key, fp8_mha)
     sites = {**_sites(cfg, attention_label, proj, fp8, bf16_layers, _linear_label(policy, fp8)), **attention_reads}
@@ -153,7 +155,7 @@ def te_plan(
         version,
         hw,
         fp8,
-        RECIPES[recipe_key] if fp8 else None,
+        RECIPES[recipe_key] if recipe_key is not None else None,
         kwargs,
         env,
         "te" if attention is not None else "readback",
@@ -361,7 +363,7 @@ def _sites(
 
 
 def site_implementations(
-    cfg: DictConfig | Mapping, te_version: str | object | None = _INSTALLED, hardware: Hardware | object = _INSTALLED
+    cfg: RunConfig, te_version: str | None = _INSTALLED, hardware: Hardware = _INSTALLED
 ) -> dict[str, str]:
     """``{site: implementation}`` of a ``backend=te`` run, for the run's summary."""
     return dict(te_plan(cfg, te_version, hardware).sites)

@@ -7,6 +7,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 from readback.backends.te_facts import Hardware
 from readback.backends.te_plan import PINNED_BACKEND, te_plan
@@ -65,7 +66,7 @@ def _on(cfg, hardware: Hardware) -> str:
     return "runs"
 
 
-def render(compose: Callable[[list[str]], object]) -> str:
+def render(compose: Callable[[list[str]], Any]) -> str:
     """The markdown table; ``compose(overrides)`` composes a run's config (``backend=te``)."""
     header = [
         "experiment",

@@ -84,7 +84,7 @@ def measure_bias(model, batches, which: list[Variant] | None = None, dtype=torch
     which = variants(numerics) if which is None else which
     params = {n: p for n, p in model.named_parameters() if p.requires_grad}
     saved_grads = {n: p.grad for n, p in params.items()}
-    errors = {v.name: [] for v in which}
+    errors: dict[str, list[dict[str, torch.Tensor]]] = {v.name: [] for v in which}
     references = []
     start, step_seconds = time.perf_counter(), []
     try:
@@ -132,7 +132,10 @@ def _backward(model, params, x, y):
 
 def _contributions(which: list[Variant], errors: dict, configured: str) -> dict[str, list[dict]]:
     """``contrib.<variant>`` -> per-batch gradient differences (see the module docstring)."""
-    diff = lambda a, b: [{n: x[n] - y[n] for n in x} for x, y in zip(errors[a], errors[b])]  # noqa: E731
+
+    def diff(a: str, b: str) -> list[dict]:
+        return [{n: x[n] - y[n] for n in x} for x, y in zip(errors[a], errors[b])]
+
     out = {}
     for v in which:
         if v.policy and not v.exact_bwd and v.name != "exact" and "exact" in errors:
@@ -157,7 +160,10 @@ def _group_stats(e: torch.Tensor, r: torch.Tensor) -> dict[str, float]:
     k = e.shape[0]
     scale = r.mean(0).norm().clamp_min(1e-300)
     mean_error = e.mean(0)
-    cosine = lambda m, g: torch.nn.functional.cosine_similarity(m, g, dim=0, eps=1e-300).item()  # noqa: E731
+
+    def cosine(m: torch.Tensor, g: torch.Tensor) -> float:
+        return torch.nn.functional.cosine_similarity(m, g, dim=0, eps=1e-300).item()
+
     stats = {
         "bias": (mean_error.norm() / scale).item(),
         "cosine": cosine(mean_error, r.mean(0)),

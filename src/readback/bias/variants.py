@@ -7,8 +7,8 @@ import contextlib
 import dataclasses
 from dataclasses import dataclass, field
 
-from readback.ops import OPS
-from readback.policy import POLICIES, read_rules
+from readback.ops import OPS, read_rules
+from readback.policy import POLICIES
 
 
 @dataclass(frozen=True)

@@ -10,6 +10,7 @@ directory can be written and, when it already holds a run, that the run can be r
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 import tempfile
@@ -142,10 +143,8 @@ def restore_hydra_files(run_dir: Path) -> None:
     if not saved:
         return
     for name, data in saved.items():
-        try:
+        with contextlib.suppress(OSError):
             (Path(run_dir) / ".hydra" / name).write_bytes(data)
-        except OSError:
-            pass
 
 
 def print_error(error: BaseException) -> None:

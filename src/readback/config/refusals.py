@@ -15,9 +15,9 @@ from hydra.errors import MissingConfigException
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import ConfigAttributeError, ConfigKeyError, MissingMandatoryValue, ValidationError
 
-from readback.config.fields import valid_text
 from readback.config.schema import OPTION_SCHEMAS, schema_keys
 from readback.errors import ConfigError
+from readback.fields import valid_text
 
 CONF_DIR = Path(__file__).resolve().parents[3] / "conf"
 
@@ -35,14 +35,14 @@ def options(group: str) -> list[str]:
     return sorted(p.stem for p in (CONF_DIR / group).glob("*.yaml"))
 
 
-def from_schema_error(error: Exception) -> ConfigError | None:
+def from_schema_error(error: BaseException) -> ConfigError | None:
     """``ConfigError`` for a value the schema refuses (wrong type, unset), else ``None``."""
     if isinstance(error, MissingMandatoryValue):
         schema, name = error.object_type, str(error.key)
-        return ConfigError(error.full_key, "???", _words(schema, name) or "a value")
+        return ConfigError(str(error.full_key), "???", _words(schema, name) or "a value")
     if isinstance(error, ValidationError):
         return ConfigError(
-            error.full_key,
+            str(error.full_key),
             error.value,
             _words(error.object_type, str(error.key)) or "a value of the type in readback/config/schema.py",
         )
@@ -50,7 +50,7 @@ def from_schema_error(error: Exception) -> ConfigError | None:
 
 
 def _words(schema: Any, name: str) -> str | None:
-    return valid_text(schema, name) if dataclasses.is_dataclass(schema) else None
+    return valid_text(schema, name) if isinstance(schema, type) and dataclasses.is_dataclass(schema) else None
 
 
 def from_composition_error(error: Exception, overrides: list[str]) -> ConfigError | None:
@@ -58,7 +58,7 @@ def from_composition_error(error: Exception, overrides: list[str]) -> ConfigErro
     if isinstance(error, MissingConfigException) and error.missing_cfg_file and "/" in error.missing_cfg_file:
         group, option = error.missing_cfg_file.rsplit("/", 1)
         return ConfigError(group, option, options(group))
-    cause = error
+    cause: BaseException = error
     while cause.__cause__ is not None and not isinstance(
         cause, (ConfigAttributeError, ConfigKeyError, ValidationError)
     ):
@@ -110,9 +110,9 @@ def first_undeclared_key(cfg: DictConfig, prefix: str = "") -> tuple[str, Any] |
             continue
         if declared is not None and key not in declared:
             value = OmegaConf.to_container(node) if OmegaConf.is_config(node) else node
-            return f"{prefix}{key}", value
+            return f"{prefix}{key!s}", value
         if OmegaConf.is_dict(node):
-            found = first_undeclared_key(node, f"{prefix}{key}.")
+            found = first_undeclared_key(node, f"{prefix}{key!s}.")
             if found:
                 return found
     return None

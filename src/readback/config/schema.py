@@ -14,19 +14,18 @@ default and a comment, in the group's YAML file.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
 
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING
 
 from readback.backends import BACKENDS
+from readback.backends.precision import Fp8Precision, Precision
 from readback.backends.te_plan import ATTENTION_CORES, RECIPES
-from readback.config.fields import Checked, integer, items, number, one_of
 from readback.data import DATASETS
 from readback.data.corpus import EDITIONS
 from readback.errors import ConfigError, require
-from readback.numerics import AMAX_COMPUTE_ALGOS, ROUNDINGS, Format
-from readback.ops.numerics import ATTENTION_BWD, PRECISIONS
+from readback.fields import Checked, integer, items, number, one_of
+from readback.ops.numerics import ATTENTION_BWD
 from readback.policy import POLICIES
 from readback.probe.gradient_error import DTYPES
 from readback.train.parallel import PARALLEL
@@ -81,26 +80,6 @@ class HfModel(Model):
 
         super().check()
         check_available()
-
-
-@dataclass
-class Precision(Checked):
-    KEY = "precision"
-    name: str = one_of(PRECISIONS[:2])  # "off" is for reference computations, not runs
-
-
-@dataclass
-class Fp8Precision(Precision):
-    recipe: str = one_of(RECIPES)
-    fp8_format: str = one_of(f.name for f in Format)
-    margin: int = integer(minimum=0)
-    interval: int = integer()
-    amax_history_len: int = integer()
-    amax_compute_algo: str = one_of(AMAX_COMPUTE_ALGOS)
-    override_linear_precision: list[bool] = items("three booleans [fprop, dgrad, wgrad]", lambda v: len(v) == 3)
-    rounding: str = one_of(ROUNDINGS)
-    bf16_layers: list[str] = MISSING  # checked against the model's layers in Config.check
-    site_margin: Any = None  # {site pattern: k} (untyped: Hydra replaces the whole mapping); checked in Config.check
 
 
 @dataclass
@@ -382,6 +361,6 @@ def schema_keys(schema: type = Config, prefix: str = "") -> list[str]:
         kind = hints[field.name]
         subtypes = [kind, *OPTION_SCHEMAS.get(prefix + field.name, {}).values()] if not prefix else [kind]
         for sub in subtypes:
-            if dataclasses.is_dataclass(sub):
+            if isinstance(sub, type) and dataclasses.is_dataclass(sub):
                 keys += schema_keys(sub, f"{prefix}{field.name}.")
     return list(dict.fromkeys(keys))

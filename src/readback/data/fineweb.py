@@ -47,7 +47,6 @@ def build_fineweb(
     import datasets
     from tokenizers import Tokenizer
 
-    check_layout(seq_len, micro_batch, seed, rank, world_size)
     name = cfg_get(cfg, "tokenizer", "mistralai/Mistral-Nemo-Base-2407")
     path = cfg_get(cfg, "path", "HuggingFaceFW/fineweb-edu")
     subset = cfg_get(cfg, "subset", "sample-10BT")
@@ -65,7 +64,8 @@ def build_fineweb(
     )
     eos_token = cfg_get(cfg, "eos_token", "</s>")
     eos = tok.token_to_id(eos_token)
-    require(eos is not None, "data.eos_token", eos_token, f"a token of {name}")
+    if eos is None:
+        raise ConfigError("data.eos_token", eos_token, f"a token of {name}")
     try:
         ds = datasets.load_dataset(path, name=subset, split="train", streaming=True)
     except Exception as e:

@@ -120,4 +120,7 @@ def _load(tok_path: Path, ids_path: Path, key: str) -> TokenizedCorpus:
     tok = Tokenizer.from_file(str(tok_path))
     with np.load(ids_path) as z:
         ids, offsets, block_doc = z["ids"], z["offsets"], z["block_doc"]
-    return TokenizedCorpus(tok, ids, offsets, block_doc, key, tok.token_to_id(EOS))
+    eos = tok.token_to_id(EOS)
+    if eos is None:  # not a tokenizer this module trained
+        raise ValueError(f"{tok_path} has no {EOS} token")
+    return TokenizedCorpus(tok, ids, offsets, block_doc, key, eos)

@@ -114,7 +114,10 @@ class XIELU(nn.Module):
 
     def __init__(self, numerics: Numerics):
         super().__init__()
-        inverse_softplus = lambda y: math.log(math.expm1(y))  # noqa: E731
+
+        def inverse_softplus(y: float) -> float:
+            return math.log(math.expm1(y))
+
         self.p = nn.Parameter(torch.tensor([inverse_softplus(0.8)]))
         self.n = nn.Parameter(torch.tensor([inverse_softplus(0.8 - BETA)]))
         self.numerics = numerics

@@ -87,6 +87,8 @@ def matmul(a: QTensor | torch.Tensor, b: QTensor | torch.Tensor, precision: str)
     for gradcheck and the FP64 reference). The result is FP32, or FP64 for ``fp64``.
     """
     if precision == "fp8":
+        if not (isinstance(a, QTensor) and isinstance(b, QTensor)):
+            raise TypeError("matmul(precision='fp8') multiplies QTensors")
         return fp8_mm(a, b)
     dtype = _DTYPES[precision]
     values = [t.dequantize(dtype) if isinstance(t, QTensor) else t.to(dtype) for t in (a, b)]

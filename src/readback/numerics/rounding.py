@@ -8,6 +8,7 @@ run is reproducible and two generators give independent roundings of the same te
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -42,7 +43,7 @@ class QTensor:
 
     data: torch.Tensor
     scale: torch.Tensor
-    fmt: FP8Format
+    fmt: FP8Format | None  # None: rounding off, ``data`` is the tensor itself
 
     @property
     def scale_inv(self) -> torch.Tensor:
@@ -59,7 +60,7 @@ class QTensor:
         """Transpose of the last two dimensions (same scale)."""
         return QTensor(self.data.mT, self.scale, self.fmt)
 
-    def map(self, fn) -> QTensor:
+    def map(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> QTensor:
         """Apply a layout change (view, reshape, expand) to the data, keeping the scale."""
         return QTensor(fn(self.data), self.scale, self.fmt)
 

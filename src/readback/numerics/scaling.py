@@ -7,6 +7,7 @@ delayed scaling, its amax history) and is what a checkpoint saves.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -121,10 +122,10 @@ class DelayedScalingState:
                 amax = self.history[(self.steps - 1) % len(self.history)]
             self.scale.copy_(compute_scale(amax, self.fmt, self.recipe.margin, self.scale))
 
-    def state_dict(self) -> dict:
+    def state_dict(self) -> dict[str, Any]:
         return {"history": self.history.clone(), "scale": self.scale.clone(), "steps": self.steps}
 
-    def load_state_dict(self, state: dict) -> None:
+    def load_state_dict(self, state: dict[str, Any]) -> None:
         if state["history"].shape != self.history.shape:
             raise ValueError(
                 f"amax history length {len(state['history'])} in checkpoint, {len(self.history)} in recipe"
@@ -154,8 +155,8 @@ class CurrentScalingState:
     def end_step(self) -> None:
         pass
 
-    def state_dict(self) -> dict:
+    def state_dict(self) -> dict[str, Any]:
         return {"scale": self.scale.clone()}
 
-    def load_state_dict(self, state: dict) -> None:
+    def load_state_dict(self, state: dict[str, Any]) -> None:
         self.scale.copy_(state["scale"])

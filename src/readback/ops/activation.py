@@ -4,9 +4,14 @@ its output is rounded by the next linear."""
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING, Any, cast
+
 import torch
 
 from readback.policy import POLICIES
+
+if TYPE_CHECKING:
+    from readback.ops.numerics import Numerics
 
 BETA = 0.5
 EPS = -1e-6
@@ -17,13 +22,15 @@ READS = {policy: {"dx": "original"} for policy in POLICIES}
 
 class _XIELU(torch.autograd.Function):
     @staticmethod
-    def forward(fctx, x, alpha_p, alpha_n, numerics):
+    def forward(
+        fctx: Any, x: torch.Tensor, alpha_p: torch.Tensor, alpha_n: torch.Tensor, numerics: Numerics
+    ) -> torch.Tensor:
         fctx.save_for_backward(x, alpha_p, alpha_n)
         numerics.account("xielu", input=x)
         return replay(x, alpha_p, alpha_n)
 
     @staticmethod
-    def backward(fctx, dy):
+    def backward(fctx: Any, dy: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         x, alpha_p, alpha_n = fctx.saved_tensors
         x_positive, x_negative, negative = _branches(x)
         expm1 = torch.expm1(torch.clamp(x, max=EPS))
@@ -52,9 +59,9 @@ def replay(x: torch.Tensor, alpha_p: torch.Tensor, alpha_n: torch.Tensor) -> tor
     return alpha_p * x_positive * x_positive + negative_branch * negative + BETA * x
 
 
-def xielu(x: torch.Tensor, alpha_p: torch.Tensor, alpha_n: torch.Tensor, numerics) -> torch.Tensor:
+def xielu(x: torch.Tensor, alpha_p: torch.Tensor, alpha_n: torch.Tensor, numerics: Numerics) -> torch.Tensor:
     """xIELU with the effective coefficients ``alpha_p = softplus(p)``, ``alpha_n = b + softplus(n)``."""
     if numerics.replaying:
         dtype = numerics.dtype
         return replay(x.to(dtype), alpha_p.to(dtype), alpha_n.to(dtype))
-    return _XIELU.apply(x, alpha_p, alpha_n, numerics)
+    return cast(torch.Tensor, _XIELU.apply(x, alpha_p, alpha_n, numerics))  # type: ignore[no-untyped-call]  # torch leaves apply untyped

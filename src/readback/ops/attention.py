@@ -21,11 +21,16 @@ bf16), so its FP32 working set is a few ``ROW_BLOCK x T`` blocks for all heads.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING, Any
+
 import torch
 
 from readback.numerics import QTensor, abs_max, matmul, pinned
 from readback.ops import mechanism
 from readback.ops.saved import load, save
+
+if TYPE_CHECKING:
+    from readback.ops.numerics import Numerics
 
 ROW_BLOCK = 64  # query rows per block of the backward
 
@@ -52,7 +57,15 @@ def _expand_groups(q: QTensor, heads: int) -> QTensor:
 
 class _Attention(torch.autograd.Function):
     @staticmethod
-    def forward(fctx, q, k, v, numerics, name, softmax_scale):
+    def forward(
+        fctx: Any,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        numerics: Numerics,
+        name: str,
+        softmax_scale: float,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         batch, heads, seq, dim = q.shape
         rounding, dtype = numerics.rounding, numerics.dtype
         qq = numerics.site(f"{name}.q").quantize(q, rounding)
@@ -100,11 +113,14 @@ class _Attention(torch.autograd.Function):
         return oq.dequantize(dtype), oq.data, scale
 
     @staticmethod
-    def backward(fctx, d_out, _data, _scale):
+    def backward(fctx: Any, d_out: torch.Tensor, _data: Any, _scale: Any) -> tuple[torch.Tensor | None, ...]:
         numerics, name, saved = fctx.numerics, fctx.name, load(fctx)
         precision, dtype = numerics.attention_bwd, numerics.dtype
         batch, heads, seq, dim = saved["q_for_dk"].data.shape
-        as_heads = lambda t: t.reshape(batch, seq, heads, dim).transpose(1, 2)  # noqa: E731
+
+        def as_heads(t: torch.Tensor) -> torch.Tensor:
+            return t.reshape(batch, seq, heads, dim).transpose(1, 2)
+
         d_out = as_heads(d_out.to(dtype))
         if precision == "fp8":
             dq8 = numerics.site(f"{name}.grad_output", "bwd").quantize(d_out)
@@ -144,7 +160,8 @@ class _Attention(torch.autograd.Function):
         operand = torch.empty(
             batch, heads, seq, seq, dtype=torch.uint8 if site else _DTYPES[precision], device=d_out.device
         )
-        rowsums, d_s_scale = [], None
+        rowsums: list[torch.Tensor] = []
+        d_s_scale: torch.Tensor | None = None
         d_term = mechanism.DTermCosine(_value(kq, dtype)) if fctx.mechanism else None
         for rows in blocks:
             d_s = d_scores(rows, d_term)
@@ -157,7 +174,9 @@ class _Attention(torch.autograd.Function):
         numerics.observe(f"attn_rowsum/{name}", torch.cat(rowsums, -1))
         if d_term is not None:
             d_term.observe(numerics, name)
-        d_s_operand = operand if site is None else QTensor(operand.view(site.fmt.dtype), d_s_scale, site.fmt)
+        d_s_operand = (
+            operand if site is None or d_s_scale is None else QTensor(operand.view(site.fmt.dtype), d_s_scale, site.fmt)
+        )
 
         d_q = matmul(d_s_operand, kq, precision) * fctx.scale
         d_k = matmul(d_s_operand.mT, saved["q_for_dk"], precision) * fctx.scale
@@ -191,13 +210,14 @@ def _value(t: torch.Tensor | QTensor, dtype: torch.dtype) -> torch.Tensor:
     return t.dequantize(dtype) if isinstance(t, QTensor) else t.to(dtype)
 
 
-def _o_read(numerics, name: str, saved: dict) -> torch.Tensor | None:
+def _o_read(numerics: Numerics, name: str, saved: dict[str, Any]) -> torch.Tensor | None:
     """The O that the D-term reads under the policy, in (B, H, T, hd); None for ``rowsum(P*dP)``."""
     mode = READS[numerics.policy]["D"]
     batch, heads, seq, dim = saved["q_for_dk"].data.shape
     dtype, oq = numerics.dtype, saved["oq"]
     if mode == "none":
         return None
+    o: torch.Tensor
     if mode == "rounded":
         o = oq.dequantize(dtype)
     elif mode == "original":
@@ -208,7 +228,14 @@ def _o_read(numerics, name: str, saved: dict) -> torch.Tensor | None:
     return o.reshape(batch, seq, heads, dim).transpose(1, 2)
 
 
-def replay(q, k, v, record: dict, softmax_scale: float = 0.125, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+def replay(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    record: dict[str, Any],
+    softmax_scale: float = 0.125,
+    dtype: torch.dtype = torch.float32,
+) -> torch.Tensor:
     """The reference: plain autograd over the executed forward, every rounding pinned to the
     bits it produced (``record`` of one call, from ``numerics.tape``). Returns O8's values."""
     batch, heads, seq, dim = q.shape
@@ -224,7 +251,9 @@ def replay(q, k, v, record: dict, softmax_scale: float = 0.125, dtype: torch.dty
     return pinned(out, record["output"].dequantize(dtype))
 
 
-def attention(q, k, v, numerics, name: str, softmax_scale: float = 0.125) -> tuple[torch.Tensor, QTensor]:
+def attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, numerics: Numerics, name: str, softmax_scale: float = 0.125
+) -> tuple[torch.Tensor, QTensor | None]:
     """Causal attention of ``q`` (B, H, T, hd) over ``k``, ``v`` (B, G, T, hd), G dividing H.
 
     Returns ``(o, oq)``: ``o`` (B, T, H*hd) holds the rounded output O8's values, and ``oq`` is
@@ -233,5 +262,5 @@ def attention(q, k, v, numerics, name: str, softmax_scale: float = 0.125) -> tup
     numerics.watch(name, q=q, k=k, v=v)
     if numerics.replaying:
         return replay(q, k, v, numerics.next_record(name), softmax_scale, numerics.dtype), None
-    o, data, scale = _Attention.apply(q, k, v, numerics, name, softmax_scale)
+    o, data, scale = _Attention.apply(q, k, v, numerics, name, softmax_scale)  # type: ignore[no-untyped-call]  # torch leaves apply untyped
     return o, QTensor(data, scale, numerics.site(f"{name}.output").fmt)

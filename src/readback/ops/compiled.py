@@ -14,10 +14,12 @@ eager step), and stochastic rounding (``torch.Generator`` streams) cannot be tra
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 
-def compiled(module: torch.nn.Module):
+def compiled(module: torch.nn.Module) -> Any:
     """``torch.compile(module)`` with the roundings of casts kept, for static shapes: a run's
     shapes do not change, and a graph recompiled with dynamic shapes fails to trace the ops'
     autograd Functions (torch 2.13's dynamo: "lift_tracked_freevar_to_input should not be
@@ -25,4 +27,4 @@ def compiled(module: torch.nn.Module):
     import torch._inductor.config  # imported on use: the inductor is heavy to import
 
     torch._inductor.config.emulate_precision_casts = True
-    return torch.compile(module, dynamic=False)
+    return torch.compile(module, dynamic=False)  # an OptimizedModule, called like the module

@@ -6,11 +6,16 @@ on the operands below instead.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING, Any, cast
+
 import torch
 
-from readback.numerics import QTensor, matmul, pinned
+from readback.numerics import FP8Format, QTensor, matmul, pinned
 from readback.ops.saved import load, save
 from readback.policy import POLICIES
+
+if TYPE_CHECKING:
+    from readback.ops.numerics import Numerics
 
 # gradient -> which value of the tensor it multiplies it reads:
 #   dgrad = dY W  reads the weight; wgrad = dY^T X reads the input.
@@ -20,12 +25,21 @@ READS = {policy: {"dgrad": "rounded", "wgrad": "rounded"} for policy in POLICIES
 
 class _Linear(torch.autograd.Function):
     @staticmethod
-    def forward(fctx, x, weight, numerics, name, x_q_data, x_q_scale, x_q_fmt):
+    def forward(
+        fctx: Any,
+        x: torch.Tensor,
+        weight: torch.Tensor,
+        numerics: Numerics,
+        name: str,
+        x_q_data: torch.Tensor | None,
+        x_q_scale: torch.Tensor | None,
+        x_q_fmt: FP8Format | None,
+    ) -> torch.Tensor:
         reads = READS[numerics.policy]
         rounding = numerics.rounding
         xq = (
             QTensor(_rows(x_q_data), x_q_scale, x_q_fmt)
-            if x_q_data is not None
+            if x_q_data is not None and x_q_scale is not None
             else (numerics.site(f"{name}.input").quantize(_rows(x), rounding))
         )
         wq = numerics.site(f"{name}.weight").quantize(weight, rounding)
@@ -34,8 +48,11 @@ class _Linear(torch.autograd.Function):
 
         # An input (or its rounded copy, passed in) is saved in its own shape, not as a 2-D view:
         # a compiled graph cannot save a view of its input.
-        x_q = xq if x_q_data is None else QTensor(x_q_data, x_q_scale, x_q_fmt)
-        candidates = {"rounded": (x_q, wq), "original": (x, weight)}
+        x_q = xq if x_q_data is None or x_q_scale is None else QTensor(x_q_data, x_q_scale, x_q_fmt)
+        candidates: dict[str, tuple[torch.Tensor | QTensor, torch.Tensor | QTensor]] = {
+            "rounded": (x_q, wq),
+            "original": (x, weight),
+        }
         x_for_wgrad, w_for_dgrad = candidates[reads["wgrad"]][0], candidates[reads["dgrad"]][1]
         save(fctx, x_for_wgrad=x_for_wgrad, w_for_dgrad=w_for_dgrad)
         fctx.numerics, fctx.name, fctx.x_shape = numerics, name, x.shape
@@ -43,18 +60,19 @@ class _Linear(torch.autograd.Function):
         return y.reshape(*x.shape[:-1], weight.shape[0])
 
     @staticmethod
-    def backward(fctx, dy):
-        numerics, saved = fctx.numerics, load(fctx)
+    def backward(fctx: Any, dy: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        numerics: Numerics = fctx.numerics
+        saved = load(fctx)
         dgrad, wgrad = numerics.linear_precision("dgrad"), numerics.linear_precision("wgrad")
         dy = dy.reshape(-1, dy.shape[-1]).to(numerics.dtype)
         dyq = numerics.site(f"{fctx.name}.grad_output", "bwd").quantize(dy) if "fp8" in (dgrad, wgrad) else None
         dx = dw = None
         if fctx.needs_input_grad[0]:
-            dx = matmul(dyq if dgrad == "fp8" else dy, saved["w_for_dgrad"], dgrad).reshape(fctx.x_shape)
+            dx = matmul(dy if dyq is None or dgrad != "fp8" else dyq, saved["w_for_dgrad"], dgrad).reshape(fctx.x_shape)
         if fctx.needs_input_grad[1]:
             x = saved["x_for_wgrad"]
             x = x.map(_rows) if isinstance(x, QTensor) else _rows(x)
-            dw = matmul((dyq if wgrad == "fp8" else dy).mT, x, wgrad)
+            dw = matmul((dy if dyq is None or wgrad != "fp8" else dyq).mT, x, wgrad)
         return dx, dw, None, None, None, None, None
 
 
@@ -62,7 +80,9 @@ def _rows(t: torch.Tensor) -> torch.Tensor:
     return t.reshape(-1, t.shape[-1])
 
 
-def replay(x: torch.Tensor, weight: torch.Tensor, record: dict, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+def replay(
+    x: torch.Tensor, weight: torch.Tensor, record: dict[str, Any], dtype: torch.dtype = torch.float32
+) -> torch.Tensor:
     """Reference: plain autograd over the executed forward (operands and output pinned)."""
     x2 = pinned(x.reshape(-1, x.shape[-1]).to(dtype), record["input"].dequantize(dtype))
     w = pinned(weight.to(dtype), record["weight"].dequantize(dtype))
@@ -70,7 +90,9 @@ def replay(x: torch.Tensor, weight: torch.Tensor, record: dict, dtype: torch.dty
     return y.reshape(*x.shape[:-1], weight.shape[0])
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, numerics, name: str, x_q: QTensor | None = None) -> torch.Tensor:
+def linear(
+    x: torch.Tensor, weight: torch.Tensor, numerics: Numerics, name: str, x_q: QTensor | None = None
+) -> torch.Tensor:
     """``x @ weight.T`` at rounding sites ``{name}.input``, ``{name}.weight``, ``{name}.grad_output``.
 
     ``x_q`` is an input already rounded by its producer (attention output, a norm's rounded
@@ -79,6 +101,5 @@ def linear(x: torch.Tensor, weight: torch.Tensor, numerics, name: str, x_q: QTen
     """
     if numerics.replaying:
         return replay(x, weight, numerics.next_record(name), numerics.dtype)
-    if x_q is None:
-        return _Linear.apply(x, weight, numerics, name, None, None, None)
-    return _Linear.apply(x, weight, numerics, name, x_q.data, x_q.scale, x_q.fmt)
+    x_q_parts = (None, None, None) if x_q is None else (x_q.data, x_q.scale, x_q.fmt)
+    return cast(torch.Tensor, _Linear.apply(x, weight, numerics, name, *x_q_parts))  # type: ignore[no-untyped-call]  # torch leaves apply untyped

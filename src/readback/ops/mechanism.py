@@ -9,10 +9,15 @@ D's errors have no sign, and goes to -1 or +1 when they do. Per row it would be 
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
+if TYPE_CHECKING:
+    from readback.ops.numerics import Numerics
 
-def observe_logits(numerics, name: str, scores: torch.Tensor, probs: torch.Tensor) -> None:
+
+def observe_logits(numerics: Numerics, name: str, scores: torch.Tensor, probs: torch.Tensor) -> None:
     """Logit max and mean over the causally visible scores, and the entropy of each row."""
     seq = scores.shape[-1]
     visible = torch.ones(seq, seq, dtype=torch.bool, device=scores.device).tril().expand_as(scores)
@@ -39,7 +44,7 @@ class DTermCosine:
         d_term = -row_term.detach().double() * mean_key
         self.sums += torch.stack([(d_term * mean_key).sum(), d_term.square().sum(), mean_key.square().sum()])
 
-    def observe(self, numerics, name: str) -> None:
+    def observe(self, numerics: Numerics, name: str) -> None:
         dot, d_norm2, k_norm2 = self.sums
         cosine = dot / (d_norm2 * k_norm2).sqrt().clamp_min(1e-30)
         numerics.observe(f"attn_dq_dterm_cos/{name}", cosine)

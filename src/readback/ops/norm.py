@@ -9,11 +9,16 @@ row sum of the output gradient: it reads no forward value.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING, Any, cast
+
 import torch
 
 from readback.numerics import QTensor, pinned
 from readback.ops.saved import load, save
 from readback.policy import POLICIES
+
+if TYPE_CHECKING:
+    from readback.ops.numerics import Numerics
 
 # gradient -> which normalised value (x - mean) / std, or x / rms(x), it reads.
 READS = {policy: {"gain": "original"} for policy in POLICIES}
@@ -29,7 +34,17 @@ def _normalize(x: torch.Tensor, eps: float, center: bool) -> tuple[torch.Tensor,
 
 class _Norm(torch.autograd.Function):
     @staticmethod
-    def forward(fctx, x, gain, bias, numerics, name, eps, round_output, center):
+    def forward(
+        fctx: Any,
+        x: torch.Tensor,
+        gain: torch.Tensor,
+        bias: torch.Tensor | None,
+        numerics: Numerics,
+        name: str,
+        eps: float,
+        round_output: bool,
+        center: bool,
+    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
         x = x.to(numerics.dtype)
         normalized, inv_std = _normalize(x, eps, center)
         y = normalized * gain if bias is None else normalized * gain + bias
@@ -47,11 +62,14 @@ class _Norm(torch.autograd.Function):
         return yq.dequantize(y.dtype), yq.data, scale
 
     @staticmethod
-    def backward(fctx, dy, _data, _scale):
+    def backward(fctx: Any, dy: torch.Tensor, _data: Any, _scale: Any) -> tuple[torch.Tensor | None, ...]:
         saved = load(fctx)
         normalized, inv_std, gain, bias = (saved[k] for k in ("normalized", "inv_std", "gain", "bias"))
         dy = dy.to(normalized.dtype)
-        rows = lambda t: t.reshape(-1, dy.shape[-1]).sum(0)  # noqa: E731
+
+        def rows(t: torch.Tensor) -> torch.Tensor:
+            return t.reshape(-1, dy.shape[-1]).sum(0)
+
         d_gain = d_bias = None
         if fctx.needs_input_grad[1]:
             read = saved["gain_reads"]
@@ -68,7 +86,13 @@ class _Norm(torch.autograd.Function):
 
 
 def replay(
-    x, gain, record: dict, eps: float = 1e-6, dtype: torch.dtype = torch.float32, bias=None, center: bool = False
+    x: torch.Tensor,
+    gain: torch.Tensor,
+    record: dict[str, Any],
+    eps: float = 1e-6,
+    dtype: torch.dtype = torch.float32,
+    bias: torch.Tensor | None = None,
+    center: bool = False,
 ) -> torch.Tensor:
     """Reference: plain autograd over the executed forward (the rounded output pinned)."""
     y = _normalize(x.to(dtype), eps, center)[0] * gain.to(dtype)
@@ -76,17 +100,35 @@ def replay(
     return y if record["output"] is None else pinned(y, record["output"].dequantize(dtype))
 
 
-def _norm(x, gain, bias, numerics, name, eps, round_output, center):
+# ``y``, or with ``round_output`` ``(y, yq)``
+Normed = torch.Tensor | tuple[torch.Tensor, QTensor | None]
+
+
+def _norm(
+    x: torch.Tensor,
+    gain: torch.Tensor,
+    bias: torch.Tensor | None,
+    numerics: Numerics,
+    name: str,
+    eps: float,
+    round_output: bool,
+    center: bool,
+) -> Normed:
     if numerics.replaying:
         y = replay(x, gain, numerics.next_record(name), eps, numerics.dtype, bias, center)
         return (y, None) if round_output else y
-    y, data, scale = _Norm.apply(x, gain, bias, numerics, name, eps, round_output, center)
+    y, data, scale = cast(
+        tuple[torch.Tensor, Any, Any],
+        _Norm.apply(x, gain, bias, numerics, name, eps, round_output, center),  # type: ignore[no-untyped-call]  # torch leaves apply untyped
+    )
     if not round_output:
         return y
     return y, QTensor(data, scale, numerics.site(f"{name}.output").fmt)
 
 
-def rms_norm(x, gain, numerics, name: str, eps: float = 1e-6, round_output: bool = False):
+def rms_norm(
+    x: torch.Tensor, gain: torch.Tensor, numerics: Numerics, name: str, eps: float = 1e-6, round_output: bool = False
+) -> Normed:
     """RMSNorm. A frozen gain (QK-norm) is a gain with ``requires_grad=False``.
 
     With ``round_output`` returns ``(y, yq)``: ``y`` holds the rounded values (site
@@ -95,6 +137,14 @@ def rms_norm(x, gain, numerics, name: str, eps: float = 1e-6, round_output: bool
     return _norm(x, gain, None, numerics, name, eps, round_output, center=False)
 
 
-def layer_norm(x, gain, bias, numerics, name: str, eps: float = 1e-5, round_output: bool = False):
+def layer_norm(
+    x: torch.Tensor,
+    gain: torch.Tensor,
+    bias: torch.Tensor | None,
+    numerics: Numerics,
+    name: str,
+    eps: float = 1e-5,
+    round_output: bool = False,
+) -> Normed:
     """LayerNorm over the last dimension (``bias`` may be None); rounding as ``rms_norm``."""
     return _norm(x, gain, bias, numerics, name, eps, round_output, center=True)

@@ -14,6 +14,8 @@ from __future__ import annotations
 import contextlib
 import fnmatch
 import hashlib
+from collections.abc import Iterator
+from typing import Any
 
 import torch
 
@@ -24,13 +26,15 @@ from readback.numerics import (
     CurrentScaling,
     DelayedScaling,
     DelayedScalingState,
+    FP8Format,
     QTensor,
 )
-from readback.ops.site import Site, UnitScale
+from readback.ops.site import ScalingState, Site, UnitScale
 from readback.policy import POLICIES
 
 PRECISIONS = ("fp8", "bf16", "off")
 ATTENTION_BWD = GEMM_PRECISIONS[:3]  # fp8, bf16, fp32
+Record = tuple[str, dict[str, Any]]  # one op call on a tape: its name and what it executed
 
 
 class Numerics:
@@ -77,14 +81,14 @@ class Numerics:
         self.step = 0
         self.sites: dict[str, Site] = {}
         self.saved_bytes: dict[str, int] = {}
-        self.tape: list | None = None
+        self.tape: list[Record] | None = None
         self.watched: dict[str, torch.Tensor] | None = None
         self.observations: dict[str, torch.Tensor] = {}
         self.maxima: dict[str, torch.Tensor] = {}
         self.mechanism = False  # ops measure their mechanism statistics (readback.ops.mechanism)
         self.stream_salt = ""
-        self._generators: dict[tuple, torch.Generator] = {}
-        self._replay: tuple | None = None  # (records iterator, dtype) while replaying a tape
+        self._generators: dict[tuple[str, str, str], torch.Generator] = {}
+        self._replay: tuple[Iterator[Record], torch.dtype] | None = None  # (records, dtype) while replaying a tape
 
     @property
     def dtype(self) -> torch.dtype:
@@ -98,7 +102,7 @@ class Numerics:
         return self._replay is not None
 
     @contextlib.contextmanager
-    def replay(self, tape: list, dtype: torch.dtype = torch.float32):
+    def replay(self, tape: list[Record], dtype: torch.dtype = torch.float32) -> Iterator[None]:
         """Run the model as the reference: each op runs its plain-autograd ``replay`` with its
         roundings pinned to the records of ``tape`` (one executed forward), in ``dtype``."""
         self._replay = (iter(tape), dtype)
@@ -107,8 +111,10 @@ class Numerics:
         finally:
             self._replay = None
 
-    def next_record(self, name: str) -> dict:
+    def next_record(self, name: str) -> dict[str, Any]:
         """The executed forward's record of op call ``name``, in call order."""
+        if self._replay is None:
+            raise RuntimeError(f"{name}: no tape is being replayed")
         site, record = next(self._replay[0])
         if site != name:
             raise RuntimeError(f"replay out of order: tape has {site!r}, model called {name!r}")
@@ -123,7 +129,7 @@ class Numerics:
                     self.watched[f"{name}.d{key}"] = tensor
 
     @contextlib.contextmanager
-    def isolated(self, stream_salt: str = ""):
+    def isolated(self, stream_salt: str = "") -> Iterator[None]:
         """Run extra executions (probes) without moving the run: scaling states, sites,
         random streams and observations are restored on exit. ``stream_salt`` gives the
         executions inside their own random streams (an empty salt reuses the step's own)."""
@@ -141,18 +147,25 @@ class Numerics:
         """GEMM precision of a linear's ``fprop``, ``dgrad`` or ``wgrad``."""
         if self.precision == "off":
             return "fp64"
-        overrides = self.recipe.override_linear_precision if self.precision == "fp8" else (False,) * 3
+        overrides = (
+            self.recipe.override_linear_precision
+            if self.precision == "fp8" and self.recipe is not None
+            else (False,) * 3
+        )
         return "fp32" if overrides[("fprop", "dgrad", "wgrad").index(gemm)] else "fp8"
 
     def site(self, name: str, direction: str = "fwd") -> Site:
         """The site ``name``; ``direction`` ``fwd`` (activations, weights) or ``bwd`` (gradients)
         picks the recipe's format for it on first use."""
         if name not in self.sites:
+            fmt: FP8Format | None
+            state: ScalingState
             if self.precision == "off":
                 fmt, state = None, UnitScale()
             elif self.precision == "bf16" or name.startswith(self.bf16_sites):
                 fmt, state = BF16, UnitScale()
             else:
+                assert self.recipe is not None  # fp8: __init__ sets one
                 fmt = self.recipe.fp8_format.fwd if direction == "fwd" else self.recipe.fp8_format.bwd
                 state = self.recipe.new_state(fmt)
             margin = sum(k for pattern, k in self.site_margin.items() if site_matches(name, pattern))
@@ -184,7 +197,7 @@ class Numerics:
                 key = f"{op}.{name}"
                 self.saved_bytes[key] = self.saved_bytes.get(key, 0) + nbytes
 
-    def record(self, site: str, **tensors) -> None:
+    def record(self, site: str, **tensors: Any) -> None:
         """Keep what an op executed when a tape is running (references and probes replay it)."""
         if self.tape is not None:
             self.tape.append((site, tensors))
@@ -274,7 +287,7 @@ class Numerics:
         self.step += 1
         self._generators.clear()
 
-    def state_dict(self) -> dict:
+    def state_dict(self) -> dict[str, Any]:
         """Step, scaling states, and what was counted or observed since the last log record
         (so a resume between two records logs what the uninterrupted run would have)."""
         sites = {
@@ -289,7 +302,7 @@ class Numerics:
         observations = {key: m.clone() for key, m in self.observations.items() if m[0] > 0}
         return {"step": self.step, "sites": sites, "observations": observations, "maxima": dict(self.maxima)}
 
-    def load_state_dict(self, state: dict) -> None:
+    def load_state_dict(self, state: dict[str, Any]) -> None:
         self.step = state["step"]
         self._generators.clear()
         for name, saved in state["sites"].items():
@@ -311,10 +324,10 @@ def site_matches(name: str, pattern: str) -> bool:
     return fnmatch.fnmatchcase(name, pattern) or fnmatch.fnmatchcase(name, f"*.{pattern}")
 
 
-def build_numerics(cfg) -> Numerics:
+def build_numerics(cfg: Any) -> Numerics:
     """The run's ``Numerics`` from the ``precision``, ``policy`` and ``attention`` groups."""
     p = cfg.precision
-    recipe = None
+    recipe: DelayedScaling | CurrentScaling | None = None
     if p.name == "fp8":
         common = dict(
             margin=p.margin, fp8_format=p.fp8_format, override_linear_precision=tuple(p.override_linear_precision)

@@ -7,14 +7,17 @@ tensors can. ``save`` flattens each ``QTensor`` to its data and scale; ``load`` 
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from readback.numerics import QTensor
 
 
-def save(fctx, **values: torch.Tensor | QTensor | None) -> None:
+def save(fctx: Any, **values: torch.Tensor | QTensor | None) -> None:
     """``fctx.save_for_backward`` of ``values``; ``None`` stays ``None``."""
-    tensors, layout = [], {}
+    tensors: list[torch.Tensor] = []
+    layout: dict[str, tuple[Any, ...] | None] = {}
     for key, value in values.items():
         if value is None:
             layout[key] = None
@@ -31,10 +34,11 @@ def _own(scale: torch.Tensor) -> torch.Tensor:
     return scale.clone() if torch.compiler.is_compiling() else scale
 
 
-def load(fctx) -> dict[str, torch.Tensor | QTensor | None]:
-    """The ``values`` of ``save``, by name."""
+def load(fctx: Any) -> dict[str, Any]:
+    """The ``values`` of ``save``, by name (``Any``: each op knows which of its values are
+    tensors, ``QTensor``s or ``None``)."""
     tensors = fctx.saved_tensors
-    out = {}
+    out: dict[str, Any] = {}
     for key, spec in fctx.layout.items():
         if spec is None:
             out[key] = None

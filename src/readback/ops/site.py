@@ -7,11 +7,11 @@ and owned by ``readback.ops.numerics.Numerics``.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
-from readback.numerics import BF16, CurrentScalingState, FP8Format, QTensor, abs_max, quantize
+from readback.numerics import BF16, CurrentScalingState, DelayedScalingState, FP8Format, QTensor, abs_max, quantize
 
 if TYPE_CHECKING:
     from readback.ops.numerics import Numerics
@@ -28,17 +28,28 @@ class UnitScale:
     def end_step(self) -> None:
         pass
 
-    def state_dict(self) -> dict:
+    def state_dict(self) -> dict[str, Any]:
         return {}
 
-    def load_state_dict(self, state: dict) -> None:
+    def load_state_dict(self, state: dict[str, Any]) -> None:
         pass
+
+
+ScalingState = UnitScale | DelayedScalingState | CurrentScalingState
 
 
 class Site:
     """One rounding site. ``quantize`` is the only way a tensor of the model gets rounded."""
 
-    def __init__(self, numerics: Numerics, name: str, direction: str, fmt: FP8Format | None, state, margin: int = 0):
+    def __init__(
+        self,
+        numerics: Numerics,
+        name: str,
+        direction: str,
+        fmt: FP8Format | None,
+        state: ScalingState,
+        margin: int = 0,
+    ) -> None:
         self.numerics, self.name, self.direction = numerics, name, direction
         self.fmt, self.state, self.margin = fmt, state, margin
         # Counters are tensors updated in place, so a compiled backward can count into them:
@@ -78,14 +89,14 @@ class Site:
         if isinstance(saturated, torch.Tensor):
             self.saturated.add_(saturated)
         q = quantize(x, self.fmt, scale, rounding, generator)
-        self._count_underflow(x, q)
+        self._count_underflow(x, q, self.fmt)
         return q
 
-    def _count_underflow(self, x: torch.Tensor, q: QTensor) -> None:
+    def _count_underflow(self, x: torch.Tensor, q: QTensor, fmt: FP8Format) -> None:
         """Add the nonzero elements of ``x`` that ``q`` holds as zero or a subnormal. No amax
         shortcut exists here (any tensor may hold tiny elements), so it is always counted."""
         nonzero = x.detach() != 0
-        small = q.data.to(torch.float32).abs() < 2.0**self.fmt.min_exponent
+        small = q.data.to(torch.float32).abs() < 2.0**fmt.min_exponent
         self.underflowed.add_((small & nonzero).sum())
         self.nonzero.add_(nonzero.sum())
 

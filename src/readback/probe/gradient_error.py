@@ -108,7 +108,10 @@ def compare(errors: list[dict[str, torch.Tensor]], references: list[dict[str, to
     repeats ``grad_error/{bias,noise}/<name>`` with their standard errors under
     ``grad_error_se/{bias,noise}/<name>``. ``total`` is every name's vector concatenated."""
     names = list(errors[0])
-    flat = lambda d: torch.cat([d[n].flatten() for n in names])  # noqa: E731
+
+    def flat(d: dict[str, torch.Tensor]) -> torch.Tensor:
+        return torch.cat([d[n].flatten() for n in names])
+
     errors = [{**e, "total": flat(e)} for e in errors]
     references = [{**r, "total": flat(r)} for r in references]
     k = len(errors)

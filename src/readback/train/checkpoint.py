@@ -21,6 +21,7 @@ tensors and plain containers is refused with one line.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import re
@@ -97,10 +98,8 @@ def atomic_write_bytes(path: Path, write: Any) -> None:
             os.fsync(f.fileno())
         os.replace(tmp, path)
     except BaseException:
-        try:
+        with contextlib.suppress(OSError):
             os.unlink(tmp)
-        except OSError:
-            pass
         raise
     _fsync_dir(path.parent)
 

@@ -29,7 +29,7 @@ import random
 from collections.abc import Mapping
 from concurrent.futures import Future
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, Protocol, cast
 
 import torch
 import torch.distributed as dist
@@ -95,7 +95,7 @@ class RNGState:
     def state_dict(self) -> dict[str, Any]:
         import numpy as np
 
-        name, keys, pos, has_gauss, gauss = np.random.get_state()
+        name, keys, pos, has_gauss, gauss = cast("tuple[str, np.ndarray, int, int, float]", np.random.get_state())
         state: dict[str, Any] = {
             "torch": torch.get_rng_state(),
             "python": random.getstate(),
@@ -174,7 +174,7 @@ class CheckpointManager:
         }
         if env.is_main:
             shared = {k: c.state_dict() for k, c in self.shared.items()}
-            meta = {"format": CHECKPOINT_FORMAT, "step": step, "world_size": env.world_size}
+            meta: dict[str, Any] = {"format": CHECKPOINT_FORMAT, "step": step, "world_size": env.world_size}
             meta |= {"config": plain_config(self.cfg), "wandb_run_id": wandb_run_id}
             state["shared"] = dcp_io.pack(to_cpu({**meta, **shared}))
         tmp = temp_checkpoint_path(self.dir, step)
@@ -200,7 +200,7 @@ class CheckpointManager:
         """Load the checkpoint :func:`resume_plan` picks into the components: ``(step, wandb id)``,
         ``(0, None)`` for a fresh start. Also removes what interrupted writes left."""
         env = self.env
-        decision = None
+        decision: tuple[str, Any] | None = None
         if env.is_main:
             try:
                 found = resume_plan(self.run_dir, self.cfg)

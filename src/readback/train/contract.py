@@ -8,10 +8,10 @@ member is one clear error at build time instead of a silent skip in the loop.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
-from typing import Any, Protocol, runtime_checkable
+from typing import Any, Protocol, cast, runtime_checkable
 
 import torch
 
@@ -27,6 +27,9 @@ class RunNumerics(Protocol):
 
     mechanism: bool  # on: attention measures its mechanism statistics (readback.ops.mechanism)
 
+    @property
+    def sites(self) -> Mapping[str, object]: ...  # the rounding sites created so far, by name
+
     def saturation_counts(self) -> dict[str, int]: ...
     def underflow_fractions(self) -> dict[str, float]: ...
     def pop_observations(self) -> dict[str, float]: ...
@@ -37,12 +40,18 @@ class TrainableModel(Protocol):
     """An ``nn.Module`` whose ``model(idx, targets)`` is the mean loss, with its numerics, its
     size, and its blocks (FSDP shards each one; ``readback.model.ActivationStats`` hooks them)."""
 
-    numerics: RunNumerics
-    layers: torch.nn.ModuleList
-
+    @property
+    def numerics(self) -> RunNumerics: ...
+    @property
+    def layers(self) -> torch.nn.ModuleList: ...
     def __call__(self, idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor: ...
     def n_params(self) -> int: ...
     def flops_per_token(self) -> float: ...
+
+
+class TrainableModule(torch.nn.Module, TrainableModel):
+    """The type of what :func:`check_model` returns: an ``nn.Module`` that satisfies
+    :class:`TrainableModel` (for annotations; models need not inherit from it)."""
 
 
 @runtime_checkable
@@ -91,7 +100,7 @@ class Builders:
         return stream
 
 
-def check_model(model: object) -> TrainableModel:
+def check_model(model: object) -> TrainableModule:
     """``model`` itself, or a ``TypeError`` when it is not an ``nn.Module`` satisfying
     :class:`TrainableModel` (with :class:`RunNumerics`)."""
     if not (
@@ -100,4 +109,4 @@ def check_model(model: object) -> TrainableModel:
         and isinstance(model.numerics, RunNumerics)
     ):
         raise TypeError(f"{type(model).__name__} is not an nn.Module satisfying readback.train.contract.TrainableModel")
-    return model
+    return cast(TrainableModule, model)

@@ -11,15 +11,15 @@ from typing import Any
 import torch
 from omegaconf import DictConfig
 
-from readback.train.contract import Builders, TrainableModel
+from readback.train.contract import Builders, TrainableModule, check_model
 from readback.train.memory import GB, estimate, refuse_unless_fits, table
 from readback.train.parallel import PARALLEL, parallel_of
 from readback.train.summary import write_summary
 
 
-def _meta_model(cfg: DictConfig, builders: Builders) -> TrainableModel:
+def _meta_model(cfg: DictConfig, builders: Builders) -> TrainableModule:
     torch.manual_seed(cfg.seed)
-    return builders.model(cfg, "meta")
+    return check_model(builders.model(cfg, "meta"))
 
 
 def check_memory(cfg: DictConfig, builders: Builders, world_size: int) -> None:

@@ -10,9 +10,10 @@ block's unsharded gradient before its reduce-scatter.
 Activations (the tensors saved for backward, no recomputation) follow Korthikanti et al. 2022
 ("Reducing activation recomputation"), with 2-byte activations and no dropout: per layer
 ``b s (14 d + 4 f)`` bytes, plus ``b h s^2`` for the FP8 copy of the attention probabilities
-the emulated attention keeps for its backward (fused attention, ``backend=te``, keeps none), plus the FP32 logits and their
-gradient, ``8 b s V``. FP8 copies (1 byte) replace BF16 ones under ``precision=fp8`` on the GPU,
-so the estimate is an upper bound there. Allocator fragmentation and workspaces are not counted.
+the emulated attention keeps for its backward (fused attention, ``backend=te``, keeps none), plus
+the FP32 logits and their gradient, ``8 b s V``. FP8 copies (1 byte) replace BF16 ones under
+``precision=fp8`` on the GPU, so the estimate is an upper bound there. Allocator fragmentation
+and workspaces are not counted.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from dataclasses import dataclass
 from omegaconf import DictConfig
 
 from readback.errors import ConfigError
-from readback.train.contract import TrainableModel
+from readback.train.contract import TrainableModule
 
 GB = 1e9
 
@@ -50,7 +51,7 @@ def activation_bytes(cfg: DictConfig) -> float:
     return m.n_layers * (b * s * (14 * d + 4 * f) + scores) + 8 * b * s * v
 
 
-def estimate(model: TrainableModel, cfg: DictConfig, parallel: str, world_size: int) -> MemoryEstimate:
+def estimate(model: TrainableModule, cfg: DictConfig, parallel: str, world_size: int) -> MemoryEstimate:
     """Per-GPU bytes of ``model`` (built on ``meta``) trained under ``parallel`` on ``world_size`` GPUs."""
     n = sum(p.numel() for p in model.parameters() if p.requires_grad)
     if parallel == "fsdp":

@@ -15,7 +15,7 @@ import logging
 import math
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, TextIO
 
 from readback.train.checkpoint import atomic_write_text
 from readback.train.tracking import WandbLogger, launch_context, run_identity
@@ -90,7 +90,7 @@ class JsonlWriter:
     def __init__(self, path: Path):
         self.path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        self._f = None
+        self._f: TextIO | None = None
 
     def truncate_after(self, step: int) -> None:
         """Keep only records with ``step <= step`` (and drop torn lines): resume without duplicates."""
@@ -102,7 +102,7 @@ class JsonlWriter:
 
     def write(self, record: Mapping[str, Any]) -> None:
         if self._f is None:
-            self._f = open(self.path, "a", encoding="utf-8")  # noqa: SIM115
+            self._f = open(self.path, "a", encoding="utf-8")  # noqa: SIM115 - kept open across writes; close() closes it
         self._f.write(json.dumps(json_safe(dict(record)), allow_nan=False) + "\n")
         self._f.flush()
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 import torch
@@ -18,7 +18,8 @@ def param_groups(model: nn.Module, weight_decay: float) -> list[dict[str, Any]]:
     xIELU scalars -- get **no weight decay**. Frozen parameters (``requires_grad=False``, e.g. the
     QK-norm gains of FOG) are left out of the optimizer entirely.
     """
-    decay, no_decay = [], []
+    decay: list[torch.nn.Parameter] = []
+    no_decay: list[torch.nn.Parameter] = []
     for p in model.parameters():
         if not p.requires_grad:
             continue
@@ -39,7 +40,7 @@ def build_optimizer(model: nn.Module, optim_cfg: Any) -> torch.optim.AdamW:
     return torch.optim.AdamW(
         param_groups(model, optim_cfg.weight_decay),
         lr=1.0,
-        betas=tuple(optim_cfg.betas),  # type: ignore[arg-type]
+        betas=tuple(optim_cfg.betas),
         eps=optim_cfg.eps,
     )
 
@@ -49,7 +50,7 @@ def _full(grad: torch.Tensor) -> torch.Tensor:
     return grad.full_tensor() if isinstance(grad, DTensor) else grad
 
 
-def clip_gradients(params: list[torch.Tensor], max_norm: float) -> torch.Tensor:
+def clip_gradients(params: Sequence[torch.Tensor], max_norm: float) -> torch.Tensor:
     """The pre-clip global L2 norm of all gradients (a plain fp32 scalar on every rank, ``inf`` or
     ``nan`` if any gradient is); when it is finite and ``max_norm > 0``, the gradients are scaled by
     ``min(1, max_norm / (norm + 1e-6))`` (``torch.nn.utils.clip_grads_with_norm_``)."""

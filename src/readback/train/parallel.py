@@ -19,7 +19,7 @@ import torch
 from omegaconf import DictConfig
 from torch import nn
 
-from readback.train.contract import TrainableModel
+from readback.train.contract import TrainableModule
 from readback.train.distributed import DistEnv
 
 PARALLEL = ("ddp", "fsdp")
@@ -29,7 +29,7 @@ def parallel_of(cfg: DictConfig) -> str:
     return cfg.trainer.parallel
 
 
-def apply_parallelism(model: TrainableModel, env: DistEnv, parallel: str) -> nn.Module:
+def apply_parallelism(model: TrainableModule, env: DistEnv, parallel: str) -> nn.Module:
     """What the training micro-steps call: ``model`` itself (one process, or sharded in place by
     FSDP2), or its DDP wrapper."""
     if not env.distributed:

@@ -30,6 +30,7 @@ the step's loss all-reduce.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import signal
@@ -111,10 +112,8 @@ class PreemptionGuard:
         if self.requested is None:
             self.requested = signum
             # logging from a signal handler can deadlock on the handler's lock: write directly
-            try:
+            with contextlib.suppress(OSError):
                 os.write(2, f"{signal_name(signum)} received: checkpointing after this step\n".encode())
-            except OSError:
-                pass
 
     def install(self) -> PreemptionGuard:
         if threading.current_thread() is not threading.main_thread():
@@ -128,10 +127,8 @@ class PreemptionGuard:
 
     def uninstall(self) -> None:
         for signum, previous in self._previous.items():
-            try:
+            with contextlib.suppress(OSError, ValueError):
                 signal.signal(signum, previous if previous is not None else signal.SIG_DFL)
-            except (OSError, ValueError):
-                pass
         self._previous.clear()
 
     def __enter__(self) -> PreemptionGuard:

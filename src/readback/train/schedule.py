@@ -33,7 +33,7 @@ class WSDSchedule:
     @property
     def cooldown_start(self) -> int:
         """``t0``: the last step at full (post-warmup) learning rate."""
-        return self.steps - int(round(self.cooldown_frac * self.steps))
+        return self.steps - round(self.cooldown_frac * self.steps)
 
     def __call__(self, step: int) -> float:
         t = min(max(step, 1), self.steps)

@@ -18,6 +18,7 @@ one run; offline each start writes another ``wandb/offline-run-<time>-<id>`` fol
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import netrc
 import os
@@ -29,7 +30,7 @@ import sys
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal, cast
 from urllib.parse import urlparse
 
 from readback.overrides import config_value, is_setting, override_map, swept_keys
@@ -274,7 +275,7 @@ class WandbLogger:
                     dir=str(run_dir),
                     id=self.run_id,
                     resume="allow",
-                    mode=attempt,
+                    mode=cast(Literal["online", "offline", "disabled"], attempt),  # resolve_wandb_mode's
                     settings=wandb.Settings(init_timeout=float(init_timeout), silent=True),
                 )
                 self.mode = attempt
@@ -282,10 +283,9 @@ class WandbLogger:
             except Exception as e:
                 log.warning("wandb.init in %s mode failed (%s: %s)", attempt, type(e).__name__, e)
                 self._run = None
-                try:  # a failed init keeps the run id taken in this process: release it for the next try
+                # a failed init keeps the run id taken in this process: release it for the next try
+                with contextlib.suppress(Exception):
                     wandb.teardown()
-                except Exception:
-                    pass
         if self._run is None:
             log.warning("wandb disabled for this run; metrics go to metrics.jsonl only")
             return

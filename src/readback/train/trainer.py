@@ -92,6 +92,13 @@ class Trainer:
         self.loop_started = False
         self.step = 0
 
+    @property
+    def _metrics(self) -> MetricsProcessor:
+        """The metrics processor, which ``_build`` makes (``self.metrics`` is None before)."""
+        if self.metrics is None:
+            raise RuntimeError("the trainer is not built")
+        return self.metrics
+
     def _build(self) -> None:
         cfg, env = self.cfg, self.env
         self.stream = self.builders.stream(cfg, rank=env.rank, world_size=env.world_size)
@@ -134,7 +141,7 @@ class Trainer:
             start, wandb_id = self.checkpoints.resume()
             self.step = start
             self.summary.clear()
-            self.metrics.logger = build_metrics_logger(
+            self._metrics.logger = build_metrics_logger(
                 self.cfg.logger,
                 self.run_dir,
                 is_main=env.is_main,
@@ -142,7 +149,7 @@ class Trainer:
                 config=plain_config(self.cfg),
                 wandb_run_id=wandb_id,
             )
-            self.metrics.log_start(self.experiment, self.n_params, steps=self.steps, accum=self.accum)
+            self._metrics.log_start(self.experiment, self.n_params, steps=self.steps, accum=self.accum)
             status = self._loop(start)
             self.checkpoints.wait()  # an asynchronous save still in flight
         except Preempted as p:
@@ -160,8 +167,8 @@ class Trainer:
                 self.metrics.close()
         summary = self._summary(status)
         self.summary.write(summary)
-        self.metrics.logger.summary(summary)
-        self.metrics.logger.close(exit_code=0)
+        self._metrics.logger.summary(summary)
+        self._metrics.logger.close(exit_code=0)
         return summary
 
     def _close_logger(self, preempting: bool = False) -> None:
@@ -230,7 +237,7 @@ class Trainer:
     def _stop_nonfinite(self, step: int, t0: float, loss: float, lr: float, gnorm: float) -> None:
         """The step's loss or gradients are not finite: drop its update, log it, stop."""
         self.optimizer.zero_grad(set_to_none=True)
-        m = self.metrics
+        m = self._metrics
         m.window.add(loss, self.tokens_per_step, time.perf_counter() - t0)
         m.window.last_loss = loss if math.isfinite(loss) else None
         rec = m.record(step, loss, lr, gnorm, self.model, len(self.detector.skipped), self._pop_probe())
@@ -244,7 +251,7 @@ class Trainer:
         return {**self.activation_stats.pop(), **found, **self.bias_meter.pop()}
 
     def _loop(self, start: int) -> str:
-        env, m = self.env, self.metrics
+        env, m = self.env, self._metrics
         if self.cfg.trainer.progress:
             m.open_progress_bar(self.steps, start, self.experiment)
         last_saved, stopped, self.probe_metrics = start, False, {}
@@ -254,7 +261,7 @@ class Trainer:
             t0 = time.perf_counter()
             is_eval = step % self.eval_every == 0 or step == self.steps
             is_log = step % self.log_every == 0 or is_eval or self.probe.due(step) or self.bias_meter.due(step)
-            lr = self.scheduler.get_last_lr()[0]
+            lr = float(self.scheduler.get_last_lr()[0])  # a float: the schedule is a LambdaLR
             loss, gnorm = self._train_step(step, track_stats=is_log)
             self.step = step
             if not self._apply_update(step, loss, gnorm):
@@ -289,7 +296,7 @@ class Trainer:
         return "diverged" if self.detector.diverged else "completed"
 
     def _save(self) -> None:
-        self.checkpoints.save(self.step, wandb_run_id=self.metrics.logger.wandb_run_id)
+        self.checkpoints.save(self.step, wandb_run_id=self._metrics.logger.wandb_run_id)
 
     def _summary(self, status: str) -> dict[str, Any]:
         m = self.metrics

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from readback.train.contract import DataStream, TrainableModel
+from readback.train.contract import DataStream, TrainableModule
 from readback.train.distributed import DistEnv, all_reduce_mean
 
 
@@ -23,7 +23,7 @@ class Validator:
         self.stream, self.batches, self.env, self.lockstep = stream, batches, env, lockstep
 
     @torch.no_grad()
-    def evaluate(self, model: TrainableModel) -> float:
+    def evaluate(self, model: TrainableModule) -> float:
         env, dev = self.env, self.env.device
         batches = list(self.stream.val_batches(self.batches))
         rounds = (

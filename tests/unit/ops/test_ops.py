@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from readback.numerics import E4M3, E5M2, CurrentScaling, DelayedScaling, compute_scale, quantize
-from readback.ops import OPS, Numerics
+from readback.ops import OPS, Numerics, read_rules
 from readback.ops import attention as attention_mod
 from readback.ops import linear as linear_mod
 from readback.ops import norm as norm_mod
@@ -17,7 +17,7 @@ from readback.ops.activation import BETA, EPS, xielu
 from readback.ops.attention import attention
 from readback.ops.linear import linear
 from readback.ops.norm import layer_norm, rms_norm
-from readback.policy import POLICIES, READ_MODES, read_rules
+from readback.policy import POLICIES, READ_MODES
 
 SOFTMAX_SCALE = 0.125
 

@@ -1,0 +1,38 @@
+"""The ``precision`` group's schema: the numerics of a run, as Hydra composes them and as
+``readback.convert`` accepts them from Python (one set of types, ranges and error words for both).
+
+It sits with the backends because the recipes it names are Transformer Engine's
+(``backends.te_plan.RECIPES``); ``readback.config.schema`` registers it with the other groups.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from omegaconf import MISSING
+
+from readback.backends.te_plan import RECIPES
+from readback.fields import Checked, integer, items, one_of
+from readback.numerics import AMAX_COMPUTE_ALGOS, ROUNDINGS, Format
+from readback.ops.numerics import PRECISIONS
+
+
+@dataclass
+class Precision(Checked):
+    KEY = "precision"
+    name: str = one_of(PRECISIONS[:2])  # "off" is for reference computations, not runs
+
+
+@dataclass
+class Fp8Precision(Precision):
+    recipe: str = one_of(RECIPES)
+    fp8_format: str = one_of(f.name for f in Format)
+    margin: int = integer(minimum=0)
+    interval: int = integer()
+    amax_history_len: int = integer()
+    amax_compute_algo: str = one_of(AMAX_COMPUTE_ALGOS)
+    override_linear_precision: list[bool] = items("three booleans [fprop, dgrad, wgrad]", lambda v: len(v) == 3)
+    rounding: str = one_of(ROUNDINGS)
+    bf16_layers: list[str] = MISSING  # checked against the model's layers in Config.check
+    site_margin: Any = None  # {site pattern: k} (untyped: Hydra replaces the whole mapping); checked in Config.check
