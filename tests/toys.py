@@ -36,6 +36,17 @@ TINY_FOG = (
     "model.ffn_dim=48",
 )
 
+# The toy FOG's width and batch in a real training run (the tests add depth, steps and data).
+TOY_RUN = (
+    "model.d_model=32",
+    "model.n_heads=2",
+    "model.n_kv_groups=1",
+    "model.ffn_dim=64",
+    "model.seq_len=32",
+    "model.global_batch=4",
+    "trainer.micro_batch=2",
+)
+
 
 def compose(*overrides: str, **kwargs) -> DictConfig:
     """``conf/train.yaml`` composed with ``overrides``, as ``train.py`` would (not validated)."""

@@ -22,7 +22,7 @@ import torch.distributed.checkpoint as dcp
 
 from readback.train import dcp_io
 from readback.train.checkpoint import list_checkpoints
-from toys import REPO
+from toys import REPO, TOY_RUN
 
 # Small enough to train in seconds; cases override what they break.
 TINY = [
@@ -30,13 +30,7 @@ TINY = [
     "logger=none",
     "trainer.progress=false",
     "model.n_layers=1",
-    "model.d_model=32",
-    "model.n_heads=2",
-    "model.n_kv_groups=1",
-    "model.ffn_dim=64",
-    "model.seq_len=32",
-    "model.global_batch=4",
-    "trainer.micro_batch=2",
+    *TOY_RUN,
     "trainer.steps=2",
     "trainer.log_every=1",
     "trainer.eval_every=2",

@@ -7,7 +7,7 @@ import sys
 import pytest
 
 from readback.bias.__main__ import main as bias_main
-from toys import REPO
+from toys import REPO, TOY_RUN
 
 
 @pytest.mark.slow
@@ -18,13 +18,7 @@ def test_bias_in_training_and_from_a_checkpoint(tmp_path):
         "logger=none",
         "trainer.progress=false",
         "model.n_layers=1",
-        "model.d_model=32",
-        "model.n_heads=2",
-        "model.n_kv_groups=1",
-        "model.ffn_dim=64",
-        "model.seq_len=32",
-        "model.global_batch=4",
-        "trainer.micro_batch=2",
+        *TOY_RUN,
         "trainer.steps=2",
         "trainer.log_every=1",
         "trainer.eval_every=2",

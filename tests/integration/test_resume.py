@@ -24,7 +24,7 @@ import torch
 
 from readback.train.checkpoint import list_checkpoints, load_checkpoint
 from readback.train.metrics import read_jsonl
-from toys import REPO
+from toys import REPO, TOY_RUN
 
 STEPS = 30
 TINY = [
@@ -34,13 +34,7 @@ TINY = [
     "data=synthetic",
     "data.n_tokens=65536",
     "model.n_layers=2",
-    "model.d_model=32",
-    "model.n_heads=2",
-    "model.n_kv_groups=1",
-    "model.ffn_dim=64",
-    "model.seq_len=32",
-    "model.global_batch=4",
-    "trainer.micro_batch=2",
+    *TOY_RUN,
     f"trainer.steps={STEPS}",
     "trainer.log_every=3",
     "trainer.eval_every=10",

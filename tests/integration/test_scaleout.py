@@ -28,7 +28,7 @@ from readback.errors import ConfigError
 from readback.train import run
 from readback.train.checkpoint import list_checkpoints, load_checkpoint
 from readback.train.metrics import read_jsonl
-from toys import compose
+from toys import TOY_RUN, compose
 
 CONF = str(CONF_DIR)
 LOSS_RTOL = 3e-3  # FSDP vs DDP, and a 2-process checkpoint resumed by 1 process, over 20 steps
@@ -39,13 +39,7 @@ TINY = [
     "trainer.progress=false",
     "seed=5",
     "model.n_layers=2",
-    "model.d_model=32",
-    "model.n_heads=2",
-    "model.n_kv_groups=1",
-    "model.ffn_dim=64",
-    "model.seq_len=32",
-    "model.global_batch=4",
-    "trainer.micro_batch=2",
+    *TOY_RUN,
     "trainer.steps=20",
     "trainer.log_every=1",
     "trainer.eval_every=10",
