@@ -31,10 +31,11 @@ from readback.train.checkpoint import (
 from readback.train.checkpoint_manager import CheckpointManager
 from readback.train.distributed import DistEnv
 from readback.train.divergence import DivergenceDetector
+from readback.train.identity import RunIdentity
 from readback.train.metrics import JsonlWriter, MetricsLogger, read_jsonl
 from readback.train.optim import build_optimizer, clip_gradients, nonfinite_grad_names, param_groups
 from readback.train.schedule import WSDSchedule
-from readback.train.tracking import RunIdentity, WandbLogger, resolve_wandb_mode
+from readback.train.tracking import WandbLogger, resolve_wandb_mode
 from toys import CONF, ToyModel, make_cfg, train
 
 

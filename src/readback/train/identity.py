@@ -1,0 +1,149 @@
+"""Who a run is, for wandb and for ``launch.json``: its name, group and tags from the config,
+and where it came from (Hydra overrides, sweep directory, Slurm job, host and devices).
+
+* ``group`` = ``<sweep>/<experiment>`` plus the swept overrides other than the seed, so one
+  group is the seeds of one configuration (wandb's grouped curves are then mean-over-seeds);
+* ``name`` = the group's experiment and swept overrides, then ``s<seed>``;
+* ``job_type`` = ``train``; ``tags``: the study's axes (``policy=...``, ``rounding=...``) and the
+  swept overrides, plus ``logger.tags``;
+* ``config`` = the resolved run config plus ``launch``: the job's overrides, the sweep's
+  command-line overrides, sweep and run directory, job number, Slurm job id, host.
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import socket
+import sys
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from readback.overrides import config_value, is_setting, override_map, swept_keys
+
+#: The study's axes, as tags: tag name -> dotted config key.
+TAG_AXES = {
+    "model": "model.name",
+    "precision": "precision.name",
+    "rounding": "precision.rounding",
+    "policy": "policy.name",
+    "bwd": "attention.bwd_precision",
+}
+_MAX_TAG = 64  # wandb rejects longer tags
+
+
+@dataclass
+class RunIdentity:
+    """What wandb is told about a run besides its metrics."""
+
+    name: str
+    group: str
+    job_type: str = "train"
+    tags: list[str] = field(default_factory=list)
+    config: dict[str, Any] = field(default_factory=dict)
+
+
+def launch_context(run_dir: Path) -> dict[str, Any]:
+    """Where the run came from: Hydra's overrides and directories, Slurm's job id, the host."""
+    ctx: dict[str, Any] = {
+        "run_dir": str(run_dir),
+        "overrides": [],
+        "sweep_overrides": [],
+        "sweep_dir": None,
+        "sweep": None,
+        "job_num": None,
+        "override_dirname": None,
+        "slurm_job_id": slurm_job_id(),
+        "host": socket.gethostname(),
+        "cpus": os.cpu_count(),
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+        "argv": list(sys.argv),
+        **_devices(),
+    }
+    try:
+        from hydra.core.hydra_config import HydraConfig
+        from hydra.types import RunMode
+    except ImportError:
+        return ctx
+    if not HydraConfig.initialized():
+        return ctx
+    hc = HydraConfig.get()
+    ctx["overrides"] = list(hc.overrides.task)
+    ctx["override_dirname"] = str(hc.job.override_dirname)
+    if hc.mode == RunMode.MULTIRUN:
+        sweep_dir = Path(str(hc.sweep.dir))
+        ctx.update(
+            sweep_dir=str(sweep_dir),
+            sweep=sweep_dir.name,
+            job_num=int(hc.job.num),
+            sweep_overrides=sweep_overrides(sweep_dir),
+        )
+    return ctx
+
+
+def _devices() -> dict[str, Any]:
+    import torch
+
+    gpus = (
+        [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())] if torch.cuda.is_available() else []
+    )
+    return {"torch": torch.__version__, "gpus": gpus}
+
+
+def slurm_job_id() -> str | None:
+    """``<array job>_<task>`` for an array job, else ``SLURM_JOB_ID`` (None outside Slurm)."""
+    array, task = os.environ.get("SLURM_ARRAY_JOB_ID"), os.environ.get("SLURM_ARRAY_TASK_ID")
+    if array and task:
+        return f"{array}_{task}"
+    return os.environ.get("SLURM_JOB_ID")
+
+
+def sweep_overrides(sweep_dir: Path) -> list[str]:
+    """The sweep's command-line overrides as typed (``seed=0,1,2``), from the ``multirun.yaml``
+    Hydra writes into the sweep directory before it starts the jobs; [] when it is absent."""
+    path = Path(sweep_dir) / "multirun.yaml"
+    if not path.is_file():
+        return []
+    import yaml
+
+    try:
+        doc = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
+    except (yaml.YAMLError, OSError):
+        return []
+    return [str(o) for o in (((doc.get("hydra") or {}).get("overrides") or {}).get("task") or [])]
+
+
+def run_identity(
+    config: Mapping[str, Any],
+    launch: Mapping[str, Any],
+    *,
+    user_tags: list[str] | None = None,
+    group: str | None = None,
+    job_type: str = "train",
+) -> RunIdentity:
+    """Name, group and tags of a run from its config and :func:`launch_context`."""
+    experiment = str(config.get("experiment") or "custom")
+    seed = config.get("seed")
+    values = override_map(launch.get("overrides"))
+    axes = [k for k in swept_keys(launch.get("sweep_overrides") or []) if is_setting(k)]
+    swept = [f"{k}={values[k]}" for k in axes if k in values]
+    label = " ".join([experiment, *swept])
+    sweep = launch.get("sweep")
+    tags = [experiment] + [f"{tag}={v}" for tag, key in TAG_AXES.items() if (v := _dotted(config, key)) is not None]
+    tags += swept + ([f"sweep={sweep}"] if sweep else []) + [str(t) for t in user_tags or []]
+    return RunIdentity(
+        name=f"{label} s{seed}" if seed is not None else label,
+        group=group or (f"{sweep}/{label}" if sweep else label),
+        job_type=job_type,
+        tags=list(dict.fromkeys(t[:_MAX_TAG] for t in tags)),
+        config={**config, "launch": dict(launch)},
+    )
+
+
+def _dotted(cfg: Mapping[str, Any], dotted: str) -> Any:
+    """A scalar config value for a tag, or None."""
+    value = config_value(cfg, dotted)
+    return value if isinstance(value, (str, int, float, bool)) else None
