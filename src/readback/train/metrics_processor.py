@@ -49,8 +49,9 @@ class MetricsProcessor:
     """Builds one record per log step and sends it to the :class:`MetricsLogger`; its state (the
     window and the wall time so far) rides along in checkpoints."""
 
-    def __init__(self, env: DistEnv, *, tokens_per_step: int, flops_per_token: float, t_start: float) -> None:
-        self.env, self.tokens_per_step, self.flops_per_token = env, tokens_per_step, flops_per_token
+    def __init__(self, env: DistEnv, *, tokens_per_step: int, t_start: float) -> None:
+        self.env, self.tokens_per_step = env, tokens_per_step
+        self.flops_per_token: float | None = None  # set once the model is built
         self.window = Window()
         self.logger = MetricsLogger()
         self.pbar: Any = None
@@ -104,7 +105,7 @@ class MetricsProcessor:
             "tokens_per_s": tps,
             "skipped_updates": skipped,
         }
-        if self.peak_flops:
+        if self.peak_flops and self.flops_per_token:
             rec["mfu"] = self.flops_per_token * tps / (self.peak_flops * self.env.world_size)
             rec["mem_gib"] = torch.cuda.max_memory_allocated(self.env.device) / 2**30
         rec.update({f"fp8_saturation/{site}": int(n) for site, n in model.numerics.saturation_counts().items()})
@@ -112,6 +113,29 @@ class MetricsProcessor:
         rec.update({k: float(v) for k, v in model.numerics.pop_observations().items()})  # e.g. attn_rowsum/z/<layer>
         rec.update(extra)
         return rec
+
+    def log_diverged(
+        self,
+        step: int,
+        loss: float,
+        lr: float,
+        gnorm: float,
+        model: TrainableModel,
+        skipped: int,
+        extra: dict[str, float],
+        seconds: float,
+    ) -> None:
+        """The record of a step whose loss or gradients are not finite (its update dropped): its own
+        loss, marked ``diverged``; it is the run's final loss when finite, else there is none."""
+        self.window.add(loss, self.tokens_per_step, seconds)
+        self.window.last_loss = loss if math.isfinite(loss) else None
+        self.log({**self.record(step, loss, lr, gnorm, model, skipped, extra), "diverged": True})
+
+    def close_logger_failed(self, preempting: bool = False) -> None:
+        """Close the logger of a run that raised (preempted: wandb marks it for the requeue)."""
+        if preempting:
+            self.logger.mark_preempting()
+        self.logger.close(exit_code=1)
 
     def log(self, rec: dict[str, Any], *, window_loss: float | None = None) -> None:
         """Write ``rec``; with ``window_loss`` the window closes (it becomes the last logged loss)."""

@@ -49,12 +49,7 @@ from readback.train.instruments import TrainingBiasMeter
 from readback.train.metrics import build_metrics_logger
 from readback.train.metrics_processor import MetricsProcessor
 from readback.train.optim import build_optimizer, clip_gradients, nonfinite_grad_names
-from readback.train.parallel import (
-    apply_parallelism,
-    no_gradient_sync,
-    parallel_of,
-    whole_parameters,
-)
+from readback.train.parallel import apply_parallelism, no_gradient_sync, parallel_of, whole_parameters
 from readback.train.preemption import Preempted, PreemptionGuard
 from readback.train.schedule import WSDSchedule, build_scheduler
 from readback.train.summary import SummaryWriter, run_summary
@@ -85,19 +80,12 @@ class Trainer:
         self.probe = GradientProbe.from_config(cfg.probe)
         self.bias_meter = TrainingBiasMeter(cfg)
         self.summary = SummaryWriter(self.run_dir, is_main=env.is_main)
-        self.metrics: MetricsProcessor | None = None
         self.n_params: int | None = None
         self.t_start = time.time()
+        self.metrics = MetricsProcessor(env, tokens_per_step=self.tokens_per_step, t_start=self.t_start)
         self.preempt = False  # a preemption signal reached some rank: checkpoint and stop after this step
         self.loop_started = False
         self.step = 0
-
-    @property
-    def _metrics(self) -> MetricsProcessor:
-        """The metrics processor, which ``_build`` makes (``self.metrics`` is None before)."""
-        if self.metrics is None:
-            raise RuntimeError("the trainer is not built")
-        return self.metrics
 
     def _build(self) -> None:
         cfg, env = self.cfg, self.env
@@ -115,12 +103,7 @@ class Trainer:
         self.optimizer = build_optimizer(self.model, cfg.trainer.optim)
         schedule = WSDSchedule.from_config(cfg.trainer.optim, peak=cfg.model.lr, steps=self.steps)
         self.scheduler = build_scheduler(self.optimizer, schedule)
-        self.metrics = MetricsProcessor(
-            env,
-            tokens_per_step=self.tokens_per_step,
-            t_start=self.t_start,
-            flops_per_token=float(self.model.flops_per_token()),
-        )
+        self.metrics.flops_per_token = float(self.model.flops_per_token())
         self.validator = Validator(self.stream, cfg.trainer.eval_batches, env, lockstep=parallel_of(cfg) == "fsdp")
         self.checkpoints = CheckpointManager(
             self.run_dir,
@@ -141,7 +124,7 @@ class Trainer:
             start, wandb_id = self.checkpoints.resume()
             self.step = start
             self.summary.clear()
-            self._metrics.logger = build_metrics_logger(
+            self.metrics.logger = build_metrics_logger(
                 self.cfg.logger,
                 self.run_dir,
                 is_main=env.is_main,
@@ -149,33 +132,26 @@ class Trainer:
                 config=plain_config(self.cfg),
                 wandb_run_id=wandb_id,
             )
-            self._metrics.log_start(self.experiment, self.n_params, steps=self.steps, accum=self.accum)
+            self.metrics.log_start(self.experiment, self.n_params, steps=self.steps, accum=self.accum)
             status = self._loop(start)
             self.checkpoints.wait()  # an asynchronous save still in flight
         except Preempted as p:
             if env.is_main:
                 log.warning("%s; no summary.json: the requeued job resumes and writes it", p)
-            self._close_logger(preempting=True)
+            self.metrics.close_logger_failed(preempting=True)
             raise
         except (Exception, KeyboardInterrupt) as e:
             if self.loop_started or not isinstance(e, ConfigError):  # e.g. the data ran out mid-run: failed
                 self.summary.write_failed(self._summary("failed"), e)
-            self._close_logger()
+            self.metrics.close_logger_failed()
             raise
         finally:
-            if self.metrics is not None:
-                self.metrics.close()
+            self.metrics.close()
         summary = self._summary(status)
         self.summary.write(summary)
-        self._metrics.logger.summary(summary)
-        self._metrics.logger.close(exit_code=0)
+        self.metrics.logger.summary(summary)
+        self.metrics.logger.close(exit_code=0)
         return summary
-
-    def _close_logger(self, preempting: bool = False) -> None:
-        if self.metrics is not None:
-            if preempting:
-                self.metrics.logger.mark_preempting()
-            self.metrics.logger.close(exit_code=1)
 
     def _train_step(self, step: int, track_stats: bool) -> tuple[float, float]:
         """Forward/backward over ``accum`` micro-batches, then the pre-clip gradient norm (and the
@@ -237,11 +213,8 @@ class Trainer:
     def _stop_nonfinite(self, step: int, t0: float, loss: float, lr: float, gnorm: float) -> None:
         """The step's loss or gradients are not finite: drop its update, log it, stop."""
         self.optimizer.zero_grad(set_to_none=True)
-        m = self._metrics
-        m.window.add(loss, self.tokens_per_step, time.perf_counter() - t0)
-        m.window.last_loss = loss if math.isfinite(loss) else None
-        rec = m.record(step, loss, lr, gnorm, self.model, len(self.detector.skipped), self._pop_probe())
-        m.log({**rec, "diverged": True})
+        extra, seconds = self._pop_probe(), time.perf_counter() - t0
+        self.metrics.log_diverged(step, loss, lr, gnorm, self.model, len(self.detector.skipped), extra, seconds)
         if self.env.is_main:
             log.error("stopping: %s; non-finite: %s", self.detector.reason, ", ".join(self.detector.nonfinite_tensors))
 
@@ -251,7 +224,7 @@ class Trainer:
         return {**self.activation_stats.pop(), **found, **self.bias_meter.pop()}
 
     def _loop(self, start: int) -> str:
-        env, m = self.env, self._metrics
+        env, m = self.env, self.metrics
         if self.cfg.trainer.progress:
             m.open_progress_bar(self.steps, start, self.experiment)
         last_saved, stopped, self.probe_metrics = start, False, {}
@@ -296,7 +269,7 @@ class Trainer:
         return "diverged" if self.detector.diverged else "completed"
 
     def _save(self) -> None:
-        self.checkpoints.save(self.step, wandb_run_id=self._metrics.logger.wandb_run_id)
+        self.checkpoints.save(self.step, wandb_run_id=self.metrics.logger.wandb_run_id)
 
     def _summary(self, status: str) -> dict[str, Any]:
         m = self.metrics
@@ -305,11 +278,11 @@ class Trainer:
             step=self.step,
             tokens_per_step=self.tokens_per_step,
             detector=self.detector,
-            final_loss=m.window.last_loss if m else None,
-            val_loss=m.window.last_val_loss if m else None,
-            wall_time_s=m.wall_time() if m else time.time() - self.t_start,
+            final_loss=m.window.last_loss,
+            val_loss=m.window.last_val_loss,
+            wall_time_s=m.wall_time(),
             n_params=self.n_params,
-            flops_per_token=m.flops_per_token if m else None,
+            flops_per_token=m.flops_per_token,
             world_size=self.env.world_size,
             site_implementations=site_implementations(self.cfg) if hasattr(self.cfg, "backend") else None,
             experiment=self.experiment,
