@@ -46,6 +46,18 @@ TOY_RUN = (
     "model.global_batch=4",
     "trainer.micro_batch=2",
 )
+# A whole train.py run of two steps (one layer, synthetic data, no logger, validated at the end).
+TWO_STEP_RUN = (
+    "data=synthetic",
+    "logger=none",
+    "trainer.progress=false",
+    "model.n_layers=1",
+    *TOY_RUN,
+    "trainer.steps=2",
+    "trainer.log_every=1",
+    "trainer.eval_every=2",
+    "trainer.eval_batches=1",
+)
 
 
 def compose(*overrides: str, **kwargs) -> DictConfig:

@@ -22,19 +22,11 @@ import torch.distributed.checkpoint as dcp
 
 from readback.train import dcp_io
 from readback.train.checkpoint import list_checkpoints
-from toys import REPO, TOY_RUN
+from toys import REPO, TWO_STEP_RUN
 
 # Small enough to train in seconds; cases override what they break.
 TINY = [
-    "data=synthetic",
-    "logger=none",
-    "trainer.progress=false",
-    "model.n_layers=1",
-    *TOY_RUN,
-    "trainer.steps=2",
-    "trainer.log_every=1",
-    "trainer.eval_every=2",
-    "trainer.eval_batches=1",
+    *TWO_STEP_RUN,
     "trainer.ckpt_every=1",
 ]
 NO_CUDA = not torch.cuda.is_available()

@@ -7,22 +7,14 @@ import sys
 import pytest
 
 from readback.bias.__main__ import main as bias_main
-from toys import REPO, TOY_RUN
+from toys import REPO, TWO_STEP_RUN
 
 
 @pytest.mark.slow
 def test_bias_in_training_and_from_a_checkpoint(tmp_path):
     run = tmp_path / "run"
     tiny = [
-        "data=synthetic",
-        "logger=none",
-        "trainer.progress=false",
-        "model.n_layers=1",
-        *TOY_RUN,
-        "trainer.steps=2",
-        "trainer.log_every=1",
-        "trainer.eval_every=2",
-        "trainer.eval_batches=1",
+        *TWO_STEP_RUN,
         "trainer.ckpt_every=2",
         "+experiment=reuse_rounded",
         "precision.site_margin={attn.core.output:12}",

@@ -114,22 +114,12 @@ class MetricsProcessor:
         rec.update(extra)
         return rec
 
-    def log_diverged(
-        self,
-        step: int,
-        loss: float,
-        lr: float,
-        gnorm: float,
-        model: TrainableModel,
-        skipped: int,
-        extra: dict[str, float],
-        seconds: float,
-    ) -> None:
-        """The record of a step whose loss or gradients are not finite (its update dropped): its own
-        loss, marked ``diverged``; it is the run's final loss when finite, else there is none."""
+    def close_diverged(self, loss: float, seconds: float) -> None:
+        """Close the window at a step whose loss or gradients are not finite (its update dropped):
+        its own loss is the run's final loss when finite, else there is none. Its record follows,
+        marked ``diverged``."""
         self.window.add(loss, self.tokens_per_step, seconds)
         self.window.last_loss = loss if math.isfinite(loss) else None
-        self.log({**self.record(step, loss, lr, gnorm, model, skipped, extra), "diverged": True})
 
     def close_logger_failed(self, preempting: bool = False) -> None:
         """Close the logger of a run that raised (preempted: wandb marks it for the requeue)."""

@@ -213,8 +213,10 @@ class Trainer:
     def _stop_nonfinite(self, step: int, t0: float, loss: float, lr: float, gnorm: float) -> None:
         """The step's loss or gradients are not finite: drop its update, log it, stop."""
         self.optimizer.zero_grad(set_to_none=True)
-        extra, seconds = self._pop_probe(), time.perf_counter() - t0
-        self.metrics.log_diverged(step, loss, lr, gnorm, self.model, len(self.detector.skipped), extra, seconds)
+        m = self.metrics
+        m.close_diverged(loss, time.perf_counter() - t0)
+        rec = m.record(step, loss, lr, gnorm, self.model, len(self.detector.skipped), self._pop_probe())
+        m.log({**rec, "diverged": True})
         if self.env.is_main:
             log.error("stopping: %s; non-finite: %s", self.detector.reason, ", ".join(self.detector.nonfinite_tensors))
 
