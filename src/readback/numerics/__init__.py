@@ -2,7 +2,7 @@
 
 from readback.numerics.formats import BF16, E4M3, E5M2, Format, FP8Format
 from readback.numerics.gemm import GEMM_PRECISIONS, fp8_mm, matmul
-from readback.numerics.rounding import ROUNDINGS, QTensor, pinned, quantize, round_stochastic
+from readback.numerics.rounding import ROUNDINGS, QTensor, pinned, quantize, round_bf16, round_stochastic
 from readback.numerics.scaling import (
     AMAX_COMPUTE_ALGOS,
     CurrentScaling,
@@ -33,5 +33,6 @@ __all__ = [
     "matmul",
     "pinned",
     "quantize",
+    "round_bf16",
     "round_stochastic",
 ]

@@ -37,8 +37,8 @@ def fp8_mm(a: QTensor, b: QTensor) -> torch.Tensor:
     """``a @ b`` of two quantized tensors in real units, rounded once to BF16, returned in FP32.
 
     Batched operands (``..., m, k``) are allowed. BF16 operands (the no-FP8 baseline and BF16
-    sites) take torch's BF16 GEMM, which accumulates in FP32 and rounds once; their scale is 1,
-    so multiplying by it afterwards changes nothing.
+    sites) take torch's BF16 GEMM, which accumulates in FP32 and rounds once; BF16 is never
+    scaled, so nothing is applied afterwards.
     """
     if use_scaled_mm(a, b):
         out = torch._scaled_mm(
@@ -49,9 +49,9 @@ def fp8_mm(a: QTensor, b: QTensor) -> torch.Tensor:
             out_dtype=torch.bfloat16,
         )
         return out.float()
+    if a.data.dtype == b.data.dtype == torch.bfloat16:  # unscaled (round_bf16): no scale to apply
+        return torch.matmul(a.data, b.data).float()
     scale = a.scale_inv * b.scale_inv
-    if a.data.dtype == b.data.dtype == torch.bfloat16:
-        return torch.matmul(a.data, b.data).float() * scale
     if a.data.dim() == 2 or a.data.shape[:-2] != b.data.shape[:-2]:
         return _decoded_product(a.data, b.data, scale)
     # A batch of products runs a block of matrices at a time (the same products, bit for bit),

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from readback.numerics.formats import FP8Format
+from readback.numerics.formats import BF16, FP8Format
 
 ROUNDINGS = ("nearest", "stochastic")
 _FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
@@ -99,16 +99,35 @@ def quantize(
     scale: torch.Tensor | float,
     rounding: str = "nearest",
     generator: torch.Generator | None = None,
+    saturate: bool = True,
 ) -> QTensor:
     """Scale ``x``, saturate to ``+-fmt.max`` (as Transformer Engine does, for both formats;
-    infinities saturate too, NaN stays NaN) and round to ``fmt``."""
+    infinities saturate too, NaN stays NaN) and round to ``fmt``.
+
+    ``saturate=False`` skips the clamp for a caller that knows ``amax * scale <= fmt.max``
+    (then the clamp changes nothing). BF16 is never scaled: ``round_bf16`` rounds to it."""
+    if fmt is BF16:
+        raise ValueError("BF16 is not scaled: round to it with round_bf16")
     scale = torch.as_tensor(scale, dtype=torch.float32, device=x.device)
-    y = (x.to(torch.float32) * scale).clamp_(-fmt.max, fmt.max)
+    y = x.to(torch.float32) * scale
+    if saturate:
+        y = y.clamp_(-fmt.max, fmt.max)
     if rounding == "stochastic":
         y = round_stochastic(y, fmt, generator)
     elif rounding != "nearest":
         raise ValueError(f"unknown rounding {rounding!r}; valid: {list(ROUNDINGS)}")
     return QTensor(y.to(fmt.dtype), scale, fmt)
+
+
+def round_bf16(x: torch.Tensor) -> QTensor:
+    """``x`` rounded to nearest BF16, unscaled (scale 1), saturating to ``+-BF16.max`` like the
+    FP8 formats. The clamp runs on the BF16 copy: a value beyond the max rounds to the max or to
+    infinity, and either clamps to the max, so these are the bits of clamping first, at half the
+    memory traffic and without the FP32 temporary."""
+    if x.dtype == torch.bfloat16:
+        return QTensor(x.clamp(-BF16.max, BF16.max), torch.ones((), device=x.device), BF16)
+    data = x.to(torch.bfloat16).clamp_(-BF16.max, BF16.max)
+    return QTensor(data, torch.ones((), device=x.device), BF16)
 
 
 def pinned(x: torch.Tensor, executed: torch.Tensor) -> torch.Tensor:

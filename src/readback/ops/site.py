@@ -11,7 +11,16 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from readback.numerics import BF16, CurrentScalingState, DelayedScalingState, FP8Format, QTensor, abs_max, quantize
+from readback.numerics import (
+    BF16,
+    CurrentScalingState,
+    DelayedScalingState,
+    FP8Format,
+    QTensor,
+    abs_max,
+    quantize,
+    round_bf16,
+)
 
 if TYPE_CHECKING:
     from readback.ops.numerics import Numerics
@@ -34,6 +43,9 @@ class UnitScale:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         pass
 
+
+# The exponent field of each FP8 code (sign, exponent, mantissa from the top bit down).
+EXPONENT_BITS = {torch.float8_e4m3fn: 0b0111_1000, torch.float8_e5m2: 0b0111_1100}
 
 ScalingState = UnitScale | DelayedScalingState | CurrentScalingState
 
@@ -77,7 +89,7 @@ class Site:
         if self.fmt is None:  # rounding switched off: the identity, in x's own precision
             return QTensor(x, torch.ones((), dtype=x.dtype, device=x.device), None)
         if self.fmt is BF16:  # BF16 sites round to nearest, as BF16 GEMM inputs do, unscaled
-            return quantize(x, BF16, self.state.scale_for(x) if scale is None else scale)
+            return round_bf16(x)
         amax = abs_max(x) if amax is None else amax
         if scale is None:  # the site margin divides the scale like the recipe's margin (2**-k)
             scale = self.state.scale_for(x, amax)
@@ -88,17 +100,22 @@ class Site:
         saturated = _count_saturated(x, amax, scale, self.fmt)
         if isinstance(saturated, torch.Tensor):
             self.saturated.add_(saturated)
-        q = quantize(x, self.fmt, scale, rounding, generator)
-        self._count_underflow(x, q, self.fmt)
+        # Without a count none saturates, so the clamp would change nothing.
+        q = quantize(x, self.fmt, scale, rounding, generator, saturate=isinstance(saturated, torch.Tensor))
+        self._count_underflow(x, q)
         return q
 
-    def _count_underflow(self, x: torch.Tensor, q: QTensor, fmt: FP8Format) -> None:
+    def _count_underflow(self, x: torch.Tensor, q: QTensor) -> None:
         """Add the nonzero elements of ``x`` that ``q`` holds as zero or a subnormal. No amax
-        shortcut exists here (any tensor may hold tiny elements), so it is always counted."""
-        nonzero = x.detach() != 0
-        small = q.data.to(torch.float32).abs() < 2.0**fmt.min_exponent
-        self.underflowed.add_((small & nonzero).sum())
-        self.nonzero.add_(nonzero.sum())
+        shortcut exists here (any tensor may hold tiny elements), so it is always counted.
+
+        A code is zero or subnormal exactly when its exponent bits are all 0, so the normal
+        codes are counted on the 1-byte codes; every zero of ``x`` has a zero code, hence
+        underflowed = nonzero(x) - normal(q)."""
+        nonzero = torch.count_nonzero(x.detach())
+        normal = torch.count_nonzero(q.data.view(torch.uint8) & EXPONENT_BITS[q.data.dtype])
+        self.underflowed.add_(nonzero - normal)
+        self.nonzero.add_(nonzero)
 
     def _follow(self, device: torch.device) -> None:
         """Move the counters to the model's device, once (before any compiled step)."""
@@ -110,8 +127,9 @@ class Site:
 
 def _count_saturated(x: torch.Tensor, amax: torch.Tensor, scale: torch.Tensor, fmt: FP8Format) -> torch.Tensor | int:
     """Elements of ``x`` beyond ``+-fmt.max`` once scaled. On the CPU the counting pass is
-    skipped when ``amax * scale`` shows that none is (the usual case); on a GPU, or while
-    compiling, reading that flag would stall the device, so the count is always taken."""
-    if x.device.type == "cpu" and not torch.compiler.is_compiling() and not amax * scale > fmt.max:
+    skipped when ``amax * scale <= fmt.max`` shows that none is (the usual case; a NaN amax
+    shows nothing, so infinities next to a NaN are still counted); on a GPU, or while compiling,
+    reading that flag would stall the device, so the count is always taken."""
+    if x.device.type == "cpu" and not torch.compiler.is_compiling() and bool(amax * scale <= fmt.max):
         return 0
     return (x.detach().abs() * scale > fmt.max).sum()

@@ -17,6 +17,7 @@ from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 from readback.numerics import (
+    BF16,
     E4M3,
     E5M2,
     CurrentScaling,
@@ -30,6 +31,7 @@ from readback.numerics import (
     fp8_mm,
     matmul,
     quantize,
+    round_bf16,
 )
 from readback.numerics.rounding import decode
 
@@ -168,6 +170,35 @@ def test_infinities_saturate_and_nan_stays_nan(fmt, rounding):
     # a scale that pushes finite values out of range saturates too
     big = quantize(torch.tensor([1.0, -3.0]), fmt, torch.tensor(fmt.max * 4), rounding, generator)
     assert big.data.float().tolist() == [fmt.max, -fmt.max]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_round_bf16_is_clamp_then_cast(dtype):
+    """BF16 sites clamp after the cast; the bits are those of clamping first and casting (and
+    a BF16 input is not modified in place)."""
+    bf16_max = float(torch.finfo(torch.bfloat16).max)
+    extremes = [float("inf"), -float("inf"), float("nan"), F32_MAX, -F32_MAX, bf16_max, 3.3961e38, 1e-40, -0.0, 0.0]
+    x = torch.cat([torch.tensor(extremes), torch.randn(4096) * torch.logspace(-30, 30, 4096)]).to(dtype)
+    original = x.clone()
+    got = round_bf16(x)
+    reference = x.float().clamp(-bf16_max, bf16_max).to(torch.bfloat16)
+    assert torch.equal(got.data.view(torch.int16), reference.view(torch.int16))
+    assert got.scale.item() == 1.0 and got.data.dtype == torch.bfloat16
+    assert torch.equal(x.view(torch.uint8), original.view(torch.uint8))
+
+
+def test_quantize_refuses_bf16():
+    with pytest.raises(ValueError, match="round_bf16"):
+        quantize(torch.ones(3), BF16, 1.0)
+
+
+@pytest.mark.parametrize("fmt", FORMATS, ids=str)
+def test_quantize_without_saturation_is_the_same_when_nothing_saturates(fmt):
+    """``saturate=False`` (taken when ``amax * scale <= fmt.max``) changes no bit then."""
+    x = torch.randn(10_000) * torch.logspace(-8, 2, 10_000)
+    scale = compute_scale(x.abs().amax(), fmt)
+    clamped, unclamped = (quantize(x, fmt, scale, saturate=s).data.view(torch.uint8) for s in (True, False))
+    assert torch.equal(clamped, unclamped)
 
 
 def test_unknown_rounding_raises():

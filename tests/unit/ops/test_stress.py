@@ -11,7 +11,7 @@ from readback.backends import build_model
 from readback.config import validate
 from readback.errors import ConfigError
 from readback.model import rounding_sites
-from readback.numerics import E4M3, CurrentScaling, compute_scale
+from readback.numerics import E4M3, E5M2, CurrentScaling, compute_scale
 from readback.ops.attention import attention
 from readback.ops.linear import linear
 from readback.ops.numerics import Numerics, Site
@@ -70,6 +70,20 @@ def test_underflow_counts_zeros_and_subnormals_of_a_hand_made_tensor():
     assert numerics.underflow_fractions() == {}  # reset by the call
     numerics.site("t").quantize(x, scale=torch.tensor(2.0**-10))  # too small for everything but 448
     assert numerics.underflow_fractions()["t"] == pytest.approx(5 / 6)
+
+
+@pytest.mark.parametrize("fmt", [E4M3, E5M2], ids=str)
+def test_underflow_count_on_codes_matches_the_values(fmt):
+    """The count taken on the codes' exponent bits is the count of nonzero elements whose
+    rounded value is below the smallest normal, for both formats, NaN and zeros included."""
+    x = torch.cat([torch.randn(20_000) * torch.logspace(-12, 1, 20_000), torch.tensor([0.0, -0.0, float("nan")])])
+    numerics = Numerics(recipe=CurrentScaling(fp8_format="e4m3" if fmt is E4M3 else "hybrid"))
+    site = numerics.site("t", "fwd" if fmt is E4M3 else "bwd")
+    q = site.quantize(x)
+    nonzero = x != 0
+    small = q.data.float().abs() < 2.0**fmt.min_exponent
+    assert site.underflowed.item() == (small & nonzero).sum().item() > 0
+    assert site.nonzero.item() == nonzero.sum().item()
 
 
 def test_site_margin_pushes_the_output_into_underflow():
