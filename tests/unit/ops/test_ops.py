@@ -13,7 +13,7 @@ from readback.ops import OPS, Numerics, read_rules
 from readback.ops import attention as attention_mod
 from readback.ops import linear as linear_mod
 from readback.ops import norm as norm_mod
-from readback.ops.activation import BETA, EPS, xielu
+from readback.ops.activation import BETA, EPS, replay, xielu
 from readback.ops.attention import attention
 from readback.ops.linear import linear
 from readback.ops.norm import layer_norm, rms_norm
@@ -531,6 +531,18 @@ def test_xielu_values_at_hand_picked_points():
     assert math.isclose(float(got[points.index(1.0)]), 1.3, rel_tol=1e-14)
     assert math.isclose(float(got[points.index(0.0)]), 0.9 * math.expm1(-1e-6), rel_tol=1e-12)
     assert math.isclose(float(got[points.index(-1.0)]), 0.9 * math.exp(-1) - 0.5, rel_tol=1e-12)
+
+
+def test_xielu_op_forward_is_the_reference_formula_bit_for_bit():
+    """The op evaluates each branch once and selects with ``where``; ``replay`` (the reference)
+    adds the masked branches. Same bits, over every magnitude, zeros, infinities and NaN."""
+    extremes = [0.0, -0.0, math.inf, -math.inf, math.nan, 1e-45, -1e-45, -1e-6, -1.0000001e-6, 1e-30, -100.0, 3.4e38]
+    x = torch.cat([torch.tensor(extremes), torch.randn(50_000, generator=_gen(3)) * torch.logspace(-8, 2, 50_000)])
+    for a_p, a_n in ((0.8, 0.8), (0.05, 2.5)):
+        a_p, a_n = torch.tensor([a_p]), torch.tensor([a_n])
+        got = xielu(x, a_p, a_n, Numerics("bf16"))
+        want = replay(x, a_p, a_n)
+        assert torch.equal(got.view(torch.int32), want.view(torch.int32))
 
 
 def test_xielu_gradient_matches_autograd_of_formula():
