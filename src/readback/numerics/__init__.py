@@ -1,7 +1,7 @@
 """FP8 numerics: formats, scaling, rounding and the emulated GEMM (Transformer Engine's terms)."""
 
 from readback.numerics.formats import BF16, E4M3, E5M2, Format, FP8Format
-from readback.numerics.gemm import GEMM_PRECISIONS, fp8_mm, matmul
+from readback.numerics.gemm import GEMM_PRECISIONS, decoded, fp8_mm, matmul
 from readback.numerics.rounding import ROUNDINGS, QTensor, pinned, quantize, round_bf16, round_stochastic
 from readback.numerics.scaling import (
     AMAX_COMPUTE_ALGOS,
@@ -29,6 +29,7 @@ __all__ = [
     "QTensor",
     "abs_max",
     "compute_scale",
+    "decoded",
     "fp8_mm",
     "matmul",
     "pinned",

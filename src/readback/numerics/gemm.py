@@ -75,6 +75,16 @@ def _decoded_product(a: torch.Tensor, b: torch.Tensor, scale: torch.Tensor) -> t
     return accumulator.mul_(scale).to(torch.bfloat16).float()
 
 
+def decoded(q: QTensor) -> QTensor:
+    """``q`` with its codes decoded to their FP32 values, for an operand that enters several
+    emulated GEMMs (a gradient's dgrad and wgrad, attention's row blocks): each GEMM would
+    decode it again. The values, and so every product, are the same. Unchanged where the GEMM
+    runs the real FP8 kernel, which takes the codes."""
+    if q.data.dtype not in (torch.float8_e4m3fn, torch.float8_e5m2) or q.data.device.type == "cuda":
+        return q
+    return q.map(lambda data: decode(data, torch.float32))
+
+
 GEMM_PRECISIONS = ("fp8", "bf16", "fp32", "fp64")
 _DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32, "fp64": torch.float64}
 

@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from readback.numerics import QTensor, abs_max, matmul, pinned
+from readback.numerics import QTensor, abs_max, decoded, matmul, pinned
 from readback.ops import mechanism
 from readback.ops.saved import load, save
 
@@ -130,6 +130,11 @@ class _Attention(torch.autograd.Function):
 
         kq, vq = _expand_groups(saved["k_for_dq"], heads), _expand_groups(saved["v_for_dp"], heads)
         d_v = matmul(saved["p_for_dv"].mT, d_out_operand, precision)
+        # every row block reads these (O(T hd) each): decoded once, not once per block
+        q_for_dk = decoded(saved["q_for_dk"])
+        kq, vq = decoded(kq), decoded(vq)
+        if isinstance(d_out_operand, QTensor):
+            d_out_operand = decoded(d_out_operand)
         o_read = _o_read(numerics, name, saved)
 
         def d_scores(rows: slice, d_term: mechanism.DTermCosine | None = None) -> torch.Tensor:
@@ -137,7 +142,7 @@ class _Attention(torch.autograd.Function):
             accumulates the block's share of the mechanism's D-term cosine."""
             if saved["p_for_ds"] is None:
                 probs = _softmax(
-                    _scores(saved["q_for_dk"].map(lambda d: d[:, :, rows]), kq, fctx.scale, fctx.gemm),
+                    _scores(q_for_dk.map(lambda d: d[:, :, rows]), kq, fctx.scale, fctx.gemm),
                     rows.start,
                     dtype,
                 )
@@ -179,7 +184,7 @@ class _Attention(torch.autograd.Function):
         )
 
         d_q = matmul(d_s_operand, kq, precision) * fctx.scale
-        d_k = matmul(d_s_operand.mT, saved["q_for_dk"], precision) * fctx.scale
+        d_k = matmul(d_s_operand.mT, q_for_dk, precision) * fctx.scale
         groups = saved["k_for_dq"].data.shape[1]
         d_k = d_k.reshape(batch, groups, heads // groups, seq, dim).sum(2)
         d_v = d_v.reshape(batch, groups, heads // groups, seq, dim).sum(2)

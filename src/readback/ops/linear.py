@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any, cast
 
 import torch
 
-from readback.numerics import FP8Format, QTensor, matmul, pinned
+from readback.numerics import FP8Format, QTensor, decoded, matmul, pinned
 from readback.ops.saved import load, save
 from readback.policy import POLICIES
 
@@ -66,6 +66,7 @@ class _Linear(torch.autograd.Function):
         dgrad, wgrad = numerics.linear_precision("dgrad"), numerics.linear_precision("wgrad")
         dy = dy.reshape(-1, dy.shape[-1]).to(numerics.dtype)
         dyq = numerics.site(f"{fctx.name}.grad_output", "bwd").quantize(dy) if "fp8" in (dgrad, wgrad) else None
+        dyq = decoded(dyq) if dyq is not None and dgrad == wgrad == "fp8" else dyq  # two GEMMs read it
         dx = dw = None
         if fctx.needs_input_grad[0]:
             dx = matmul(dy if dyq is None or dgrad != "fp8" else dyq, saved["w_for_dgrad"], dgrad).reshape(fctx.x_shape)

@@ -28,6 +28,7 @@ from readback.numerics import (
     FP8Format,
     abs_max,
     compute_scale,
+    decoded,
     fp8_mm,
     matmul,
     quantize,
@@ -539,6 +540,18 @@ def test_fp8_mm_equals_float64_product_within_bf16(shape, seed, fmt_b):
     # one BF16 rounding of the result (relative 2**-8) plus FP32 accumulation round-off
     bound = 2.0**-8 * want.abs() + 2.0**-16 * (a64.abs() @ b64.abs())
     assert ((got.double() - want).abs() <= bound).all()
+
+
+@pytest.mark.parametrize("batch", [(), (3,)], ids=["plain", "batched"])
+def test_decoded_operands_give_the_same_product(batch):
+    """An operand decoded once (``decoded``) multiplies to the same bits as its FP8 codes."""
+    qa, qb = _operands(11, (*batch, 40, 64), (*batch, 64, 24), E4M3, E5M2)
+    da, db = decoded(qa), decoded(qb)
+    assert da.data.dtype == torch.float32 and torch.equal(da.data, decode(qa.data, torch.float32))
+    assert torch.equal(fp8_mm(da, db), fp8_mm(qa, qb))
+    assert torch.equal(fp8_mm(da.map(lambda d: d[..., 5:29, :]), db), fp8_mm(qa.map(lambda d: d[..., 5:29, :]), qb))
+    bf16 = round_bf16(torch.randn(4, 4))
+    assert decoded(bf16) is bf16
 
 
 def _scaled_mm(qa, qb) -> torch.Tensor:
