@@ -50,7 +50,7 @@ def fresh_draw(numerics: Numerics, site: str, original: torch.Tensor, executed: 
     of ``site`` in this step of a run seeded ``seed`` (the op's own draw when ``seed`` is the run's)."""
     twin = Numerics("fp8", numerics.recipe, numerics.policy, seed=seed)
     twin.step, twin.stream_salt = numerics.step, numerics.stream_salt
-    generator = twin.generator(site, "fresh", original.device)
+    generator = twin.random_stream(site, "fresh", original.device)
     if executed.fmt is None:
         raise ValueError(f"{site} does not round: no fresh draw")
     return quantize(original.detach().float(), executed.fmt, executed.scale, "stochastic", generator).dequantize(F64)

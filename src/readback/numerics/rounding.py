@@ -1,8 +1,9 @@
 """Rounding to the FP8 grid: the one place where a tensor becomes FP8.
 
 ``quantize`` scales, saturates and rounds. ``nearest`` is torch's cast (round to nearest even);
-``stochastic`` is an unbiased rounding whose randomness comes from an explicit generator, so a
-run is reproducible and two generators give independent roundings of the same tensor.
+``stochastic`` is an unbiased rounding whose randomness comes from an explicit generator (or a
+generator's state, which a compiled step can draw from), so a run is reproducible and two
+generators give independent roundings of the same tensor.
 """
 
 from __future__ import annotations
@@ -79,7 +80,27 @@ def _grid_spacing(y: torch.Tensor, fmt: FP8Format) -> torch.Tensor:
     return binade.clamp_min(2.0**fmt.min_exponent) * 2.0**-fmt.mantissa_bits
 
 
-def round_stochastic(y: torch.Tensor, fmt: FP8Format, generator: torch.Generator | None) -> torch.Tensor:
+@torch.library.custom_op("readback::uniform", mutates_args=("state",))
+def uniform(state: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """FP32 uniforms in [0, 1) shaped like ``like``, from the generator whose state is ``state``,
+    which the draw advances in place: the draws of a ``torch.Generator`` in that state, bit for
+    bit, as an op that ``torch.compile`` traces (it cannot trace a ``torch.Generator``)."""
+    generator = torch.Generator(device=like.device)
+    generator.set_state(state)
+    draws = torch.rand(like.shape, generator=generator, device=like.device, dtype=torch.float32)
+    state.copy_(generator.get_state())
+    return draws
+
+
+@uniform.register_fake
+def _(state: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    return torch.empty(like.shape, dtype=torch.float32, device=like.device)
+
+
+RandomSource = torch.Generator | torch.Tensor | None  # a generator, a generator's state (``uniform``), or torch's
+
+
+def round_stochastic(y: torch.Tensor, fmt: FP8Format, generator: RandomSource) -> torch.Tensor:
     """Round fp32 ``y`` (within ``+-fmt.max``) to one of its two FP8 neighbours, unbiased.
 
     ``y / spacing`` is exact (a power-of-two scaling), so ``frac`` is exact and rounding up with
@@ -89,7 +110,11 @@ def round_stochastic(y: torch.Tensor, fmt: FP8Format, generator: torch.Generator
     units = y / spacing
     low = torch.floor(units)
     frac = units - low
-    u = torch.rand(y.shape, generator=generator, device=y.device, dtype=torch.float32)
+    u: torch.Tensor
+    if isinstance(generator, torch.Tensor):
+        u = uniform(generator, y)  # (custom ops are untyped: the annotation keeps u a Tensor)
+    else:
+        u = torch.rand(y.shape, generator=generator, device=y.device, dtype=torch.float32)
     return (low + (u < frac).to(torch.float32)) * spacing
 
 
@@ -98,7 +123,7 @@ def quantize(
     fmt: FP8Format,
     scale: torch.Tensor | float,
     rounding: str = "nearest",
-    generator: torch.Generator | None = None,
+    generator: RandomSource = None,
     saturate: bool = True,
 ) -> QTensor:
     """Scale ``x``, saturate to ``+-fmt.max`` (as Transformer Engine does, for both formats;

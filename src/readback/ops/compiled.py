@@ -9,7 +9,8 @@ in fused reductions: losses agree to about 1e-7 relative, not bit for bit.
 The ops' bookkeeping is traceable: saved values go through ``save_for_backward``
 (``readback.ops.saved``), and the backward writes amaxes, counts and observations into tensors
 that exist before tracing, in place. So a compiled step needs every site created first (one
-eager step), and stochastic rounding (``torch.Generator`` streams) cannot be traced.
+eager step). Stochastic roundings draw from generator states through ``readback::uniform``, an
+op the graph calls as is: the same draws as eager, and the streams advance in place.
 """
 
 from __future__ import annotations

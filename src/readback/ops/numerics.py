@@ -87,7 +87,9 @@ class Numerics:
         self.maxima: dict[str, torch.Tensor] = {}
         self.mechanism = False  # ops measure their mechanism statistics (readback.ops.mechanism)
         self.stream_salt = ""
-        self._generators: dict[tuple[str, str, str], torch.Generator] = {}
+        # generator states of the random streams, advanced in place by each draw and re-seeded in
+        # place for each step: the same tensors throughout, so a compiled step draws from them
+        self._streams: dict[tuple[str, str, str], torch.Tensor] = {}
         self._replay: tuple[Iterator[Record], torch.dtype] | None = None  # (records, dtype) while replaying a tape
 
     @property
@@ -133,15 +135,18 @@ class Numerics:
         """Run extra executions (probes) without moving the run: scaling states, sites,
         random streams and observations are restored on exit. ``stream_salt`` gives the
         executions inside their own random streams (an empty salt reuses the step's own)."""
-        state, names, salt = self.state_dict(), set(self.sites), self.stream_salt
-        self.stream_salt, self._generators = stream_salt, {}
+        state, names, salt, streams = self.state_dict(), set(self.sites), self.stream_salt, set(self._streams)
+        self.stream_salt = stream_salt
+        self._reseed()
         try:
             yield
         finally:
             for name in set(self.sites) - names:
                 del self.sites[name]
-            self.load_state_dict(state)
+            for key in set(self._streams) - streams:
+                del self._streams[key]
             self.stream_salt = salt
+            self.load_state_dict(state)
 
     def linear_precision(self, gemm: str) -> str:
         """GEMM precision of a linear's ``fprop``, ``dgrad`` or ``wgrad``."""
@@ -172,17 +177,27 @@ class Numerics:
             self.sites[name] = Site(self, name, direction, fmt, state, margin if fmt not in (None, BF16) else 0)
         return self.sites[name]
 
-    def generator(self, site: str, stream: str, device: torch.device) -> torch.Generator:
-        """The random stream (site, stream) of this step: seeded from (seed, site, stream, step),
-        so runs are reproducible, resume needs no generator state, and streams are independent."""
+    def random_stream(self, site: str, stream: str, device: torch.device) -> torch.Tensor:
+        """The random stream (site, stream) of this step, as a generator state that each draw
+        advances (``readback.numerics.uniform``). Seeded from (seed, site, stream, step), so runs
+        are reproducible, resume needs no generator state, and streams are independent."""
         key = (site, stream, str(device))
-        if key not in self._generators:
-            key_text = f"{self.seed}/{site}/{stream}/{self.step}{self.stream_salt}"
-            digest = hashlib.blake2b(key_text.encode(), digest_size=8).digest()
-            generator = torch.Generator(device=device)
-            generator.manual_seed(int.from_bytes(digest, "little") & (2**63 - 1))
-            self._generators[key] = generator
-        return self._generators[key]
+        if key not in self._streams:
+            self._streams[key] = self._seeded_state(key)
+        return self._streams[key]
+
+    def _seeded_state(self, key: tuple[str, str, str]) -> torch.Tensor:
+        site, stream, device = key
+        key_text = f"{self.seed}/{site}/{stream}/{self.step}{self.stream_salt}"
+        digest = hashlib.blake2b(key_text.encode(), digest_size=8).digest()
+        generator = torch.Generator(device=device)
+        generator.manual_seed(int.from_bytes(digest, "little") & (2**63 - 1))
+        return generator.get_state()
+
+    def _reseed(self) -> None:
+        """Start every stream of this step (and salt) again, in place."""
+        for key, state in self._streams.items():
+            state.copy_(self._seeded_state(key))
 
     def account(self, op: str, **saved: torch.Tensor | QTensor | None) -> None:
         """Add the bytes an op saved for its backward, per saved tensor, to ``saved_bytes``.
@@ -285,7 +300,7 @@ class Numerics:
         for site in self.sites.values():
             site.state.end_step()
         self.step += 1
-        self._generators.clear()
+        self._reseed()
 
     def state_dict(self) -> dict[str, Any]:
         """Step, scaling states, and what was counted or observed since the last log record
@@ -304,7 +319,7 @@ class Numerics:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.step = state["step"]
-        self._generators.clear()
+        self._reseed()
         for name, saved in state["sites"].items():
             site = self.site(name, saved["direction"])
             site.state.load_state_dict(saved["state"])

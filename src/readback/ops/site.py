@@ -95,7 +95,7 @@ class Site:
             scale = self.state.scale_for(x, amax)
             if self.margin:
                 scale = scale * 2.0**-self.margin
-        generator = self.numerics.generator(self.name, stream, x.device) if rounding == "stochastic" else None
+        generator = self.numerics.random_stream(self.name, stream, x.device) if rounding == "stochastic" else None
         self._follow(x.device)
         saturated = _count_saturated(x, amax, scale, self.fmt)
         if isinstance(saturated, torch.Tensor):

@@ -34,7 +34,7 @@ from readback.numerics import (
     quantize,
     round_bf16,
 )
-from readback.numerics.rounding import decode
+from readback.numerics.rounding import decode, uniform
 
 FORMATS = [E4M3, E5M2]
 F32_MAX = float(torch.finfo(torch.float32).max)
@@ -200,6 +200,20 @@ def test_quantize_without_saturation_is_the_same_when_nothing_saturates(fmt):
     scale = compute_scale(x.abs().amax(), fmt)
     clamped, unclamped = (quantize(x, fmt, scale, saturate=s).data.view(torch.uint8) for s in (True, False))
     assert torch.equal(clamped, unclamped)
+
+
+def test_uniform_from_a_state_draws_what_the_generator_draws():
+    """``uniform`` (the op a compiled step calls) continues a generator from its state, in place."""
+    generator = torch.Generator().manual_seed(3)
+    state = generator.get_state()
+    like = torch.empty(5, 7)
+    for _ in range(3):
+        assert torch.equal(uniform(state, like), torch.rand(5, 7, generator=generator))
+    assert torch.equal(state, generator.get_state())
+    x = torch.randn(1000)
+    by_state = quantize(x, E4M3, 1.0, "stochastic", torch.Generator().manual_seed(9).get_state())
+    by_generator = quantize(x, E4M3, 1.0, "stochastic", torch.Generator().manual_seed(9))
+    assert torch.equal(by_state.data.view(torch.uint8), by_generator.data.view(torch.uint8))
 
 
 def test_unknown_rounding_raises():

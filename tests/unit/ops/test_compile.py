@@ -17,6 +17,9 @@ SETUPS = {
     "bf16": dict(precision="bf16", policy="exact", attention_bwd="bf16"),
     "reuse_rounded": dict(precision="fp8", policy="reuse_rounded"),
     "no_saved_copy": dict(precision="fp8", policy="no_saved_copy"),
+    # stochastic roundings draw from generator states (readback.numerics.uniform), which trace
+    "fresh_reround": dict(precision="fp8", policy="fresh_reround"),
+    "stochastic": dict(precision="fp8", policy="reuse_rounded", rounding="stochastic"),
 }
 
 
@@ -52,7 +55,7 @@ def test_the_step_traces_as_one_graph(setup):
     assert explained.graph_count == 1
 
 
-@pytest.mark.parametrize("setup", ["bf16", "reuse_rounded"])
+@pytest.mark.parametrize("setup", ["bf16", "reuse_rounded", "stochastic"])
 def test_later_steps_and_probes_reuse_the_graph(setup):
     """Nothing the steps change (scales, amax histories, counters, observations) is a new object
     or a Python number the graph would be specialised on."""
@@ -81,10 +84,13 @@ def _inductor_works() -> bool:
 
 
 @pytest.mark.slow
-def test_compiled_steps_train_as_eager_steps():
+@pytest.mark.parametrize("setup", ["reuse_rounded", "fresh_reround"])
+def test_compiled_steps_train_as_eager_steps(setup):
+    """Same losses, counts and histories; under fresh_reround the compiled backward draws the
+    same re-rounding as the eager one (the random streams advance alike)."""
     if not _inductor_works():
         pytest.skip("torch._inductor cannot build CPU kernels here")
-    eager = _model("reuse_rounded")
+    eager = _model(setup)
     _step(eager, eager)
     twin = copy.deepcopy(eager)
     forward = compiled(twin)
@@ -97,5 +103,7 @@ def test_compiled_steps_train_as_eager_steps():
         other = twin.numerics.sites[name]
         assert float(other.nonzero) == float(site.nonzero), name  # counted in the compiled backward too
         assert torch.allclose(other.state.history, site.state.history, rtol=1e-5), name
+    for key, state in eager.numerics._streams.items():
+        assert torch.equal(twin.numerics._streams[key], state), key
     moments = twin.numerics.observations["attn_rowsum/layers.0.attn.core"]
     assert float(moments[0]) == float(eager.numerics.observations["attn_rowsum/layers.0.attn.core"][0]) > 0

@@ -592,8 +592,10 @@ def test_stochastic_rounding_streams_are_reproducible_and_independent():
     c.end_step()
     next_step = _stochastic(c, "l0.attn.output", x)
     assert not torch.equal(first, next_step)  # another step
+    stream = a.random_stream("l0.attn.output", "forward", x.device)
     a.end_step()
     b.end_step()
+    assert a.random_stream("l0.attn.output", "forward", x.device) is stream  # re-seeded in place (compiled graphs)
     assert torch.equal(_stochastic(a, "l0.attn.output", x), next_step)
     assert torch.equal(_stochastic(b, "l0.attn.output", x), next_step)
 
