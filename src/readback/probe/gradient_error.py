@@ -106,31 +106,38 @@ def reference_gradients(model, params: dict, tape: list, inputs, targets, dtype=
 def compare(errors: list[dict[str, torch.Tensor]], references: list[dict[str, torch.Tensor]]) -> dict[str, float]:
     """``grad_error/{rel_err,cosine}/<name>`` averaged over repeats, and with two or more
     repeats ``grad_error/{bias,noise}/<name>`` with their standard errors under
-    ``grad_error_se/{bias,noise}/<name>``. ``total`` is every name's vector concatenated."""
-    names = list(errors[0])
+    ``grad_error_se/{bias,noise}/<name>``. ``total`` is every name's vector concatenated.
 
-    def flat(d: dict[str, torch.Tensor]) -> torch.Tensor:
-        return torch.cat([d[n].flatten() for n in names])
-
-    errors = [{**e, "total": flat(e)} for e in errors]
-    references = [{**r, "total": flat(r)} for r in references]
-    k = len(errors)
+    Every statistic is a ratio of sums of squares and products, so ``total`` adds those of the
+    names instead of concatenating the vectors (a model's worth of FP64 copies)."""
+    names, k = list(errors[0]), len(errors)
+    sums = {name: _sums([e[name] for e in errors], [r[name] for r in references]) for name in names}
+    sums["total"] = {key: torch.stack([s[key] for s in sums.values()]).sum(0) for key in sums[names[0]]}
     out = {}
     for name in ["total", *names]:
-        e = torch.stack([x[name].flatten() for x in errors])
-        r = torch.stack([x[name].flatten() for x in references])
-        executed = e + r
-        r_norm = r.norm(dim=1).clamp_min(1e-300)
-        out[f"grad_error/rel_err/{name}"] = (e.norm(dim=1) / r_norm).mean().item()
-        cosine = torch.nn.functional.cosine_similarity(executed, r, dim=1, eps=1e-300)
+        s = sums[name]
+        ee, er, rr = s["ee"], s["er"], s["rr"]  # per repeat: |e|^2, e.r, |r|^2
+        executed = (ee + 2 * er + rr).clamp_min(0)  # |e + r|^2
+        out[f"grad_error/rel_err/{name}"] = (ee.sqrt() / rr.sqrt().clamp_min(1e-300)).mean().item()
+        cosine = (er + rr) / (executed * rr).sqrt().clamp_min(1e-300)
         out[f"grad_error/cosine/{name}"] = cosine.mean().item()
         if k > 1:
-            scale = r.mean(0).norm().clamp_min(1e-300).item()
-            mean_error = e.mean(0)
-            spread = (e - mean_error).pow(2).sum(1)  # per repeat, squared distance to the mean error
-            noise = math.sqrt(spread.sum().item() / (k - 1))
-            out[f"grad_error/bias/{name}"] = mean_error.norm().item() / scale
+            scale = max(math.sqrt(float(s["mean_rr"])), 1e-300)
+            noise = math.sqrt(float(s["spread"]) / (k - 1))  # sample spread of the errors around their mean
+            out[f"grad_error/bias/{name}"] = math.sqrt(float(s["mean_ee"])) / scale
             out[f"grad_error/noise/{name}"] = noise / scale
             out[f"grad_error_se/bias/{name}"] = noise / math.sqrt(k) / scale
             out[f"grad_error_se/noise/{name}"] = noise / math.sqrt(2 * (k - 1)) / scale
     return out
+
+
+def _sums(errors: list[torch.Tensor], references: list[torch.Tensor]) -> dict[str, torch.Tensor]:
+    """One name's sums over its elements: per repeat ``ee``, ``er``, ``rr`` (tensors of K); with
+    K > 1 also ``mean_ee``, ``mean_rr`` (squared norms of the mean error and mean reference) and
+    ``spread`` (squared distances of the errors to their mean, summed over repeats)."""
+    e, r = torch.stack([t.flatten() for t in errors]), torch.stack([t.flatten() for t in references])
+    sums = {"ee": (e * e).sum(1), "er": (e * r).sum(1), "rr": (r * r).sum(1)}
+    if len(e) > 1:
+        mean_e, mean_r = e.mean(0), r.mean(0)
+        sums |= {"mean_ee": mean_e @ mean_e, "mean_rr": mean_r @ mean_r, "spread": (e - mean_e).square().sum()}
+    return sums

@@ -94,6 +94,38 @@ def test_compare_statistics_by_hand():
     assert stats["grad_error/rel_err/total"] == pytest.approx(0.2)
 
 
+def _concatenated(errors, references):
+    """The statistics of ``total`` from the concatenated vectors, as their definitions read."""
+    e = torch.stack([torch.cat([t.flatten() for t in x.values()]) for x in errors])
+    r = torch.stack([torch.cat([t.flatten() for t in x.values()]) for x in references])
+    k, mean_e = len(e), e.mean(0)
+    noise = ((e - mean_e).pow(2).sum() / (k - 1)).sqrt() / r.mean(0).norm()
+    return {
+        "rel_err": (e.norm(dim=1) / r.norm(dim=1)).mean(),
+        "cosine": torch.nn.functional.cosine_similarity(e + r, r, dim=1).mean(),
+        "bias": mean_e.norm() / r.mean(0).norm(),
+        "noise": noise,
+    }
+
+
+@pytest.mark.parametrize("k", [1, 3])
+def test_compare_total_is_the_concatenated_vector(k):
+    """``total`` adds the names' sums of squares and products: the statistics of the vectors
+    concatenated, by their definitions."""
+    g = torch.Generator().manual_seed(4)
+    shapes = {"a": (7, 5), "b": (11,), "c": (3, 2, 4)}
+    references = [{n: torch.randn(s, generator=g, dtype=torch.float64) for n, s in shapes.items()} for _ in range(k)]
+    errors = [
+        {n: 0.1 * torch.randn(s, generator=g, dtype=torch.float64) + 0.05 for n, s in shapes.items()} for _ in range(k)
+    ]
+    stats = compare(errors, references)
+    want = _concatenated(errors, references)
+    for key in ("rel_err", "cosine", *(("bias", "noise") if k > 1 else ())):
+        assert stats[f"grad_error/{key}/total"] == pytest.approx(float(want[key]), rel=1e-12), key
+    one = _concatenated([{"b": e["b"]} for e in errors], [{"b": r["b"]} for r in references])
+    assert stats["grad_error/cosine/b"] == pytest.approx(float(one["cosine"]), rel=1e-12)
+
+
 def _losses(run_dir):
     return {r["step"]: r["loss"] for r in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines())}
 
