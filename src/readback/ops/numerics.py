@@ -134,8 +134,15 @@ class Numerics:
     def isolated(self, stream_salt: str = "") -> Iterator[None]:
         """Run extra executions (probes) without moving the run: scaling states, sites,
         random streams and observations are restored on exit. ``stream_salt`` gives the
-        executions inside their own random streams (an empty salt reuses the step's own)."""
-        state, names, salt, streams = self.state_dict(), set(self.sites), self.stream_salt, set(self._streams)
+        executions inside their own random streams, from the start of the step (an empty salt
+        reuses the step's own)."""
+        state, names, salt = self.state_dict(), set(self.sites), self.stream_salt
+        streams = {key: stream.clone() for key, stream in self._streams.items()}
+        pending = [  # the step's amaxes so far (a checkpoint, taken between steps, has none)
+            (site.state, site.state.pending_amax.clone())
+            for site in self.sites.values()
+            if isinstance(site.state, DelayedScalingState)
+        ]
         self.stream_salt = stream_salt
         self._reseed()
         try:
@@ -143,10 +150,14 @@ class Numerics:
         finally:
             for name in set(self.sites) - names:
                 del self.sites[name]
-            for key in set(self._streams) - streams:
+            for key in set(self._streams) - set(streams):
                 del self._streams[key]
             self.stream_salt = salt
             self.load_state_dict(state)
+            for key, stream in streams.items():  # each stream continues where it was
+                self._streams[key].copy_(stream)
+            for scaling, amax in pending:
+                scaling.pending_amax.copy_(amax)
 
     def linear_precision(self, gemm: str) -> str:
         """GEMM precision of a linear's ``fprop``, ``dgrad`` or ``wgrad``."""

@@ -38,20 +38,30 @@ class GradientProbe:
     def due(self, step: int) -> bool:
         return self.every > 0 and step % self.every == 0
 
-    def measure(self, model, inputs: torch.Tensor, targets: torch.Tensor) -> dict[str, float]:
+    def measure(self, model, inputs: torch.Tensor, targets: torch.Tensor, trained: TapedStep | None = None):
         """Error statistics of one batch, logged as ``grad_error/<stat>/<name>``.
 
         Leaves the model, its gradients, its numerics (scales, histories, random streams) and
-        every global random state as they were. Repeat 0 uses the step's own random streams.
+        every global random state as they were. Repeat 0 uses the step's own random streams;
+        ``trained`` is the step's own taped backward of this batch (``train_taped``), which
+        repeat 0 then takes instead of executing the batch again (every repeat differentiates
+        the loss divided by the step's micro-batches, as that backward did).
         """
         numerics = model.numerics
         params = {n: p for n, p in model.named_parameters() if p.requires_grad}
         saved_grads = {n: p.grad for n, p in params.items()}
+        micro_batches = 1 if trained is None else trained.micro_batches
         errors, references = [], []
         try:
             for repeat in range(self.repeats):
-                with numerics.isolated(stream_salt="" if repeat == 0 else f"/probe{repeat}"):
-                    executed, reference = self._gradients(model, params, inputs, targets)
+                if repeat == 0 and trained is not None:
+                    executed, reference = self._against_reference(model, params, trained, inputs, targets)
+                else:
+                    with numerics.isolated(stream_salt="" if repeat == 0 else f"/probe{repeat}"):
+                        for p in params.values():
+                            p.grad = None
+                        _, taped = train_taped(model, inputs, targets, micro_batches)
+                        executed, reference = self._against_reference(model, params, taped, inputs, targets)
                 keep = [n for n in reference if any(fnmatch.fnmatch(n, pat) for pat in self.params)]
                 errors.append({n: executed[n] - reference[n] for n in keep})
                 references.append({n: reference[n] for n in keep})
@@ -60,46 +70,75 @@ class GradientProbe:
                 p.grad = saved_grads[n]
         return compare(errors, references)
 
-    def _gradients(self, model, params, inputs, targets):
+    def _against_reference(self, model, params, taped: TapedStep, inputs, targets):
         """(executed, reference) gradients by name: parameters, and watched op inputs."""
         numerics = model.numerics
-        for p in params.values():
-            p.grad = None
         numerics.watched = {}
         try:
-            _, tape = taped_backward(model, inputs, targets)
-            executed = {n: p.grad for n, p in params.items() if p.grad is not None}
-            executed |= {n: t.grad for n, t in numerics.watched.items()}
-            numerics.watched = {}
             reference = reference_gradients(
-                model, {n: params[n] for n in executed if n in params}, tape, inputs, targets, DTYPES[self.dtype]
+                model,
+                {n: params[n] for n in taped.executed if n in params},
+                taped.tape,
+                inputs,
+                targets,
+                DTYPES[self.dtype],
+                taped.micro_batches,
             )
         finally:
             numerics.watched = None
-        return {n: executed[n].detach().double() for n in reference}, reference
+        return {n: taped.executed[n].detach().double() for n in reference}, reference
 
 
-def taped_backward(model, inputs: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, list]:
-    """One training forward and backward (gradients into ``.grad``), recording the executed
-    forward's tape: ``(loss, tape)``."""
+@dataclass(frozen=True)
+class TapedStep:
+    """A forward and backward of one batch with the executed forward's tape: the gradients it
+    left (parameters and watched op inputs, by name) and the micro-batches its loss was divided by."""
+
+    tape: list
+    executed: dict[str, torch.Tensor]
+    micro_batches: int
+
+
+def train_taped(model, inputs: torch.Tensor, targets: torch.Tensor, micro_batches: int = 1):
+    """A training micro-step (``loss / micro_batches`` backward, gradients into ``.grad``) that
+    tapes the forward and watches the op inputs: ``(loss, TapedStep)``. Its gradients are this
+    batch's alone when none had accumulated before (the first micro-batch of a step)."""
+    numerics = model.numerics
+    numerics.watched = {}
+    try:
+        loss, tape = taped_backward(model, inputs, targets, micro_batches)
+        executed = {n: p.grad for n, p in model.named_parameters() if p.requires_grad and p.grad is not None}
+        executed |= {n: t.grad for n, t in numerics.watched.items()}
+    finally:
+        numerics.watched = None
+    return loss, TapedStep(tape, executed, micro_batches)
+
+
+def taped_backward(model, inputs: torch.Tensor, targets: torch.Tensor, micro_batches: int = 1):
+    """One training forward and backward of ``loss / micro_batches`` (gradients into ``.grad``),
+    recording the executed forward's tape: ``(loss, tape)``."""
     numerics = model.numerics
     numerics.tape = []
     try:
         loss = model(inputs, targets)
-        loss.backward()
+        (loss / micro_batches if micro_batches != 1 else loss).backward()
         return loss.detach(), numerics.tape
     finally:
         numerics.tape = None
 
 
-def reference_gradients(model, params: dict, tape: list, inputs, targets, dtype=torch.float32) -> dict:
-    """Plain autograd over the replay of ``tape`` (every rounding pinned to the executed bits),
-    by name: the parameters in ``params``, and the op inputs in ``numerics.watched`` when on."""
+def reference_gradients(
+    model, params: dict, tape: list, inputs, targets, dtype=torch.float32, micro_batches: int = 1
+) -> dict:
+    """Plain autograd over the replay of ``tape`` (every rounding pinned to the executed bits)
+    of ``loss / micro_batches``, by name: the parameters in ``params``, and the op inputs in
+    ``numerics.watched`` when on."""
     numerics = model.numerics
     with numerics.replay(tape, dtype):
         loss = model(inputs, targets)
         leaves = {**params, **(numerics.watched or {})}
-        grads = torch.autograd.grad(loss, list(leaves.values()), allow_unused=True)
+        scaled = loss / micro_batches if micro_batches != 1 else loss
+        grads = torch.autograd.grad(scaled, list(leaves.values()), allow_unused=True)
     return {n: g.detach().double() for n, g in zip(leaves, grads) if g is not None}
 
 

@@ -39,7 +39,7 @@ from readback.backends import site_implementations
 from readback.errors import ConfigError
 from readback.model import ActivationStats
 from readback.ops.compiled import compiled
-from readback.probe import GradientProbe
+from readback.probe import GradientProbe, train_taped
 from readback.train.checkpoint_manager import CheckpointManager, RNGState, plain_config
 from readback.train.contract import Builders, check_model
 from readback.train.distributed import DistEnv, all_reduce_mean
@@ -156,14 +156,17 @@ class Trainer:
     def _train_step(self, step: int, track_stats: bool) -> tuple[float, float]:
         """Forward/backward over ``accum`` micro-batches, then the pre-clip gradient norm (and the
         clip): ``(loss, grad norm)``. With ``track_stats`` the model measures its activation
-        statistics in the last micro-batch only. On probe steps the first micro-batch is measured
-        by the probe before it trains."""
+        statistics in the last micro-batch only. On probe steps the probe measures the first
+        micro-batch: in one process its training backward is the probe's repeat 0 (taped, run
+        eagerly); with several, whose backward reduces or shards the gradients, the probe runs
+        the batch itself, before it trains."""
         dev = self.env.device
         loss_sum = torch.zeros((), device=dev)
         for micro in range(self.accum):
             x, y = self.stream.next_batch()
             x, y = x.to(dev, non_blocking=True), y.to(dev, non_blocking=True)
-            if micro == 0 and self.probe.due(step):
+            probed = micro == 0 and self.probe.due(step)
+            if probed and self.env.distributed:
                 with whole_parameters(self.forward):
                     self.probe_metrics = self.probe.measure(self.model, x, y)
             if micro == 0 and self.bias_meter.due(step):
@@ -171,9 +174,13 @@ class Trainer:
                     self.bias_meter.measure(step, self.model, self.stream)
             last = micro == self.accum - 1
             self.activation_stats.active = self.model.numerics.mechanism = track_stats and last
-            with nullcontext() if last else no_gradient_sync(self.forward, self.env):
-                loss = self._forward_of(track_stats and last)(x, y)
-                (loss / self.accum).backward()
+            if probed and not self.env.distributed:
+                loss, trained = train_taped(self.model, x, y, micro_batches=self.accum)
+                self.probe_metrics = self.probe.measure(self.model, x, y, trained)
+            else:
+                with nullcontext() if last else no_gradient_sync(self.forward, self.env):
+                    loss = self._forward_of(track_stats and last)(x, y)
+                    (loss / self.accum).backward()
             loss_sum += loss.detach().float()
         self.activation_stats.active = self.model.numerics.mechanism = False
         signalled = torch.tensor(float(self.guard.requested is not None), device=dev)

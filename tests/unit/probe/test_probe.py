@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from readback.backends import build_model
-from readback.probe import GradientProbe, compare
+from readback.probe import GradientProbe, compare, train_taped
 from toys import compose
 
 FP32_BACKWARD = ["attention.bwd_precision=fp32", "precision.override_linear_precision=[false,true,true]"]
@@ -81,6 +81,19 @@ def test_probe_leaves_model_grads_and_numerics_untouched():
     loss_after_probe = model(x, y).item()
     model2, _, _ = _trained_model("+experiment=fresh_reround", "precision.rounding=stochastic")
     assert model2(x, y).item() == loss_after_probe
+
+
+def test_the_training_backward_as_repeat_0_gives_the_probe_s_own_result():
+    """The trainer hands its taped first micro-batch to the probe (``train_taped``): the same
+    statistics as the probe executing the batch itself, and the step's gradients are kept."""
+    model, x, y = _trained_model("+experiment=fresh_reround", "precision.rounding=stochastic")
+    probe = GradientProbe(every=1, repeats=2)
+    own = probe.measure(model, x, y)
+    _, trained = train_taped(model, x, y)
+    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    reused = probe.measure(model, x, y, trained)
+    assert reused == own
+    assert all(torch.equal(p.grad, grads[n]) for n, p in model.named_parameters() if n in grads)
 
 
 def test_compare_statistics_by_hand():
