@@ -38,7 +38,9 @@ class GradientProbe:
     def due(self, step: int) -> bool:
         return self.every > 0 and step % self.every == 0
 
-    def measure(self, model, inputs: torch.Tensor, targets: torch.Tensor, trained: TapedStep | None = None):
+    def measure(
+        self, model, inputs: torch.Tensor, targets: torch.Tensor, trained: TapedStep | None = None
+    ) -> dict[str, float]:
         """Error statistics of one batch, logged as ``grad_error/<stat>/<name>``.
 
         Leaves the model, its gradients, its numerics (scales, histories, random streams) and
@@ -121,7 +123,7 @@ def taped_backward(model, inputs: torch.Tensor, targets: torch.Tensor, micro_bat
     numerics.tape = []
     try:
         loss = model(inputs, targets)
-        (loss / micro_batches if micro_batches != 1 else loss).backward()
+        (loss / micro_batches).backward()  # as the trainer's micro-steps do
         return loss.detach(), numerics.tape
     finally:
         numerics.tape = None
@@ -137,8 +139,7 @@ def reference_gradients(
     with numerics.replay(tape, dtype):
         loss = model(inputs, targets)
         leaves = {**params, **(numerics.watched or {})}
-        scaled = loss / micro_batches if micro_batches != 1 else loss
-        grads = torch.autograd.grad(scaled, list(leaves.values()), allow_unused=True)
+        grads = torch.autograd.grad(loss / micro_batches, list(leaves.values()), allow_unused=True)
     return {n: g.detach().double() for n, g in zip(leaves, grads) if g is not None}
 
 
