@@ -80,16 +80,20 @@ def _grid_spacing(y: torch.Tensor, fmt: FP8Format) -> torch.Tensor:
     return binade.clamp_min(2.0**fmt.min_exponent) * 2.0**-fmt.mantissa_bits
 
 
-@torch.library.custom_op("readback::uniform", mutates_args=("state",))
-def uniform(state: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
-    """FP32 uniforms in [0, 1) shaped like ``like``, from the generator whose state is ``state``,
-    which the draw advances in place: the draws of a ``torch.Generator`` in that state, bit for
-    bit, as an op that ``torch.compile`` traces (it cannot trace a ``torch.Generator``)."""
+def _draw(state: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
     generator = torch.Generator(device=like.device)
     generator.set_state(state)
     draws = torch.rand(like.shape, generator=generator, device=like.device, dtype=torch.float32)
     state.copy_(generator.get_state())
     return draws
+
+
+@torch.library.custom_op("readback::uniform", mutates_args=("state",))
+def uniform(state: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """FP32 uniforms in [0, 1) shaped like ``like``, from the generator whose state is ``state``,
+    which the draw advances in place: the draws of a ``torch.Generator`` in that state, bit for
+    bit, as an op that ``torch.compile`` traces (it cannot trace a ``torch.Generator``)."""
+    return _draw(state, like)
 
 
 @uniform.register_fake
@@ -112,7 +116,9 @@ def round_stochastic(y: torch.Tensor, fmt: FP8Format, generator: RandomSource) -
     frac = units - low
     u: torch.Tensor
     if isinstance(generator, torch.Tensor):
-        u = uniform(generator, y)  # (custom ops are untyped: the annotation keeps u a Tensor)
+        # the op where a graph is traced; eager draws directly (a custom op's first call loads
+        # some 70 MB of torch's compiler modules)
+        u = uniform(generator, y) if torch.compiler.is_compiling() else _draw(generator, y)
     else:
         u = torch.rand(y.shape, generator=generator, device=y.device, dtype=torch.float32)
     return (low + (u < frac).to(torch.float32)) * spacing
