@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import contextlib
 import fnmatch
-import hashlib
 from collections.abc import Iterator
 from typing import Any
 
@@ -30,6 +29,7 @@ from readback.numerics import (
     QTensor,
 )
 from readback.ops.site import ScalingState, Site, UnitScale
+from readback.ops.streams import RandomStreams
 from readback.policy import POLICIES
 
 PRECISIONS = ("fp8", "bf16", "off")
@@ -87,9 +87,7 @@ class Numerics:
         self.maxima: dict[str, torch.Tensor] = {}
         self.mechanism = False  # ops measure their mechanism statistics (readback.ops.mechanism)
         self.stream_salt = ""
-        # generator states of the random streams, advanced in place by each draw and re-seeded in
-        # place for each step: the same tensors throughout, so a compiled step draws from them
-        self._streams: dict[tuple[str, str, str], torch.Tensor] = {}
+        self.streams = RandomStreams(seed)
         self._replay: tuple[Iterator[Record], torch.dtype] | None = None  # (records, dtype) while replaying a tape
 
     @property
@@ -136,26 +134,22 @@ class Numerics:
         random streams and observations are restored on exit. ``stream_salt`` gives the
         executions inside their own random streams, from the start of the step (an empty salt
         reuses the step's own)."""
-        state, names, salt = self.state_dict(), set(self.sites), self.stream_salt
-        streams = {key: stream.clone() for key, stream in self._streams.items()}
+        state, names, salt, streams = self.state_dict(), set(self.sites), self.stream_salt, self.streams.snapshot()
         pending = [  # the step's amaxes so far (a checkpoint, taken between steps, has none)
             (site.state, site.state.pending_amax.clone())
             for site in self.sites.values()
             if isinstance(site.state, DelayedScalingState)
         ]
         self.stream_salt = stream_salt
-        self._reseed()
+        self.streams.reseed(self.step, stream_salt)
         try:
             yield
         finally:
             for name in set(self.sites) - names:
                 del self.sites[name]
-            for key in set(self._streams) - set(streams):
-                del self._streams[key]
             self.stream_salt = salt
             self.load_state_dict(state)
-            for key, stream in streams.items():  # each stream continues where it was
-                self._streams[key].copy_(stream)
+            self.streams.restore(streams)
             for scaling, amax in pending:
                 scaling.pending_amax.copy_(amax)
 
@@ -190,25 +184,8 @@ class Numerics:
 
     def random_stream(self, site: str, stream: str, device: torch.device) -> torch.Tensor:
         """The random stream (site, stream) of this step, as a generator state that each draw
-        advances (``readback.numerics.uniform``). Seeded from (seed, site, stream, step), so runs
-        are reproducible, resume needs no generator state, and streams are independent."""
-        key = (site, stream, str(device))
-        if key not in self._streams:
-            self._streams[key] = self._seeded_state(key)
-        return self._streams[key]
-
-    def _seeded_state(self, key: tuple[str, str, str]) -> torch.Tensor:
-        site, stream, device = key
-        key_text = f"{self.seed}/{site}/{stream}/{self.step}{self.stream_salt}"
-        digest = hashlib.blake2b(key_text.encode(), digest_size=8).digest()
-        generator = torch.Generator(device=device)
-        generator.manual_seed(int.from_bytes(digest, "little") & (2**63 - 1))
-        return generator.get_state()
-
-    def _reseed(self) -> None:
-        """Start every stream of this step (and salt) again, in place."""
-        for key, state in self._streams.items():
-            state.copy_(self._seeded_state(key))
+        advances (``readback.ops.streams``)."""
+        return self.streams.state(site, stream, device, self.step, self.stream_salt)
 
     def account(self, op: str, **saved: torch.Tensor | QTensor | None) -> None:
         """Add the bytes an op saved for its backward, per saved tensor, to ``saved_bytes``.
@@ -311,7 +288,7 @@ class Numerics:
         for site in self.sites.values():
             site.state.end_step()
         self.step += 1
-        self._reseed()
+        self.streams.reseed(self.step, self.stream_salt)
 
     def state_dict(self) -> dict[str, Any]:
         """Step, scaling states, and what was counted or observed since the last log record
@@ -330,7 +307,7 @@ class Numerics:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.step = state["step"]
-        self._reseed()
+        self.streams.reseed(self.step, self.stream_salt)
         for name, saved in state["sites"].items():
             site = self.site(name, saved["direction"])
             site.state.load_state_dict(saved["state"])
