@@ -3,7 +3,9 @@
     python benchmarks/probe.py [--model tiny] [--experiment reuse_rounded] [--repeats 1 4] [--steps 5]
 
 Prints the median milliseconds of a plain step and of a probe with K repeats, and their ratio.
-A probe with K repeats runs K executed forward/backward passes and K reference replays.
+A probe with K repeats runs K executed forward/backward passes and K reference replays. A probed
+step, as the trainer runs it in one process, is a taped training step whose backward the probe
+takes as repeat 0: the step, K reference replays and K - 1 executed passes.
 """
 
 import argparse
@@ -15,7 +17,7 @@ from timing import median_ms
 
 from readback.backends import build_model
 from readback.config import CONF_DIR
-from readback.probe import GradientProbe
+from readback.probe import GradientProbe, train_taped
 
 
 def main() -> None:
@@ -47,8 +49,15 @@ def main() -> None:
     print(f"  plain step (forward + backward)   {plain:9.1f} ms   1.00x")
     for k in args.repeats:
         probe = GradientProbe(every=1, repeats=k)
+
+        def probed_step(probe=probe):
+            probe.measure(model, x, y, train_taped(model, x, y)[1])
+            model.zero_grad(set_to_none=True)
+
         ms = median_ms(functools.partial(probe.measure, model, x, y), args.steps)
         print(f"  probe, repeats={k:<2}                {ms:9.1f} ms   {ms / plain:5.2f}x")
+        ms = median_ms(probed_step, args.steps)
+        print(f"  probed step, repeats={k:<2}          {ms:9.1f} ms   {ms / plain:5.2f}x")
 
 
 if __name__ == "__main__":
