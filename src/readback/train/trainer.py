@@ -176,6 +176,7 @@ class Trainer:
             self.activation_stats.active = self.model.numerics.mechanism = track_stats and last
             if probed and not self.env.distributed:
                 loss, trained = train_taped(self.model, x, y, micro_batches=self.accum)
+                self.activation_stats.active = self.model.numerics.mechanism = False  # not the probe's passes
                 self.probe_metrics = self.probe.measure(self.model, x, y, trained)
             else:
                 with nullcontext() if last else no_gradient_sync(self.forward, self.env):

@@ -143,7 +143,10 @@ def _losses(run_dir):
     return {r["step"]: r["loss"] for r in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines())}
 
 
-def test_probe_does_not_change_the_training_trajectory(tmp_path):
+@pytest.mark.parametrize("micro_batch", [2, 4], ids=["accum2", "accum1"])
+def test_probe_does_not_change_the_training_trajectory(tmp_path, micro_batch):
+    """Same losses and statistics with and without the probe; with one micro-batch the probe
+    takes the step's own (last, statistics-measuring) backward and its passes measure nothing."""
     from readback.train import run
 
     common = [
@@ -159,7 +162,7 @@ def test_probe_does_not_change_the_training_trajectory(tmp_path):
         "model.d_model=32",
         "model.ffn_dim=64",
         "model.global_batch=4",
-        "trainer.micro_batch=2",
+        f"trainer.micro_batch={micro_batch}",
         "model.seq_len=32",
     ]
     run(_cfg(*common), tmp_path / "plain")
@@ -167,6 +170,11 @@ def test_probe_does_not_change_the_training_trajectory(tmp_path):
     plain, probed = _losses(tmp_path / "plain"), _losses(tmp_path / "probed")
     assert plain == probed
     records = [json.loads(line) for line in (tmp_path / "probed" / "metrics.jsonl").read_text().splitlines()]
+    measured = ("kurtosis/", "attn_rowsum/", "fp8_underflow/", "fp8_saturation/")
+    for p, q in zip(map(json.loads, (tmp_path / "plain" / "metrics.jsonl").read_text().splitlines()), records):
+        assert {k: v for k, v in p.items() if k.startswith(measured)} == {
+            k: v for k, v in q.items() if k.startswith(measured)
+        }, p["step"]
     probed_steps = [r["step"] for r in records if "grad_error/rel_err/total" in r]
     assert probed_steps == [2, 4, 6]
     assert all("grad_error/bias/total" in r for r in records if r["step"] in probed_steps)
