@@ -14,33 +14,45 @@ from typing import Any
 
 import torch
 import torch.nn as nn
+from omegaconf import DictConfig, OmegaConf
 
 from readback.backends.converted import eps_of
 from readback.backends.te import _te as te_modules
-from readback.backends.te import check_available, fp8_autocast
+from readback.backends.te import check_available, fp8_autocast, make_recipe
+from readback.backends.te_facts import installed_te_version
+from readback.backends.te_plan import te_recipe_plan
 from readback.errors import ConfigError
-from readback.numerics import CurrentScaling
+from readback.numerics import DelayedScaling
 from readback.ops.numerics import Numerics
 
 
 def te_recipe(numerics: Numerics) -> Any:
-    """TE's recipe object for readback's FP8 recipe (None without FP8)."""
+    """TE's recipe object for readback's FP8 recipe (None without FP8), from the mapping a
+    ``backend=te`` run uses (``te_plan.te_recipe_plan``): the same refusals, the same pins."""
+    return make_recipe(te_recipe_plan(_precision_settings(numerics)), installed_te_version())
+
+
+def _precision_settings(numerics: Numerics) -> DictConfig:
+    """The ``precision`` group's settings that ``numerics`` was built from."""
     r = numerics.recipe
     if numerics.precision != "fp8" or r is None:  # FP8 Numerics always have a recipe
-        return None
-    _, recipes = te_modules()
-    if any(r.override_linear_precision) or getattr(r, "interval", 1) != 1:  # not passed on to TE here
-        raise ConfigError(
-            "precision",
-            "override_linear_precision/interval",
-            "their defaults with backend='te' (Transformer Engine >= 2.2 has neither)",
+        return OmegaConf.create({"name": numerics.precision})
+    settings = {
+        "name": "fp8",
+        "recipe": "current",
+        "fp8_format": r.fp8_format.name,
+        "margin": r.margin,
+        "override_linear_precision": list(r.override_linear_precision),
+        "rounding": numerics.rounding,
+    }
+    if isinstance(r, DelayedScaling):
+        settings.update(
+            recipe="delayed",
+            interval=r.interval,
+            amax_history_len=r.amax_history_len,
+            amax_compute_algo=r.amax_compute_algo,
         )
-    fmt = getattr(recipes.Format, r.fp8_format.name)
-    if isinstance(r, CurrentScaling):
-        return recipes.Float8CurrentScaling(fp8_format=fmt)
-    return recipes.DelayedScaling(
-        margin=r.margin, fp8_format=fmt, amax_history_len=r.amax_history_len, amax_compute_algo=r.amax_compute_algo
-    )
+    return OmegaConf.create(settings)
 
 
 class TEConverter:

@@ -32,7 +32,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from omegaconf import DictConfig, OmegaConf
 
-from readback.backends.te_plan import IMPORT_TIME_ENV, RECIPES, TEPlan, site_implementations, te_plan
+from readback.backends.te_plan import IMPORT_TIME_ENV, RECIPES, TEPlan, TERecipe, site_implementations, te_plan
 from readback.errors import ConfigError
 from readback.fields import RunConfig
 from readback.model import FOG, fog_config
@@ -96,18 +96,16 @@ def _te() -> tuple[Any, Any]:
     return _TE
 
 
-def make_recipe(plan: TEPlan):
-    """The Transformer Engine recipe object of ``plan`` (``None`` without FP8)."""
-    if plan.recipe is None:
+def make_recipe(recipe: TERecipe | None, te_version: str | None = None):
+    """The Transformer Engine recipe object of ``recipe`` (``None`` without FP8)."""
+    if recipe is None:
         return None
     _, recipes = _te()
-    recipe_class = getattr(recipes, plan.recipe, None)
+    recipe_class = getattr(recipes, recipe.name, None)
     if recipe_class is None:  # a TE whose version the plan could not tell
-        key = next(k for k, v in RECIPES.items() if v == plan.recipe)
-        raise ConfigError(
-            "precision.recipe", key, f"delayed (Transformer Engine {plan.te_version} has no {plan.recipe})"
-        )
-    kwargs = dict(plan.recipe_kwargs)
+        key = next(k for k, v in RECIPES.items() if v == recipe.name)
+        raise ConfigError("precision.recipe", key, f"delayed (Transformer Engine {te_version} has no {recipe.name})")
+    kwargs = dict(recipe.kwargs)
     kwargs["fp8_format"] = getattr(recipes.Format, kwargs["fp8_format"])
     if "override_linear_precision" in kwargs:  # TE 1.x only, which wants its named tuple
         named = getattr(recipes, "_OverrideLinearPrecision", None)
@@ -184,7 +182,7 @@ class TEParts(Parts):
         super().__init__(numerics)
         self.plan, self.device = plan, torch.device(device)
         self.rms_norm, self.te_linear, self.qk_norm, self.te_core = _te_classes(plan)
-        self.recipe = make_recipe(plan)
+        self.recipe = make_recipe(plan.te_recipe, plan.te_version)
         # Read by TE when attention runs: re-set on every forward, so that another model built in
         # the same process with other switches cannot change what this one runs.
         self.runtime_env = {k: v for k, v in plan.env.items() if k not in IMPORT_TIME_ENV}

@@ -78,6 +78,10 @@ class TEPlan:
     fp8_output: bool = False
 
     @property
+    def te_recipe(self) -> TERecipe | None:
+        return TERecipe(self.recipe, self.recipe_kwargs) if self.recipe is not None else None
+
+    @property
     def te_attention(self) -> bool:
         return self.attention_core == "te"
 
@@ -97,27 +101,63 @@ def _te_name(version: str | None) -> str:
 _INSTALLED: Any = object()  # default: what this machine has
 
 
-def te_plan(cfg: RunConfig, te_version: str | None = _INSTALLED, hardware: Hardware = _INSTALLED) -> TEPlan:
-    """The plan for ``cfg`` under ``te_version`` on ``hardware`` (defaults: what this machine
-    has; no TE means 2.x, no GPU means the checks that need one are not made). Raises
-    ``ConfigError`` (one line naming the TE version, the GPU and the setting) for what this TE
-    cannot run on this GPU as configured, instead of failing inside TE."""
-    cfg = OmegaConf.structured(cfg)  # a typed Config, a DictConfig or a mapping
+@dataclass(frozen=True)
+class TERecipe:
+    """A Transformer Engine recipe as data: ``name``, a class of ``transformer_engine.common.
+    recipe``, and its keyword arguments (``fp8_format`` as a ``Format`` member's name)."""
+
+    name: str
+    kwargs: dict[str, Any]
+
+    def for_attention(self, fp8_dpa: bool, fp8_mha: bool) -> TERecipe:
+        """This recipe with TE's FP8 attention switches set (the per-tensor recipes have them)."""
+        if "fp8_dpa" not in self.kwargs:
+            return self
+        return TERecipe(self.name, {**self.kwargs, "fp8_dpa": fp8_dpa, "fp8_mha": fp8_mha})
+
+
+def _target(te_version: str | None, hardware: Hardware) -> tuple[str | None, Hardware, Any, str]:
+    """``(version, hardware, version tuple, "TE <v> on <GPU>")``, defaults resolved; refuses a TE
+    older than readback supports."""
     version = installed_te_version() if te_version is _INSTALLED else te_version
     hw = installed_hardware() if hardware is _INSTALLED else hardware
     vt = version_tuple(version)
     where = f"{_te_name(version)} on {hw.describe()}"
     if vt is not None and vt[:2] < MIN_TE:
         raise ConfigError("backend", "te", f"Transformer Engine >= {'.'.join(map(str, MIN_TE))} ({where})")
+    return version, hw, vt, where
+
+
+def te_recipe_plan(
+    precision: Any, te_version: str | None = _INSTALLED, hardware: Hardware = _INSTALLED
+) -> TERecipe | None:
+    """The one mapping of readback's ``precision`` settings onto a Transformer Engine recipe, for
+    ``backend=te`` and for ``convert(backend="te")`` alike (``None`` without FP8; TE's FP8
+    attention off, see ``TERecipe.for_attention``). Raises ``ConfigError`` (one line) for a
+    setting this TE cannot run on this GPU, never dropping it."""
+    if precision.name != "fp8":
+        return None
+    _, hw, vt, where = _target(te_version, hardware)
+    recipe_key = _check_fp8_recipe(precision, vt, hw, where)
+    return TERecipe(RECIPES[recipe_key], _recipe_kwargs(precision, recipe_key, vt))
+
+
+def te_plan(cfg: RunConfig, te_version: str | None = _INSTALLED, hardware: Hardware = _INSTALLED) -> TEPlan:
+    """The plan for ``cfg`` under ``te_version`` on ``hardware`` (defaults: what this machine
+    has; no TE means 2.x, no GPU means the checks that need one are not made). Raises
+    ``ConfigError`` (one line naming the TE version, the GPU and the setting) for what this TE
+    cannot run on this GPU as configured, instead of failing inside TE."""
+    cfg = OmegaConf.structured(cfg)  # a typed Config, a DictConfig or a mapping
+    version, hw, vt, where = _target(te_version, hardware)
 
     p, policy, bwd = cfg.precision, cfg.policy.name, cfg.attention.bwd_precision
     backend = cfg.get("backend") or {}
     core_choice = choose("backend.attention_core", backend.get("attention_core", "auto"), ATTENTION_CORES)
     fp8_mha = backend.get("fp8_mha", False)
     require(isinstance(fp8_mha, bool), "backend.fp8_mha", fp8_mha, "true or false")
-    fp8, recipe_key = p.name == "fp8", None
-    if fp8:
-        recipe_key = _check_fp8_recipe(p, vt, hw, where)
+    recipe = te_recipe_plan(p, version, hw)
+    fp8 = recipe is not None
+    recipe_key = str(p.recipe) if fp8 else None
 
     attention = None if core_choice == "readback" else _te_attention(fp8, recipe_key, policy, bwd)
     if attention is not None and recipe_key is not None:  # fp8
@@ -142,11 +182,8 @@ def te_plan(cfg: RunConfig, te_version: str | None = _INSTALLED, hardware: Hardw
     if attention is not None:
         env = {**env, **PINNED_BACKEND}
 
-    kwargs = (
-        _recipe_kwargs(p, recipe_key, fp8_dpa=attention is not None, fp8_mha=fp8_mha, vt=vt)
-        if recipe_key is not None  # fp8
-        else {}
-    )
+    if recipe is not None:
+        recipe = recipe.for_attention(fp8_dpa=attention is not None, fp8_mha=fp8_mha)
     bf16_layers = tuple(p.get("bf16_layers", ()) or ()) if fp8 else ()
     proj = _projection_label(attention is not None, recipe_key, fp8_mha)
     sites = {**_sites(cfg, attention_label, proj, fp8, bf16_layers, _linear_label(policy, fp8)), **attention_reads}
@@ -155,8 +192,8 @@ def te_plan(cfg: RunConfig, te_version: str | None = _INSTALLED, hardware: Hardw
         version,
         hw,
         fp8,
-        RECIPES[recipe_key] if recipe_key is not None else None,
-        kwargs,
+        recipe.name if recipe is not None else None,
+        recipe.kwargs if recipe is not None else {},
         env,
         "te" if attention is not None else "readback",
         sites,
@@ -257,7 +294,8 @@ def _refuse_unsupported_fields(p, recipe_key: str, vt: tuple[int, int, int] | No
         )
 
 
-def _recipe_kwargs(p, recipe_key: str, fp8_dpa: bool, fp8_mha: bool, vt) -> dict[str, Any]:
+def _recipe_kwargs(p, recipe_key: str, vt) -> dict[str, Any]:
+    """TE's FP8 attention is off here (``fp8_dpa``, ``fp8_mha``); ``TERecipe.for_attention`` sets it."""
     fmt = str(p.fp8_format).upper()
     if recipe_key == "delayed":
         kwargs = dict(
@@ -265,14 +303,14 @@ def _recipe_kwargs(p, recipe_key: str, fp8_dpa: bool, fp8_mha: bool, vt) -> dict
             fp8_format=fmt,
             amax_history_len=int(p.amax_history_len),
             amax_compute_algo=str(p.amax_compute_algo),
-            fp8_dpa=fp8_dpa,
-            fp8_mha=fp8_mha,
+            fp8_dpa=False,
+            fp8_mha=False,
         )
         override = tuple(bool(b) for b in p.get("override_linear_precision", (False,) * 3))
         if any(override):  # only reached on TE 1.x, with (False, False, True)
             kwargs["override_linear_precision"] = override
     elif recipe_key == "current":
-        kwargs = dict(fp8_format=fmt, fp8_dpa=fp8_dpa, fp8_mha=fp8_mha)
+        kwargs = dict(fp8_format=fmt, fp8_dpa=False, fp8_mha=False)
     else:
         kwargs = dict(fp8_format=fmt, **({"margin": int(p.margin)} if int(p.margin) else {}))
     if vt is not None and vt[:2] >= SINCE["backward_override"]:

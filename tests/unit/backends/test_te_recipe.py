@@ -1,0 +1,94 @@
+"""One Transformer Engine recipe for both TE paths: a ``backend=te`` FOG run (``te_plan``) and a
+model converted with ``convert(backend="te")`` must get the same recipe class and keyword
+arguments from the same precision settings, and refuse the same settings in the same words.
+
+Runs without Transformer Engine: its recipe classes are stand-ins that record their arguments.
+"""
+
+from __future__ import annotations
+
+import types
+
+import pytest
+
+from readback.backends import convert_te, te_facts, te_plan
+from readback.backends import te as te_backend
+from readback.backends.te_facts import Hardware
+from readback.errors import ConfigError
+from readback.ops.numerics import build_numerics
+from toys import compose
+
+H100 = Hardware((9, 0), (9, 13, 0))
+B200 = Hardware((10, 0), (9, 14, 0))
+
+# Every recipe, and every refusal of a recipe field (fresh_reround: readback's attention core,
+# so the FOG recipe has no FP8 attention either, like a converted model's linears).
+PRECISIONS = [
+    (),
+    ("precision.margin=2", "precision.fp8_format=E4M3", "precision.amax_history_len=16"),
+    ("precision.amax_compute_algo=most_recent",),
+    ("precision.recipe=current",),
+    ("precision.recipe=current", "precision.fp8_format=E4M3"),
+    ("precision.recipe=current", "precision.margin=1"),
+    ("precision.interval=2",),
+    ("precision.override_linear_precision=[false,false,true]",),
+    ("precision.rounding=stochastic",),
+]
+VERSIONS = ["1.13.0", "2.8.0", "2.15.0"]
+
+
+def _recording_recipes() -> types.SimpleNamespace:
+    """``transformer_engine.common.recipe`` with classes that keep their keyword arguments."""
+
+    def recipe_class(name: str) -> type:
+        return type(name, (), {"__init__": lambda self, **kwargs: setattr(self, "kwargs", kwargs)})
+
+    formats = types.SimpleNamespace(HYBRID="Format.HYBRID", E4M3="Format.E4M3", E5M2="Format.E5M2")
+    return types.SimpleNamespace(Format=formats, **{name: recipe_class(name) for name in te_plan.RECIPES.values()})
+
+
+def _built(make) -> tuple[str, dict] | str:
+    """``(recipe class, keyword arguments)`` of what ``make()`` returns, or its refusal's line."""
+    try:
+        recipe = make()
+    except ConfigError as error:
+        return str(error)
+    return type(recipe).__name__, recipe.kwargs
+
+
+@pytest.mark.parametrize("version", VERSIONS)
+@pytest.mark.parametrize("overrides", PRECISIONS, ids=lambda o: " ".join(o) or "defaults")
+def test_converted_model_gets_the_fog_runs_te_recipe(monkeypatch, overrides, version):
+    monkeypatch.setattr(te_backend, "_TE", (types.SimpleNamespace(), _recording_recipes()))
+    for module in (te_facts, te_plan):
+        monkeypatch.setattr(module, "installed_te_version", lambda: version)
+        monkeypatch.setattr(module, "installed_hardware", lambda: H100)
+    cfg = compose("+experiment=fresh_reround", "backend=te", *overrides)
+
+    fog = _built(lambda: te_backend.make_recipe(te_plan.te_plan(cfg, version, H100).te_recipe, version))
+    converted = _built(lambda: convert_te.te_recipe(build_numerics(cfg)))
+    assert converted == fog
+
+
+def test_converted_recipe_pins_backward_override_from_te_2_15():
+    recipe = te_plan.te_recipe_plan(compose("+experiment=fresh_reround").precision, "2.15.0", H100)
+    assert recipe is not None and recipe.kwargs["backward_override"] is None
+    older = te_plan.te_recipe_plan(compose("+experiment=fresh_reround").precision, "2.14.0", H100)
+    assert older is not None and "backward_override" not in older.kwargs
+
+
+def test_mxfp8_recipe_is_block_scaling_where_the_gpu_has_it():
+    precision = compose("+experiment=fresh_reround", "precision.recipe=mxfp8").precision
+    recipe = te_plan.te_recipe_plan(precision, "2.8.0", B200)
+    assert recipe == te_plan.TERecipe("MXFP8BlockScaling", {"fp8_format": "HYBRID"})
+    with pytest.raises(ConfigError, match=r"^precision.recipe='mxfp8' is not valid"):
+        te_plan.te_recipe_plan(precision, "2.8.0", H100)
+
+
+def test_convert_refuses_block_scaling_instead_of_running_per_tensor_current_scaling():
+    import torch.nn as nn
+
+    from readback import convert
+
+    with pytest.raises(ConfigError, match=r"^precision.recipe='mxfp8' is not valid; valid: delayed, current"):
+        convert(nn.Sequential(nn.Linear(16, 16)), precision={"recipe": "mxfp8"})
