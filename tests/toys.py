@@ -20,6 +20,8 @@ from omegaconf import DictConfig, OmegaConf
 from torch import nn
 
 from readback.config import CONF_DIR
+from readback.numerics.spec import NumericsSpec
+from readback.ops import read_rules
 from readback.train import Builders, run
 
 REPO = Path(__file__).resolve().parents[1]
@@ -81,11 +83,13 @@ class ToyNumerics:
     def __init__(self) -> None:
         self.step = 0
         self.eval_forwards = 0
-        self.mechanism = False
         self.sites: dict[str, object] = {}  # no rounding sites
 
     def end_step(self) -> None:
         self.step += 1
+
+    def measuring(self, on: bool = True) -> contextlib.AbstractContextManager:
+        return contextlib.nullcontext()  # no mechanism to measure
 
     def state_dict(self) -> dict:
         return {"step": self.step, "eval_forwards": self.eval_forwards}
@@ -280,3 +284,12 @@ def make_cfg(**trainer):
     for key, value in trainer.items():
         OmegaConf.update(cfg, key, value, force_add=True)
     return cfg
+
+
+# A test-only declaration: the softmax backward reads the FP8 copy P8 instead of the original P.
+PLANTED_READS = {**read_rules("exact"), "attention": {**read_rules("exact")["attention"], "dS": "rounded"}}
+
+
+def planted_spec(spec: NumericsSpec) -> NumericsSpec:
+    """``spec`` reading as ``PLANTED_READS`` says, labelled ``planted``."""
+    return spec.with_reads("planted", PLANTED_READS)

@@ -11,6 +11,7 @@ by a tuple of read modes, one per gradient, and each component is reported on it
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 
 import torch
@@ -121,7 +122,7 @@ def audit(
     candidates: dict,
     *,
     policy: str | None = None,
-    declared: dict[str, str] | None = None,
+    declared: Mapping[str, str] | None = None,
     tol: float = TOL,
     scale: float | None = None,
     rel_err: float | None = None,

@@ -28,29 +28,33 @@ from readback.audit.harness import (
     xielu_slope,
 )
 from readback.numerics import CurrentScaling, QTensor, quantize
+from readback.ops import Numerics, numerics_for
 from readback.ops import activation as activation_op
 from readback.ops import attention as attention_op
 from readback.ops import linear as linear_op
 from readback.ops import norm as norm_op
-from readback.ops.numerics import Numerics
+from readback.ops.streams import RandomStreams
 from readback.policy import POLICIES
 
 F32 = torch.float32
 RECIPE = CurrentScaling(override_linear_precision=(False, True, True))
 
 
-def numerics_for(policy: str, seed: int, rounding: str = "nearest") -> Numerics:
-    numerics = Numerics("fp8", RECIPE, policy, attention_bwd="fp32", rounding=rounding, seed=seed)
-    numerics.tape = []
-    return numerics
+def audit_numerics(policy: str, seed: int, rounding: str = "nearest") -> Numerics:
+    return numerics_for("fp8", RECIPE, policy, attention_bwd="fp32", rounding=rounding, seed=seed)
+
+
+def taped_backprop(numerics: Numerics, forward, inputs: dict[str, torch.Tensor], upstream: torch.Tensor):
+    """``backprop`` in FP32, and what its ops executed: ``(gradients, {op call: record})``."""
+    with numerics.taping() as tape:
+        got = backprop(forward, inputs, upstream, F32)
+    return got, dict(tape)
 
 
 def fresh_draw(numerics: Numerics, site: str, original: torch.Tensor, executed: QTensor, seed: int) -> torch.Tensor:
     """A stochastic re-rounding of ``original`` with the forward's scale, from the ``fresh`` stream
     of ``site`` in this step of a run seeded ``seed`` (the op's own draw when ``seed`` is the run's)."""
-    twin = Numerics("fp8", numerics.recipe, numerics.policy, seed=seed)
-    twin.step, twin.stream_salt = numerics.step, numerics.stream_salt
-    generator = twin.random_stream(site, "fresh", original.device)
+    generator = RandomStreams(seed).state(site, "fresh", original.device, numerics.step, numerics.stream_salt)
     if executed.fmt is None:
         raise ValueError(f"{site} does not round: no fresh draw")
     return quantize(original.detach().float(), executed.fmt, executed.scale, "stochastic", generator).dequantize(F64)
@@ -66,24 +70,19 @@ def readings(numerics: Numerics, site: str, original: torch.Tensor, executed: QT
     }
 
 
-def _tape(numerics: Numerics) -> dict[str, dict[str, Any]]:
-    if numerics.tape is None:
-        raise RuntimeError("no tape was recorded")
-    return dict(numerics.tape)
-
-
 def rb_linear(setup: Setup, policy: str) -> list[Row]:
     g = setup.generator("readback.linear")
     d = setup.width
     x = Setup.randn(g, setup.batch, setup.seq, d)
     weight = Setup.randn(g, d // 2, d, std=d**-0.5)
     upstream = Setup.randn(g, setup.batch, setup.seq, d // 2)
-    numerics = numerics_for(policy, setup.seed)
+    numerics = audit_numerics(policy, setup.seed)
 
-    got = backprop(
-        lambda x, weight: (linear_op.linear(x, weight, numerics, "lin"), {}), {"x": x, "weight": weight}, upstream, F32
-    )
-    record = _tape(numerics)["lin"]
+    def forward(x, weight):
+        return linear_op.linear(x, weight, numerics, "lin"), {}
+
+    got, tape = taped_backprop(numerics, forward, {"x": x, "weight": weight}, upstream)
+    record = tape["lin"]
     ref = backprop(
         lambda x, weight: (linear_op.replay(x, weight, record, F64), {}), {"x": x, "weight": weight}, upstream, F64
     )
@@ -116,14 +115,13 @@ def rb_rms_norm(setup: Setup, policy: str) -> list[Row]:
     gain = 1 + Setup.randn(g, d, std=0.3)
     weight = Setup.randn(g, d // 2, d, std=d**-0.5)
     upstream = Setup.randn(g, setup.batch, setup.seq, d // 2)
-    numerics = numerics_for(policy, setup.seed)
+    numerics = audit_numerics(policy, setup.seed)
 
     def forward(x, gain, weight):
         y, yq = norm_op.rms_norm(x, gain, numerics, "norm", eps, round_output=True)
         return linear_op.linear(y, weight, numerics, "next", x_q=yq), {"y": y}
 
-    got = backprop(forward, {"x": x, "gain": gain, "weight": weight}, upstream, F32)
-    tape = _tape(numerics)
+    got, tape = taped_backprop(numerics, forward, {"x": x, "gain": gain, "weight": weight}, upstream)
 
     def replay(x, gain, weight):
         y = norm_op.replay(x, gain, tape["norm"], eps, F64)
@@ -166,15 +164,14 @@ def rb_attention(setup: Setup, policy: str, rounding: str = "nearest") -> list[R
     g = setup.generator("readback.attention")
     b, h, grp, t, d, c = setup.batch, setup.heads, setup.groups, setup.seq, setup.width, setup.softmax_scale
     q, k, v, w_proj, upstream = setup.attention_inputs(g).values()
-    numerics = numerics_for(policy, setup.seed, rounding)
+    numerics = audit_numerics(policy, setup.seed, rounding)
     op = "readback.attention" if rounding == "nearest" else f"readback.attention ({rounding} fwd)"
 
     def forward(q, k, v, w_proj):
         o, oq = attention_op.attention(q, k, v, numerics, "attn", c)
         return linear_op.linear(o, w_proj, numerics, "proj", x_q=oq), {"o": o}
 
-    got = backprop(forward, {"q": q, "k": k, "v": v, "w_proj": w_proj}, upstream, F32)
-    tape = _tape(numerics)
+    got, tape = taped_backprop(numerics, forward, {"q": q, "k": k, "v": v, "w_proj": w_proj}, upstream)
     rec = tape["attn"]
 
     def replay(q, k, v, w_proj):
@@ -219,7 +216,7 @@ def rb_xielu(setup: Setup, policy: str) -> list[Row]:
     x = Setup.randn(g, setup.batch, setup.seq, setup.width, std=2.0)
     upstream = Setup.randn(g, *x.shape)
     alpha = torch.tensor(0.8)
-    numerics = numerics_for(policy, setup.seed)
+    numerics = audit_numerics(policy, setup.seed)
     got = backprop(lambda x: (activation_op.xielu(x, alpha, alpha, numerics), {}), {"x": x}, upstream, F32)
     ref = backprop(lambda x: (activation_op.replay(x, alpha.to(F64), alpha.to(F64)), {}), {"x": x}, upstream, F64)
     xs = {"rounded": value(round_fp8(x)), "original": value(x)}

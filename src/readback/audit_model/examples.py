@@ -22,13 +22,8 @@ def fog_loss(model, inputs: torch.Tensor, targets: torch.Tensor, dtype=torch.flo
     roundings (taped, run state restored), and ``loss_fn`` replays it with every rounding pinned,
     so its saved tensors are exactly what the reference gradient needs."""
     numerics = model.numerics
-    with numerics.isolated("/audit"), torch.no_grad():
-        numerics.tape = []
-        try:
-            model(inputs, targets)
-            tape = numerics.tape
-        finally:
-            numerics.tape = None
+    with numerics.isolated("/audit"), torch.no_grad(), numerics.taping() as tape:
+        model(inputs, targets)
 
     def loss_fn():
         with numerics.replay(tape, dtype):

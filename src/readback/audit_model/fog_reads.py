@@ -9,6 +9,7 @@ must not. Saved tensors are matched to ``(op, gradient)`` by module and graph no
 from __future__ import annotations
 
 import re
+from collections.abc import Mapping
 
 from readback.audit_model.core import AuditRow
 from readback.ops import read_rules
@@ -41,10 +42,13 @@ def fog_reads(rows: list[AuditRow]) -> list[tuple[AuditRow, str, str]]:
     return out
 
 
-def compare_reads(rows: list[AuditRow], policy: str = "exact") -> list[dict]:
-    """Each matched saved tensor: the declared read under ``policy``, the audit's verdict for its
-    E4M3 storage, and whether they agree (``rounded`` <-> free, ``original`` <-> not free)."""
-    declared = read_rules(policy)
+def compare_reads(
+    rows: list[AuditRow], policy: str = "exact", reads: Mapping[str, Mapping[str, str]] | None = None
+) -> list[dict]:
+    """Each matched saved tensor: the declared read under ``policy`` (or ``reads``, ``{op:
+    {gradient: mode}}``), the audit's verdict for its E4M3 storage, and whether they agree
+    (``rounded`` <-> free, ``original`` <-> not free)."""
+    declared = read_rules(policy) if reads is None else reads
     out = []
     for row, op, gradient in fog_reads(rows):
         mode, free = declared[op][gradient], row.verdicts["e4m3"] == "free"

@@ -15,9 +15,9 @@ from typing import TYPE_CHECKING
 import torch
 from omegaconf import DictConfig, OmegaConf
 
+from readback.backends.precision import build_numerics
 from readback.fields import RunConfig
 from readback.model import FOG, fog_config
-from readback.ops.numerics import build_numerics
 
 if TYPE_CHECKING:
     from readback.backends.hf import HFCausalLM

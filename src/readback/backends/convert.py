@@ -29,8 +29,10 @@ from omegaconf import OmegaConf
 from omegaconf.errors import ValidationError
 
 from readback.backends.converted import ConvertParts, SDPARouter, eps_of
+from readback.backends.precision import build_numerics
 from readback.errors import ConfigError, choose
-from readback.ops.numerics import ATTENTION_BWD, PRECISIONS, Numerics, build_numerics
+from readback.numerics.spec import ATTENTION_BWD, PRECISIONS
+from readback.ops import Numerics, numerics_for
 from readback.policy import POLICIES
 
 FP8_ALIGNMENT = 16
@@ -113,7 +115,7 @@ def _numerics(precision, policy: str, attention_bwd: str, seed: int) -> Numerics
     )
     name = choose("precision.name", precision.pop("name", "fp8"), PRECISIONS)
     if name == "off":
-        return Numerics("off", policy=policy, attention_bwd=attention_bwd, seed=seed)
+        return numerics_for("off", policy=policy, attention_bwd=attention_bwd, seed=seed)
     schema = Fp8Precision if name == "fp8" else Precision
     keys = [f.name for f in dataclasses.fields(schema) if f.name != "name"]
     for key in precision:

@@ -49,8 +49,7 @@ class Handoff:
         if entry is None or entry[0]() is None or x._version != entry[1] or self.numerics.replaying:
             return None
         producer, site = entry[0](), entry[3]
-        bf16 = self.numerics.bf16_sites
-        if consumer.startswith(bf16) != site.startswith(bf16):
+        if self.numerics.spec.is_bf16_site(consumer) != self.numerics.spec.is_bf16_site(site):
             return None
         if entry[2] is None:
             entry[2] = self.numerics.site(site).quantize(producer.detach(), self.numerics.rounding)

@@ -5,6 +5,7 @@ from __future__ import annotations
 from omegaconf import OmegaConf
 
 from readback.fields import RunConfig
+from readback.numerics.spec import in_bf16_layers
 from readback.ops.attention import READS as ATTENTION_READS
 
 # attention gradient -> the forward tensor it reads (dO is every gradient's other operand)
@@ -27,7 +28,7 @@ def site_implementations(cfg: RunConfig) -> dict[str, str]:
     """``{site: implementation}`` of a ``backend=emulated`` run, for the run's summary."""
     cfg = OmegaConf.structured(cfg)  # a typed Config, a DictConfig or a mapping
     p = cfg.precision
-    head_bf16 = p.name != "fp8" or any("lm_head".startswith(x) for x in (p.get("bf16_layers", ()) or ()))
+    head_bf16 = p.name != "fp8" or in_bf16_layers("lm_head", p.get("bf16_layers", ()) or ())
     tied = " (tied embedding)" if cfg.model.get("tied", True) else ""
     return {
         "embedding": "torch.nn.functional.embedding",

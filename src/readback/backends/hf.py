@@ -18,9 +18,9 @@ import torch.nn.functional as F
 from omegaconf import DictConfig, OmegaConf
 
 from readback.backends.convert import ConvertReport, convert
+from readback.backends.precision import build_numerics
 from readback.errors import ConfigError
 from readback.model.fog import Linear
-from readback.ops.numerics import build_numerics
 
 UNAVAILABLE = "needs transformers (pip install -e .[hf]); use model=tiny for readback's FOG"
 

@@ -1,5 +1,6 @@
 """The ``precision`` group's schema: the numerics of a run, as Hydra composes them and as
-``readback.convert`` accepts them from Python (one set of types, ranges and error words for both).
+``readback.convert`` accepts them from Python (one set of types, ranges and error words for both);
+``build_numerics``, a run's ``Numerics`` from its checked config.
 
 It sits with the backends because the recipes it names are Transformer Engine's
 (``backends.te_plan.RECIPES``); ``readback.config.schema`` registers it with the other groups.
@@ -14,8 +15,9 @@ from omegaconf import MISSING
 
 from readback.backends.te_plan import RECIPES
 from readback.fields import Checked, integer, items, one_of
-from readback.numerics import AMAX_COMPUTE_ALGOS, ROUNDINGS, Format
-from readback.ops.numerics import PRECISIONS
+from readback.numerics import AMAX_COMPUTE_ALGOS, ROUNDINGS, CurrentScaling, DelayedScaling, Format
+from readback.numerics.spec import PRECISIONS
+from readback.ops import Numerics, numerics_for
 
 
 @dataclass
@@ -36,3 +38,33 @@ class Fp8Precision(Precision):
     rounding: str = one_of(ROUNDINGS)
     bf16_layers: list[str] = MISSING  # checked against the model's layers in Config.check
     site_margin: Any = None  # {site pattern: k} (untyped: Hydra replaces the whole mapping); checked in Config.check
+
+
+def build_numerics(cfg: Any) -> Numerics:
+    """The run's ``Numerics`` from the ``precision``, ``policy`` and ``attention`` groups and ``seed``."""
+    p = cfg.precision
+    recipe: DelayedScaling | CurrentScaling | None = None
+    if p.name == "fp8":
+        common = dict(
+            margin=p.margin, fp8_format=p.fp8_format, override_linear_precision=tuple(p.override_linear_precision)
+        )
+        if p.recipe == "delayed":
+            recipe = DelayedScaling(
+                interval=p.interval,
+                amax_history_len=p.amax_history_len,
+                amax_compute_algo=p.amax_compute_algo,
+                **common,
+            )
+        else:
+            recipe = CurrentScaling(**common)
+    fp8 = p.name == "fp8"
+    return numerics_for(
+        precision=p.name,
+        recipe=recipe,
+        policy=cfg.policy.name,
+        attention_bwd=cfg.attention.bwd_precision,
+        rounding=p.rounding if fp8 else "nearest",
+        seed=cfg.seed,
+        bf16_sites=tuple(p.bf16_layers) if fp8 else (),
+        site_margin=dict(p.site_margin or {}) if fp8 else {},
+    )

@@ -32,13 +32,15 @@ import torch.nn as nn
 import torch.nn.functional as F
 from omegaconf import DictConfig, OmegaConf
 
+from readback.backends.precision import build_numerics
 from readback.backends.te_plan import IMPORT_TIME_ENV, RECIPES, TEPlan, TERecipe, site_implementations, te_plan
 from readback.errors import ConfigError
 from readback.fields import RunConfig
 from readback.model import FOG, fog_config
 from readback.model.fog import XIELU, AttentionCore, FOGConfig, Linear, Parts
+from readback.numerics.spec import in_bf16_layers
+from readback.ops import Numerics
 from readback.ops.linear import linear
-from readback.ops.numerics import Numerics, build_numerics
 
 UNAVAILABLE = (
     "needs CUDA and transformer_engine (container/, or pip install --no-build-isolation -e .[gpu]); "
@@ -190,7 +192,7 @@ class TEParts(Parts):
     def linear(self, d_in, d_out, name, std):
         if name.endswith(".attn.proj") and not self.plan.te_attention:  # multiplies the core's O8 as is
             return _in_fp32(Linear)(d_in, d_out, name, self.numerics, std)
-        fp8_off = self.plan.fp8 and bool(self.plan.bf16_layers) and name.startswith(self.plan.bf16_layers)
+        fp8_off = self.plan.fp8 and in_bf16_layers(name, self.plan.bf16_layers)
         return self.te_linear(d_in, d_out, std, fp8_off, self.device)
 
     def norm(self, dim, gain, name, eps, frozen=False):

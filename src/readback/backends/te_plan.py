@@ -42,6 +42,7 @@ from readback.backends.te_facts import (
 )
 from readback.errors import ConfigError, choose, require
 from readback.fields import RunConfig
+from readback.numerics.spec import in_bf16_layers
 from readback.ops.linear import READS as LINEAR_READS
 
 # precision.recipe -> Transformer Engine recipe class. ``mxfp8`` exists only for backend=te.
@@ -91,7 +92,7 @@ class TEPlan:
 
 
 def _lm_head_bf16(fp8: bool, bf16_layers: tuple[str, ...]) -> bool:
-    return not fp8 or any("lm_head".startswith(prefix) for prefix in bf16_layers)
+    return not fp8 or in_bf16_layers("lm_head", bf16_layers)
 
 
 def _te_name(version: str | None) -> str:

@@ -2,6 +2,6 @@
 the executed forward (``python -m readback.bias CHECKPOINT_OR_RUN_DIR``)."""
 
 from readback.bias.meter import STATS, BiasResult, group_of, measure_bias
-from readback.bias.variants import Variant, applied, temporary_policy, variants
+from readback.bias.variants import Variant, applied, spec_of, variants
 
-__all__ = ["STATS", "BiasResult", "Variant", "applied", "group_of", "measure_bias", "temporary_policy", "variants"]
+__all__ = ["STATS", "BiasResult", "Variant", "applied", "group_of", "measure_bias", "spec_of", "variants"]

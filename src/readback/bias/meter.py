@@ -140,7 +140,7 @@ def _contributions(which: list[Variant], errors: dict, configured: str) -> dict[
     for v in which:
         if v.policy and not v.exact_bwd and v.name != "exact" and "exact" in errors:
             out[f"contrib.{v.name}"] = diff(v.name, "exact")
-        elif v.policy is None and configured in errors:
+        elif v.policy is None and v.name != configured and configured in errors:
             out[f"contrib.{v.name}"] = diff(configured, v.name)
     return out
 

@@ -3,11 +3,10 @@ policy with one read switched to exact (one READS entry, or one op's gradient ro
 
 from __future__ import annotations
 
-import contextlib
-import dataclasses
 from dataclasses import dataclass, field
 
-from readback.ops import OPS, read_rules
+from readback.numerics.spec import NumericsSpec
+from readback.ops import read_rules
 from readback.policy import POLICIES
 
 
@@ -28,8 +27,10 @@ def variants(numerics) -> list[Variant]:
     """Every policy; every read where the configured policy differs from ``exact``, switched to
     exact alone; each op's backward roundings (E5M2 of dO, dS, dY and the BF16 GEMM outputs)
     switched off alone; and everything exact at once (the meter's own zero)."""
-    out = [Variant(p, f"backward under policy {p}", policy=p) for p in POLICIES if not p.startswith("_")]
-    configured, exact = read_rules(numerics.policy), read_rules("exact")
+    out = [Variant(p, f"backward under policy {p}", policy=p) for p in POLICIES]
+    if numerics.policy not in POLICIES:  # a spec whose reads no named policy has (a test's planted read)
+        out.insert(0, Variant(numerics.policy, "the configured backward"))
+    configured, exact = numerics.spec.reads, read_rules("exact")
     for op, grads in configured.items():
         for gradient, mode in grads.items():
             if mode != exact[op][gradient]:
@@ -69,40 +70,23 @@ def _rounds_backward(numerics, op: str) -> bool:
     )
 
 
-@contextlib.contextmanager
-def temporary_policy(name: str, base: str, reads: dict):
-    """A policy ``name`` that reads like ``base`` except for ``reads`` ``{op: {gradient: mode}}``,
-    registered in ``POLICIES`` and every op's ``READS`` while the block runs (the meter's
-    single-read variants; tests plant wrong reads with it)."""
-    unknown = [(op, g) for op, grads in reads.items() for g in grads if op not in OPS or g not in OPS[op].READS[base]]
-    if unknown:
-        raise ValueError(f"no such reads {unknown}; valid: {read_rules(base)}")
-    POLICIES[name] = f"{base} with {reads}"
-    for op, module in OPS.items():
-        module.READS[name] = {**module.READS[base], **reads.get(op, {})}
-    try:
-        yield name
-    finally:
-        del POLICIES[name]
-        for module in OPS.values():
-            del module.READS[name]
+def spec_of(variant: Variant, spec: NumericsSpec) -> NumericsSpec:
+    """The spec ``variant``'s backward runs under, made from the run's ``spec`` (a new one: no
+    table of the ops or of the policies changes)."""
+    policy = variant.policy or spec.policy
+    if variant.policy:
+        spec = spec.with_reads(policy, read_rules(policy))
+    if variant.reads:
+        unknown = [(op, g) for op, grads in variant.reads.items() for g in grads if g not in spec.reads.get(op, {})]
+        if unknown:
+            raise ValueError(f"no such reads {unknown}; valid: {read_rules(policy)}")
+        reads = {op: {**grads, **variant.reads.get(op, {})} for op, grads in spec.reads.items()}
+        spec = spec.with_reads(f"{policy} with {variant.reads}", reads)
+    for op in variant.exact_bwd:
+        spec = spec.with_exact_backward(op)
+    return spec
 
 
-@contextlib.contextmanager
 def applied(numerics, variant: Variant):
-    """Run the block's backward as ``variant`` says; the numerics are restored on exit."""
-    saved = numerics.policy, numerics.attention_bwd, numerics.recipe
-    policy = variant.policy or numerics.policy
-    with contextlib.ExitStack() as stack:
-        if variant.reads:
-            policy = stack.enter_context(temporary_policy("_bias_variant", policy, variant.reads))
-        numerics.policy = policy
-        if "attention" in variant.exact_bwd:
-            numerics.attention_bwd = "fp32"
-        if "linear" in variant.exact_bwd:
-            fprop = numerics.recipe.override_linear_precision[0]
-            numerics.recipe = dataclasses.replace(numerics.recipe, override_linear_precision=(fprop, True, True))
-        try:
-            yield
-        finally:
-            numerics.policy, numerics.attention_bwd, numerics.recipe = saved
+    """Run the block's backward as ``variant`` says; the run's own spec after."""
+    return numerics.using(spec_of(variant, numerics.spec))

@@ -25,7 +25,7 @@ from readback.data import DATASETS
 from readback.data.corpus import EDITIONS
 from readback.errors import ConfigError, require
 from readback.fields import Checked, integer, items, number, one_of
-from readback.ops.numerics import ATTENTION_BWD
+from readback.numerics.spec import ATTENTION_BWD
 from readback.policy import POLICIES
 from readback.probe.gradient_error import DTYPES
 from readback.train.parallel import PARALLEL

@@ -8,7 +8,9 @@ layers, ``kurtosis/<tensor>_max``.
 
 from __future__ import annotations
 
+import contextlib
 import re
+from collections.abc import Iterator
 
 import torch
 import torch.nn as nn
@@ -59,6 +61,15 @@ class ActivationStats:
                 self._values.setdefault(key, []).append(kurtosis(inputs[0]))
 
         return hook
+
+    @contextlib.contextmanager
+    def measuring(self, on: bool = True) -> Iterator[None]:
+        """Measure in the block when ``on`` (as ``Numerics.measuring`` does for the ops)."""
+        saved, self.active = self.active, on
+        try:
+            yield
+        finally:
+            self.active = saved
 
     def pop(self) -> dict[str, float]:
         """``{"kurtosis/<tensor>_max": largest over layers}`` measured since the last call."""

@@ -2,11 +2,17 @@
 
 Import the functions from their modules: ``readback.ops.linear.linear``,
 ``readback.ops.norm.rms_norm``, ``readback.ops.attention.attention``, ``readback.ops.activation.xielu``.
+``numerics_for`` makes a run's ``Numerics`` with the ops' read rules resolved for its policy.
 """
 
+from typing import Any
+
+from readback.numerics import CurrentScaling, DelayedScaling
+from readback.numerics.spec import ATTENTION_BWD, PRECISIONS, NumericsSpec
 from readback.ops import activation, attention, linear, norm
-from readback.ops.numerics import ATTENTION_BWD, PRECISIONS, Numerics, build_numerics
+from readback.ops.numerics import Numerics
 from readback.ops.site import Site
+from readback.policy import POLICIES
 
 # Every op module (with its READS table), by the name policy tables and the audit use.
 OPS = {"linear": linear, "rms_norm": norm, "attention": attention, "xielu": activation}
@@ -17,4 +23,54 @@ def read_rules(policy: str) -> dict[str, dict[str, str]]:
     return {name: dict(op.READS[policy]) for name, op in OPS.items()}
 
 
-__all__ = ["ATTENTION_BWD", "OPS", "PRECISIONS", "Numerics", "Site", "build_numerics", "read_rules"]
+def numerics_spec(
+    precision: str = "fp8",
+    recipe: DelayedScaling | CurrentScaling | None = None,
+    policy: str = "exact",
+    attention_bwd: str = "fp8",
+    rounding: str = "nearest",
+    bf16_sites: tuple[str, ...] = (),
+    site_margin: dict[str, int] | None = None,
+) -> NumericsSpec:
+    """The spec of a run: ``policy``'s reads resolved from the ops' tables, the choices made
+    concrete (an FP8 run without a recipe gets ``DelayedScaling()``; a BF16 run's FP8 attention
+    backward runs in BF16, an ``off`` run's in FP64; only FP8 rounds stochastically)."""
+    for key, value, valid in (
+        ("precision", precision, PRECISIONS),
+        ("policy", policy, POLICIES),
+        ("attention_bwd", attention_bwd, ATTENTION_BWD),
+    ):
+        if value not in valid:
+            raise ValueError(f"{key}={value!r}; valid: {list(valid)}")
+    return NumericsSpec(
+        precision=precision,
+        recipe=DelayedScaling() if precision == "fp8" and recipe is None else recipe,
+        policy=policy,
+        reads=read_rules(policy),
+        attention_bwd={
+            "fp8": attention_bwd,
+            "bf16": "bf16" if attention_bwd == "fp8" else attention_bwd,
+            "off": "fp64",
+        }[precision],
+        rounding=rounding if precision == "fp8" else "nearest",
+        bf16_sites=bf16_sites,
+        site_margin=tuple((site_margin or {}).items()),
+    )
+
+
+def numerics_for(*args: Any, seed: int = 0, **kwargs: Any) -> Numerics:
+    """A run's ``Numerics``: ``numerics_spec(*args, **kwargs)`` and the random streams of ``seed``."""
+    return Numerics(numerics_spec(*args, **kwargs), seed=seed)
+
+
+__all__ = [
+    "ATTENTION_BWD",
+    "OPS",
+    "PRECISIONS",
+    "Numerics",
+    "NumericsSpec",
+    "Site",
+    "numerics_for",
+    "numerics_spec",
+    "read_rules",
+]

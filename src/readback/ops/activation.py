@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING, Any, cast
 
 import torch
 
+from readback.numerics.spec import frozen_reads
 from readback.policy import POLICIES
 
 if TYPE_CHECKING:
@@ -17,7 +18,7 @@ BETA = 0.5
 EPS = -1e-6
 
 # The input gradient reads the high-precision input the forward evaluated (nothing is rounded here).
-READS = {policy: {"dx": "original"} for policy in POLICIES}
+READS = frozen_reads({policy: {"dx": "original"} for policy in POLICIES})
 
 
 class _XIELU(torch.autograd.Function):

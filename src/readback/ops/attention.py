@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from readback.numerics import QTensor, abs_max, decoded, matmul, pinned
+from readback.numerics.spec import frozen_reads
 from readback.ops import mechanism
 from readback.ops.saved import load, save
 
@@ -38,13 +39,15 @@ ROW_BLOCK = 64  # query rows per block of the backward
 #   dV reads P (the PV GEMM's operand), dS reads P (the softmax's output), D reads O,
 #   dP = dO V^T reads V, dQ = c dS K reads K, dK = c dS^T Q reads Q (the QK^T and PV operands).
 _CORRECT = {"dV": "rounded", "dS": "original", "dP": "rounded", "dQ": "rounded", "dK": "rounded"}
-READS = {
-    "reuse_rounded": {**_CORRECT, "D": "rounded"},  # the O8 saved for the projection's wgrad
-    "fresh_reround": {**_CORRECT, "D": "fresh"},  # a new stochastic rounding of the saved O
-    "no_saved_copy": {**_CORRECT, "D": "none"},  # rowsum(P * dP): exact, reads no O
-    "original": {**_CORRECT, "D": "original"},  # high-precision O (off by P's rounding)
-    "exact": {**_CORRECT, "D": "none"},
-}
+READS = frozen_reads(
+    {
+        "reuse_rounded": {**_CORRECT, "D": "rounded"},  # the O8 saved for the projection's wgrad
+        "fresh_reround": {**_CORRECT, "D": "fresh"},  # a new stochastic rounding of the saved O
+        "no_saved_copy": {**_CORRECT, "D": "none"},  # rowsum(P * dP): exact, reads no O
+        "original": {**_CORRECT, "D": "original"},  # high-precision O (off by P's rounding)
+        "exact": {**_CORRECT, "D": "none"},
+    }
+)
 
 
 def _expand_groups(q: QTensor, heads: int) -> QTensor:
@@ -84,7 +87,7 @@ class _Attention(torch.autograd.Function):
         oq = numerics.site(f"{name}.output").quantize(out, rounding)
         numerics.record(name, q=qq, k=kq, v=vq, scores=scores, probs=pq, out=out, output=oq)
 
-        reads = READS[numerics.policy]
+        reads = numerics.spec.reads["attention"]
         fctx.numerics, fctx.name, fctx.scale, fctx.gemm = numerics, name, softmax_scale, gemm
         fctx.mechanism = numerics.mechanism
         saved = {
@@ -217,7 +220,7 @@ def _value(t: torch.Tensor | QTensor, dtype: torch.dtype) -> torch.Tensor:
 
 def _o_read(numerics: Numerics, name: str, saved: dict[str, Any]) -> torch.Tensor | None:
     """The O that the D-term reads under the policy, in (B, H, T, hd); None for ``rowsum(P*dP)``."""
-    mode = READS[numerics.policy]["D"]
+    mode = numerics.read("attention", "D")
     batch, heads, seq, dim = saved["q_for_dk"].data.shape
     dtype, oq = numerics.dtype, saved["oq"]
     if mode == "none":

@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any, cast
 import torch
 
 from readback.numerics import FP8Format, QTensor, decoded, matmul, pinned
+from readback.numerics.spec import frozen_reads
 from readback.ops.saved import load, save
 from readback.policy import POLICIES
 
@@ -20,7 +21,7 @@ if TYPE_CHECKING:
 # gradient -> which value of the tensor it multiplies it reads:
 #   dgrad = dY W  reads the weight; wgrad = dY^T X reads the input.
 # "rounded" is the FP8 copy the forward multiplied, i.e. the executed forward's own operand.
-READS = {policy: {"dgrad": "rounded", "wgrad": "rounded"} for policy in POLICIES}
+READS = frozen_reads({policy: {"dgrad": "rounded", "wgrad": "rounded"} for policy in POLICIES})
 
 
 class _Linear(torch.autograd.Function):
@@ -35,7 +36,7 @@ class _Linear(torch.autograd.Function):
         x_q_scale: torch.Tensor | None,
         x_q_fmt: FP8Format | None,
     ) -> torch.Tensor:
-        reads = READS[numerics.policy]
+        reads = numerics.spec.reads["linear"]
         rounding = numerics.rounding
         xq = (
             QTensor(_rows(x_q_data), x_q_scale, x_q_fmt)

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any, cast
 import torch
 
 from readback.numerics import QTensor, pinned
+from readback.numerics.spec import frozen_reads
 from readback.ops.saved import load, save
 from readback.policy import POLICIES
 
@@ -21,7 +22,7 @@ if TYPE_CHECKING:
     from readback.ops.numerics import Numerics
 
 # gradient -> which normalised value (x - mean) / std, or x / rms(x), it reads.
-READS = {policy: {"gain": "original"} for policy in POLICIES}
+READS = frozen_reads({policy: {"gain": "original"} for policy in POLICIES})
 
 
 def _normalize(x: torch.Tensor, eps: float, center: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -51,7 +52,7 @@ class _Norm(torch.autograd.Function):
         yq = numerics.site(f"{name}.output").quantize(y, numerics.rounding) if round_output else None
         numerics.record(name, output=yq)
         # "rounded" reads the output's FP8 copy (less the bias, divided by the gain): the naive rule.
-        gain_reads = normalized if READS[numerics.policy]["gain"] == "original" else yq
+        gain_reads = normalized if numerics.read("rms_norm", "gain") == "original" else yq
         fctx.center = center
         save(fctx, normalized=normalized, inv_std=inv_std, gain=gain, bias=bias, gain_reads=gain_reads)
         numerics.account("rms_norm", normalized=normalized)

@@ -1,12 +1,9 @@
-"""The numerics of one run: recipe, policy and every rounding site. All ops round through it.
+"""The rounding state of one run: every rounding site, under the run's frozen ``NumericsSpec``.
 
 A ``Site`` (``readback.ops.site``) is one named tensor the run rounds (``layer0.attn.output``,
 ``layer0.mlp.up.weight``, ...): it owns the tensor's format and scaling state; its random streams
 come from here. ``Numerics`` creates sites on first use and advances them together at the end of
-each optimizer step; ``build_numerics`` makes the run's ``Numerics`` from its config.
-
-It lives with the ops, not in ``readback.numerics``: it checks the policy names of
-``readback.policy``, and the layers import downward only (numerics -> policy -> ops).
+each optimizer step; ``readback.ops.numerics_for`` makes one with the ops' read rules resolved.
 """
 
 from __future__ import annotations
@@ -20,75 +17,92 @@ import torch
 
 from readback.numerics import (
     BF16,
-    GEMM_PRECISIONS,
-    ROUNDINGS,
-    CurrentScaling,
-    DelayedScaling,
     DelayedScalingState,
     FP8Format,
     QTensor,
 )
+from readback.numerics.spec import NumericsSpec
 from readback.ops.site import ScalingState, Site, UnitScale
 from readback.ops.streams import RandomStreams
-from readback.policy import POLICIES
 
-PRECISIONS = ("fp8", "bf16", "off")
-ATTENTION_BWD = GEMM_PRECISIONS[:3]  # fp8, bf16, fp32
 Record = tuple[str, dict[str, Any]]  # one op call on a tape: its name and what it executed
 
 
 class Numerics:
-    """How this run rounds: precision, recipe, policy, attention-backward precision, rounding.
+    """The run's rounding state under a frozen ``NumericsSpec`` (``spec``): its sites, random
+    streams, tape and statistics. Its modes change only through its own context managers
+    (``using``, ``taping``, ``watching``, ``measuring``, ``replay``, ``isolated``)."""
 
-    ``precision``: ``fp8`` (recipe required), ``bf16`` (every site rounds to BF16, no scaling) or
-    ``off`` (no rounding at all, GEMMs in FP64: for gradcheck and references).
-    ``bf16_sites``: name prefixes of sites kept in BF16 under FP8 (the study's LM head).
-    ``site_margin``: ``{site pattern: k}``, an extra margin at the FP8 sites a pattern matches
-    (:func:`site_matches`): their scale is divided by ``2**k`` wherever it is used, so a stress
-    reaches every read of the site (the forward's copy and any re-rounding on its grid).
-    """
-
-    def __init__(
-        self,
-        precision: str = "fp8",
-        recipe: DelayedScaling | CurrentScaling | None = None,
-        policy: str = "exact",
-        attention_bwd: str = "fp8",
-        rounding: str = "nearest",
-        seed: int = 0,
-        bf16_sites: tuple[str, ...] = (),
-        site_margin: dict[str, int] | None = None,
-    ):
-        for key, value, valid in (
-            ("precision", precision, PRECISIONS),
-            ("policy", policy, POLICIES),
-            ("attention_bwd", attention_bwd, ATTENTION_BWD),
-            ("rounding", rounding, ROUNDINGS),
-        ):
-            if value not in valid:
-                raise ValueError(f"{key}={value!r}; valid: {list(valid)}")
-        if precision == "fp8" and recipe is None:
-            recipe = DelayedScaling()
-        self.precision, self.recipe, self.policy = precision, recipe, policy
-        self.rounding = rounding if precision == "fp8" else "nearest"
-        self.attention_bwd = {
-            "fp8": attention_bwd,
-            "bf16": "bf16" if attention_bwd == "fp8" else attention_bwd,
-            "off": "fp64",
-        }[precision]
-        self.seed, self.bf16_sites = seed, tuple(bf16_sites)
-        self.site_margin = dict(site_margin or {})
+    def __init__(self, spec: NumericsSpec, seed: int = 0):
+        self._spec, self.seed = spec, seed
         self.step = 0
         self.sites: dict[str, Site] = {}
         self.saved_bytes: dict[str, int] = {}
-        self.tape: list[Record] | None = None
-        self.watched: dict[str, torch.Tensor] | None = None
+        self._tape: list[Record] | None = None
+        self._watched: dict[str, torch.Tensor] | None = None
         self.observations: dict[str, torch.Tensor] = {}
         self.maxima: dict[str, torch.Tensor] = {}
-        self.mechanism = False  # ops measure their mechanism statistics (readback.ops.mechanism)
+        self._mechanism = False  # ops measure their mechanism statistics (readback.ops.mechanism)
         self.stream_salt = ""
         self.streams = RandomStreams(seed)
         self._replay: tuple[Iterator[Record], torch.dtype] | None = None  # (records, dtype) while replaying a tape
+
+    @property
+    def spec(self) -> NumericsSpec:
+        return self._spec
+
+    # The spec's settings, read-only, under the names the ops use.
+    precision = property(lambda self: self._spec.precision)
+    recipe = property(lambda self: self._spec.recipe)
+    policy = property(lambda self: self._spec.policy)
+    attention_bwd = property(lambda self: self._spec.attention_bwd)
+    rounding = property(lambda self: self._spec.rounding)
+    tape = property(lambda self: self._tape)
+    watched = property(lambda self: self._watched)
+    mechanism = property(lambda self: self._mechanism)
+
+    def read(self, op: str, gradient: str) -> str:
+        return self._spec.read(op, gradient)
+
+    def linear_precision(self, gemm: str) -> str:
+        """GEMM precision of a linear's ``fprop``, ``dgrad`` or ``wgrad``."""
+        return self._spec.linear_precision(gemm)
+
+    @contextlib.contextmanager
+    def using(self, spec: NumericsSpec) -> Iterator[None]:
+        """Run the block under ``spec`` (a bias-meter variant's backward); the run's own spec after."""
+        saved, self._spec = self._spec, spec
+        try:
+            yield
+        finally:
+            self._spec = saved
+
+    @contextlib.contextmanager
+    def taping(self) -> Iterator[list[Record]]:
+        """Record what every op executes in the block, on the list it yields (references replay it)."""
+        self._tape = tape = list[Record]()
+        try:
+            yield tape
+        finally:
+            self._tape = None
+
+    @contextlib.contextmanager
+    def watching(self) -> Iterator[dict[str, torch.Tensor]]:
+        """Keep the gradients of the ops' inputs (``watch``) in the block, in the dict it yields."""
+        self._watched = watched = dict[str, torch.Tensor]()
+        try:
+            yield watched
+        finally:
+            self._watched = None
+
+    @contextlib.contextmanager
+    def measuring(self, on: bool = True) -> Iterator[None]:
+        """The ops measure their mechanism statistics (``readback.ops.mechanism``) in the block when ``on``."""
+        saved, self._mechanism = self._mechanism, on
+        try:
+            yield
+        finally:
+            self._mechanism = saved
 
     @property
     def dtype(self) -> torch.dtype:
@@ -121,12 +135,12 @@ class Numerics:
         return record
 
     def watch(self, name: str, **tensors: torch.Tensor) -> None:
-        """Keep the gradients of an op's inputs (e.g. attention dQ/dK/dV) when ``watched`` is on."""
-        if self.watched is not None:
+        """Keep the gradients of an op's inputs (e.g. attention dQ/dK/dV) inside ``watching``."""
+        if self._watched is not None:
             for key, tensor in tensors.items():
                 if tensor.requires_grad:
                     tensor.retain_grad()
-                    self.watched[f"{name}.d{key}"] = tensor
+                    self._watched[f"{name}.d{key}"] = tensor
 
     @contextlib.contextmanager
     def isolated(self, stream_salt: str = "") -> Iterator[None]:
@@ -153,17 +167,6 @@ class Numerics:
             for scaling, amax in pending:
                 scaling.pending_amax.copy_(amax)
 
-    def linear_precision(self, gemm: str) -> str:
-        """GEMM precision of a linear's ``fprop``, ``dgrad`` or ``wgrad``."""
-        if self.precision == "off":
-            return "fp64"
-        overrides = (
-            self.recipe.override_linear_precision
-            if self.precision == "fp8" and self.recipe is not None
-            else (False,) * 3
-        )
-        return "fp32" if overrides[("fprop", "dgrad", "wgrad").index(gemm)] else "fp8"
-
     def site(self, name: str, direction: str = "fwd") -> Site:
         """The site ``name``; ``direction`` ``fwd`` (activations, weights) or ``bwd`` (gradients)
         picks the recipe's format for it on first use."""
@@ -172,13 +175,13 @@ class Numerics:
             state: ScalingState
             if self.precision == "off":
                 fmt, state = None, UnitScale()
-            elif self.precision == "bf16" or name.startswith(self.bf16_sites):
+            elif self._spec.is_bf16_site(name):
                 fmt, state = BF16, UnitScale()
             else:
                 assert self.recipe is not None  # fp8: __init__ sets one
                 fmt = self.recipe.fp8_format.fwd if direction == "fwd" else self.recipe.fp8_format.bwd
                 state = self.recipe.new_state(fmt)
-            margin = sum(k for pattern, k in self.site_margin.items() if site_matches(name, pattern))
+            margin = sum(k for pattern, k in self._spec.site_margin if site_matches(name, pattern))
             self.sites[name] = Site(self, name, direction, fmt, state, margin if fmt not in (None, BF16) else 0)
         return self.sites[name]
 
@@ -201,9 +204,9 @@ class Numerics:
                 self.saved_bytes[key] = self.saved_bytes.get(key, 0) + nbytes
 
     def record(self, site: str, **tensors: Any) -> None:
-        """Keep what an op executed when a tape is running (references and probes replay it)."""
-        if self.tape is not None:
-            self.tape.append((site, tensors))
+        """Keep what an op executed inside ``taping`` (references and probes replay it)."""
+        if self._tape is not None:
+            self._tape.append((site, tensors))
 
     def saturation_counts(self) -> dict[str, int]:
         """Elements saturated to the format's max at each FP8 site since the last call: a run
@@ -325,32 +328,3 @@ def site_matches(name: str, pattern: str) -> bool:
     """A site pattern is a glob over the site name, matching whole trailing components too:
     ``attn.core.output`` matches ``layers.3.attn.core.output``."""
     return fnmatch.fnmatchcase(name, pattern) or fnmatch.fnmatchcase(name, f"*.{pattern}")
-
-
-def build_numerics(cfg: Any) -> Numerics:
-    """The run's ``Numerics`` from the ``precision``, ``policy`` and ``attention`` groups."""
-    p = cfg.precision
-    recipe: DelayedScaling | CurrentScaling | None = None
-    if p.name == "fp8":
-        common = dict(
-            margin=p.margin, fp8_format=p.fp8_format, override_linear_precision=tuple(p.override_linear_precision)
-        )
-        if p.recipe == "delayed":
-            recipe = DelayedScaling(
-                interval=p.interval,
-                amax_history_len=p.amax_history_len,
-                amax_compute_algo=p.amax_compute_algo,
-                **common,
-            )
-        else:
-            recipe = CurrentScaling(**common)
-    return Numerics(
-        precision=p.name,
-        recipe=recipe,
-        policy=cfg.policy.name,
-        attention_bwd=cfg.attention.bwd_precision,
-        rounding=p.rounding if p.name == "fp8" else "nearest",
-        seed=cfg.seed,
-        bf16_sites=tuple(p.bf16_layers) if p.name == "fp8" else (),
-        site_margin=dict(p.site_margin or {}) if p.name == "fp8" else {},
-    )

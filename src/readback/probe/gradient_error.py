@@ -74,9 +74,7 @@ class GradientProbe:
 
     def _against_reference(self, model, params, taped: TapedStep, inputs, targets):
         """(executed, reference) gradients by name: parameters, and watched op inputs."""
-        numerics = model.numerics
-        numerics.watched = {}
-        try:
+        with model.numerics.watching():
             reference = reference_gradients(
                 model,
                 {n: params[n] for n in taped.executed if n in params},
@@ -86,8 +84,6 @@ class GradientProbe:
                 DTYPES[self.dtype],
                 taped.micro_batches,
             )
-        finally:
-            numerics.watched = None
         return {n: taped.executed[n].detach().double() for n in reference}, reference
 
 
@@ -105,28 +101,20 @@ def train_taped(model, inputs: torch.Tensor, targets: torch.Tensor, micro_batche
     """A training micro-step (``loss / micro_batches`` backward, gradients into ``.grad``) that
     tapes the forward and watches the op inputs: ``(loss, TapedStep)``. Its gradients are this
     batch's alone when none had accumulated before (the first micro-batch of a step)."""
-    numerics = model.numerics
-    numerics.watched = {}
-    try:
+    with model.numerics.watching() as watched:
         loss, tape = taped_backward(model, inputs, targets, micro_batches)
         executed = {n: p.grad for n, p in model.named_parameters() if p.requires_grad and p.grad is not None}
-        executed |= {n: t.grad for n, t in numerics.watched.items()}
-    finally:
-        numerics.watched = None
+        executed |= {n: t.grad for n, t in watched.items()}
     return loss, TapedStep(tape, executed, micro_batches)
 
 
 def taped_backward(model, inputs: torch.Tensor, targets: torch.Tensor, micro_batches: int = 1):
     """One training forward and backward of ``loss / micro_batches`` (gradients into ``.grad``),
     recording the executed forward's tape: ``(loss, tape)``."""
-    numerics = model.numerics
-    numerics.tape = []
-    try:
+    with model.numerics.taping() as tape:
         loss = model(inputs, targets)
         (loss / micro_batches).backward()  # as the trainer's micro-steps do
-        return loss.detach(), numerics.tape
-    finally:
-        numerics.tape = None
+    return loss.detach(), tape
 
 
 def reference_gradients(

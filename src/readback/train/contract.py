@@ -24,8 +24,7 @@ class RunNumerics(Protocol):
     def state_dict(self) -> dict[str, Any]: ...
     def load_state_dict(self, state: dict[str, Any]) -> None: ...
     def isolated(self) -> AbstractContextManager[Any]: ...
-
-    mechanism: bool  # on: attention measures its mechanism statistics (readback.ops.mechanism)
+    def measuring(self, on: bool = True) -> AbstractContextManager[Any]: ...  # readback.ops.mechanism
 
     @property
     def sites(self) -> Mapping[str, object]: ...  # the rounding sites created so far, by name

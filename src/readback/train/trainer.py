@@ -173,17 +173,17 @@ class Trainer:
                 with whole_parameters(self.forward):
                     self.bias_meter.measure(step, self.model, self.stream)
             last = micro == self.accum - 1
-            self.activation_stats.active = self.model.numerics.mechanism = track_stats and last
+            measured = track_stats and last  # activation and mechanism statistics: the training pass only
+            measuring = self.activation_stats.measuring(measured), self.model.numerics.measuring(measured)
             if probed and not self.env.distributed:
-                loss, trained = train_taped(self.model, x, y, micro_batches=self.accum)
-                self.activation_stats.active = self.model.numerics.mechanism = False  # not the probe's passes
+                with measuring[0], measuring[1]:
+                    loss, trained = train_taped(self.model, x, y, micro_batches=self.accum)
                 self.probe_metrics = self.probe.measure(self.model, x, y, trained)
             else:
-                with nullcontext() if last else no_gradient_sync(self.forward, self.env):
-                    loss = self._forward_of(track_stats and last)(x, y)
+                with measuring[0], measuring[1], nullcontext() if last else no_gradient_sync(self.forward, self.env):
+                    loss = self._forward_of(measured)(x, y)
                     (loss / self.accum).backward()
             loss_sum += loss.detach().float()
-        self.activation_stats.active = self.model.numerics.mechanism = False
         signalled = torch.tensor(float(self.guard.requested is not None), device=dev)
         mean_loss, preempt = all_reduce_mean(torch.stack([loss_sum / self.accum, signalled]), self.env)
         gnorm = clip_gradients(self.params, self.grad_clip).to(dev)

@@ -12,7 +12,7 @@ import torch
 from readback.audit_model import audit_saved, stored, to_markdown, write
 from readback.audit_model.examples import fog_example
 from readback.audit_model.fog_reads import compare_reads
-from readback.bias import temporary_policy
+from toys import PLANTED_READS
 
 
 @pytest.fixture(scope="module")
@@ -37,8 +37,7 @@ def test_fog_verdicts_agree_with_the_reads_tables(fog_rows):
 def test_a_planted_wrong_read_is_found(fog_rows):
     """A test-only policy declaring that the softmax backward reads the FP8 copy of P: the audit
     shows that storing P rounded moves the gradient, so the declaration is wrong."""
-    with temporary_policy("planted", base="exact", reads={"attention": {"dS": "rounded"}}):
-        wrong = [c for c in compare_reads(fog_rows, "planted") if not c["agrees"]]
+    wrong = [c for c in compare_reads(fog_rows, reads=PLANTED_READS) if not c["agrees"]]
     assert [(c["op"], c["gradient"]) for c in wrong] == [("attention", "dS")]
     assert wrong[0]["saved"].endswith("SoftmaxBackward0.result")
 

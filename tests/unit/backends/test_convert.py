@@ -114,13 +114,13 @@ def test_sequential_fp8_gradients_read_what_the_rules_declare():
     model = sequential()
     readback.convert(model, precision=FP32_BACKWARD)
     numerics = model.numerics
-    numerics.tape = []
-    x = torch.randn(4, 7, 32, generator=torch.Generator().manual_seed(2))
-    norm_out = {}
-    model[1].register_forward_hook(lambda m, i, o: norm_out.setdefault("y", o).retain_grad())
-    model[2].register_forward_hook(lambda m, i, o: norm_out.setdefault("dy", o).retain_grad())
-    model(x).square().sum().backward()
-    tape = dict(numerics.tape)
+    with numerics.taping() as tape:
+        x = torch.randn(4, 7, 32, generator=torch.Generator().manual_seed(2))
+        norm_out = {}
+        model[1].register_forward_hook(lambda m, i, o: norm_out.setdefault("y", o).retain_grad())
+        model[2].register_forward_hook(lambda m, i, o: norm_out.setdefault("dy", o).retain_grad())
+        model(x).square().sum().backward()
+    tape = dict(tape)
     assert "2.input" not in numerics.sites  # the copy came from the norm's site
     y, out = norm_out["y"], norm_out["dy"]
     copy_q = tape["2"]["input"]
@@ -189,12 +189,12 @@ def test_llama_with_rounding_off_equals_the_unconverted_model_and_reports_every_
 def _o_proj_audit(policy: str):
     model, _ = converted_llama(precision=FP32_BACKWARD, policy=policy, attention_bwd="fp32")
     numerics = model.numerics
-    numerics.tape = []
-    seen = {}
-    o_proj = model.lm.model.layers[0].self_attn.o_proj
-    o_proj.register_forward_hook(lambda m, i, o: seen.setdefault("out", o).retain_grad())
-    model(*tokens()).backward()
-    record = dict(numerics.tape)["model.layers.0.self_attn.core"]
+    with numerics.taping() as tape:
+        seen = {}
+        o_proj = model.lm.model.layers[0].self_attn.o_proj
+        o_proj.register_forward_hook(lambda m, i, o: seen.setdefault("out", o).retain_grad())
+        model(*tokens()).backward()
+    record = dict(tape)["model.layers.0.self_attn.core"]
     d_out = seen["out"].grad.reshape(-1, 64).double()
     candidates = {
         "rounded": d_out.mT @ record["output"].dequantize(torch.float64).reshape(-1, 64),
@@ -397,11 +397,11 @@ def test_readbacks_own_modules_are_not_converted_again():
     """FOG is built from the parts the converter swaps in, and a converted model has them: both
     are refused; a FOG inside another model is left as it is."""
     from readback.model import FOG, FOGConfig
-    from readback.ops import Numerics
+    from readback.ops import numerics_for
 
     fog = FOG(
         FOGConfig(n_layers=1, d_model=32, n_heads=2, n_kv_groups=1, ffn_dim=48, vocab_size=64, seq_len=8),
-        Numerics("off"),
+        numerics_for("off"),
     )
     model = sequential()
     readback.convert(model)

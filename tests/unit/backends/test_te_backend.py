@@ -184,7 +184,8 @@ def test_te_2_15_pins_backward_override_so_the_environment_cannot_change_linear_
 def test_a_linear_read_rule_te_has_no_switch_for_is_refused(monkeypatch):
     from readback.backends import te_plan as plan_module
 
-    monkeypatch.setitem(plan_module.LINEAR_READS, "exact", {"dgrad": "rounded", "wgrad": "original"})
+    wrong = {**plan_module.LINEAR_READS, "exact": {"dgrad": "rounded", "wgrad": "original"}}
+    monkeypatch.setattr(plan_module, "LINEAR_READS", wrong)  # the op's own table is read-only
     with pytest.raises(ConfigError, match=r"^policy='exact' is not valid; valid: a policy whose linears read"):
         te_plan(config("reuse_rounded", "policy=exact"), TE2)
 

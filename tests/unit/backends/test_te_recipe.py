@@ -13,9 +13,9 @@ import pytest
 
 from readback.backends import convert_te, te_facts, te_plan
 from readback.backends import te as te_backend
+from readback.backends.precision import build_numerics
 from readback.backends.te_facts import Hardware
 from readback.errors import ConfigError
-from readback.ops.numerics import build_numerics
 from toys import compose
 
 H100 = Hardware((9, 0), (9, 13, 0))

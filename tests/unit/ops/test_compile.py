@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from readback.model.fog import FOG, FOGConfig
+from readback.ops import numerics_for
 from readback.ops.compiled import compiled
-from readback.ops.numerics import Numerics
 
 CFG = FOGConfig(n_layers=1, d_model=32, n_heads=4, n_kv_groups=2, ffn_dim=48, vocab_size=64, seq_len=16)
 SETUPS = {
@@ -25,7 +25,7 @@ SETUPS = {
 
 def _model(setup: str) -> FOG:
     torch.manual_seed(0)
-    return FOG(CFG, Numerics(**SETUPS[setup]))
+    return FOG(CFG, numerics_for(**SETUPS[setup]))
 
 
 def _batch() -> tuple[torch.Tensor, torch.Tensor]:

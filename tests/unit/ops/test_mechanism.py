@@ -13,13 +13,12 @@ from readback.analysis.plots import plot_mechanism
 from readback.backends import build_model
 from readback.numerics import CurrentScaling
 from readback.ops import attention as attention_op
-from readback.ops import mechanism
-from readback.ops.numerics import Numerics
+from readback.ops import mechanism, numerics_for
 from toys import compose
 
 
 def test_logits_and_entropy_by_hand():
-    numerics = Numerics(precision="off")
+    numerics = numerics_for(precision="off")
     scores = torch.tensor([[[[1.0, 9.0], [2.0, 4.0]]]])
     probs = torch.tensor([[[[1.0, 0.0], [0.5, 0.5]]]])
     mechanism.observe_logits(numerics, "a", scores, probs)
@@ -33,7 +32,7 @@ def test_dterm_cosine_is_minus_one_for_a_one_signed_d_and_small_for_a_signless_o
     g = torch.Generator().manual_seed(0)
     probs = torch.softmax(torch.randn(2, 2, 64, 64, generator=g), -1)
     keys = torch.randn(2, 2, 64, 8, generator=g)
-    numerics = Numerics(precision="off")
+    numerics = numerics_for(precision="off")
     d_term = mechanism.DTermCosine(keys)
     d_term.add(probs, torch.full((2, 2, 64, 1), 0.3))
     d_term.observe(numerics, "a")
@@ -50,7 +49,7 @@ def test_dterm_cosine_over_row_blocks_is_that_of_the_whole_layer():
     g = torch.Generator().manual_seed(1)
     probs = torch.softmax(torch.randn(2, 2, 100, 100, generator=g), -1)
     keys, row_term = torch.randn(2, 2, 100, 8, generator=g), torch.randn(2, 2, 100, 1, generator=g) + 0.2
-    whole, blocked = Numerics(precision="off"), Numerics(precision="off")
+    whole, blocked = numerics_for(precision="off"), numerics_for(precision="off")
     d_term = mechanism.DTermCosine(keys)
     d_term.add(probs, row_term)
     d_term.observe(whole, "a")
@@ -80,10 +79,10 @@ def test_the_row_blocked_backward_logs_the_cosine_one_block_would(monkeypatch, p
 
     def cosine(row_block: int) -> float:
         monkeypatch.setattr(attention_op, "ROW_BLOCK", row_block)
-        numerics = Numerics(recipe=CurrentScaling(), policy=policy)
-        numerics.mechanism = True
-        o, _ = attention_op.attention(*(t.clone().requires_grad_() for t in (q, k, v)), numerics, "a")
-        o.backward(d_o)
+        numerics = numerics_for(recipe=CurrentScaling(), policy=policy)
+        with numerics.measuring():
+            o, _ = attention_op.attention(*(t.clone().requires_grad_() for t in (q, k, v)), numerics, "a")
+            o.backward(d_o)
         return numerics.pop_observations()["attn_dq_dterm_cos/mean/a"]
 
     blocked = cosine(attention_op.ROW_BLOCK)
@@ -97,8 +96,8 @@ def test_a_logged_fog_step_records_them_and_the_analysis_plots_them(tmp_path):
     idx = torch.randint(0, 64, (2, 16))
     model(idx, idx).backward()  # not a log step: nothing measured
     assert not any(k.startswith("attn_logit") for k in model.numerics.pop_observations())
-    model.numerics.mechanism = True  # the trainer's log steps switch it on
-    model(idx, idx).backward()
+    with model.numerics.measuring():  # as the trainer's log steps do
+        model(idx, idx).backward()
     stats = model.numerics.pop_observations()
     for key in ("attn_logit/max/", "attn_logit/mean/", "attn_entropy/mean/", "attn_dq_dterm_cos/mean/"):
         assert key + "layers.1.attn.core" in stats

@@ -1,0 +1,113 @@
+"""The numerics spec: how a run rounds, resolved once from its config and frozen.
+
+Like Transformer Engine's recipe dataclasses, a spec is data whose field names are the user's
+vocabulary; the run's mutable state (sites, counters, random streams, the tape) lives elsewhere
+and reads it. A backward that reads differently (a bias-meter variant, the reference replay) is
+a new spec, made with ``dataclasses.replace`` or the ``with_*`` helpers, never an edit of this one.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field, replace
+from types import MappingProxyType
+
+from readback.numerics.gemm import GEMM_PRECISIONS
+from readback.numerics.rounding import ROUNDINGS
+from readback.numerics.scaling import CurrentScaling, DelayedScaling
+
+PRECISIONS = ("fp8", "bf16", "off")
+ATTENTION_BWD = GEMM_PRECISIONS[:3]  # what a run may choose: fp8, bf16, fp32 (fp64 is the "off" spec's)
+GEMMS = ("fprop", "dgrad", "wgrad")
+
+Reads = Mapping[str, Mapping[str, str]]  # op -> gradient -> read mode
+
+
+def in_bf16_layers(name: str, bf16_layers: tuple[str, ...] | list[str]) -> bool:
+    """The one rule of ``precision.bf16_layers``: a site or module is kept in BF16 when its name
+    starts with one of the listed prefixes (``lm_head``, ``layers.0.mlp``, ...)."""
+    return name.startswith(tuple(bf16_layers))
+
+
+def frozen_reads(reads: Mapping[str, Mapping[str, str]]) -> Reads:
+    """A read-only copy of ``{op: {gradient: mode}}``."""
+    return MappingProxyType({op: MappingProxyType(dict(grads)) for op, grads in reads.items()})
+
+
+@dataclass(frozen=True)
+class NumericsSpec:
+    """``precision``: ``fp8`` (``recipe`` required), ``bf16`` (every site rounds to BF16, no
+    scaling) or ``off`` (no rounding, FP64 GEMMs: gradcheck and references). ``policy`` names
+    the saved-activation policy that ``reads`` (``{op: {gradient: mode}}``) were resolved from.
+    ``attention_bwd``: the attention backward's GEMM precision as it runs (a BF16 run's FP8
+    choice runs in BF16, an ``off`` run's in FP64). ``rounding``: the forward's roundings
+    (``nearest`` or ``stochastic``; always ``nearest`` without FP8). ``bf16_sites``: name prefixes of sites kept in BF16
+    under FP8 (the study's LM head). ``site_margin``: ``((site pattern, k), ...)``, an extra margin
+    at the FP8 sites a pattern matches, dividing their scale by ``2**k`` wherever it is used."""
+
+    precision: str
+    recipe: DelayedScaling | CurrentScaling | None
+    policy: str
+    reads: Reads
+    attention_bwd: str = "fp8"
+    rounding: str = "nearest"
+    bf16_sites: tuple[str, ...] = ()
+    site_margin: tuple[tuple[str, int], ...] = field(default=())
+
+    def __post_init__(self) -> None:
+        if self.precision not in PRECISIONS:
+            raise ValueError(f"precision={self.precision!r}; valid: {list(PRECISIONS)}")
+        if self.precision == "fp8" and self.recipe is None:
+            raise ValueError("an fp8 spec needs a recipe")
+        for key, value, valid in (
+            ("attention_bwd", self.attention_bwd, GEMM_PRECISIONS),
+            ("rounding", self.rounding, ROUNDINGS),
+        ):
+            if value not in valid:
+                raise ValueError(f"{key}={value!r}; valid: {list(valid)}")
+        object.__setattr__(self, "reads", frozen_reads(self.reads))
+        object.__setattr__(self, "bf16_sites", tuple(self.bf16_sites))
+        object.__setattr__(self, "site_margin", tuple((str(p), int(k)) for p, k in self.site_margin))
+
+    def __deepcopy__(self, memo: dict[int, object]) -> NumericsSpec:
+        return self  # immutable: a copied model shares its spec
+
+    def __reduce__(self) -> tuple[type[NumericsSpec], tuple[object, ...]]:
+        plain = {op: dict(grads) for op, grads in self.reads.items()}  # a mappingproxy does not pickle
+        return NumericsSpec, (
+            self.precision,
+            self.recipe,
+            self.policy,
+            plain,
+            self.attention_bwd,
+            self.rounding,
+            self.bf16_sites,
+            self.site_margin,
+        )
+
+    def read(self, op: str, gradient: str) -> str:
+        """Which value ``op``'s ``gradient`` reads: ``rounded``, ``original``, ``fresh`` or ``none``."""
+        return self.reads[op][gradient]
+
+    def linear_precision(self, gemm: str) -> str:
+        """GEMM precision of a linear's ``fprop``, ``dgrad`` or ``wgrad``."""
+        if self.precision == "off":
+            return "fp64"
+        overrides = self.recipe.override_linear_precision if self.recipe is not None else (False,) * 3
+        return "fp32" if self.precision == "fp8" and overrides[GEMMS.index(gemm)] else "fp8"
+
+    def is_bf16_site(self, name: str) -> bool:
+        """Whether site ``name`` rounds to BF16 (the one rule: a BF16 run, or a ``bf16_sites`` prefix)."""
+        return self.precision == "bf16" or (self.precision == "fp8" and in_bf16_layers(name, self.bf16_sites))
+
+    def with_reads(self, policy: str, reads: Mapping[str, Mapping[str, str]]) -> NumericsSpec:
+        """This spec reading as ``reads`` says, under the label ``policy``."""
+        return replace(self, policy=policy, reads=reads)
+
+    def with_exact_backward(self, op: str) -> NumericsSpec:
+        """This spec with ``op``'s (``attention`` or ``linear``) backward GEMMs in FP32, no gradient roundings."""
+        if op == "attention":
+            return replace(self, attention_bwd="fp32")
+        assert self.recipe is not None  # only FP8 linears round their backward
+        fprop = self.recipe.override_linear_precision[0]
+        return replace(self, recipe=replace(self.recipe, override_linear_precision=(fprop, True, True)))
