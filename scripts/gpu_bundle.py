@@ -3,8 +3,8 @@
 The GPU machine this is written for has Python 3.12 and torch 2.11 (CUDA 13.0), triton,
 transformers, numpy, pytest and hypothesis, and no network. What the check imports beyond that
 is Hydra and its two dependencies: their wheels (for CPython 3.12 on manylinux x86-64) are
-fetched here with pip, checked against the 64 MiB that may travel with the repository, and
-installed there offline:
+fetched here with pip, checked against the 64 MiB that one run there takes along with the
+repository, and installed there offline:
 
     python scripts/gpu_bundle.py            # here: fills .whl/ and prints the command to run there
 
@@ -95,13 +95,13 @@ def check_bundle(dest: Path, other_bytes: int) -> list[Path]:
     if total >= LIMIT_BYTES:
         raise SystemExit(
             f"gpu_bundle: the wheels and the repository come to {total / 2**20:.1f} MiB; "
-            f"at most {LIMIT_BYTES / 2**20:.0f} MiB may travel"
+            f"at most {LIMIT_BYTES / 2**20:.0f} MiB go to the GPU machine"
         )
     return files
 
 
 def repository_bytes(root: Path = ROOT) -> int:
-    """Size of the files git tracks: they travel with the wheels."""
+    """Size of the files git tracks: they go to the GPU machine with the wheels."""
     listed = subprocess.run(["git", "ls-files", "-z"], cwd=root, capture_output=True, check=True).stdout
     paths = [root / name for name in listed.decode().split("\0") if name]
     return sum(p.stat().st_size for p in paths if p.is_file())

@@ -56,14 +56,14 @@ def test_wheels_of_an_earlier_bundle_are_removed_first(tmp_path):
 
 
 def test_a_bundle_of_64_mib_or_more_is_refused_in_one_line(tmp_path):
-    with pytest.raises(SystemExit, match=r"come to 66\.0 MiB; at most 64 MiB may travel$"):
+    with pytest.raises(SystemExit, match=r"come to 66\.0 MiB; at most 64 MiB go to the GPU machine$"):
         gpu_bundle.bundle(tmp_path, FakePip(size=22 * MIB), other_bytes=0)
 
 
 def test_the_repository_counts_against_the_64_mib(tmp_path):
     wheels = 3 * 100_000
     assert gpu_bundle.bundle(tmp_path, FakePip(), other_bytes=64 * MIB - wheels - 1)
-    with pytest.raises(SystemExit, match="at most 64 MiB may travel"):
+    with pytest.raises(SystemExit, match="at most 64 MiB go to the GPU machine"):
         gpu_bundle.bundle(tmp_path, FakePip(), other_bytes=64 * MIB - wheels)
 
 
