@@ -13,11 +13,11 @@ import functools
 
 import torch
 from hydra import compose, initialize_config_dir
-from timing import median_ms
 
 from readback.backends import build_model
 from readback.config import CONF_DIR
 from readback.probe import GradientProbe, train_taped
+from timing import median_ms
 
 
 def main() -> None:

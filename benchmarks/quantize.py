@@ -11,9 +11,9 @@ from __future__ import annotations
 import argparse
 
 import torch
-from timing import median_ms
 
 from readback.numerics import E4M3, quantize
+from timing import median_ms
 
 
 def main() -> None:

@@ -1,22 +1,26 @@
 #!/usr/bin/env bash
-# The GPU check of readback, for one bare CUDA machine (written for an H200), in 8 minutes at most:
+# The GPU check of readback, for one bare CUDA machine (written for an H200), in 8 minutes at most.
+# It runs every part the machine can run and names, for each part it cannot, what is missing
+# (scripts/gpu_env.py decides, from what imports):
 #
-#   0. one line: torch, CUDA, cuDNN and Transformer Engine versions, the GPU and its capability
-#   1. tests/unit/backends/test_gpu.py         fp8_mm via torch._scaled_mm vs the emulation; FOG (head dim
-#                                              128) on CUDA
-#   2. tests/unit/backends/test_te_backend.py  backend=te: real TE model steps, TE vs the emulated loss; with
-#                                              NVTE_DEBUG=1 NVTE_DEBUG_LEVEL=2, so TE logs why it disables a backend
-#   3. python -m readback.audit                the read-rule audit of single ops
-#   4. benchmarks/gpu_step.py                  tokens/s, MFU, peak memory: fog_390m, seq 1024, micro-batch 8
+#   emulated_tests  tests/unit/backends/test_gpu.py: torch._scaled_mm against the emulation (bit-identical
+#                   fraction per accumulation mode), a head-dim-128 FOG step on CUDA against the CPU
+#   policy_runs     scripts/gpu_policy_runs.py: every policy and BF16, 20 steps of a head-dim-128 FOG
+#                   through train.py on CUDA (completed, every loss finite)
+#   audit           python -m readback.audit: the read-rule audit of single ops
+#   benchmark       benchmarks/gpu_step.py: fog_390m, emulated FP8 against BF16, tokens/s, MFU, peak memory
+#                   at sequence 1024 (micro-batch 8) and 4096 (micro-batch 2)
+#   te_tests        tests/unit/backends/test_te_backend.py -m gpu, with NVTE_DEBUG=1 NVTE_DEBUG_LEVEL=2 (TE logs
+#                   why it disables a backend)                                  [needs Transformer Engine]
+#   te_benchmark    benchmarks/gpu_step.py, the TE cases (BF16, FP8 delayed scaling)  [needs Transformer Engine]
 #
-# It uses what the machine has and installs nothing from a registry. It stops at once, with one
-# line naming what is missing, when the machine lacks a CUDA torch, a GPU, Transformer Engine or
-# readback's Python dependencies; wheels of the small ones (hydra-core, omegaconf, antlr4, pytest,
-# hypothesis) may be carried in .whl/ at the repository root and are installed offline into
-# /tmp/site. Each part runs under its own time limit, cut to what is left of the 8 minutes; a
-# part that runs no test fails (the check never passes by skipping). The exit code is the number
-# of failed parts. Logs (one per part, summary.txt, gpu_step.json) go to $OUT when it is set,
-# else to ./gpu_check_logs.
+# Without a CUDA build of torch it prints one line saying so and runs nothing. It installs nothing:
+# the wheels readback needs beyond the machine's own packages come from scripts/gpu_bundle.py,
+# which prints the command that installs them offline and then runs this script. Each part runs
+# under its own time limit, cut to what is left of the 8 minutes; a test part that runs no test
+# fails (the check never passes by skipping). The exit code is the number of failed parts, or
+# 100 when no part could run. Logs (one per part, plan.txt, summary.txt, gpu_step*.json,
+# policy_runs/) go to $OUT when it is set, else to ./gpu_check_logs.
 #
 #   bash scripts/gpu_check.sh               # PYTHON=python3.12 bash scripts/gpu_check.sh
 set -u
@@ -30,40 +34,25 @@ export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}"
 export PYTHONUNBUFFERED=1 WANDB_MODE=disabled HYDRA_FULL_ERROR=1
 T0=$(date +%s)
 
-stop() {  # stop LINE: the one line saying what is missing, and exit
-  echo "gpu_check: $1" | tee -a "$LOGS/summary.txt"
-  exit 100
-}
+say() { echo "$1" | tee -a "$LOGS/summary.txt"; }
 
-if compgen -G ".whl/*.whl" > /dev/null; then
-  timeout 60 "$PY" -m pip install --no-index --no-deps --disable-pip-version-check --target /tmp/site .whl/*.whl \
-    > "$LOGS/install.log" 2>&1 || stop "installing the wheels in .whl/ failed (see install.log)"
-  export PYTHONPATH="/tmp/site:$PYTHONPATH"
-fi
-
-command -v "$PY" > /dev/null || stop "missing: $PY (set PYTHON to a Python with a CUDA torch)"
+command -v "$PY" > /dev/null || { say "gpu_check: needs a CUDA build of torch; there is no $PY (set PYTHON): nothing run"; exit 100; }
+PLAN=$(timeout 120 "$PY" scripts/gpu_env.py 2> "$LOGS/gpu_env.log")
+[ "$?" -eq 0 ] || { say "gpu_check: ${PLAN:-the environment check failed under $PY (see gpu_env.log)}"; exit 100; }
 timeout 60 "$PY" scripts/versions.py | tee "$LOGS/versions.txt"
-[ "${PIPESTATUS[0]}" -eq 0 ] || stop "missing: torch (a CUDA build) for $PY"
-MISSING=$(timeout 60 "$PY" - <<'EOF'
-import importlib.util
-import torch
-missing = []
-if not torch.cuda.is_available():
-    missing.append("a CUDA device visible to torch" if torch.version.cuda else "a CUDA build of torch (this one is CPU-only)")
-elif torch.cuda.get_device_capability() < (8, 9):
-    missing.append(f"an FP8 GPU (sm89+; {torch.cuda.get_device_name()} is sm{''.join(map(str, torch.cuda.get_device_capability()))})")
-modules = {"transformer_engine": "transformer_engine (Transformer Engine)", "hydra": "hydra-core",
-           "omegaconf": "omegaconf", "pytest": "pytest", "hypothesis": "hypothesis"}
-missing += [name for module, name in modules.items() if importlib.util.find_spec(module) is None]
-print(", ".join(missing))
-EOF
-) || stop "the environment check itself failed under $PY"
-[ -z "$MISSING" ] || stop "missing: $MISSING"
+echo "$PLAN" | tee "$LOGS/plan.txt"
 
-FAILED=0
-part() {  # part NAME SECONDS COMMAND...: log to NAME.log, one line in summary.txt
-  local name=$1 limit=$2 start rc status
+FAILED=0 RAN=0 NOT_RUN=""
+part() {  # part NAME SECONDS COMMAND...: if the plan says run, log to NAME.log and one line in summary.txt
+  local name=$1 limit=$2 verdict start rc status
   shift 2
+  verdict=$(sed -n "s/^$name: //p" <<< "$PLAN")
+  if [ "$verdict" != run ]; then
+    NOT_RUN="$NOT_RUN${NOT_RUN:+; }$name (${verdict#not run: })"
+    say "$name: ${verdict:-not run: not in the plan}"
+    return
+  fi
+  RAN=$((RAN + 1))
   local left=$(( TOTAL_S - ($(date +%s) - T0) - 5 ))
   [ "$limit" -le "$left" ] || limit=$left
   start=$(date +%s)
@@ -81,18 +70,23 @@ part() {  # part NAME SECONDS COMMAND...: log to NAME.log, one line in summary.t
     rc=1 status="FAILED: ran no test (all skipped)"
   fi
   [ "$rc" -eq 0 ] || FAILED=$((FAILED + 1))
-  echo "$name: $status ($(( $(date +%s) - start ))s)" | tee -a "$LOGS/summary.txt"
+  say "$name: $status ($(( $(date +%s) - start ))s)"
   tail -n 20 "$LOGS/$name.log" 2>/dev/null
 }
 
 PYTEST=("$PY" -m pytest -q -rA -p no:cacheprovider)
-part gpu_tests 80 "${PYTEST[@]}" tests/unit/backends/test_gpu.py
+BENCH=("$PY" benchmarks/gpu_step.py --seq 1024 4096 --micro-batch 8 2 --steps 300 --max-seconds 12 --case-timeout 50)
+part emulated_tests 90 "${PYTEST[@]}" tests/unit/backends/test_gpu.py
+grep -h "^scaled_mm bit-identical" "$LOGS/emulated_tests.log" 2>/dev/null | tee -a "$LOGS/summary.txt"
+part policy_runs 100 "$PY" scripts/gpu_policy_runs.py --out "$LOGS/policy_runs"
+part audit 40 "$PY" -m readback.audit
+part benchmark 220 "${BENCH[@]}" --cases emulated_bf16 emulated_reuse_rounded --json "$LOGS/gpu_step.json"
+grep -hE "^emulated_.* at seq " "$LOGS/benchmark.log" 2>/dev/null | tee -a "$LOGS/summary.txt"
 part te_tests 110 env NVTE_DEBUG=1 NVTE_DEBUG_LEVEL=2 "${PYTEST[@]}" -s -m gpu tests/unit/backends/test_te_backend.py
 grep -hoE "Disabling [^.]*|Selected backend = [A-Za-z]+" "$LOGS/te_tests.log" 2>/dev/null | sort | uniq -c \
   | sort -rn | head -n 12 | tee "$LOGS/te_backend_reasons.txt"
-part audit 50 "$PY" -m readback.audit
-part benchmark 200 "$PY" benchmarks/gpu_step.py --steps 300 --max-seconds 12 --case-timeout 45 \
-  --json "$LOGS/gpu_step.json"
+part te_benchmark 100 "${BENCH[@]}" --cases te_bf16 te_fp8 --json "$LOGS/gpu_step_te.json"
 
-echo "total $(( $(date +%s) - T0 ))s, $FAILED part(s) failed" | tee -a "$LOGS/summary.txt"
+say "total $(( $(date +%s) - T0 ))s: $RAN part(s) ran, $FAILED failed; not run: ${NOT_RUN:-none}"
+[ "$RAN" -gt 0 ] || { say "gpu_check: no part ran"; exit 100; }
 exit "$FAILED"

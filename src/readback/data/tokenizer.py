@@ -21,7 +21,6 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from tqdm.auto import tqdm
 
 from readback.data import corpus
 from readback.data.cache import atomic_write, build_lock, cache_root, cfg_get, digest
@@ -54,6 +53,8 @@ def encode_blocks(
     tok: Any, texts: list[str], *, progress: bool = True, chunk: int = 256
 ) -> tuple[np.ndarray, np.ndarray]:
     """All ``texts`` encoded back to back, and ``offsets`` so text i is ``ids[offsets[i]:offsets[i+1]]``."""
+    from tqdm.auto import tqdm  # imported here: a run on synthetic data (the GPU check's) needs no tqdm
+
     BUILDS["tokens"] += 1
     pieces: list[np.ndarray] = []
     with tqdm(total=len(texts), desc="tokenising", unit="block", disable=not progress) as bar:

@@ -22,6 +22,12 @@ def _bf16_ulp(x: torch.Tensor) -> torch.Tensor:
     return torch.ldexp(torch.ones_like(x), exponent - 8)
 
 
+def _emulated_mm(a, b) -> torch.Tensor:
+    """``fp8_mm``'s emulation (what it runs on the CPU): the FP32 GEMM of the decoded codes,
+    scaled, rounded once to BF16."""
+    return gemm._decoded_product(a.data, b.data, a.scale_inv * b.scale_inv)
+
+
 def _quantized(shape, fmt, std, generator):
     x = torch.randn(shape, device="cuda", generator=generator) * std
     return quantize(x, fmt, compute_scale(x.abs().amax(), fmt))
@@ -31,13 +37,11 @@ def _quantized(shape, fmt, std, generator):
     "fmt_a, fmt_b", [(E4M3, E4M3), (E5M2, E4M3), (E4M3, E5M2)], ids=["e4m3-e4m3", "e5m2-e4m3", "e4m3-e5m2"]
 )
 @pytest.mark.parametrize("m, k, n", [(64, 256, 128), (256, 1024, 512)])
-def test_scaled_mm_agrees_with_bf16_emulation(monkeypatch, fmt_a, fmt_b, m, k, n):
+def test_scaled_mm_agrees_with_bf16_emulation(fmt_a, fmt_b, m, k, n):
     generator = torch.Generator(device="cuda").manual_seed(m + k + n)
     a, b = _quantized((m, k), fmt_a, 3.0, generator), _quantized((k, n), fmt_b, 0.05, generator)
     assert gemm.use_scaled_mm(a, b), "these shapes must take the real FP8 kernel"
-    real = fp8_mm(a, b)
-    monkeypatch.setattr(gemm, "use_scaled_mm", lambda *_: False)
-    emulated = fp8_mm(a, b)
+    real, emulated = fp8_mm(a, b), _emulated_mm(a, b)
     # Both apply the scales to an FP32 accumulation of the exact products and round once to
     # BF16 (error <= 1/2 ulp each); only the accumulation order differs, so 1.5 BF16 ulp bounds
     # them with room. The floor covers sums that cancel to near zero (FP32 partial sums).
@@ -46,6 +50,30 @@ def test_scaled_mm_agrees_with_bf16_emulation(monkeypatch, fmt_a, fmt_b, m, k, n
     excess = ((real - emulated).abs() - tolerance).max().item()
     assert excess <= 0, f"FP8 kernel and emulation differ by more than 1.5 BF16 ulp (excess {excess:.3g})"
     assert (real - emulated).norm() < 2.0**-7 * emulated.norm()  # about half a BF16 ulp on average
+
+
+# torch._scaled_mm's accumulation modes with an emulation in readback: mode -> (the kernel's call,
+# readback's emulation of it). "fp32" is the call readback makes (no use_fast_accum: partial sums
+# promoted to FP32); Hopper's fast and split accumulation join here with their emulations.
+ACCUMULATIONS = {"fp32": (fp8_mm, _emulated_mm)}
+
+
+@pytest.mark.parametrize("mode", sorted(ACCUMULATIONS))
+def test_scaled_mm_bit_identical_fraction_per_accumulation_mode(mode):
+    """The share of BF16 outputs in which the FP8 kernel and its emulation agree bit for bit,
+    printed for the GPU check's summary. Both round an FP32 sum of the same exact products once;
+    the summation order differs, which changes the BF16 result only where the two sums straddle a
+    rounding boundary: 90 % is a floor, the printed share the measurement."""
+    real_mm, emulated_mm = ACCUMULATIONS[mode]
+    generator = torch.Generator(device="cuda").manual_seed(1)
+    shares = {}
+    for m, k, n in [(256, 1024, 512), (1024, 4096, 1024)]:
+        a, b = _quantized((m, k), E4M3, 3.0, generator), _quantized((k, n), E4M3, 0.05, generator)
+        assert gemm.use_scaled_mm(a, b), "these shapes must take the real FP8 kernel"
+        real, emulated = real_mm(a, b).to(torch.bfloat16), emulated_mm(a, b).to(torch.bfloat16)
+        shares[f"{m}x{k}x{n}"] = (real.view(torch.int16) == emulated.view(torch.int16)).double().mean().item()
+    print(f"scaled_mm bit-identical [{mode} accumulation]: " + ", ".join(f"{s} {v:.4%}" for s, v in shares.items()))
+    assert min(shares.values()) >= 0.9, shares
 
 
 # Head dim 128, as fog_390m's and as Transformer Engine's FP8 attention needs on sm90.
