@@ -28,12 +28,12 @@ from readback.audit.harness import (
     xielu_slope,
 )
 from readback.numerics import CurrentScaling, QTensor, quantize
+from readback.numerics.streams import RandomStreams
 from readback.ops import Numerics, numerics_for
 from readback.ops import activation as activation_op
 from readback.ops import attention as attention_op
 from readback.ops import linear as linear_op
 from readback.ops import norm as norm_op
-from readback.ops.streams import RandomStreams
 from readback.policy import POLICIES
 
 F32 = torch.float32
@@ -54,7 +54,9 @@ def taped_backprop(numerics: Numerics, forward, inputs: dict[str, torch.Tensor],
 def fresh_draw(numerics: Numerics, site: str, original: torch.Tensor, executed: QTensor, seed: int) -> torch.Tensor:
     """A stochastic re-rounding of ``original`` with the forward's scale, from the ``fresh`` stream
     of ``site`` in this step of a run seeded ``seed`` (the op's own draw when ``seed`` is the run's)."""
-    generator = RandomStreams(seed).state(site, "fresh", original.device, numerics.step, numerics.stream_salt)
+    streams = RandomStreams(seed)
+    streams.reseed(numerics.step, numerics.stream_salt)
+    generator = streams.state(site, "fresh", original.device)
     if executed.fmt is None:
         raise ValueError(f"{site} does not round: no fresh draw")
     return quantize(original.detach().float(), executed.fmt, executed.scale, "stochastic", generator).dequantize(F64)

@@ -23,7 +23,7 @@ from readback.backends.te_facts import installed_te_version
 from readback.backends.te_plan import te_recipe_plan
 from readback.errors import ConfigError
 from readback.numerics import DelayedScaling
-from readback.ops.numerics import Numerics
+from readback.numerics.state import Numerics
 
 
 def te_recipe(numerics: Numerics) -> Any:

@@ -11,9 +11,9 @@ import torch
 import torch.nn as nn
 
 from readback.model.fog import Linear, Parts
+from readback.numerics.state import Numerics
 from readback.ops.attention import attention
 from readback.ops.norm import layer_norm, rms_norm
-from readback.ops.numerics import Numerics
 
 _SDPA = torch.nn.functional.scaled_dot_product_attention
 

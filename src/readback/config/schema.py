@@ -295,7 +295,7 @@ class Config(Checked):
         import re
 
         from readback.model.fog import rounding_sites
-        from readback.ops.numerics import site_matches
+        from readback.numerics.state import site_matches
 
         if p.site_margin is None:
             return

@@ -20,11 +20,11 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from readback.numerics.state import Numerics
 from readback.ops.activation import BETA, xielu
 from readback.ops.attention import attention
 from readback.ops.linear import linear
 from readback.ops.norm import rms_norm
-from readback.ops.numerics import Numerics
 
 # The ops of a block that round (their sites are ``{owner}.input``, ``.weight``, ``.q``, ...).
 BLOCK_ROUNDING_OPS = ("attn.qkv", "attn.core", "attn.proj", "mlp.up", "mlp.down")

@@ -1,4 +1,5 @@
-"""FP8 numerics: formats, scaling, rounding and the emulated GEMM (Transformer Engine's terms)."""
+"""FP8 numerics: formats, scaling, rounding, the emulated GEMM (Transformer Engine's terms), and the
+run's rounding state: its frozen spec (``spec``), its sites (``site``, ``state``) and random streams."""
 
 from readback.numerics.formats import BF16, E4M3, E5M2, Format, FP8Format
 from readback.numerics.gemm import GEMM_PRECISIONS, decoded, fp8_mm, matmul

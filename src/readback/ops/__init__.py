@@ -8,10 +8,10 @@ Import the functions from their modules: ``readback.ops.linear.linear``,
 from typing import Any
 
 from readback.numerics import CurrentScaling, DelayedScaling
+from readback.numerics.site import Site
 from readback.numerics.spec import ATTENTION_BWD, PRECISIONS, NumericsSpec
+from readback.numerics.state import Numerics
 from readback.ops import activation, attention, linear, norm
-from readback.ops.numerics import Numerics
-from readback.ops.site import Site
 from readback.policy import POLICIES
 
 # Every op module (with its READS table), by the name policy tables and the audit use.

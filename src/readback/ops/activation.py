@@ -12,7 +12,7 @@ from readback.numerics.spec import frozen_reads
 from readback.policy import POLICIES
 
 if TYPE_CHECKING:
-    from readback.ops.numerics import Numerics
+    from readback.numerics.state import Numerics
 
 BETA = 0.5
 EPS = -1e-6

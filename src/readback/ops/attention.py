@@ -31,7 +31,7 @@ from readback.ops import mechanism
 from readback.ops.saved import load, save
 
 if TYPE_CHECKING:
-    from readback.ops.numerics import Numerics
+    from readback.numerics.state import Numerics
 
 ROW_BLOCK = 64  # query rows per block of the backward
 

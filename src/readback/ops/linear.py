@@ -16,7 +16,7 @@ from readback.ops.saved import load, save
 from readback.policy import POLICIES
 
 if TYPE_CHECKING:
-    from readback.ops.numerics import Numerics
+    from readback.numerics.state import Numerics
 
 # gradient -> which value of the tensor it multiplies it reads:
 #   dgrad = dY W  reads the weight; wgrad = dY^T X reads the input.

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 import torch
 
 if TYPE_CHECKING:
-    from readback.ops.numerics import Numerics
+    from readback.numerics.state import Numerics
 
 
 def observe_logits(numerics: Numerics, name: str, scores: torch.Tensor, probs: torch.Tensor) -> None:

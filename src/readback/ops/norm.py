@@ -19,7 +19,7 @@ from readback.ops.saved import load, save
 from readback.policy import POLICIES
 
 if TYPE_CHECKING:
-    from readback.ops.numerics import Numerics
+    from readback.numerics.state import Numerics
 
 # gradient -> which normalised value (x - mean) / std, or x / rms(x), it reads.
 READS = frozen_reads({policy: {"gain": "original"} for policy in POLICIES})

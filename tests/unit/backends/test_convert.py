@@ -16,9 +16,9 @@ import readback
 from readback.audit.core import audit
 from readback.backends.converted import SDPARouter
 from readback.errors import ConfigError
+from readback.numerics.state import Site
 from readback.ops import linear as linear_op
 from readback.ops import norm as norm_op
-from readback.ops.numerics import Site
 from readback.probe import GradientProbe
 from toys import REPO
 

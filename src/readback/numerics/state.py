@@ -1,9 +1,10 @@
 """The rounding state of one run: every rounding site, under the run's frozen ``NumericsSpec``.
 
-A ``Site`` (``readback.ops.site``) is one named tensor the run rounds (``layer0.attn.output``,
-``layer0.mlp.up.weight``, ...): it owns the tensor's format and scaling state; its random streams
-come from here. ``Numerics`` creates sites on first use and advances them together at the end of
-each optimizer step; ``readback.ops.numerics_for`` makes one with the ops' read rules resolved.
+A ``Site`` (``readback.numerics.site``) is one named tensor the run rounds (``layer0.attn.output``,
+``layer0.mlp.up.weight``, ...): it owns the tensor's format and scaling state and draws from the
+run's random streams (``readback.numerics.streams``). ``Numerics`` creates sites on first use and
+advances them together at the end of each optimizer step; ``readback.ops.numerics_for`` makes one
+with the ops' read rules resolved.
 """
 
 from __future__ import annotations
@@ -21,9 +22,9 @@ from readback.numerics import (
     FP8Format,
     QTensor,
 )
+from readback.numerics.site import ScalingState, Site, UnitScale
 from readback.numerics.spec import NumericsSpec
-from readback.ops.site import ScalingState, Site, UnitScale
-from readback.ops.streams import RandomStreams
+from readback.numerics.streams import RandomStreams
 
 Record = tuple[str, dict[str, Any]]  # one op call on a tape: its name and what it executed
 
@@ -182,13 +183,13 @@ class Numerics:
                 fmt = self.recipe.fp8_format.fwd if direction == "fwd" else self.recipe.fp8_format.bwd
                 state = self.recipe.new_state(fmt)
             margin = sum(k for pattern, k in self._spec.site_margin if site_matches(name, pattern))
-            self.sites[name] = Site(self, name, direction, fmt, state, margin if fmt not in (None, BF16) else 0)
+            self.sites[name] = Site(self.streams, name, direction, fmt, state, margin if fmt not in (None, BF16) else 0)
         return self.sites[name]
 
     def random_stream(self, site: str, stream: str, device: torch.device) -> torch.Tensor:
         """The random stream (site, stream) of this step, as a generator state that each draw
-        advances (``readback.ops.streams``)."""
-        return self.streams.state(site, stream, device, self.step, self.stream_salt)
+        advances (``readback.numerics.streams``)."""
+        return self.streams.state(site, stream, device)
 
     def account(self, op: str, **saved: torch.Tensor | QTensor | None) -> None:
         """Add the bytes an op saved for its backward, per saved tensor, to ``saved_bytes``.

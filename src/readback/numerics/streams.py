@@ -16,20 +16,24 @@ Key = tuple[str, str, str]  # (site, stream, device)
 
 
 class RandomStreams:
+    """The streams of one run, seeded for the step and salt of the last ``reseed`` (0, ``""`` at first)."""
+
     def __init__(self, seed: int) -> None:
         self.seed = seed
         self.states: dict[Key, torch.Tensor] = {}
+        self.step, self.salt = 0, ""
 
-    def state(self, site: str, stream: str, device: torch.device, step: int, salt: str) -> torch.Tensor:
-        """The generator state of stream (site, stream) on ``device``, seeded for ``step`` and
-        ``salt`` when first asked for."""
+    def state(self, site: str, stream: str, device: torch.device) -> torch.Tensor:
+        """The generator state of stream (site, stream) on ``device``, seeded for the current
+        step and salt when first asked for."""
         key = (site, stream, str(device))
         if key not in self.states:
-            self.states[key] = self._seeded(key, step, salt)
+            self.states[key] = self._seeded(key, self.step, self.salt)
         return self.states[key]
 
     def reseed(self, step: int, salt: str) -> None:
         """Start every stream again, in place, for ``step`` and ``salt``."""
+        self.step, self.salt = step, salt
         for key, state in self.states.items():
             state.copy_(self._seeded(key, step, salt))
 

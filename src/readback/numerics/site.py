@@ -2,7 +2,7 @@
 
 ``Site.quantize`` is the only way a tensor of the model gets rounded; it also counts what the
 run logs about each site (``fp8_saturation/<site>``, ``fp8_underflow/<site>``). Sites are made
-and owned by ``readback.ops.numerics.Numerics``.
+and owned by ``readback.numerics.state.Numerics``.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from readback.numerics import (
 )
 
 if TYPE_CHECKING:
-    from readback.ops.numerics import Numerics
+    from readback.numerics.streams import RandomStreams
 
 
 class UnitScale:
@@ -55,14 +55,14 @@ class Site:
 
     def __init__(
         self,
-        numerics: Numerics,
+        streams: RandomStreams,
         name: str,
         direction: str,
         fmt: FP8Format | None,
         state: ScalingState,
         margin: int = 0,
     ) -> None:
-        self.numerics, self.name, self.direction = numerics, name, direction
+        self.streams, self.name, self.direction = streams, name, direction
         self.fmt, self.state, self.margin = fmt, state, margin
         # Counters are tensors updated in place, so a compiled backward can count into them:
         # elements clipped to +-fmt.max since the last saturation_counts(), and nonzero elements
@@ -95,7 +95,7 @@ class Site:
             scale = self.state.scale_for(x, amax)
             if self.margin:
                 scale = scale * 2.0**-self.margin
-        generator = self.numerics.random_stream(self.name, stream, x.device) if rounding == "stochastic" else None
+        generator = self.streams.state(self.name, stream, x.device) if rounding == "stochastic" else None
         self._follow(x.device)
         saturated = _count_saturated(x, amax, scale, self.fmt)
         if isinstance(saturated, torch.Tensor):
