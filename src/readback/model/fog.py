@@ -21,6 +21,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from readback.numerics.state import Numerics
+from readback.ops import attention as attention_op
+from readback.ops import linear as linear_op
 from readback.ops.activation import BETA, xielu
 from readback.ops.attention import attention
 from readback.ops.linear import linear
@@ -36,15 +38,15 @@ def rounding_owners(n_layers: int) -> list[str]:
     return [f"layers.{i}.{op}" for i in range(n_layers) for op in BLOCK_ROUNDING_OPS] + ["lm_head"]
 
 
-_LINEAR_SITES = ("input", "weight", "grad_output")
-# the sites each rounding op owns; the projection's input is the core's output, rounded there
+# the sites each rounding op owns, as the ops name them; the projection's input is the core's
+# output, rounded there
 _OP_SITES = {
-    "attn.qkv": _LINEAR_SITES,
-    "attn.core": ("q", "k", "v", "probs", "output", "grad_output", "grad_scores"),
-    "attn.proj": ("weight", "grad_output"),
-    "mlp.up": _LINEAR_SITES,
-    "mlp.down": _LINEAR_SITES,
-    "lm_head": _LINEAR_SITES,
+    "attn.qkv": linear_op.SITES,
+    "attn.core": attention_op.SITES,
+    "attn.proj": tuple(site for site in linear_op.SITES if site != "input"),
+    "mlp.up": linear_op.SITES,
+    "mlp.down": linear_op.SITES,
+    "lm_head": linear_op.SITES,
 }
 
 

@@ -21,6 +21,8 @@ if TYPE_CHECKING:
 # gradient -> which value of the tensor it multiplies it reads:
 #   dgrad = dY W  reads the weight; wgrad = dY^T X reads the input.
 # "rounded" is the FP8 copy the forward multiplied, i.e. the executed forward's own operand.
+# The sites a linear named ``name`` rounds at: ``{name}.input`` (unless handed its rounded copy), ...
+SITES = ("input", "weight", "grad_output")
 READS = frozen_reads({policy: {"dgrad": "rounded", "wgrad": "rounded"} for policy in POLICIES})
 
 
