@@ -39,13 +39,12 @@ from readback.backends import site_implementations
 from readback.errors import ConfigError
 from readback.model import ActivationStats
 from readback.ops.compiled import compiled
-from readback.probe import GradientProbe, train_taped
 from readback.train.checkpoint_manager import CheckpointManager, RNGState, plain_config
 from readback.train.contract import Builders, check_model
 from readback.train.distributed import DistEnv, all_reduce_mean
 from readback.train.divergence import DivergenceDetector
 from readback.train.dry_run import check_memory
-from readback.train.instruments import TrainingBiasMeter
+from readback.train.instruments import TapedProbe, instruments
 from readback.train.metrics import build_metrics_logger
 from readback.train.metrics_processor import MetricsProcessor
 from readback.train.optim import build_optimizer, clip_gradients, nonfinite_grad_names
@@ -77,8 +76,7 @@ class Trainer:
         self.log_every, self.eval_every = t.log_every, t.eval_every
         self.grad_clip = t.optim.grad_clip
         self.detector = DivergenceDetector.from_config(t.divergence)
-        self.probe = GradientProbe.from_config(cfg.probe)
-        self.bias_meter = TrainingBiasMeter(cfg)
+        self.instruments = instruments(cfg.probe, env.distributed)
         self.summary = SummaryWriter(self.run_dir, is_main=env.is_main)
         self.n_params: int | None = None
         self.t_start = time.time()
@@ -156,33 +154,29 @@ class Trainer:
     def _train_step(self, step: int, track_stats: bool) -> tuple[float, float]:
         """Forward/backward over ``accum`` micro-batches, then the pre-clip gradient norm (and the
         clip): ``(loss, grad norm)``. With ``track_stats`` the model measures its activation
-        statistics in the last micro-batch only. On probe steps the probe measures the first
-        micro-batch: in one process its training backward is the probe's repeat 0 (taped, run
-        eagerly); with several, whose backward reduces or shards the gradients, the probe runs
-        the batch itself, before it trains."""
+        statistics in the last micro-batch only. The instruments due at this step measure its
+        first micro-batch (``readback.train.instruments``)."""
         dev = self.env.device
         loss_sum = torch.zeros((), device=dev)
         for micro in range(self.accum):
             x, y = self.stream.next_batch()
             x, y = x.to(dev, non_blocking=True), y.to(dev, non_blocking=True)
-            probed = micro == 0 and self.probe.due(step)
-            if probed and self.env.distributed:
+            due = [i for i in self.instruments if micro == 0 and i.due(step)]
+            for instrument in (i for i in due if not isinstance(i, TapedProbe)):
                 with whole_parameters(self.forward):
-                    self.probe_metrics = self.probe.measure(self.model, x, y)
-            if micro == 0 and self.bias_meter.due(step):
-                with whole_parameters(self.forward):
-                    self.bias_meter.measure(step, self.model, self.stream)
+                    instrument.measure(self.model, x, y, self.stream)
+            taped = next((i for i in due if isinstance(i, TapedProbe)), None)
             last = micro == self.accum - 1
             measured = track_stats and last  # activation and mechanism statistics: the training pass only
-            measuring = self.activation_stats.measuring(measured), self.model.numerics.measuring(measured)
-            if probed and not self.env.distributed:
-                with measuring[0], measuring[1]:
-                    loss, trained = train_taped(self.model, x, y, micro_batches=self.accum)
-                self.probe_metrics = self.probe.measure(self.model, x, y, trained)
-            else:
-                with measuring[0], measuring[1], nullcontext() if last else no_gradient_sync(self.forward, self.env):
-                    loss = self._forward_of(measured)(x, y)
-                    (loss / self.accum).backward()
+            with self.activation_stats.measuring(measured), self.model.numerics.measuring(measured):
+                if taped is not None:
+                    loss = taped.train(self.model, x, y, self.accum)
+                else:
+                    with nullcontext() if last else no_gradient_sync(self.forward, self.env):
+                        loss = self._forward_of(measured)(x, y)
+                        (loss / self.accum).backward()
+            if taped is not None:
+                taped.measure(self.model, x, y, self.stream)
             loss_sum += loss.detach().float()
         signalled = torch.tensor(float(self.guard.requested is not None), device=dev)
         mean_loss, preempt = all_reduce_mean(torch.stack([loss_sum / self.accum, signalled]), self.env)
@@ -223,27 +217,29 @@ class Trainer:
         self.optimizer.zero_grad(set_to_none=True)
         m = self.metrics
         m.close_diverged(loss, time.perf_counter() - t0)
-        rec = m.record(step, loss, lr, gnorm, self.model, len(self.detector.skipped), self._pop_probe())
+        rec = m.record(step, loss, lr, gnorm, self.model, len(self.detector.skipped), self._pop_measured())
         m.log({**rec, "diverged": True})
         if self.env.is_main:
             log.error("stopping: %s; non-finite: %s", self.detector.reason, ", ".join(self.detector.nonfinite_tensors))
 
-    def _pop_probe(self) -> dict[str, float]:
-        """This record's activation statistics, probe and bias-meter results (each measured once)."""
-        found, self.probe_metrics = self.probe_metrics, {}
-        return {**self.activation_stats.pop(), **found, **self.bias_meter.pop()}
+    def _pop_measured(self) -> dict[str, float]:
+        """This record's activation statistics and instruments' results (each measured once)."""
+        found = self.activation_stats.pop()
+        for instrument in self.instruments:
+            found |= instrument.pop()
+        return found
 
     def _loop(self, start: int) -> str:
         env, m = self.env, self.metrics
         if self.cfg.trainer.progress:
             m.open_progress_bar(self.steps, start, self.experiment)
-        last_saved, stopped, self.probe_metrics = start, False, {}
+        last_saved, stopped = start, False
         self.model.train()
         self.loop_started = True
         for step in range(start + 1, self.steps + 1):
             t0 = time.perf_counter()
             is_eval = step % self.eval_every == 0 or step == self.steps
-            is_log = step % self.log_every == 0 or is_eval or self.probe.due(step) or self.bias_meter.due(step)
+            is_log = step % self.log_every == 0 or is_eval or any(i.due(step) for i in self.instruments)
             lr = float(self.scheduler.get_last_lr()[0])  # a float: the schedule is a LambdaLR
             loss, gnorm = self._train_step(step, track_stats=is_log)
             self.step = step
@@ -257,7 +253,9 @@ class Trainer:
                     stopped = is_eval = True
                     if env.is_main:
                         log.error("stopping: %s", self.detector.reason)
-                rec = m.record(step, window_loss, lr, gnorm, self.model, len(self.detector.skipped), self._pop_probe())
+                rec = m.record(
+                    step, window_loss, lr, gnorm, self.model, len(self.detector.skipped), self._pop_measured()
+                )
                 if is_eval:
                     rec["val_loss"] = m.window.last_val_loss = self.validator.evaluate(self.model)
                 m.log(rec, window_loss=window_loss)
