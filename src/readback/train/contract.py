@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol, cast, runtime_checkable
 
 import torch
+from omegaconf import OmegaConf
 
 
 @runtime_checkable
@@ -85,8 +86,8 @@ class Builders:
     data: Callable[..., DataStream] = _default_data
 
     def stream(self, cfg: Any, *, rank: int, world_size: int) -> DataStream:
-        """This rank's data stream; ``model.vocab_size: null`` takes the stream's vocabulary."""
-        stream = self.data(
+        """This rank's data stream (``with_vocabulary`` gives a config its vocabulary)."""
+        return self.data(
             cfg.data,
             seq_len=cfg.model.seq_len,
             micro_batch=cfg.trainer.micro_batch,
@@ -94,9 +95,14 @@ class Builders:
             rank=rank,
             world_size=world_size,
         )
-        if cfg.model.vocab_size is None:
-            cfg.model.vocab_size = stream.vocab_size
-        return stream
+
+
+def with_vocabulary(cfg: Any, stream: DataStream) -> Any:
+    """``cfg`` with ``model.vocab_size: null`` resolved to the stream's vocabulary, as a new
+    config: the run's own is never written."""
+    if cfg.model.vocab_size is not None:
+        return cfg
+    return OmegaConf.merge(cfg, {"model": {"vocab_size": stream.vocab_size}})
 
 
 def check_model(model: object) -> TrainableModule:

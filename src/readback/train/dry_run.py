@@ -11,7 +11,7 @@ from typing import Any
 import torch
 from omegaconf import DictConfig
 
-from readback.train.contract import Builders, TrainableModule, check_model
+from readback.train.contract import Builders, TrainableModule, check_model, with_vocabulary
 from readback.train.memory import GB, estimate, refuse_unless_fits, table
 from readback.train.parallel import PARALLEL, parallel_of
 from readback.train.summary import write_summary
@@ -35,7 +35,7 @@ def dry_run(
     ``status: dry_run`` (rank 0); reads data only for a vocabulary the config leaves unset."""
     t0 = time.time()
     if cfg.model.vocab_size is None:
-        builders.stream(cfg, rank=0, world_size=1)
+        cfg = with_vocabulary(cfg, builders.stream(cfg, rank=0, world_size=1))
     model = _meta_model(cfg, builders)
     n_params, fpt = int(model.n_params()), float(model.flops_per_token())
     estimates = {p: estimate(model, cfg, p, world_size) for p in PARALLEL}

@@ -40,7 +40,7 @@ from readback.errors import ConfigError
 from readback.model import ActivationStats
 from readback.ops.compiled import compiled
 from readback.train.checkpoint_manager import CheckpointManager, RNGState, plain_config
-from readback.train.contract import Builders, check_model
+from readback.train.contract import Builders, check_model, with_vocabulary
 from readback.train.distributed import DistEnv, all_reduce_mean
 from readback.train.divergence import DivergenceDetector
 from readback.train.dry_run import check_memory
@@ -86,8 +86,9 @@ class Trainer:
         self.step = 0
 
     def _build(self) -> None:
-        cfg, env = self.cfg, self.env
-        self.stream = self.builders.stream(cfg, rank=env.rank, world_size=env.world_size)
+        env = self.env
+        self.stream = self.builders.stream(self.cfg, rank=env.rank, world_size=env.world_size)
+        self.cfg = cfg = with_vocabulary(self.cfg, self.stream)
         if env.device.type == "cuda":
             check_memory(cfg, self.builders, env.world_size)
         torch.manual_seed(cfg.seed)
