@@ -14,7 +14,7 @@ for the two tables of :class:`Runs`, :mod:`readback.analysis.groups` for what a 
 """
 
 from readback.analysis.files import find_run_dirs, load_runs
-from readback.analysis.load import Runs, natural_key, runs_from_records
+from readback.analysis.load import Runs, natural_key
 from readback.analysis.paired import paired_table
 from readback.analysis.plots import (
     PLOTS,
@@ -26,6 +26,7 @@ from readback.analysis.plots import (
     plot_metric,
     save_all,
 )
+from readback.analysis.records import runs_from_records
 from readback.analysis.remote import load_wandb
 from readback.analysis.report import write_report
 from readback.analysis.tables import (
