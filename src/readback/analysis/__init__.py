@@ -13,12 +13,12 @@ for the two tables of :class:`Runs`, :mod:`readback.analysis.groups` for what a 
 :mod:`readback.analysis.paired` for the paired comparison.
 """
 
+from readback.analysis.drawing import aggregate
 from readback.analysis.files import find_run_dirs, load_runs
 from readback.analysis.load import Runs, natural_key
 from readback.analysis.paired import paired_table
 from readback.analysis.plots import (
     PLOTS,
-    aggregate,
     plot_attn_rowsum,
     plot_grad_error,
     plot_kurtosis,
