@@ -28,12 +28,12 @@ from readback.analysis.plots import (
 )
 from readback.analysis.records import runs_from_records
 from readback.analysis.remote import load_wandb
+from readback.analysis.render import markdown_table
 from readback.analysis.report import write_report
 from readback.analysis.tables import (
     final_loss_table,
     format_final_loss_table,
     format_metric_table,
-    markdown_table,
     metric_table,
 )
 
