@@ -13,12 +13,12 @@ for the two tables of :class:`Runs`, :mod:`readback.analysis.groups` for what a 
 :mod:`readback.analysis.paired` for the paired comparison.
 """
 
+from readback.analysis.drawing import aggregate
 from readback.analysis.files import find_run_dirs, load_runs
-from readback.analysis.load import Runs, natural_key, runs_from_records
+from readback.analysis.load import Runs, natural_key
 from readback.analysis.paired import paired_table
 from readback.analysis.plots import (
     PLOTS,
-    aggregate,
     plot_attn_rowsum,
     plot_grad_error,
     plot_kurtosis,
@@ -26,13 +26,14 @@ from readback.analysis.plots import (
     plot_metric,
     save_all,
 )
+from readback.analysis.records import runs_from_records
 from readback.analysis.remote import load_wandb
+from readback.analysis.render import markdown_table
 from readback.analysis.report import write_report
 from readback.analysis.tables import (
     final_loss_table,
     format_final_loss_table,
     format_metric_table,
-    markdown_table,
     metric_table,
 )
 

@@ -11,7 +11,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from readback.analysis.load import Runs, natural_key, runs_from_records
+from readback.analysis.load import Runs, natural_key
+from readback.analysis.records import runs_from_records
 from readback.train.metrics import read_jsonl_counted
 
 log = logging.getLogger(__name__)

@@ -5,7 +5,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from readback.analysis.load import Runs, runs_from_records
+from readback.analysis.load import Runs
+from readback.analysis.records import runs_from_records
 
 
 def load_wandb(

@@ -24,18 +24,19 @@ import sys
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import pandas as pd
 
 from readback.analysis.load import Runs
 from readback.analysis.paired import paired_table
 from readback.analysis.plots import plot_metric, save_all
+from readback.analysis.render import cell_text, html_inline, html_table, markdown_table
 from readback.analysis.tables import (
     METRIC_HEADERS,
     final_loss_cells,
     final_loss_table,
     format_final_loss_table,
-    markdown_table,
     metric_cells,
     metric_table,
 )
@@ -55,11 +56,12 @@ RUN_COLUMNS = (
 
 @dataclass
 class Section:
-    """One titled block of the page: a table (headers, rows, notes) or an image."""
+    """One titled block of the page: a table (headers, rows of cell values, notes) or an image;
+    both pages write the cells with :mod:`readback.analysis.render`."""
 
     title: str
     headers: list[str] = field(default_factory=list)
-    rows: list[list[str]] = field(default_factory=list)
+    rows: list[list[Any]] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
     image: Path | None = None
 
@@ -96,12 +98,12 @@ def _sections(
                         r["control"],
                         r["metric"],
                         str(r["n_pairs"]),
-                        _num(r["paired_mean"], "+.4g"),
-                        _num(r["paired_se"], ".2g"),
-                        _num(r["paired_z"], "+.1f"),
-                        _num(r["unpaired_mean"], "+.4g"),
-                        _num(r["unpaired_se"], ".2g"),
-                        _num(r["unpaired_z"], "+.1f"),
+                        cell_text(r["paired_mean"], "+.4g"),
+                        cell_text(r["paired_se"], ".2g"),
+                        cell_text(r["paired_z"], "+.1f"),
+                        cell_text(r["unpaired_mean"], "+.4g"),
+                        cell_text(r["unpaired_se"], ".2g"),
+                        cell_text(r["unpaired_z"], "+.1f"),
                     ]
                     for _, r in paired.iterrows()
                 ],
@@ -112,9 +114,7 @@ def _sections(
         out.append(Section(f"Last value of {pattern}", METRIC_HEADERS, metric_cells(metric_table(runs, pattern))))
     out += [Section(name.replace("_", " "), image=path) for name, path in images.items()]
     s = runs.summary
-    out.append(
-        Section("Runs", ["run", *RUN_COLUMNS], [[str(i), *(_cell(s.at[i, c]) for c in RUN_COLUMNS)] for i in s.index])
-    )
+    out.append(Section("Runs", ["run", *RUN_COLUMNS], [[i, *(s.at[i, c] for c in RUN_COLUMNS)] for i in s.index]))
     made = [f"`{c}`" for c in dict.fromkeys(s["command"].dropna())] or ["(not recorded)"]
     where = list(dict.fromkeys(s["machine"].dropna())) or ["(not recorded)"]
     out.append(
@@ -130,16 +130,6 @@ def _sections(
         )
     )
     return out, paired
-
-
-def _num(value: float, spec: str) -> str:
-    return "-" if pd.isna(value) else format(value, spec)
-
-
-def _cell(value: object) -> str:
-    if value is None or (isinstance(value, float) and pd.isna(value)) or value is pd.NA:
-        return "-"
-    return f"{value:.4g}" if isinstance(value, float) else str(value)
 
 
 def render_markdown(sections: list[Section], title: str, page: Path) -> str:
@@ -164,10 +154,8 @@ def render_html(sections: list[Section], title: str) -> str:
             data = base64.b64encode(sec.image.read_bytes()).decode("ascii")
             body.append(f'<img alt="{esc(sec.title)}" src="data:image/png;base64,{data}">')
         if sec.headers:
-            head = "".join(f"<th>{esc(h)}</th>" for h in sec.headers)
-            rows = "".join("<tr>" + "".join(f"<td>{_inline(c)}</td>" for c in r) + "</tr>" for r in sec.rows)
-            body.append(f"<table><thead><tr>{head}</tr></thead><tbody>{rows}</tbody></table>")
-        body += [f"<p>{_inline(n)}</p>" for n in sec.notes]
+            body.append(html_table(sec.headers, sec.rows))
+        body += [f"<p>{html_inline(n)}</p>" for n in sec.notes]
         body.append("</section>")
     style = (
         "body{font-family:sans-serif;margin:2em;max-width:1400px}table{border-collapse:collapse;margin:.5em 0}"
@@ -178,12 +166,6 @@ def render_html(sections: list[Section], title: str) -> str:
         f'<!DOCTYPE html>\n<html lang="en"><head><meta charset="utf-8"><title>{esc(title)}</title>'
         f"<style>{style}</style></head><body>\n" + "\n".join(body) + "\n</body></html>\n"
     )
-
-
-def _inline(text: str) -> str:
-    """Escaped text with Markdown's `code` spans kept as <code>."""
-    pieces = str(text).split("`")
-    return "".join(f"<code>{html.escape(p)}</code>" if i % 2 else html.escape(p) for i, p in enumerate(pieces))
 
 
 def write_report(

@@ -1,16 +1,16 @@
-"""The final-loss table (the study's headline: reuse_rounded 7.314 vs no_saved_copy 3.256) and a
-dependency-free Markdown renderer."""
+"""The final-loss table (the study's headline: reuse_rounded 7.314 vs no_saved_copy 3.256) and the
+last-value table of any metric, with their cells; :mod:`readback.analysis.render` writes them."""
 
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
 import pandas as pd
 
 from readback.analysis.load import Runs
+from readback.analysis.render import cell_text, difference_cell, markdown_table, plus_minus
 
 #: Statuses whose final losses enter the means (a failed or running run stopped part-way).
 FINISHED = ("completed", "diverged")
@@ -95,14 +95,6 @@ def _std(a: np.ndarray) -> float:
     return float(a.std(ddof=1)) if len(a) > 1 else math.nan
 
 
-def _pm(mean: float, std: float, digits: int) -> str:
-    if not math.isfinite(mean):
-        return "-"
-    if not math.isfinite(std):
-        return f"{mean:.{digits}f}"
-    return f"{mean:.{digits}f} ± {std:.{digits}f}"
-
-
 def format_final_loss_table(table: pd.DataFrame, digits: int = 3, paired: pd.DataFrame | None = None) -> str:
     """:func:`final_loss_cells` as a Markdown table with its footnotes."""
     headers, rows, notes = final_loss_cells(table, digits, paired)
@@ -128,14 +120,14 @@ def final_loss_cells(
         by = {(r["group"], r["metric"]): r for _, r in diffs.iterrows()}
     rows = []
     for _, r in table.iterrows():
-        loss = _pm(r["final_loss_mean"], r["final_loss_std"], digits)
+        loss = plus_minus(r["final_loss_mean"], r["final_loss_std"], digits)
         if r["n_diverged"]:
             loss += f" {DIVERGED_MARK}"
         div = f"{r['n_diverged']}/{r['n_runs']}"
         if r["diverged_at_steps"]:
             div += " (step " + ", ".join(str(x) for x in r["diverged_at_steps"]) + ")"
         seeds = str(r["n"]) if r["n"] == r["n_runs"] else f"{r['n']} of {r['n_runs']}"
-        row = [str(r["group"]), seeds, loss, _pm(r["val_loss_mean"], r["val_loss_std"], digits), div]
+        row = [str(r["group"]), seeds, loss, plus_minus(r["val_loss_mean"], r["val_loss_std"], digits), div]
         if extra:
             row.append(f"{r['n_failed']} / {r['n_running']}")
         if diffs is not None:
@@ -201,8 +193,8 @@ def metric_cells(table: pd.DataFrame, digits: int = 4) -> list[list[str]]:
             r["group"],
             r["key"],
             str(r["n"]),
-            _pm(r["mean"], r["std"], digits),
-            f"{r['min']:.{digits}g} .. {r['max']:.{digits}g}",
+            plus_minus(r["mean"], r["std"], digits),
+            f"{cell_text(r['min'], f'.{digits}g')} .. {cell_text(r['max'], f'.{digits}g')}",
         ]
         for _, r in table.iterrows()
     ]
@@ -210,48 +202,3 @@ def metric_cells(table: pd.DataFrame, digits: int = 4) -> list[list[str]]:
 
 def format_metric_table(table: pd.DataFrame, digits: int = 4) -> str:
     return markdown_table(METRIC_HEADERS, metric_cells(table, digits), align=["l", "l", "r", "r", "r"]) + "\n"
-
-
-def difference_cell(mean: float, se: float, digits: int = 3, n: int | None = None) -> str:
-    """``+0.015 ± 0.002 (n=3, 7.5 SE)``; ``-`` without a value."""
-    if not math.isfinite(mean):
-        return "-"
-    text, extra = f"{mean:+.{digits}f}", [] if n is None else [f"n={n}"]
-    if math.isfinite(se):
-        text += f" ± {se:.{digits}f}"
-        if se > 0:
-            extra.append(f"{abs(mean) / se:.1f} SE")
-    return text + (f" ({', '.join(extra)})" if extra else "")
-
-
-def markdown_table(headers: Sequence[str], rows: Sequence[Sequence[Any]], align: Sequence[str] | None = None) -> str:
-    """A GitHub-flavoured Markdown table (no third-party formatter). ``align``: ``l``/``r``/``c``
-    per column. ``|`` in cells is escaped."""
-    cells = [[_cell(h) for h in headers]] + [[_cell(c) for c in row] for row in rows]
-    n = len(headers)
-    if any(len(r) != n for r in cells):
-        raise ValueError("every row needs one cell per header")
-    align = list(align or ["l"] * n)
-    width = [max(3, *(len(r[i]) for r in cells)) for i in range(n)]
-    rule = {
-        "l": lambda w: ":" + "-" * (w - 1),
-        "r": lambda w: "-" * (w - 1) + ":",
-        "c": lambda w: ":" + "-" * (w - 2) + ":",
-    }
-
-    def line(r: Sequence[str]) -> str:
-        return (
-            "| "
-            + " | ".join(c.rjust(width[i]) if align[i] == "r" else c.ljust(width[i]) for i, c in enumerate(r))
-            + " |"
-        )
-
-    out = [line(cells[0]), "| " + " | ".join(rule[a](width[i]) for i, a in enumerate(align)) + " |"]
-    out += [line(r) for r in cells[1:]]
-    return "\n".join(out)
-
-
-def _cell(value: Any) -> str:
-    if isinstance(value, float) and math.isnan(value):
-        return "-"
-    return str(value).replace("|", "\\|").replace("\n", " ")

@@ -20,7 +20,7 @@ from readback.backends.converted import eps_of
 from readback.backends.te import _te as te_modules
 from readback.backends.te import check_available, fp8_autocast, make_recipe
 from readback.backends.te_facts import installed_te_version
-from readback.backends.te_plan import te_recipe_plan
+from readback.backends.te_recipe import te_recipe_plan
 from readback.errors import ConfigError
 from readback.numerics import DelayedScaling
 from readback.numerics.state import Numerics
@@ -28,7 +28,7 @@ from readback.numerics.state import Numerics
 
 def te_recipe(numerics: Numerics) -> Any:
     """TE's recipe object for readback's FP8 recipe (None without FP8), from the mapping a
-    ``backend=te`` run uses (``te_plan.te_recipe_plan``): the same refusals, the same pins."""
+    ``backend=te`` run uses (``te_recipe.te_recipe_plan``): the same refusals, the same pins."""
     return make_recipe(te_recipe_plan(_precision_settings(numerics)), installed_te_version())
 
 

@@ -3,7 +3,7 @@
 ``build_numerics``, a run's ``Numerics`` from its checked config.
 
 It sits with the backends because the recipes it names are Transformer Engine's
-(``backends.te_plan.RECIPES``); ``readback.config.schema`` registers it with the other groups.
+(``backends.te_recipe.RECIPES``); ``readback.config.schema`` registers it with the other groups.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from typing import Any
 
 from omegaconf import MISSING
 
-from readback.backends.te_plan import RECIPES
+from readback.backends.te_recipe import RECIPES
 from readback.fields import Checked, integer, items, one_of
 from readback.numerics import AMAX_COMPUTE_ALGOS, ROUNDINGS, CurrentScaling, DelayedScaling, Format
 from readback.numerics.spec import PRECISIONS

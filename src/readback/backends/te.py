@@ -33,7 +33,8 @@ import torch.nn.functional as F
 from omegaconf import DictConfig, OmegaConf
 
 from readback.backends.precision import build_numerics
-from readback.backends.te_plan import IMPORT_TIME_ENV, RECIPES, TEPlan, TERecipe, site_implementations, te_plan
+from readback.backends.te_plan import IMPORT_TIME_ENV, TEPlan, site_implementations, te_plan
+from readback.backends.te_recipe import RECIPES, TERecipe
 from readback.errors import ConfigError
 from readback.fields import RunConfig
 from readback.model import FOG, fog_config

@@ -3,7 +3,7 @@
 A pure function of the config, a Transformer Engine version string and the GPU (capability,
 cuDNN): it never imports Transformer Engine, so it is tested on any machine, and validation calls
 it before a run starts. ``readback.backends.te`` turns the plan into modules; what TE can run
-is ``readback.backends.te_facts``.
+is ``readback.backends.te_facts``; the recipe, with its refusals, ``readback.backends.te_recipe``.
 
 The study's axes map onto TE where TE has a switch for them:
 
@@ -27,28 +27,14 @@ from typing import Any
 from omegaconf import OmegaConf
 
 from readback.backends.emulated import attention_reads as readback_attention_reads
-from readback.backends.te_facts import (
-    INTERVAL_REMOVED,
-    OVERRIDE_LINEAR_PRECISION_REMOVED,
-    SINCE,
-    Hardware,
-    fp8_attention_refusal,
-    fp8_gemm_refusal,
-    installed_hardware,
-    installed_te_version,
-    mxfp8_refusal,
-    te_attention_reads,
-    version_tuple,
-)
+from readback.backends.te_facts import SINCE, Hardware, fp8_attention_refusal, te_attention_reads
+from readback.backends.te_recipe import INSTALLED, RECIPES, TERecipe, resolve_target, te_recipe_plan
 from readback.errors import ConfigError, choose, require
 from readback.fields import RunConfig
 from readback.numerics.spec import in_bf16_layers
 from readback.ops.linear import READS as LINEAR_READS
 
-# precision.recipe -> Transformer Engine recipe class. ``mxfp8`` exists only for backend=te.
-RECIPES = {"delayed": "DelayedScaling", "current": "Float8CurrentScaling", "mxfp8": "MXFP8BlockScaling"}
 ATTENTION_CORES = ("auto", "readback")
-MIN_TE = (1, 13)
 # Read by Transformer Engine when it is imported, not when attention runs (pytorch/attention/
 # dot_product_attention/backends.py v2.8: a module-level os.getenv).
 IMPORT_TIME_ENV = ("NVTE_DPA_FP8CS_O_in_F16",)
@@ -95,61 +81,13 @@ def _lm_head_bf16(fp8: bool, bf16_layers: tuple[str, ...]) -> bool:
     return not fp8 or in_bf16_layers("lm_head", bf16_layers)
 
 
-def _te_name(version: str | None) -> str:
-    return f"Transformer Engine {version}" if version else "Transformer Engine (not installed here; 2.x assumed)"
-
-
-_INSTALLED: Any = object()  # default: what this machine has
-
-
-@dataclass(frozen=True)
-class TERecipe:
-    """A Transformer Engine recipe as data: ``name``, a class of ``transformer_engine.common.
-    recipe``, and its keyword arguments (``fp8_format`` as a ``Format`` member's name)."""
-
-    name: str
-    kwargs: dict[str, Any]
-
-    def for_attention(self, fp8_dpa: bool, fp8_mha: bool) -> TERecipe:
-        """This recipe with TE's FP8 attention switches set (the per-tensor recipes have them)."""
-        if "fp8_dpa" not in self.kwargs:
-            return self
-        return TERecipe(self.name, {**self.kwargs, "fp8_dpa": fp8_dpa, "fp8_mha": fp8_mha})
-
-
-def _target(te_version: str | None, hardware: Hardware) -> tuple[str | None, Hardware, Any, str]:
-    """``(version, hardware, version tuple, "TE <v> on <GPU>")``, defaults resolved; refuses a TE
-    older than readback supports."""
-    version = installed_te_version() if te_version is _INSTALLED else te_version
-    hw = installed_hardware() if hardware is _INSTALLED else hardware
-    vt = version_tuple(version)
-    where = f"{_te_name(version)} on {hw.describe()}"
-    if vt is not None and vt[:2] < MIN_TE:
-        raise ConfigError("backend", "te", f"Transformer Engine >= {'.'.join(map(str, MIN_TE))} ({where})")
-    return version, hw, vt, where
-
-
-def te_recipe_plan(
-    precision: Any, te_version: str | None = _INSTALLED, hardware: Hardware = _INSTALLED
-) -> TERecipe | None:
-    """The one mapping of readback's ``precision`` settings onto a Transformer Engine recipe, for
-    ``backend=te`` and for ``convert(backend="te")`` alike (``None`` without FP8; TE's FP8
-    attention off, see ``TERecipe.for_attention``). Raises ``ConfigError`` (one line) for a
-    setting this TE cannot run on this GPU, never dropping it."""
-    if precision.name != "fp8":
-        return None
-    _, hw, vt, where = _target(te_version, hardware)
-    recipe_key = _check_fp8_recipe(precision, vt, hw, where)
-    return TERecipe(RECIPES[recipe_key], _recipe_kwargs(precision, recipe_key, vt))
-
-
-def te_plan(cfg: RunConfig, te_version: str | None = _INSTALLED, hardware: Hardware = _INSTALLED) -> TEPlan:
+def te_plan(cfg: RunConfig, te_version: str | None = INSTALLED, hardware: Hardware = INSTALLED) -> TEPlan:
     """The plan for ``cfg`` under ``te_version`` on ``hardware`` (defaults: what this machine
     has; no TE means 2.x, no GPU means the checks that need one are not made). Raises
     ``ConfigError`` (one line naming the TE version, the GPU and the setting) for what this TE
     cannot run on this GPU as configured, instead of failing inside TE."""
     cfg = OmegaConf.structured(cfg)  # a typed Config, a DictConfig or a mapping
-    version, hw, vt, where = _target(te_version, hardware)
+    version, hw, vt, where = resolve_target(te_version, hardware)
 
     p, policy, bwd = cfg.precision, cfg.policy.name, cfg.attention.bwd_precision
     backend = cfg.get("backend") or {}
@@ -204,31 +142,6 @@ def te_plan(cfg: RunConfig, te_version: str | None = _INSTALLED, hardware: Hardw
     )
 
 
-def _check_fp8_recipe(p, vt, hw: Hardware, where: str) -> str:
-    recipe_key = choose("precision.recipe", p.recipe, RECIPES)
-    rounding = p.get("rounding", "nearest")
-    require(
-        rounding == "nearest",
-        "precision.rounding",
-        rounding,
-        "nearest (backend=te: Transformer Engine rounds to nearest and no library rounds to FP8 "
-        "stochastically; use backend=emulated for stochastic rounding)",
-    )
-    _refuse_unsupported_fields(p, recipe_key, vt, where)
-    since = SINCE.get(RECIPES[recipe_key])
-    if vt is not None and since is not None and vt[:2] < since:
-        raise ConfigError(
-            "precision.recipe",
-            recipe_key,
-            f"delayed ({where} has no {RECIPES[recipe_key]}; it needs >= {since[0]}.{since[1]})",
-        )
-    reason = fp8_gemm_refusal(hw) or (mxfp8_refusal(hw) if recipe_key == "mxfp8" else None)
-    if reason:
-        key, value = ("precision", "fp8") if recipe_key != "mxfp8" else ("precision.recipe", "mxfp8")
-        raise ConfigError(key, value, f"{'bf16' if key == 'precision' else 'delayed, current'} ({where}: {reason})")
-    return recipe_key
-
-
 def _check_fp8_attention(cfg, recipe_key: str, vt, hw: Hardware, where: str) -> None:
     """Refuse what TE's FP8 attention cannot train here (``te_facts.fp8_attention_refusal``)."""
     if recipe_key == "current" and vt is not None and vt[:2] < SINCE["current_scaling_fp8_dpa"]:
@@ -256,69 +169,6 @@ def _check_fp8_attention(cfg, recipe_key: str, vt, hw: Hardware, where: str) -> 
         "model.seq_len": "a multiple of 128, or backend.attention_core=readback",
     }[key]
     raise ConfigError(key, value, f"{fix} ({where}: {reason})")
-
-
-def _refuse_unsupported_fields(p, recipe_key: str, vt: tuple[int, int, int] | None, where: str) -> None:
-    """Fields of readback's recipe that this Transformer Engine does not have, when they are set
-    to anything but their default: refused, never dropped."""
-    interval = p.get("interval", 1)
-    if recipe_key == "delayed" and interval != 1:
-        state = (
-            "has no DelayedScaling.interval"
-            if vt is None or vt[:2] >= INTERVAL_REMOVED
-            else "ignores DelayedScaling.interval (deprecated and unused; removed in 2.2)"
-        )
-        raise ConfigError(
-            "precision.interval", interval, f"1 ({where} {state}; use backend=emulated to study interval)"
-        )
-    override = [bool(b) for b in p.get("override_linear_precision", (False,) * 3)]
-    if any(override):
-        removed = vt is None or vt[:2] >= OVERRIDE_LINEAR_PRECISION_REMOVED
-        if recipe_key != "delayed" or removed:
-            raise ConfigError(
-                "precision.override_linear_precision",
-                override,
-                f"[false, false, false] ({where} has no override_linear_precision: it was removed "
-                f"in 2.0; use backend=emulated for high-precision GEMMs)",
-            )
-        if override != [False, False, True]:
-            raise ConfigError(
-                "precision.override_linear_precision",
-                override,
-                f"[false, false, false] or [false, false, true] ({where} overrides only the wgrad GEMM)",
-            )
-    if recipe_key == "current" and int(p.get("margin", 0)) != 0:
-        raise ConfigError(
-            "precision.margin",
-            p.margin,
-            f"0 ({where}: Float8CurrentScaling has no margin; use backend=emulated for a margin under current scaling)",
-        )
-
-
-def _recipe_kwargs(p, recipe_key: str, vt) -> dict[str, Any]:
-    """TE's FP8 attention is off here (``fp8_dpa``, ``fp8_mha``); ``TERecipe.for_attention`` sets it."""
-    fmt = str(p.fp8_format).upper()
-    if recipe_key == "delayed":
-        kwargs = dict(
-            margin=int(p.margin),
-            fp8_format=fmt,
-            amax_history_len=int(p.amax_history_len),
-            amax_compute_algo=str(p.amax_compute_algo),
-            fp8_dpa=False,
-            fp8_mha=False,
-        )
-        override = tuple(bool(b) for b in p.get("override_linear_precision", (False,) * 3))
-        if any(override):  # only reached on TE 1.x, with (False, False, True)
-            kwargs["override_linear_precision"] = override
-    elif recipe_key == "current":
-        kwargs = dict(fp8_format=fmt, fp8_dpa=False, fp8_mha=False)
-    else:
-        kwargs = dict(fp8_format=fmt, **({"margin": int(p.margin)} if int(p.margin) else {}))
-    if vt is not None and vt[:2] >= SINCE["backward_override"]:
-        # The field's default is NVTE_BACKWARD_OVERRIDE read at import: pinned, so the
-        # environment cannot change what te.Linear's backward reads.
-        kwargs["backward_override"] = None
-    return kwargs
 
 
 def _linear_label(policy: str, fp8: bool) -> str:
@@ -402,7 +252,7 @@ def _sites(
 
 
 def site_implementations(
-    cfg: RunConfig, te_version: str | None = _INSTALLED, hardware: Hardware = _INSTALLED
+    cfg: RunConfig, te_version: str | None = INSTALLED, hardware: Hardware = INSTALLED
 ) -> dict[str, str]:
     """``{site: implementation}`` of a ``backend=te`` run, for the run's summary."""
     return dict(te_plan(cfg, te_version, hardware).sites)

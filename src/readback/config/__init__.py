@@ -1,5 +1,6 @@
-"""The typed configuration: schema (:mod:`.schema`), its checks and the entry point's one-line
-answer to a bad config (:mod:`.entry`). Importing this package registers the schema with Hydra."""
+"""The typed configuration: schema (:mod:`.schema`, put in Hydra's store by :mod:`.store`), its
+checks (the rules between groups: :mod:`.cross_group`) and the entry point's one-line answer to a
+bad config (:mod:`.entry`). Importing this package registers the schema with Hydra."""
 
 from readback.config.entry import (
     PREEXISTING_RUN_DIRS,
@@ -10,7 +11,8 @@ from readback.config.entry import (
     validate,
 )
 from readback.config.refusals import CONF_DIR
-from readback.config.schema import Config, register
+from readback.config.schema import Config
+from readback.config.store import register
 
 register()
 

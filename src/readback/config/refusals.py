@@ -15,7 +15,7 @@ from hydra.errors import MissingConfigException
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import ConfigAttributeError, ConfigKeyError, MissingMandatoryValue, ValidationError
 
-from readback.config.schema import OPTION_SCHEMAS, schema_keys
+from readback.config.store import OPTION_SCHEMAS, schema_keys
 from readback.errors import ConfigError
 from readback.fields import valid_text
 

@@ -1,11 +1,13 @@
-"""The config schema: one dataclass per config group, registered in Hydra's ``ConfigStore``.
+"""The config schema: one dataclass per config group, registered in Hydra's ``ConfigStore``
+(:mod:`.store`).
 
 ``conf/train.yaml`` starts its defaults list with ``schema`` (the :class:`Config` below), so every
 group is composed into a typed node: a value of the wrong type or a key no field declares stops
 the composition. ``OmegaConf.to_object`` then builds these dataclasses, and their
-``__post_init__`` tests ranges and the rules between fields. Groups whose options hold different
-keys (``precision``, ``data``, ``backend``, ``logger``) have one dataclass per option; each such
-YAML file names its schema first in its own defaults list (``- schema_fp8``).
+``__post_init__`` tests ranges and the rules between fields; ``Config.check`` the rules between
+groups (:mod:`.cross_group`). Groups whose options hold different keys (``precision``, ``data``,
+``backend``, ``logger``) have one dataclass per option; each such YAML file names its schema
+first in its own defaults list (``- schema_fp8``), under which :mod:`.store` registers it.
 
 To add a key: one field here (``site_margin: int = integer(minimum=0)``) and the key, with its
 default and a comment, in the group's YAML file.
@@ -15,12 +17,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING
 
 from readback.backends import BACKENDS
-from readback.backends.precision import Fp8Precision, Precision
-from readback.backends.te_plan import ATTENTION_CORES, RECIPES
+from readback.backends.precision import Precision
+from readback.backends.te_plan import ATTENTION_CORES
+from readback.config.cross_group import check_between_groups
 from readback.data import DATASETS
 from readback.data.corpus import EDITIONS
 from readback.errors import ConfigError, require
@@ -30,12 +32,10 @@ from readback.policy import POLICIES
 from readback.probe.gradient_error import DTYPES
 from readback.train.parallel import PARALLEL
 
-FP8_ALIGNMENT = 16  # FP8 GEMMs need every dimension divisible by 16
 DEVICES = ("auto", "cpu", "cuda")
 NONFINITE_GRADS = ("stop", "skip")
 LOGGERS = ("none", "wandb")
 WANDB_MODES = ("auto", "online", "offline", "disabled")
-TE_ONLY_RECIPES = ("mxfp8",)  # MXFP8 block scaling: Transformer Engine only
 
 
 @dataclass
@@ -245,122 +245,4 @@ class Config(Checked):
     probe: Probe = MISSING
 
     def check(self) -> None:
-        m, t = self.model, self.trainer
-        require(
-            m.global_batch % t.micro_batch == 0,
-            "trainer.micro_batch",
-            t.micro_batch,
-            f"a divisor of model.global_batch={m.global_batch}",
-        )
-        require(t.optim.min_lr <= m.lr, "trainer.optim.min_lr", t.optim.min_lr, f"a number in [0, model.lr = {m.lr}]")
-        require(
-            m.vocab_size is None or m.vocab_size >= self.data.vocab_size,
-            "model.vocab_size",
-            m.vocab_size,
-            f"null (the data's) or an integer >= data.vocab_size={self.data.vocab_size}",
-        )
-        if isinstance(self.precision, Fp8Precision):
-            self._check_fp8(self.precision)
-
-    def _check_fp8(self, p: Fp8Precision) -> None:
-        from readback.model.fog import rounding_owners
-
-        m = self.model
-        for key, value in (
-            ("model.d_model", m.d_model),
-            ("model.ffn_dim", m.ffn_dim),
-            ("model head_dim", m.d_model // m.n_heads),
-        ):
-            require(value % FP8_ALIGNMENT == 0, key, value, f"a multiple of {FP8_ALIGNMENT} under precision=fp8")
-        if p.recipe in TE_ONLY_RECIPES:
-            require(
-                self.backend.name == "te",
-                "precision.recipe",
-                p.recipe,
-                [r for r in RECIPES if r not in TE_ONLY_RECIPES] + ["mxfp8 with backend=te"],
-            )
-        self._check_site_margin(p)
-        owners = rounding_owners(m.n_layers)
-        for entry in p.bf16_layers:
-            matches = any(o.startswith(entry) or entry.startswith(o + ".") for o in owners)
-            require(
-                matches,
-                "precision.bf16_layers",
-                entry,
-                f"names of layers or sites, e.g. lm_head, layers.0.attn, layers.{m.n_layers - 1}.mlp.down",
-            )
-
-    def _check_site_margin(self, p: Fp8Precision) -> None:
-        """Every pattern matches some site of the model; margins >= 0; emulated backend only."""
-        import re
-
-        from readback.model.fog import rounding_sites
-        from readback.numerics.state import site_matches
-
-        if p.site_margin is None:
-            return
-        require(
-            isinstance(p.site_margin, dict) and all(isinstance(k, str) for k in p.site_margin),
-            "precision.site_margin",
-            p.site_margin,
-            "a mapping {site pattern: margin}, e.g. {attn.core.output: 14}",
-        )
-        require(
-            self.backend.name == "emulated",
-            "precision.site_margin",
-            dict(p.site_margin),
-            "null with backend=te (Transformer Engine has one margin per recipe)",
-        )
-        sites = rounding_sites(self.model.n_layers)
-        kinds = list(dict.fromkeys(re.sub(r"^layers\.\d+\.", "", s) for s in sites))
-        for pattern, margin in p.site_margin.items():
-            require(
-                any(site_matches(s, pattern) for s in sites),
-                "precision.site_margin",
-                pattern,
-                "site patterns (globs) matching " + ", ".join(kinds),
-            )
-            require(
-                isinstance(margin, int) and not isinstance(margin, bool) and margin >= 0,
-                f"precision.site_margin.{pattern}",
-                margin,
-                "an integer >= 0",
-            )
-
-
-# Option schemas of the groups whose options differ in keys: conf/<group>/<option>.yaml names
-# ``schema_<option>`` first in its defaults list.
-OPTION_SCHEMAS: dict[str, dict[str, type]] = {
-    "model": {"hf": HfModel},
-    "precision": {"fp8": Fp8Precision, "bf16": Precision},
-    "data": {"shakespeare": ShakespeareData, "synthetic": SyntheticData, "fineweb_edu": FinewebData},
-    "backend": {"emulated": Backend, "te": TeBackend},
-    "logger": {"none": Logger, "wandb": WandbLogger},
-}
-SCHEMA_PREFIX = "schema_"
-
-
-def register() -> None:
-    """Put the schema in Hydra's ``ConfigStore`` (idempotent)."""
-    store = ConfigStore.instance()
-    store.store(name="schema", node=Config)
-    for group, options in OPTION_SCHEMAS.items():
-        for option, schema in options.items():
-            store.store(group=group, name=f"{SCHEMA_PREFIX}{option}", node=schema)
-
-
-def schema_keys(schema: type = Config, prefix: str = "") -> list[str]:
-    """Every dotted key the schema declares, option schemas included (for "did you mean")."""
-    import dataclasses
-    import typing
-
-    keys = []
-    hints = typing.get_type_hints(schema)
-    for field in dataclasses.fields(schema):
-        keys.append(prefix + field.name)
-        kind = hints[field.name]
-        subtypes = [kind, *OPTION_SCHEMAS.get(prefix + field.name, {}).values()] if not prefix else [kind]
-        for sub in subtypes:
-            if isinstance(sub, type) and dataclasses.is_dataclass(sub):
-                keys += schema_keys(sub, f"{prefix}{field.name}.")
-    return list(dict.fromkeys(keys))
+        check_between_groups(self)

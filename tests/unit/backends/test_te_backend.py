@@ -17,8 +17,8 @@ import torch.nn.functional as F
 
 from readback import backends
 from readback.backends import te as te_backend
-from readback.backends.te_facts import Hardware, cudnn_version
-from readback.backends.te_plan import te_plan, version_tuple
+from readback.backends.te_facts import Hardware, cudnn_version, version_tuple
+from readback.backends.te_plan import te_plan
 from readback.errors import ConfigError
 from readback.model import ActivationStats
 from readback.model.fog import AttentionCore

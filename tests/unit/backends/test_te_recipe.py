@@ -11,7 +11,7 @@ import types
 
 import pytest
 
-from readback.backends import convert_te, te_facts, te_plan
+from readback.backends import convert_te, te_facts, te_plan, te_recipe
 from readback.backends import te as te_backend
 from readback.backends.precision import build_numerics
 from readback.backends.te_facts import Hardware
@@ -44,7 +44,7 @@ def _recording_recipes() -> types.SimpleNamespace:
         return type(name, (), {"__init__": lambda self, **kwargs: setattr(self, "kwargs", kwargs)})
 
     formats = types.SimpleNamespace(HYBRID="Format.HYBRID", E4M3="Format.E4M3", E5M2="Format.E5M2")
-    return types.SimpleNamespace(Format=formats, **{name: recipe_class(name) for name in te_plan.RECIPES.values()})
+    return types.SimpleNamespace(Format=formats, **{name: recipe_class(name) for name in te_recipe.RECIPES.values()})
 
 
 def _built(make) -> tuple[str, dict] | str:
@@ -60,7 +60,7 @@ def _built(make) -> tuple[str, dict] | str:
 @pytest.mark.parametrize("overrides", PRECISIONS, ids=lambda o: " ".join(o) or "defaults")
 def test_converted_model_gets_the_fog_runs_te_recipe(monkeypatch, overrides, version):
     monkeypatch.setattr(te_backend, "_TE", (types.SimpleNamespace(), _recording_recipes()))
-    for module in (te_facts, te_plan):
+    for module in (te_facts, te_recipe):
         monkeypatch.setattr(module, "installed_te_version", lambda: version)
         monkeypatch.setattr(module, "installed_hardware", lambda: H100)
     cfg = compose("+experiment=fresh_reround", "backend=te", *overrides)
@@ -71,18 +71,18 @@ def test_converted_model_gets_the_fog_runs_te_recipe(monkeypatch, overrides, ver
 
 
 def test_converted_recipe_pins_backward_override_from_te_2_15():
-    recipe = te_plan.te_recipe_plan(compose("+experiment=fresh_reround").precision, "2.15.0", H100)
+    recipe = te_recipe.te_recipe_plan(compose("+experiment=fresh_reround").precision, "2.15.0", H100)
     assert recipe is not None and recipe.kwargs["backward_override"] is None
-    older = te_plan.te_recipe_plan(compose("+experiment=fresh_reround").precision, "2.14.0", H100)
+    older = te_recipe.te_recipe_plan(compose("+experiment=fresh_reround").precision, "2.14.0", H100)
     assert older is not None and "backward_override" not in older.kwargs
 
 
 def test_mxfp8_recipe_is_block_scaling_where_the_gpu_has_it():
     precision = compose("+experiment=fresh_reround", "precision.recipe=mxfp8").precision
-    recipe = te_plan.te_recipe_plan(precision, "2.8.0", B200)
-    assert recipe == te_plan.TERecipe("MXFP8BlockScaling", {"fp8_format": "HYBRID"})
+    recipe = te_recipe.te_recipe_plan(precision, "2.8.0", B200)
+    assert recipe == te_recipe.TERecipe("MXFP8BlockScaling", {"fp8_format": "HYBRID"})
     with pytest.raises(ConfigError, match=r"^precision.recipe='mxfp8' is not valid"):
-        te_plan.te_recipe_plan(precision, "2.8.0", H100)
+        te_recipe.te_recipe_plan(precision, "2.8.0", H100)
 
 
 def test_convert_refuses_block_scaling_instead_of_running_per_tensor_current_scaling():

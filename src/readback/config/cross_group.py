@@ -1,0 +1,106 @@
+"""The rules between config groups, which no single group's dataclass can check: the batch split
+against the model, the learning-rate floor, the vocabulary against the data, and what FP8 asks of
+the model and the backend. ``Config.check`` (``readback.config.schema``) runs them once every
+group has checked its own ranges.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+from readback.backends.precision import Fp8Precision
+from readback.backends.te_recipe import RECIPES
+from readback.errors import require
+
+# ``Config`` below is ``readback.config.schema.Config``, which calls these rules from its
+# ``check`` (named in text: an import of it would be a circle).
+Config = Any
+
+FP8_ALIGNMENT = 16  # FP8 GEMMs need every dimension divisible by 16
+TE_ONLY_RECIPES = ("mxfp8",)  # MXFP8 block scaling: Transformer Engine only
+
+
+def check_between_groups(cfg: Config) -> None:
+    """Raise ``ConfigError`` (one line) for the first rule between groups that ``cfg`` breaks."""
+    m, t = cfg.model, cfg.trainer
+    require(
+        m.global_batch % t.micro_batch == 0,
+        "trainer.micro_batch",
+        t.micro_batch,
+        f"a divisor of model.global_batch={m.global_batch}",
+    )
+    require(t.optim.min_lr <= m.lr, "trainer.optim.min_lr", t.optim.min_lr, f"a number in [0, model.lr = {m.lr}]")
+    require(
+        m.vocab_size is None or m.vocab_size >= cfg.data.vocab_size,
+        "model.vocab_size",
+        m.vocab_size,
+        f"null (the data's) or an integer >= data.vocab_size={cfg.data.vocab_size}",
+    )
+    if isinstance(cfg.precision, Fp8Precision):
+        _check_fp8(cfg, cfg.precision)
+
+
+def _check_fp8(cfg: Config, p: Fp8Precision) -> None:
+    from readback.model.fog import rounding_owners
+
+    m = cfg.model
+    for key, value in (
+        ("model.d_model", m.d_model),
+        ("model.ffn_dim", m.ffn_dim),
+        ("model head_dim", m.d_model // m.n_heads),
+    ):
+        require(value % FP8_ALIGNMENT == 0, key, value, f"a multiple of {FP8_ALIGNMENT} under precision=fp8")
+    if p.recipe in TE_ONLY_RECIPES:
+        require(
+            cfg.backend.name == "te",
+            "precision.recipe",
+            p.recipe,
+            [r for r in RECIPES if r not in TE_ONLY_RECIPES] + ["mxfp8 with backend=te"],
+        )
+    _check_site_margin(cfg, p)
+    owners = rounding_owners(m.n_layers)
+    for entry in p.bf16_layers:
+        matches = any(o.startswith(entry) or entry.startswith(o + ".") for o in owners)
+        require(
+            matches,
+            "precision.bf16_layers",
+            entry,
+            f"names of layers or sites, e.g. lm_head, layers.0.attn, layers.{m.n_layers - 1}.mlp.down",
+        )
+
+
+def _check_site_margin(cfg: Config, p: Fp8Precision) -> None:
+    """Every pattern matches some site of the model; margins >= 0; emulated backend only."""
+    from readback.model.fog import rounding_sites
+    from readback.numerics.state import site_matches
+
+    if p.site_margin is None:
+        return
+    require(
+        isinstance(p.site_margin, dict) and all(isinstance(k, str) for k in p.site_margin),
+        "precision.site_margin",
+        p.site_margin,
+        "a mapping {site pattern: margin}, e.g. {attn.core.output: 14}",
+    )
+    require(
+        cfg.backend.name == "emulated",
+        "precision.site_margin",
+        dict(p.site_margin),
+        "null with backend=te (Transformer Engine has one margin per recipe)",
+    )
+    sites = rounding_sites(cfg.model.n_layers)
+    kinds = list(dict.fromkeys(re.sub(r"^layers\.\d+\.", "", s) for s in sites))
+    for pattern, margin in p.site_margin.items():
+        require(
+            any(site_matches(s, pattern) for s in sites),
+            "precision.site_margin",
+            pattern,
+            "site patterns (globs) matching " + ", ".join(kinds),
+        )
+        require(
+            isinstance(margin, int) and not isinstance(margin, bool) and margin >= 0,
+            f"precision.site_margin.{pattern}",
+            margin,
+            "an integer >= 0",
+        )
