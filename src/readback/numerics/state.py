@@ -22,6 +22,7 @@ from readback.numerics import (
     FP8Format,
     QTensor,
 )
+from readback.numerics.observations import Observations
 from readback.numerics.site import ScalingState, Site, UnitScale
 from readback.numerics.spec import NumericsSpec
 from readback.numerics.streams import RandomStreams
@@ -41,8 +42,7 @@ class Numerics:
         self.saved_bytes: dict[str, int] = {}
         self._tape: list[Record] | None = None
         self._watched: dict[str, torch.Tensor] | None = None
-        self.observations: dict[str, torch.Tensor] = {}
-        self.maxima: dict[str, torch.Tensor] = {}
+        self.observations = Observations()  # the ops' mechanism statistics (readback.ops.mechanism)
         self._mechanism = False  # ops measure their mechanism statistics (readback.ops.mechanism)
         self.stream_salt = ""
         self.streams = RandomStreams(seed)
@@ -232,50 +232,13 @@ class Numerics:
         return fractions
 
     def observe(self, key: str, values: torch.Tensor) -> None:
-        """Accumulate count, sum and sum of squares of ``values`` under ``key`` (in FP64).
-
-        A key's moments are added in place once it exists (a compiled backward can only write
-        into existing tensors); a popped key stays, at count 0, for the same reason."""
-        v = values.detach().to(torch.float64).flatten()
-        moments = torch.stack(
-            [torch.tensor(float(v.numel()), dtype=torch.float64, device=v.device), v.sum(), v.square().sum()]
-        )
-        self._add_moments(key, moments)
-
-    def _add_moments(self, key: str, moments: torch.Tensor) -> None:
-        slot = self.observations.get(key)
-        if slot is None or slot.device != moments.device:  # (a resumed run's moments come back on the CPU)
-            self.observations[key] = moments if slot is None else moments + slot.to(moments.device)
-        else:
-            slot.add_(moments)
+        self.observations.observe(key, values)
 
     def observe_max(self, key: str, value: torch.Tensor) -> None:
-        """Keep the largest ``value`` under ``key`` (popped as ``<kind>/max/<site>``)."""
-        value = value.detach().to(torch.float64)
-        self.maxima[key] = torch.maximum(self.maxima[key].to(value.device), value) if key in self.maxima else value
+        self.observations.observe_max(key, value)
 
     def pop_observations(self) -> dict[str, float]:
-        """``{"<kind>/mean/<site>": mean, "<kind>/z/<site>": mean / standard error}`` of everything
-        observed since the last call (and ``<kind>/max/<site>`` of ``observe_max``), then forget
-        it. The z-score tests "mean is zero"; it needs two values at least, so a quantity observed
-        once (one cosine per layer and step) has a mean only."""
-        stats = {}
-        for key, value in self.maxima.items():
-            kind, site = key.split("/", 1)
-            stats[f"{kind}/max/{site}"] = float(value)
-        self.maxima.clear()
-        for key, (count, total, squares) in ((k, m.tolist()) for k, m in self.observations.items()):
-            if count == 0:
-                continue
-            kind, site = key.split("/", 1)
-            mean = total / count
-            variance = max(squares / count - mean * mean, 0.0) * count / max(count - 1, 1)
-            stats[f"{kind}/mean/{site}"] = mean
-            if count >= 2:
-                stats[f"{kind}/z/{site}"] = mean / (variance / count) ** 0.5 if variance > 0 else 0.0
-        for moments in self.observations.values():
-            moments.zero_()
-        return stats
+        return self.observations.pop()
 
     def end_step(self) -> None:
         """After the optimizer step: update every scaling state, start the next step's streams.
@@ -306,8 +269,7 @@ class Numerics:
             }
             for name, s in self.sites.items()
         }
-        observations = {key: m.clone() for key, m in self.observations.items() if m[0] > 0}
-        return {"step": self.step, "sites": sites, "observations": observations, "maxima": dict(self.maxima)}
+        return {"step": self.step, "sites": sites, **self.observations.state_dict()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.step = state["step"]
@@ -318,11 +280,7 @@ class Numerics:
             site.saturated.fill_(saved.get("saturated", 0))
             for counter, value in zip((site.underflowed, site.nonzero), saved.get("underflow", (0, 0))):
                 counter.fill_(value)
-        for moments in self.observations.values():
-            moments.zero_()
-        for key, moments in state.get("observations", {}).items():
-            self._add_moments(key, moments.clone())
-        self.maxima = dict(state.get("maxima", {}))
+        self.observations.load_state_dict(state)
 
 
 def site_matches(name: str, pattern: str) -> bool:

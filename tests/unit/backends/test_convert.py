@@ -208,7 +208,7 @@ def _o_proj_audit(policy: str):
         candidates,
         declared=linear_op.READS[policy],
     )
-    moments = numerics.observations["attn_rowsum/model.layers.0.self_attn.core"]
+    moments = numerics.observations.moments["attn_rowsum/model.layers.0.self_attn.core"]
     return rows[0], (moments[2] / moments[0]).sqrt().item()
 
 

@@ -105,5 +105,5 @@ def test_compiled_steps_train_as_eager_steps(setup):
         assert torch.allclose(other.state.history, site.state.history, rtol=1e-5), name
     for key, state in eager.numerics.streams.states.items():
         assert torch.equal(twin.numerics.streams.states[key], state), key
-    moments = twin.numerics.observations["attn_rowsum/layers.0.attn.core"]
-    assert float(moments[0]) == float(eager.numerics.observations["attn_rowsum/layers.0.attn.core"][0]) > 0
+    moments = twin.numerics.observations.moments["attn_rowsum/layers.0.attn.core"]
+    assert float(moments[0]) == float(eager.numerics.observations.moments["attn_rowsum/layers.0.attn.core"][0]) > 0
