@@ -292,10 +292,8 @@ class Config(Checked):
 
     def _check_site_margin(self, p: Fp8Precision) -> None:
         """Every pattern matches some site of the model; margins >= 0; emulated backend only."""
-        import re
-
         from readback.model.fog import rounding_sites
-        from readback.ops.numerics import site_matches
+        from readback.ops.numerics import site_kinds, site_matches
 
         if p.site_margin is None:
             return
@@ -312,7 +310,7 @@ class Config(Checked):
             "null with backend=te (Transformer Engine has one margin per recipe)",
         )
         sites = rounding_sites(self.model.n_layers)
-        kinds = list(dict.fromkeys(re.sub(r"^layers\.\d+\.", "", s) for s in sites))
+        kinds = site_kinds(sites)
         for pattern, margin in p.site_margin.items():
             require(
                 any(site_matches(s, pattern) for s in sites),
