@@ -1,7 +1,8 @@
 """The bias meter: what each read of the backward costs the gradient, against the gradient of
 the executed forward (``python -m readback.bias CHECKPOINT_OR_RUN_DIR``)."""
 
-from readback.bias.meter import STATS, BiasResult, group_of, measure_bias
+from readback.bias.estimators import STATS
+from readback.bias.meter import BiasResult, group_of, measure_bias
 from readback.bias.variants import Variant, applied, spec_of, variants
 
 __all__ = ["STATS", "BiasResult", "Variant", "applied", "group_of", "measure_bias", "spec_of", "variants"]

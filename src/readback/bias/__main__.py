@@ -1,9 +1,21 @@
-"""``python -m readback.bias CHECKPOINT_OR_RUN_DIR [--batches N] [--out DIR] [--dtype fp64|fp32]``
+"""``python -m readback.bias CHECKPOINT_OR_RUN_DIR [--batches N] [--out DIR] [--dtype fp64|fp32]
+[--site-margin PATTERN=K ...] [--sweep-margin PATTERN=K1,K2,...]``
 
 Loads a training checkpoint (its directory, or a run directory's newest), and runs the bias meter at its
 weights and FP8 scales on the run's first N validation batches; writes ``bias.json``,
 ``bias.md`` and ``bias.png`` to DIR (default ``<run dir>/bias/step<step>``) and prints the
-table's total rows. Exit code 2, one line on stderr, when there is no checkpoint to read.
+table's total rows.
+
+``--site-margin PATTERN=K`` (repeatable) replaces the run's own ``precision.site_margin``: the
+meter runs with the given margins only (K=0: none at the matched sites, the scale as the
+recipe sets it). A pattern given twice keeps its last K; overlapping patterns add at the sites
+both match, as the config's margins do. Default DIR then ``<run dir>/bias/step<step>-<margins>``.
+``--sweep-margin PATTERN=K1,K2,...`` runs the meter once per K with PATTERN=K added to the
+``--site-margin`` ones (replacing one of the same pattern): ``bias.*`` in DIR/margin<K>, and
+``dose.json``, ``dose.png`` in DIR (default ``<run dir>/bias/step<step>-dose-<PATTERN>``).
+
+Exit code 2, one line on stderr, when there is no checkpoint to read or a margin is refused (a
+pattern that matches no site of the run, a K below 0, a run without FP8 sites).
 """
 
 from __future__ import annotations
@@ -11,6 +23,7 @@ from __future__ import annotations
 import argparse
 import fnmatch
 import os
+import re
 import sys
 import time
 from pathlib import Path
@@ -18,11 +31,16 @@ from pathlib import Path
 import torch
 from omegaconf import OmegaConf
 
+from readback.errors import ConfigError, require
+
 DTYPES = {"fp64": torch.float64, "fp32": torch.float32}
 
 
-def load_run(path: Path):
-    """``(model, stream, step, run_dir)`` from a checkpoint or a run directory's newest one."""
+def load_run(path: Path, site_margin: dict[str, int] | None = None):
+    """``(model, stream, step, run_dir)`` from a checkpoint or a run directory's newest one; with
+    ``site_margin`` the model's numerics are built from the run's config with its
+    ``precision.site_margin`` replaced by that mapping (``ConfigError`` if a pattern matches no
+    site the run rounded at)."""
     from readback.backends import build_model
     from readback.data import build_data
     from readback.train.checkpoint import checkpoint_dir, is_checkpoint, list_checkpoints, load_checkpoint
@@ -33,7 +51,11 @@ def load_run(path: Path):
             raise FileNotFoundError(f"no checkpoint in {path} (nor in {checkpoint_dir(path)})")
         path = found[-1][1]
     state = load_checkpoint(path)
-    cfg = OmegaConf.create(state["config"])
+    saved, numerics_state = state["config"], state["ranks"][0]["numerics"]
+    cfg = OmegaConf.create(saved)
+    if site_margin is not None:  # a new config whose margins replace the run's (a merge would add them)
+        check_margins(site_margin, cfg, list(numerics_state["sites"]))
+        cfg = OmegaConf.create({**saved, "precision": {**saved["precision"], "site_margin": dict(site_margin)}})
     stream = build_data(
         cfg.data,
         seq_len=int(cfg.model.seq_len),
@@ -44,9 +66,42 @@ def load_run(path: Path):
     )
     model = build_model(cfg)
     model.load_state_dict(state["model"])
-    model.numerics.load_state_dict(state["ranks"][0]["numerics"])
+    model.numerics.load_state_dict(numerics_state)
     run_dir = path.parent.parent if path.parent.name == "checkpoints" else path.parent
     return model, stream, int(state["step"]), run_dir
+
+
+def check_margins(site_margin: dict[str, int], cfg, sites: list[str]) -> None:
+    """The config's rules for ``precision.site_margin`` (margins >= 0, checked by
+    :func:`parse_margin`), against the sites the run rounded at."""
+    from readback.numerics.state import site_kinds, site_matches
+
+    fp8 = cfg.precision.name == "fp8" and cfg.backend.name == "emulated"
+    require(fp8, "--site-margin", site_margin, "none: it needs precision=fp8 with backend=emulated")
+    for pattern in site_margin:
+        require(
+            any(site_matches(s, pattern) for s in sites),
+            "--site-margin",
+            pattern,
+            "site patterns (globs) matching " + ", ".join(site_kinds(sites)),
+        )
+
+
+def parse_margin(text: str) -> tuple[str, list[int]]:
+    """``PATTERN=K`` or ``PATTERN=K1,K2,...`` -> ``(PATTERN, [K, ...])``, every K >= 0."""
+    pattern, _, values = text.rpartition("=")
+    try:
+        margins = [int(v) for v in values.split(",")]
+    except ValueError:
+        margins = []
+    require(bool(pattern) and bool(margins), "--site-margin", text, "PATTERN=K, e.g. attn.core.output=12")
+    require(min(margins) >= 0, f"--site-margin {pattern}", min(margins), "an integer >= 0")
+    return pattern, margins
+
+
+def label(text: str) -> str:
+    """``text`` (site patterns and margins: ``attn.core.output=12``) as part of a directory name."""
+    return re.sub(r"[^\w.=,-]", "_", text) or "none"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -60,25 +115,74 @@ def main(argv: list[str] | None = None) -> int:
         default="total,*.attn.qkv",
         help="comma-separated globs of the groups printed (the files have all; default total,*.attn.qkv)",
     )
+    parser.add_argument(
+        "--site-margin",
+        action="append",
+        default=None,
+        metavar="PATTERN=K",
+        help="replace the run's site margins (repeatable; the last K of a pattern counts)",
+    )
+    parser.add_argument("--sweep-margin", default=None, metavar="PATTERN=K1,K2,...", help="one meter per K")
     args = parser.parse_args(argv)
     if args.batches < 1:
         parser.exit(2, f"{parser.prog}: error: --batches must be >= 1, got {args.batches}\n")
     os.environ.setdefault("MPLBACKEND", "Agg")
+    try:
+        given = None if args.site_margin is None else dict(_single(parse_margin(m)) for m in args.site_margin)
+        sweep = parse_margin(args.sweep_margin) if args.sweep_margin else None
+        if sweep is None:
+            suffix = "" if given is None else "-" + label(",".join(f"{p}={k}" for p, k in given.items()))
+            _measure(args, given, lambda run_dir, step: args.out or run_dir / "bias" / f"step{step}{suffix}")
+            return 0
+        pattern, margins = sweep
+        points, dose_dir = [], args.out
+        for k in margins:
+
+            def out_for(run_dir: Path, step: int, k: int = k) -> Path:
+                base = args.out or run_dir / "bias" / f"step{step}-dose-{label(pattern)}"
+                return base / f"margin{k}"
+
+            result, out = _measure(args, {**(given or {}), pattern: k}, out_for, shown=False)
+            points.append((k, result, out.name))
+            dose_dir = out.parent
+    except ConfigError as error:
+        parser.exit(2, f"{parser.prog}: error: {error}\n")
+    except (FileNotFoundError, IsADirectoryError, RuntimeError, KeyError) as error:
+        parser.exit(2, f"{parser.prog}: error: cannot read a checkpoint at {args.path}: {error}\n")
+    from readback.bias.dose import combine, write_dose
+
+    paths = write_dose(combine(pattern, points), dose_dir)
+    print(f"wrote {', '.join(str(p) for p in paths.values())}")
+    return 0
+
+
+def _single(parsed: tuple[str, list[int]]) -> tuple[str, int]:
+    pattern, margins = parsed
+    require(len(margins) == 1, "--site-margin", f"{pattern}={margins}", "one K per pattern (a sweep: --sweep-margin)")
+    return pattern, margins[0]
+
+
+def _measure(args, site_margin: dict[str, int] | None, out_for, shown: bool = True):
+    """The meter on ``args.path`` under ``site_margin`` (None: the run's own), written to
+    ``out_for(run_dir, step)``; prints the ``--show`` rows when ``shown``. ``(result, its directory)``."""
     from readback.bias import measure_bias
     from readback.bias.report import to_markdown, write
 
-    try:
-        model, stream, step, run_dir = load_run(args.path)
-    except (FileNotFoundError, IsADirectoryError, RuntimeError, KeyError) as error:
-        parser.exit(2, f"{parser.prog}: error: cannot read a checkpoint at {args.path}: {error}\n")
+    model, stream, step, run_dir = load_run(args.path, site_margin)
     start = time.perf_counter()
     result = measure_bias(model, list(stream.val_batches(args.batches)), dtype=DTYPES[args.dtype])
-    result.info = {"checkpoint_step": step, "run_dir": str(run_dir)}
-    paths = write(result, args.out or run_dir / "bias" / f"step{step}")
-    shown = [g for g in result.groups if any(fnmatch.fnmatchcase(g, pattern) for pattern in args.show.split(","))]
-    print(to_markdown(result, groups=shown or ["total"]))
+    result.info = {
+        "checkpoint_step": step,
+        "run_dir": str(run_dir),
+        "site_margin_from": "checkpoint" if site_margin is None else "command line",
+    }
+    out = out_for(run_dir, step)
+    paths = write(result, out)
+    if shown:
+        groups = [g for g in result.groups if any(fnmatch.fnmatchcase(g, p) for p in args.show.split(","))]
+        print(to_markdown(result, groups=groups or ["total"]))
     print(f"wrote {', '.join(str(p) for p in paths.values())} ({time.perf_counter() - start:.1f} s)")
-    return 0
+    return result, out
 
 
 if __name__ == "__main__":

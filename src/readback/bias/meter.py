@@ -5,12 +5,10 @@ of that executed forward (:func:`readback.probe.reference_gradients`); then, for
 :class:`~readback.bias.variants.Variant`, the same forward again (same scales, same random
 streams: bit-identical, which is checked) and its backward as the variant says. Over N batches,
 per parameter group and in total, with ``e_b = g_variant - g_exact`` and ``G`` the mean exact
-gradient:
-
-* ``bias = |mean_b e_b| / |G|`` with its standard error (the spread of ``e_b`` over batches);
-* ``cosine`` of ``mean_b e_b`` with ``G`` (negative: the error shrinks the gradient), with a
-  jackknife standard error;
-* ``rel_err``: the mean over batches of ``|e_b| / |g_b|`` (bias and noise together).
+gradient, the statistics of :mod:`readback.bias.estimators`: the relative bias ``|mean e| / |G|``
+and its floor, the cosine with ``G``, the projection ``-mean(e).G / |G|^2`` and the debiased
+``|E e|^2 / |G|^2``, with standard errors. O's rounding in the same executed forwards is
+:mod:`readback.bias.output_rounding`'s.
 
 Beside each variant's error, the meter reports each read's own contribution, paired within the
 batch so that the backward's other roundings cancel: ``contrib.<policy>`` is
@@ -22,16 +20,15 @@ attention backward's E5M2 roundings).
 
 from __future__ import annotations
 
-import math
 import time
 from dataclasses import dataclass, field
 
 import torch
 
+from readback.bias.estimators import group_stats
+from readback.bias.output_rounding import OutputRounding
 from readback.bias.variants import Variant, applied, variants
 from readback.probe import reference_gradients, taped_backward
-
-STATS = ("bias", "bias_se", "cosine", "cosine_se", "rel_err")
 
 
 def group_of(name: str) -> str:
@@ -42,7 +39,9 @@ def group_of(name: str) -> str:
 @dataclass
 class BiasResult:
     """``stats[variant][group][stat]``; ``variants`` in order; cost of one batch in seconds and
-    in plain training steps (one forward and backward of the same batch)."""
+    in plain training steps (one forward and backward of the same batch); ``site_margin``, the
+    margins the run's numerics applied (``{pattern: k}``); ``o_rounding``, O's rounding per
+    attention layer (:mod:`readback.bias.output_rounding`)."""
 
     variants: list[Variant]
     groups: list[str]
@@ -52,17 +51,24 @@ class BiasResult:
     steps_per_batch: float
     policy: str = ""
     info: dict = field(default_factory=dict)
+    site_margin: dict[str, int] = field(default_factory=dict)
+    o_rounding: dict[str, dict[str, float]] = field(default_factory=dict)
 
     def metrics(self) -> dict[str, float]:
-        """Training keys: ``grad_bias/<variant>/<group>``, ``grad_bias_se/...``, ``grad_bias_cos/...``."""
-        out = {}
-        for v, groups in self.stats.items():
-            for g, s in groups.items():
-                out[f"grad_bias/{v}/{g}"] = s["bias"]
-                out[f"grad_bias_cos/{v}/{g}"] = s["cosine"]
-                if self.batches > 1:
-                    out[f"grad_bias_se/{v}/{g}"] = s["bias_se"]
-        return out
+        """Training keys ``grad_bias_<stat>/<variant>/<group>``: ``grad_bias`` (bias),
+        ``grad_bias_cos``, ``grad_bias_projection``; with 2 batches or more ``grad_bias_se``,
+        ``grad_bias_projection_se`` and ``grad_bias_debiased_sq``; with 4 or more ``grad_bias_debiased_sq_se``."""
+        keys = {"": "bias", "_cos": "cosine", "_projection": "projection"}
+        if self.batches > 1:
+            keys.update({"_se": "bias_se", "_projection_se": "projection_se", "_debiased_sq": "debiased_sq"})
+        if self.batches > 3:
+            keys["_debiased_sq_se"] = "debiased_sq_se"
+        return {
+            f"grad_bias{key}/{v}/{g}": s[stat]
+            for v, groups in self.stats.items()
+            for g, s in groups.items()
+            for key, stat in keys.items()
+        }
 
     def to_json(self) -> dict:
         return {
@@ -74,6 +80,8 @@ class BiasResult:
             **self.info,
             "variants": [{"name": v.name, "what": v.what} for v in self.variants],
             "stats": self.stats,
+            "site_margin": self.site_margin,
+            "o_rounding": self.o_rounding,
         }
 
 
@@ -86,6 +94,7 @@ def measure_bias(model, batches, which: list[Variant] | None = None, dtype=torch
     saved_grads = {n: p.grad for n, p in params.items()}
     errors: dict[str, list[dict[str, torch.Tensor]]] = {v.name: [] for v in which}
     references = []
+    o_rounding = OutputRounding()
     start, step_seconds = time.perf_counter(), []
     try:
         for b, (x, y) in enumerate(batches):
@@ -94,6 +103,7 @@ def measure_bias(model, batches, which: list[Variant] | None = None, dtype=torch
                 t0 = time.perf_counter()
                 loss, tape = _backward(model, params, x, y)
                 step_seconds.append(time.perf_counter() - t0)
+                o_rounding.add(numerics, tape)
                 reference = reference_gradients(model, params, tape, x, y, dtype)
             references.append(reference)
             for v in which:
@@ -121,6 +131,8 @@ def measure_bias(model, batches, which: list[Variant] | None = None, dtype=torch
         seconds,
         seconds / max(sum(step_seconds) / max(n_batches, 1), 1e-12),
         numerics.policy,
+        site_margin=dict(numerics.spec.site_margin),
+        o_rounding=o_rounding.summary(),
     )
 
 
@@ -151,31 +163,5 @@ def _statistics(errors: list[dict], references: list[dict], groups: list[str]) -
         names = [n for n in references[0] if group == "total" or group_of(n) == group]
         e = torch.stack([torch.cat([d[n].flatten() for n in names]) for d in errors])
         r = torch.stack([torch.cat([d[n].flatten() for n in names]) for d in references])
-        out[group] = _group_stats(e, r)
+        out[group] = group_stats(e, r)
     return out
-
-
-def _group_stats(e: torch.Tensor, r: torch.Tensor) -> dict[str, float]:
-    """Statistics of errors ``e`` against exact gradients ``r``, both (batches, elements)."""
-    k = e.shape[0]
-    scale = r.mean(0).norm().clamp_min(1e-300)
-    mean_error = e.mean(0)
-
-    def cosine(m: torch.Tensor, g: torch.Tensor) -> float:
-        return torch.nn.functional.cosine_similarity(m, g, dim=0, eps=1e-300).item()
-
-    stats = {
-        "bias": (mean_error.norm() / scale).item(),
-        "cosine": cosine(mean_error, r.mean(0)),
-        "rel_err": (e.norm(dim=1) / r.norm(dim=1).clamp_min(1e-300)).mean().item(),
-        "bias_se": math.nan,
-        "cosine_se": math.nan,
-    }
-    if k > 1:
-        spread = (e - mean_error).pow(2).sum().item() / (k - 1)
-        stats["bias_se"] = math.sqrt(spread / k) / scale.item()
-        keep = ~torch.eye(k, dtype=torch.bool)
-        leave_one_out = [cosine(e[keep[i]].mean(0), r[keep[i]].mean(0)) for i in range(k)]
-        mean = sum(leave_one_out) / k
-        stats["cosine_se"] = math.sqrt((k - 1) / k * sum((c - mean) ** 2 for c in leave_one_out))
-    return stats

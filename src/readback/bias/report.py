@@ -14,22 +14,40 @@ def _pm(value: float, se: float, digits: int = 4) -> str:
 
 
 def to_markdown(result: BiasResult, groups: list[str] | None = None) -> str:
-    """One row per (variant, group): relative bias ± SE, cosine with the exact gradient ± SE, and
-    the per-batch relative error. ``groups`` defaults to every group."""
+    """One row per (variant, group): relative bias ± SE and its floor, cosine with the exact
+    gradient ± SE, the projection ± SE, the debiased squared bias ± SE, the per-batch relative
+    error; then O's rounding per attention layer. ``groups`` defaults to every group."""
     groups = groups or result.groups
+    margins = ", ".join(f"{p}={k}" for p, k in result.site_margin.items()) or "none"
     lines = [
         f"Bias meter: policy {result.policy}, {result.batches} batches, "
-        f"{result.seconds_per_batch:.2f} s a batch = {result.steps_per_batch:.1f} plain training steps.",
+        f"{result.seconds_per_batch:.2f} s a batch = {result.steps_per_batch:.1f} plain training steps; "
+        f"site margins {margins}.",
         "",
-        "| variant | group | bias / mean exact gradient | cosine with it | rel. error per batch |",
-        "|---|---|---|---|---|",
+        "| variant | group | bias / mean exact gradient | floor | cosine with it | projection "
+        "| debiased bias² | rel. error per batch |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for variant, stats in result.stats.items():
         for group in groups:
             s = stats[group]
             lines.append(
-                f"| {variant} | {group} | {_pm(s['bias'], s['bias_se'])} | "
-                f"{_pm(s['cosine'], s['cosine_se'], 3)} | {s['rel_err']:.4f} |"
+                f"| {variant} | {group} | {_pm(s['bias'], s['bias_se'])} | {s['floor']:.4f} | "
+                f"{_pm(s['cosine'], s['cosine_se'], 3)} | {_pm(s['projection'], s['projection_se'])} | "
+                f"{_pm(s['debiased_sq'], s['debiased_sq_se'], 5)} | {s['rel_err']:.4f} |"
+            )
+    if result.o_rounding:
+        lines += [
+            "",
+            "O's rounding in the executed forwards (underflow pooled over batches, the rest their mean):",
+            "",
+            "| layer | margin | log2 O8 scale | underflow | rel. rounding error | amax / rms |",
+            "|---|---|---|---|---|---|",
+        ]
+        for layer, o in result.o_rounding.items():
+            lines.append(
+                f"| {layer} | {o['margin']} | {o['log2_scale']:.2f} | {o['underflow']:.4f} | "
+                f"{o['rel_err']:.4f} | {o['amax_to_rms']:.2f} |"
             )
     return "\n".join(lines) + "\n"
 
@@ -72,12 +90,17 @@ def _finite(tree):
     return None if isinstance(tree, float) and math.isnan(tree) else tree
 
 
+def write_json(path: Path, tree: dict) -> None:
+    """``tree`` as standard JSON at ``path`` (NaN as null)."""
+    path.write_text(json.dumps(_finite(tree), indent=1, allow_nan=False) + "\n")
+
+
 def write(result: BiasResult, out: str | Path) -> dict[str, Path]:
     """``bias.json``, ``bias.md`` and ``bias.png`` in ``out``."""
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     paths = {"json": out / "bias.json", "markdown": out / "bias.md", "plot": out / "bias.png"}
-    paths["json"].write_text(json.dumps(_finite(result.to_json()), indent=1, allow_nan=False) + "\n")
+    write_json(paths["json"], result.to_json())
     paths["markdown"].write_text(to_markdown(result))
     plot(result, paths["plot"])
     return paths

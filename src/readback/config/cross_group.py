@@ -6,7 +6,6 @@ group has checked its own ranges.
 
 from __future__ import annotations
 
-import re
 from typing import Any
 
 from readback.backends.precision import Fp8Precision
@@ -73,7 +72,7 @@ def _check_fp8(cfg: Config, p: Fp8Precision) -> None:
 def _check_site_margin(cfg: Config, p: Fp8Precision) -> None:
     """Every pattern matches some site of the model; margins >= 0; emulated backend only."""
     from readback.model.fog import rounding_sites
-    from readback.numerics.state import site_matches
+    from readback.numerics.state import site_kinds, site_matches
 
     if p.site_margin is None:
         return
@@ -90,7 +89,7 @@ def _check_site_margin(cfg: Config, p: Fp8Precision) -> None:
         "null with backend=te (Transformer Engine has one margin per recipe)",
     )
     sites = rounding_sites(cfg.model.n_layers)
-    kinds = list(dict.fromkeys(re.sub(r"^layers\.\d+\.", "", s) for s in sites))
+    kinds = site_kinds(sites)
     for pattern, margin in p.site_margin.items():
         require(
             any(site_matches(s, pattern) for s in sites),

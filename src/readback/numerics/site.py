@@ -107,14 +107,9 @@ class Site:
 
     def _count_underflow(self, x: torch.Tensor, q: QTensor) -> None:
         """Add the nonzero elements of ``x`` that ``q`` holds as zero or a subnormal. No amax
-        shortcut exists here (any tensor may hold tiny elements), so it is always counted.
-
-        A code is zero or subnormal exactly when its exponent bits are all 0, so the normal
-        codes are counted on the 1-byte codes; every zero of ``x`` has a zero code, hence
-        underflowed = nonzero(x) - normal(q)."""
-        nonzero = torch.count_nonzero(x.detach())
-        normal = torch.count_nonzero(q.data.view(torch.uint8) & EXPONENT_BITS[q.data.dtype])
-        self.underflowed.add_(nonzero - normal)
+        shortcut exists here (any tensor may hold tiny elements), so it is always counted."""
+        underflowed, nonzero = underflow_counts(x, q)
+        self.underflowed.add_(underflowed)
         self.nonzero.add_(nonzero)
 
     def _follow(self, device: torch.device) -> None:
@@ -123,6 +118,18 @@ class Site:
             self.saturated, self.underflowed, self.nonzero = (
                 t.to(device) for t in (self.saturated, self.underflowed, self.nonzero)
             )
+
+
+def underflow_counts(x: torch.Tensor, q: QTensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(underflowed, nonzero)``: the nonzero elements of ``x`` and those that their FP8 rounding
+    ``q`` holds as zero or a subnormal (the one definition of ``fp8_underflow``).
+
+    A code is zero or subnormal exactly when its exponent bits are all 0, so the normal codes
+    are counted on the 1-byte codes; every zero of ``x`` has a zero code, hence
+    underflowed = nonzero(x) - normal(q)."""
+    nonzero = torch.count_nonzero(x.detach())
+    normal = torch.count_nonzero(q.data.view(torch.uint8) & EXPONENT_BITS[q.data.dtype])
+    return nonzero - normal, nonzero
 
 
 def _count_saturated(x: torch.Tensor, amax: torch.Tensor, scale: torch.Tensor, fmt: FP8Format) -> torch.Tensor | int:

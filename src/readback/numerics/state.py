@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import fnmatch
+import re
 from collections.abc import Iterator
 from typing import Any
 
@@ -287,3 +288,9 @@ def site_matches(name: str, pattern: str) -> bool:
     """A site pattern is a glob over the site name, matching whole trailing components too:
     ``attn.core.output`` matches ``layers.3.attn.core.output``."""
     return fnmatch.fnmatchcase(name, pattern) or fnmatch.fnmatchcase(name, f"*.{pattern}")
+
+
+def site_kinds(sites: list[str]) -> list[str]:
+    """The kinds of ``sites``, each once: names without their layer (``layers.3.attn.core.output``
+    -> ``attn.core.output``), the words a refused site pattern is answered with."""
+    return list(dict.fromkeys(re.sub(r"^layers\.\d+\.", "", s) for s in sites))

@@ -1,12 +1,17 @@
 """The bias meter: its zero is the reference, it finds a planted wrong read, it separates the
-D-term read from the backward's gradient roundings, and it leaves the run as it was."""
+D-term read from the backward's gradient roundings, it reads O's rounding in its own forwards,
+and it leaves the run as it was."""
 
 from __future__ import annotations
 
+import copy
+
+import pytest
 import torch
 
 from readback.backends import build_model
 from readback.bias import measure_bias, variants
+from readback.probe import taped_backward
 from toys import planted_spec
 
 
@@ -69,3 +74,44 @@ def test_the_d_term_read_is_its_own_contribution(tiny_cfg):
     assert result.stats["contrib.fresh_reround"]["layers.1.attn.qkv"]["rel_err"] > 0
     assert result.stats["contrib.no_saved_copy"]["total"]["rel_err"] == 0.0  # no_saved_copy reads like exact
     assert "contrib.exact_bwd.attention" in result.stats
+
+
+def test_o_rounding_is_read_in_the_meters_own_forward_and_the_counters_stay(tiny_cfg):
+    """O's underflow as the meter reports it is the run's own counter over the same executed
+    forward (one batch, its stream salt); the run's counters after the meter are those before;
+    a larger margin rounds more of O away."""
+    stressed = ("policy=reuse_rounded", "precision.site_margin={attn.core.output:10}")
+    model = _model(tiny_cfg, *stressed)
+    (x, y), *_ = batches = _batches(3)
+    taped_backward(model, x, y)  # a training step's counts, pending in the run
+    expected_fractions = copy.deepcopy(model).numerics.underflow_fractions()
+    result = measure_bias(model, batches[:1])
+    assert expected_fractions["layers.0.attn.core.output"] > 0  # counts to keep
+    assert model.numerics.underflow_fractions() == expected_fractions
+
+    twin = _model(tiny_cfg, *stressed)
+    with twin.numerics.isolated("/bias0"):
+        taped_backward(twin, x, y)  # the meter's executed forward (reuse_rounded reads O8, no new rounding of O)
+        counted = twin.numerics.underflow_fractions()
+    o = result.o_rounding
+    assert set(o) == {"layers.0.attn", "layers.1.attn"} and result.site_margin == {"attn.core.output": 10}
+    for layer, stats in o.items():
+        assert stats["underflow"] == pytest.approx(counted[f"{layer}.core.output"], rel=1e-12)
+        assert stats["margin"] == 10 and 0 < stats["rel_err"] < 1 and stats["amax_to_rms"] > 1
+    calm = measure_bias(_model(tiny_cfg, "policy=reuse_rounded"), batches[:1]).o_rounding
+    for layer in o:
+        assert calm[layer]["underflow"] < o[layer]["underflow"] and calm[layer]["rel_err"] < o[layer]["rel_err"]
+        assert calm[layer]["margin"] == 0
+
+
+def test_the_new_statistics_reach_training_and_the_json(tiny_cfg):
+    result = measure_bias(_model(tiny_cfg, "policy=reuse_rounded"), _batches(4))
+    metrics, stats = result.metrics(), result.stats["contrib.exact_read.attention.D"]["total"]
+    for stat, key in (("projection", "projection"), ("projection_se", "projection_se"), ("debiased_sq", "debiased_sq")):
+        assert metrics[f"grad_bias_{key}/contrib.exact_read.attention.D/total"] == stats[stat]
+    assert (
+        metrics["grad_bias_debiased_sq_se/reuse_rounded/total"]
+        == result.stats["reuse_rounded"]["total"]["debiased_sq_se"]
+    )
+    assert stats["floor"] == stats["bias_se"] > 0
+    assert result.to_json()["o_rounding"] == result.o_rounding

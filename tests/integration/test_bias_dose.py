@@ -1,0 +1,136 @@
+"""``python -m readback.bias`` with a stress given at measurement time: ``--site-margin`` replaces
+the checkpoint's own margins, refuses what matches no site, and ``--sweep-margin`` writes the
+dose and response of a 2-step run's checkpoint."""
+
+from __future__ import annotations
+
+import io
+import json
+import math
+import subprocess
+import sys
+
+import pytest
+
+from readback.bias.__main__ import load_run
+from readback.bias.__main__ import main as bias_main
+from readback.bias.dose import D_READ, plot_dose, rows_of
+from toys import REPO, TWO_STEP_RUN
+
+OWN_MARGIN = 4  # the run's own precision.site_margin at attn.core.output
+LAYERS = ("layers.0.attn", "layers.1.attn")
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+    """A 2-step, 2-layer reuse_rounded run under delayed scaling (a constant O8 scale within a
+    measurement), with a checkpoint at step 2."""
+    run = tmp_path_factory.mktemp("dose") / "run"
+    overrides = [o for o in TWO_STEP_RUN if not o.startswith("model.n_layers=")]
+    subprocess.run(
+        [
+            sys.executable,
+            "train.py",
+            *overrides,
+            "model.n_layers=2",
+            "trainer.ckpt_every=2",
+            "+experiment=reuse_rounded",
+            f"precision.site_margin={{attn.core.output:{OWN_MARGIN}}}",
+            f"hydra.run.dir={run}",
+        ],
+        cwd=REPO,
+        check=True,
+        capture_output=True,
+        timeout=300,
+    )
+    return run
+
+
+def _o_rounding(run, out, *flags):
+    assert bias_main([str(run), "--batches", "1", "--out", str(out), *flags]) == 0
+    return json.loads((out / "bias.json").read_text())
+
+
+@pytest.mark.slow
+def test_a_site_margin_given_at_measurement_replaces_the_runs_own(run, tmp_path):
+    model, *_ = load_run(run)
+    recipe_log2 = {
+        layer: math.log2(float(model.numerics.sites[f"{layer}.core.output"].state.scale)) for layer in LAYERS
+    }
+
+    def shifts(written: dict) -> dict[str, float]:
+        """log2 of each layer's O8 scale in the meter's forward, relative to the recipe's scale."""
+        return {layer: written["o_rounding"][layer]["log2_scale"] - recipe_log2[layer] for layer in LAYERS}
+
+    own = _o_rounding(run, tmp_path / "own")
+    assert own["site_margin"] == {"attn.core.output": OWN_MARGIN} and own["site_margin_from"] == "checkpoint"
+    assert shifts(own) == pytest.approx(dict.fromkeys(LAYERS, -OWN_MARGIN), abs=1e-12)
+    given = _o_rounding(run, tmp_path / "six", "--site-margin", "attn.core.output=6")
+    assert given["site_margin"] == {"attn.core.output": 6} and given["site_margin_from"] == "command line"
+    assert shifts(given) == pytest.approx(dict.fromkeys(LAYERS, -6), abs=1e-12)  # 6, not 4 + 6
+    none = _o_rounding(run, tmp_path / "zero", "--site-margin", "attn.core.output=0")
+    assert shifts(none) == pytest.approx(dict.fromkeys(LAYERS, 0), abs=1e-12)
+    assert [none["o_rounding"][layer]["margin"] for layer in LAYERS] == [0, 0]
+    twice = _o_rounding(
+        run, tmp_path / "twice", "--site-margin", "attn.core.output=3", "--site-margin", "attn.core.output=6"
+    )
+    assert shifts(twice) == pytest.approx(dict.fromkeys(LAYERS, -6), abs=1e-12)  # the last K of a pattern
+    overlapping = _o_rounding(
+        run, tmp_path / "both", "--site-margin", "attn.core.output=3", "--site-margin", "layers.0.attn.core.output=2"
+    )
+    assert shifts(overlapping) == pytest.approx({"layers.0.attn": -5, "layers.1.attn": -3}, abs=1e-12)  # they add
+    assert bias_main([str(run), "--batches", "1", "--site-margin", "attn.core.output=6"]) == 0
+    assert json.loads((run / "bias" / "step2-attn.core.output=6" / "bias.json").read_text()) == {
+        **given,
+        "seconds_per_batch": pytest.approx(given["seconds_per_batch"], rel=10),
+        "steps_per_batch": pytest.approx(given["steps_per_batch"], rel=10),
+    }  # the default directory is named by the margins; the same measurement
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("flag", "words"),
+    [
+        ("attn.nothing=3", "'attn.nothing' is not valid; valid: site patterns (globs) matching"),
+        ("attn.core.output=-1", "is not valid; valid: an integer >= 0"),
+        ("attn.core.output", "valid: PATTERN=K"),
+    ],
+)
+def test_a_refused_margin_is_one_line_and_exit_2(run, tmp_path, capsys, flag, words):
+    sweep = flag.replace("=", "=0,") if "=" in flag else flag  # a sweep refuses before its first K runs
+    for option, value in (("--site-margin", flag), ("--sweep-margin", sweep)):
+        with pytest.raises(SystemExit) as exit_:
+            bias_main([str(run), "--batches", "1", "--out", str(tmp_path), option, value])
+        assert exit_.value.code == 2
+        error = capsys.readouterr().err
+        assert words in error and error.count("\n") == 1, option
+        assert not list(tmp_path.iterdir()), option
+
+
+@pytest.mark.slow
+def test_the_dose_and_response_of_a_checkpoint(run, tmp_path):
+    assert (
+        bias_main([str(run), "--batches", "2", "--sweep-margin", "attn.core.output=0,12", "--out", str(tmp_path)]) == 0
+    )
+    for k in (0, 12):
+        assert json.loads((tmp_path / f"margin{k}" / "bias.json").read_text())["site_margin"] == {"attn.core.output": k}
+    dose = json.loads((tmp_path / "dose.json").read_text())
+    assert dose["margins"] == [0, 12] and dose["batches"] == 2 and dose["checkpoint_step"] == 2
+    assert (tmp_path / "dose.png").stat().st_size > 0
+    rows = rows_of(dose)
+    assert rows == [("total", None), ("layers.0.attn.qkv", "layers.0.attn"), ("layers.1.attn.qkv", "layers.1.attn")]
+    for point in dose["points"]:
+        for group, _ in rows:
+            stats = point["stats"][D_READ][group]
+            for stat in ("bias", "floor", "projection", "projection_se", "debiased_sq"):
+                assert math.isfinite(stats[stat]), (point["margin"], group, stat)
+            assert stats["debiased_sq_se"] is None  # needs 4 batches
+        for layer in LAYERS:
+            assert all(
+                math.isfinite(point["o_rounding"][layer][key]) for key in ("underflow", "rel_err", "amax_to_rms")
+            )
+    calm, stressed = (point["o_rounding"] for point in dose["points"])
+    for layer in LAYERS:
+        assert calm[layer]["underflow"] < stressed[layer]["underflow"]
+        assert calm[layer]["rel_err"] < stressed[layer]["rel_err"]
+    plot_dose(dose).savefig(io.BytesIO(), format="png")  # the JSON's nulls draw too
