@@ -4,7 +4,9 @@ Each case trains the tiny FOG for 20 steps on the embedded text (probe and bias 
 they apply) once with the code of ``--base`` and once with ``--head`` (default: the working
 tree), and compares every key of ``metrics.jsonl``, ``summary.json`` and, where the case writes
 one, ``bias.json``, except wall-clock measurements. Compiled cases also compare how often torch
-recompiled. Exit status 1 when anything differs.
+recompiled. Keys that only the head writes are counted as added, not as differences (a change
+that adds statistics shows that it left the old ones alone). Exit status 1 when a value differs
+or a key is gone.
 
     python scripts/refactor_check.py --base 63eb0bb            # head: the working tree
     python scripts/refactor_check.py --base A --head B --cases reuse_rounded,resumed
@@ -170,19 +172,22 @@ def main(argv: list[str] | None = None) -> int:
             run_dir = work / side / case.name
             seen[side] = results(run_dir, run_case(tree, case, run_dir))
         found = differences(seen["base"], seen["head"])
+        added = [line for line in found if line.endswith("only in head")]  # new keys: a feature, not a change
+        changed = [line for line in found if line not in added]
         rows = len(seen["head"]["metrics.jsonl"])  # type: ignore[arg-type]
         files = ", ".join(k for k in seen["head"] if k != "recompiles")
+        verdict = "identical" if not changed else f"{len(changed)} values differ"
         print(
-            f"{case.name}: {'identical' if not found else f'{len(found)} differences'} ({rows} records; {files}; "
+            f"{case.name}: {verdict}{f', {len(added)} keys added' if added else ''} ({rows} records; {files}; "
             f"{seen['head']['recompiles']} recompiles)",
             flush=True,
         )
-        for line in found[:20]:
+        for line in changed[:20]:
             print(f"    {line}")
-        failed += bool(found)
+        failed += bool(changed)
     if not args.keep:
         shutil.rmtree(work)
-    print(f"{len(chosen) - failed} of {len(chosen)} cases identical")
+    print(f"{len(chosen) - failed} of {len(chosen)} cases identical in every key both write")
     return 1 if failed else 0
 
 
