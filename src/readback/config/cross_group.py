@@ -12,15 +12,11 @@ from readback.backends.precision import Fp8Precision
 from readback.backends.te_recipe import RECIPES
 from readback.errors import require
 
-# ``Config`` below is ``readback.config.schema.Config``, which calls these rules from its
-# ``check`` (named in text: an import of it would be a circle).
-Config = Any
-
 FP8_ALIGNMENT = 16  # FP8 GEMMs need every dimension divisible by 16
 TE_ONLY_RECIPES = ("mxfp8",)  # MXFP8 block scaling: Transformer Engine only
 
 
-def check_between_groups(cfg: Config) -> None:
+def check_between_groups(cfg: Any) -> None:  # cfg: the schema's Config (importing it would be a circle)
     """Raise ``ConfigError`` (one line) for the first rule between groups that ``cfg`` breaks."""
     m, t = cfg.model, cfg.trainer
     require(
@@ -40,7 +36,7 @@ def check_between_groups(cfg: Config) -> None:
         _check_fp8(cfg, cfg.precision)
 
 
-def _check_fp8(cfg: Config, p: Fp8Precision) -> None:
+def _check_fp8(cfg: Any, p: Fp8Precision) -> None:
     from readback.model.fog import rounding_owners
 
     m = cfg.model
@@ -69,7 +65,7 @@ def _check_fp8(cfg: Config, p: Fp8Precision) -> None:
         )
 
 
-def _check_site_margin(cfg: Config, p: Fp8Precision) -> None:
+def _check_site_margin(cfg: Any, p: Fp8Precision) -> None:
     """Every pattern matches some site of the model; margins >= 0; emulated backend only."""
     from readback.model.fog import rounding_sites
     from readback.numerics.state import site_kinds, site_matches
