@@ -3,7 +3,8 @@
 ``build_numerics``, a run's ``Numerics`` from its checked config.
 
 It sits with the backends because the recipes it names are Transformer Engine's
-(``backends.te_recipe.RECIPES``); ``readback.config.schema`` registers it with the other groups.
+(``backends.te_recipe.RECIPES``); ``readback.config`` registers it with the other groups.
+``policy`` and ``attention``, the other groups ``build_numerics`` reads, live here too.
 """
 
 from __future__ import annotations
@@ -16,8 +17,9 @@ from omegaconf import MISSING
 from readback.backends.te_recipe import RECIPES
 from readback.fields import Checked, integer, items, one_of
 from readback.numerics import AMAX_COMPUTE_ALGOS, ROUNDINGS, CurrentScaling, DelayedScaling, Format
-from readback.numerics.spec import PRECISIONS
+from readback.numerics.spec import ATTENTION_BWD, PRECISIONS
 from readback.ops import Numerics, numerics_for
+from readback.policy import POLICIES
 
 
 @dataclass
@@ -37,7 +39,21 @@ class Fp8Precision(Precision):
     override_linear_precision: list[bool] = items("three booleans [fprop, dgrad, wgrad]", lambda v: len(v) == 3)
     rounding: str = one_of(ROUNDINGS)
     bf16_layers: list[str] = MISSING  # checked against the model's layers in Config.check
-    site_margin: Any = None  # {site pattern: k} (untyped: Hydra replaces the whole mapping); checked in Config.check
+    site_margin: Any = (
+        None  # {site pattern: k} (untyped: Hydra replaces the whole mapping); checked in config.cross_group
+    )
+
+
+@dataclass
+class Policy(Checked):
+    KEY = "policy"
+    name: str = one_of(POLICIES)
+
+
+@dataclass
+class Attention(Checked):
+    KEY = "attention"
+    bwd_precision: str = one_of(ATTENTION_BWD)
 
 
 def build_numerics(cfg: Any) -> Numerics:

@@ -1,6 +1,7 @@
-"""The typed configuration: schema (:mod:`.schema`, put in Hydra's store by :mod:`.store`), its
-checks (the rules between groups: :mod:`.cross_group`) and the entry point's one-line answer to a
-bad config (:mod:`.entry`). Importing this package registers the schema with Hydra."""
+"""The typed configuration: the schema (``readback.train.settings.Config`` and the groups'
+dataclasses, each in the layer it configures, put in Hydra's store by :mod:`.store`), its checks
+(the rules between groups: :mod:`.cross_group`) and the entry point's one-line answer to a bad
+config (:mod:`.entry`). Importing this package registers the schema with Hydra."""
 
 from readback.config.entry import (
     PREEXISTING_RUN_DIRS,
@@ -11,8 +12,8 @@ from readback.config.entry import (
     validate,
 )
 from readback.config.refusals import CONF_DIR
-from readback.config.schema import Config
 from readback.config.store import register
+from readback.train.settings import Config
 
 register()
 

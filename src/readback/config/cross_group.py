@@ -1,22 +1,21 @@
 """The rules between config groups, which no single group's dataclass can check: the batch split
 against the model, the learning-rate floor, the vocabulary against the data, and what FP8 asks of
-the model and the backend. ``Config.check`` (``readback.config.schema``) runs them once every
-group has checked its own ranges.
+the model and the backend. ``readback.config.validate`` runs them once every group has checked
+its own ranges.
 """
 
 from __future__ import annotations
 
-from typing import Any
-
 from readback.backends.precision import Fp8Precision
 from readback.backends.te_recipe import RECIPES
 from readback.errors import require
+from readback.train.settings import Config
 
 FP8_ALIGNMENT = 16  # FP8 GEMMs need every dimension divisible by 16
 TE_ONLY_RECIPES = ("mxfp8",)  # MXFP8 block scaling: Transformer Engine only
 
 
-def check_between_groups(cfg: Any) -> None:  # cfg: the schema's Config (importing it would be a circle)
+def check_between_groups(cfg: Config) -> None:
     """Raise ``ConfigError`` (one line) for the first rule between groups that ``cfg`` breaks."""
     m, t = cfg.model, cfg.trainer
     require(
@@ -36,7 +35,7 @@ def check_between_groups(cfg: Any) -> None:  # cfg: the schema's Config (importi
         _check_fp8(cfg, cfg.precision)
 
 
-def _check_fp8(cfg: Any, p: Fp8Precision) -> None:
+def _check_fp8(cfg: Config, p: Fp8Precision) -> None:
     from readback.model.fog import rounding_owners
 
     m = cfg.model
@@ -65,7 +64,7 @@ def _check_fp8(cfg: Any, p: Fp8Precision) -> None:
         )
 
 
-def _check_site_margin(cfg: Any, p: Fp8Precision) -> None:
+def _check_site_margin(cfg: Config, p: Fp8Precision) -> None:
     """Every pattern matches some site of the model; margins >= 0; emulated backend only."""
     from readback.model.fog import rounding_sites
     from readback.numerics.state import site_kinds, site_matches

@@ -21,6 +21,7 @@ from hydra.errors import HydraException
 from omegaconf import DictConfig, OmegaConf, open_dict
 from omegaconf.errors import OmegaConfBaseException
 
+from readback.config.cross_group import check_between_groups
 from readback.config.refusals import (
     CONF_DIR,
     first_undeclared_key,
@@ -28,8 +29,9 @@ from readback.config.refusals import (
     from_schema_error,
     unknown_key,
 )
-from readback.config.schema import Config, ShakespeareData
+from readback.data.settings import ShakespeareData
 from readback.errors import ConfigError
+from readback.train.settings import Config
 
 # Run directories that existed, not empty, before Hydra started (never removed on an error), with
 # the Hydra config files they held (put back when the attempt to resume them fails).
@@ -55,6 +57,7 @@ def validate(cfg: DictConfig) -> Config:
             raise
         raise refusal from None
     assert isinstance(config, Config), type(config)
+    check_between_groups(config)  # once every group has checked its own ranges
     check_machine(config)
     return config
 

@@ -44,7 +44,7 @@ def from_schema_error(error: BaseException) -> ConfigError | None:
         return ConfigError(
             str(error.full_key),
             error.value,
-            _words(error.object_type, str(error.key)) or "a value of the type in readback/config/schema.py",
+            _words(error.object_type, str(error.key)) or "a value of the type its group's schema declares",
         )
     return None
 

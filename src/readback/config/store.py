@@ -1,4 +1,5 @@
-"""The schema in Hydra's ``ConfigStore``: ``Config`` as ``schema`` and each option schema as
+"""The schema (each group's dataclass, kept in the layer it configures; the run's ``Config`` in
+``readback.train.settings``) in Hydra's ``ConfigStore``: ``Config`` as ``schema`` and each option schema as
 ``<group>/schema_<option>``, and every key it declares (for the refusals' "did you mean")."""
 
 from __future__ import annotations
@@ -9,17 +10,9 @@ import typing
 from hydra.core.config_store import ConfigStore
 
 from readback.backends.precision import Fp8Precision, Precision
-from readback.config.schema import (
-    Backend,
-    Config,
-    FinewebData,
-    HfModel,
-    Logger,
-    ShakespeareData,
-    SyntheticData,
-    TeBackend,
-    WandbLogger,
-)
+from readback.backends.settings import Backend, HfModel, TeBackend
+from readback.data.settings import FinewebData, ShakespeareData, SyntheticData
+from readback.train.settings import Config, Logger, WandbLogger
 
 # Option schemas of the groups whose options differ in keys: conf/<group>/<option>.yaml names
 # ``schema_<option>`` first in its defaults list.

@@ -15,7 +15,6 @@ import torch
 from omegaconf import OmegaConf
 from torch import nn
 
-from readback.config.schema import Optim
 from readback.errors import ConfigError
 from readback.train import dcp_io
 from readback.train.checkpoint import (
@@ -35,6 +34,7 @@ from readback.train.identity import RunIdentity
 from readback.train.metrics import JsonlWriter, MetricsLogger, read_jsonl
 from readback.train.optim import build_optimizer, clip_gradients, nonfinite_grad_names, param_groups
 from readback.train.schedule import WSDSchedule
+from readback.train.settings import Optim
 from readback.train.tracking import WandbLogger, resolve_wandb_mode
 from toys import CONF, ToyModel, make_cfg, train
 

@@ -1,0 +1,49 @@
+"""The ``data`` group's schema: one dataclass per dataset (``conf/data/<name>.yaml``)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from omegaconf import MISSING
+
+from readback.data import DATASETS
+from readback.data.corpus import EDITIONS
+from readback.fields import Checked, integer, number, one_of
+
+
+@dataclass
+class Data(Checked):
+    KEY = "data"
+    name: str = one_of(DATASETS)
+    vocab_size: int = integer(minimum=2)
+
+
+@dataclass
+class ShakespeareData(Data):
+    val_fraction: float = number(0, 1, high_open=True)
+    block_lines: int = integer()
+    editions: str = one_of(EDITIONS)
+    files: list[str] | None = None  # readable text files, checked by readback.config.entry
+    cache_dir: str | None = None
+
+
+@dataclass
+class SyntheticData(Data):
+    n_tokens: int = integer(minimum=4)
+    val_fraction: float = number(0, 1, high_open=True)
+    data_seed: int = integer(minimum=0)
+    branching: int = integer()
+    noise: float = number(0, 1)
+
+
+@dataclass
+class FinewebData(Data):
+    path: str = MISSING
+    subset: str = MISSING
+    tokenizer: str = MISSING
+    eos_token: str = MISSING
+    val_docs: int = integer()
+    shuffle_buffer: int = integer(minimum=0)
+    doc_batch: int = integer()
+    loader_workers: int = integer(minimum=0)
+    prefetch: int = integer()
