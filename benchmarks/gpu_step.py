@@ -56,7 +56,7 @@ def _peak(device_name: str, override_tflops: float | None) -> float | None:
 def _compose(case: str, seq: int, args) -> object:
     from hydra import compose, initialize_config_dir
 
-    from readback.config import CONF_DIR  # registers the schema conf/train.yaml names
+    from readback.config import CONF_DIR, typed  # registers the schema conf/train.yaml names
 
     experiment, backend, extra = CASES[case]
     overrides = [
@@ -67,10 +67,10 @@ def _compose(case: str, seq: int, args) -> object:
         f"seed={args.seed}",
         *extra,
     ]
-    if args.vocab:
-        overrides.append(f"model.vocab_size={args.vocab}")
+    if args.vocab:  # the steps read random tokens: a data group of that vocabulary, never read
+        overrides += [f"model.vocab_size={args.vocab}", "data=synthetic", f"data.vocab_size={args.vocab}"]
     with initialize_config_dir(str(CONF_DIR), version_base="1.3"):
-        cfg = compose("train", overrides=overrides)
+        cfg = typed(compose("train", overrides=overrides))
     if cfg.model.vocab_size is None:
         raise SystemExit(f"model={args.model} takes its vocabulary from the data: pass --vocab")
     return cfg

@@ -15,7 +15,7 @@ import torch
 from hydra import compose, initialize_config_dir
 
 from readback.backends import build_model
-from readback.config import CONF_DIR
+from readback.config import CONF_DIR, typed
 from readback.probe import GradientProbe, train_taped
 from timing import median_ms
 
@@ -30,8 +30,10 @@ def main() -> None:
     args = parser.parse_args()
 
     with initialize_config_dir(str(CONF_DIR), version_base="1.3"):
-        cfg = compose(
-            "train", overrides=[f"model={args.model}", f"+experiment={args.experiment}", "model.vocab_size=2048"]
+        cfg = typed(
+            compose(
+                "train", overrides=[f"model={args.model}", f"+experiment={args.experiment}", "model.vocab_size=2048"]
+            )
         )
     torch.manual_seed(0)
     model = build_model(cfg)

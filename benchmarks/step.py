@@ -25,6 +25,7 @@ tensors are mapped and unmapped, so the RSS follows the live tensors).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import resource
@@ -40,7 +41,7 @@ import torch.nn.functional as F
 from hydra import compose, initialize_config_dir
 
 from readback.backends import build_model
-from readback.config import CONF_DIR
+from readback.config import CONF_DIR, typed
 from readback.ops.compiled import compiled
 from readback.probe import GradientProbe, train_taped
 
@@ -99,7 +100,9 @@ def build(variant: str, size: str, batch: int):
     variant, compile_it = variant.removesuffix(COMPILED), variant.endswith(COMPILED)
     experiment = READBACK.get(variant, "reuse_rounded")
     with initialize_config_dir(str(CONF_DIR), version_base="1.3"):
-        cfg = compose("train", overrides=[f"model={size}", f"+experiment={experiment}", f"model.vocab_size={VOCAB}"])
+        cfg = typed(
+            compose("train", overrides=[f"model={size}", f"+experiment={experiment}", f"model.vocab_size={VOCAB}"])
+        )
     torch.manual_seed(0)
     fog = build_model(cfg)
     x = torch.randint(0, VOCAB, (batch, cfg.model.seq_len))
@@ -121,7 +124,7 @@ def build(variant: str, size: str, batch: int):
         step()  # eager: creates every rounding site before the compiled graph is traced
         forward = compiled(model)
     if variant == "probe":
-        probe = GradientProbe(every=1, repeats=1)
+        probe = GradientProbe(dataclasses.replace(cfg.probe, every=1, repeats=1))
 
         def probed_step():
             _, trained = train_taped(fog, x, y)

@@ -8,10 +8,10 @@ from pathlib import Path
 
 import pytest
 from hypothesis import HealthCheck, settings
-from omegaconf import DictConfig
 
 import sweeps
 import toys
+from readback.train.settings import Config
 
 settings.register_profile(
     "readback",
@@ -43,10 +43,10 @@ def built(monkeypatch):
 
 
 @pytest.fixture
-def tiny_cfg() -> Callable[..., DictConfig]:
-    """Composes ``train`` with the narrowed tiny FOG (``toys.TINY_FOG``) and further overrides:
-    ``tiny_cfg("policy=exact")``; a fresh config per call."""
-    return functools.partial(toys.compose, *toys.TINY_FOG)
+def tiny_cfg() -> Callable[..., Config]:
+    """The typed ``train`` config of the narrowed tiny FOG (``toys.TINY_FOG``) with further
+    overrides: ``tiny_cfg("policy=exact")``; a fresh config per call."""
+    return functools.partial(toys.config, *toys.TINY_FOG)
 
 
 @pytest.fixture(scope="session")

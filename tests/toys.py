@@ -2,13 +2,16 @@
 
 A toy model and data stream that satisfy the trainer's contract (``readback.train.contract``:
 ``TrainableModel``, ``RunNumerics``, ``DataStream``), handed to ``readback.train.run`` as its
-builders; ``make_cfg`` gives them the real trainer/logger/probe configs at toy sizes, and
-``compose`` the real composed ``train`` config (Hydra) with overrides.
+builders; ``make_cfg`` gives them the real typed config at toy sizes, ``compose`` the real
+composed ``train`` config (Hydra) with overrides and ``config`` the same, typed.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import functools
+import json
 import math
 from pathlib import Path
 
@@ -16,20 +19,26 @@ import torch
 import torch.nn.functional as F
 from hydra import compose as hydra_compose
 from hydra import initialize_config_dir
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 from torch import nn
 
-from readback.config import CONF_DIR
+from readback.config import CONF_DIR, typed
+from readback.data.settings import Data
 from readback.numerics.spec import NumericsSpec
 from readback.ops import read_rules
+from readback.probe import GradientProbe
 from readback.train import Builders, run
+from readback.train.settings import Config
 
 REPO = Path(__file__).resolve().parents[1]
 CONF = CONF_DIR
 # The study's experiments (conf/experiment/*.yaml).
 ALL_EXPERIMENTS = sorted(p.stem for p in (CONF / "experiment").glob("*.yaml"))
-# conf/model/tiny.yaml narrowed (2 layers of width 32, 2 heads, sequences of 16 tokens of a 64-token vocabulary).
+# conf/model/tiny.yaml narrowed (2 layers of width 32, 2 heads, sequences of 16 tokens of a 64-token
+# vocabulary, which the synthetic data's matches).
 TINY_FOG = (
+    "data=synthetic",
+    "data.vocab_size=64",
     "model.vocab_size=64",
     "model.seq_len=16",
     "model.d_model=32",
@@ -68,12 +77,20 @@ def compose(*overrides: str, **kwargs) -> DictConfig:
         return hydra_compose("train", overrides=list(overrides), **kwargs)
 
 
-def load_data_cfg(name: str, **overrides) -> DictConfig:
-    """``conf/data/<name>.yaml`` with ``overrides`` set (keys of the data group)."""
-    cfg = OmegaConf.load(CONF / "data" / f"{name}.yaml")
-    for key, value in overrides.items():
-        cfg[key] = value
-    return cfg
+def config(*overrides: str) -> Config:
+    """``compose(*overrides)`` as the typed config the components take (what this machine has is
+    not checked: ``backend=te`` plans compose here too)."""
+    return typed(compose(*overrides))
+
+
+def probe(**settings) -> GradientProbe:
+    """The gradient probe of ``conf/probe/default.yaml`` with ``settings`` changed, e.g. ``every=1``."""
+    return GradientProbe(dataclasses.replace(config().probe, **settings))
+
+
+def load_data_cfg(name: str, **overrides) -> Data:
+    """The typed ``data`` group of ``conf/data/<name>.yaml`` with ``overrides`` (its keys) set."""
+    return dataclasses.replace(config(f"data={name}").data, **overrides)
 
 
 class ToyNumerics:
@@ -216,74 +233,78 @@ class ToyStream:
 BUILT: list[ToyModel] = []
 
 
-def toy_build_model(cfg, device):
+def toy_build_model(cfg, device, nan_loss_at=None, nan_grad_at=None):
     m = cfg.model
     with torch.device(device):
-        model = ToyModel(int(m.vocab_size), int(m.d_model), m.get("nan_loss_at"), m.get("nan_grad_at"))
+        model = ToyModel(m.vocab_size, m.d_model, nan_loss_at, nan_grad_at)
     BUILT.append(model)
     return model
 
 
-def toy_build_data(cfg_data, *, seq_len, micro_batch, seed, rank=0, world_size=1):
-    if cfg_data.get("forbid_build"):
+def toy_build_data(
+    cfg_data, *, seq_len, micro_batch, seed, rank=0, world_size=1, crash_at_call=None, forbid_build=False
+):
+    if forbid_build:
         raise AssertionError("build_data must not be called")
     return ToyStream(
-        int(cfg_data.vocab),
+        cfg_data.vocab_size,
         seq_len=seq_len,
         micro_batch=micro_batch,
         seed=seed,
         rank=rank,
         world_size=world_size,
-        crash_at_call=cfg_data.get("crash_at_call"),
+        crash_at_call=crash_at_call,
     )
 
 
 TOYS = Builders(model=toy_build_model, data=toy_build_data)
 
 
-def train(cfg, run_dir):
-    """``readback.train.run`` with the toy builders."""
-    return run(cfg, run_dir, TOYS)
+def toy_builders(*, nan_loss_at=None, nan_grad_at=None, crash_at_call=None, forbid_build=False) -> Builders:
+    """The toy builders, with a fault planted: a NaN loss or gradient at a step, a data crash."""
+    return Builders(
+        model=functools.partial(toy_build_model, nan_loss_at=nan_loss_at, nan_grad_at=nan_grad_at),
+        data=functools.partial(toy_build_data, crash_at_call=crash_at_call, forbid_build=forbid_build),
+    )
 
 
-def make_cfg(**trainer):
-    """The real ``conf/trainer/default.yaml`` and ``conf/logger/none.yaml`` with toy sizes."""
-    base = OmegaConf.load(CONF / "trainer" / "default.yaml")
-    small = dict(
-        steps=12,
-        micro_batch=2,
-        log_every=2,
-        eval_every=4,
-        eval_batches=2,
-        ckpt_every=4,
-        keep_last=2,
-        progress=False,
-        device="cpu",
-    )
-    base = OmegaConf.merge(base, small, {"optim": {"warmup_steps": 3}})
-    cfg = OmegaConf.create(
-        {
-            "seed": 3,
-            "experiment": "toy",
-            "model": {
-                "seq_len": 8,
-                "global_batch": 8,
-                "lr": 3e-2,
-                "vocab_size": None,
-                "d_model": 16,
-                "n_layers": 1,
-                "n_heads": 1,
-                "ffn_dim": 16,
-            },  # the last three size its activations
-            "data": {"vocab": 24},
-            "trainer": base,
-            "logger": OmegaConf.load(CONF / "logger" / "none.yaml"),
-            "probe": OmegaConf.load(CONF / "probe" / "default.yaml"),
-        }
-    )
-    for key, value in trainer.items():
-        OmegaConf.update(cfg, key, value, force_add=True)
-    return cfg
+def train(cfg, run_dir, **faults):
+    """``readback.train.run`` with the toy builders (``faults``: see :func:`toy_builders`)."""
+    return run(cfg, run_dir, toy_builders(**faults))
+
+
+# The toy trainer's sizes: its model reads vocab_size and d_model; n_layers, n_heads and ffn_dim
+# size its activations in the memory estimate.
+TOY_TRAINER = {
+    "seed": 3,
+    "model.seq_len": 8,
+    "model.global_batch": 8,
+    "model.lr": 3e-2,
+    "model.vocab_size": None,
+    "model.d_model": 16,
+    "model.n_layers": 1,
+    "model.n_heads": 1,
+    "model.n_kv_groups": 1,
+    "model.ffn_dim": 16,
+    "data.vocab_size": 24,
+    "trainer.steps": 12,
+    "trainer.micro_batch": 2,
+    "trainer.log_every": 2,
+    "trainer.eval_every": 4,
+    "trainer.eval_batches": 2,
+    "trainer.ckpt_every": 4,
+    "trainer.keep_last": 2,
+    "trainer.progress": False,
+    "trainer.device": "cpu",
+    "trainer.optim.warmup_steps": 3,
+}
+
+
+def make_cfg(logger: str = "none", **settings) -> Config:
+    """The real typed config (synthetic data, no logger) at the toy trainer's sizes, with
+    ``settings`` (dotted keys) on top."""
+    values = {**TOY_TRAINER, **settings}
+    return config("data=synthetic", f"logger={logger}", *(f"{k}={json.dumps(v)}" for k, v in values.items()))
 
 
 # A test-only declaration: the softmax backward reads the FP8 copy P8 instead of the original P.

@@ -40,13 +40,15 @@ def fog_example(policy: str = "exact", seed: int = 0, *overrides: str) -> Exampl
     from hydra import compose, initialize_config_dir
 
     from readback.backends import build_model
-    from readback.config import CONF_DIR
+    from readback.config import CONF_DIR, typed
 
     with initialize_config_dir(str(CONF_DIR), version_base="1.3"):
-        cfg = compose(
+        composed = compose(
             "train",
             overrides=[
                 f"policy={policy}",
+                "data=synthetic",  # a vocabulary of the model's size (nothing is read from it)
+                "data.vocab_size=64",
                 "model.vocab_size=64",
                 "model.seq_len=16",
                 "model.d_model=32",
@@ -58,6 +60,7 @@ def fog_example(policy: str = "exact", seed: int = 0, *overrides: str) -> Exampl
                 *overrides,
             ],
         )
+    cfg = typed(composed)
     torch.manual_seed(seed)
     model = build_model(cfg)
     idx = torch.randint(0, 64, (2, 17), generator=torch.Generator().manual_seed(seed))

@@ -13,23 +13,16 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 import torch
-from omegaconf import DictConfig, OmegaConf
 
 from readback.backends.precision import build_numerics
-from readback.fields import RunConfig
+from readback.backends.settings import BACKENDS, ModelSettings
 from readback.model import FOG, fog_config
 
 if TYPE_CHECKING:
     from readback.backends.hf import HFCausalLM
 
-BACKENDS = ("emulated", "te")
 
-
-def _as_config(cfg: RunConfig) -> DictConfig:
-    return OmegaConf.structured(cfg)
-
-
-def build_model(cfg: RunConfig, device: str | torch.device = "cpu") -> FOG | HFCausalLM:
+def build_model(cfg: ModelSettings, device: str | torch.device = "cpu") -> FOG | HFCausalLM:
     """FOG of size ``cfg.model`` on ``device`` with the parts of ``cfg.backend.name``
     (``model=hf``: a transformers model converted to those parts).
 
@@ -37,8 +30,7 @@ def build_model(cfg: RunConfig, device: str | torch.device = "cpu") -> FOG | HFC
     same trainable parameters and FLOPs as Transformer Engine's and need no GPU or TE.
     Raises ``ConfigError`` (one line) when ``backend=te`` cannot run ``cfg`` here.
     """
-    cfg = _as_config(cfg)
-    if cfg.model.get("name") == "hf":  # a transformers model, converted (readback.backends.hf)
+    if cfg.model.name == "hf":  # a transformers model, converted (readback.backends.hf)
         from readback.backends.hf import build_hf_model
 
         return build_hf_model(cfg, device)
@@ -47,16 +39,15 @@ def build_model(cfg: RunConfig, device: str | torch.device = "cpu") -> FOG | HFC
 
         return build_te_model(cfg, device)
     with torch.device(device):
-        return FOG(fog_config(cfg.model), build_numerics(cfg))
+        return FOG(fog_config(cfg.model), build_numerics(cfg.precision, cfg.policy, cfg.attention, cfg.seed))
 
 
-def site_implementations(cfg: RunConfig) -> dict[str, str]:
+def site_implementations(cfg: ModelSettings) -> dict[str, str]:
     """``{site: implementation}`` for the run's summary: which code ran each site
     (``linear``, ``attn_proj``, ``attention_core``, ``norm``, ``qk_norm``, ``activation``,
     ``embedding``, ``lm_head``) under ``cfg.backend.name``, and which value each attention
     gradient read (``attention_core.<gradient>``)."""
-    cfg = _as_config(cfg)
-    if cfg.model.get("name") == "hf":
+    if cfg.model.name == "hf":
         from readback.backends.hf import site_implementations as hf_sites
 
         return hf_sites(cfg)
@@ -69,10 +60,9 @@ def site_implementations(cfg: RunConfig) -> dict[str, str]:
     return emulated_sites(cfg)
 
 
-def check_available(cfg: RunConfig) -> None:
+def check_available(cfg: ModelSettings) -> None:
     """Raise ``ConfigError`` when ``cfg.backend`` cannot run on this machine, or (``te``) when
     the installed Transformer Engine cannot run ``cfg`` on this GPU as configured."""
-    cfg = _as_config(cfg)
     if cfg.backend.name == "te":
         from readback.backends.te import check_available as te_check
         from readback.backends.te_plan import te_plan

@@ -31,23 +31,29 @@ from omegaconf.errors import ValidationError
 from readback.backends.converted import ConvertParts, SDPARouter, eps_of
 from readback.backends.precision import build_numerics
 from readback.errors import ConfigError, choose
+from readback.numerics import DelayedScaling
 from readback.numerics.spec import ATTENTION_BWD, PRECISIONS
 from readback.ops import Numerics, numerics_for
 from readback.policy import POLICIES
 
 FP8_ALIGNMENT = 16
-# Transformer Engine's DelayedScaling defaults (and readback's forward rounding).
-DEFAULT_RECIPE = {
-    "recipe": "delayed",
-    "fp8_format": "HYBRID",
-    "margin": 0,
-    "interval": 1,
-    "amax_history_len": 1024,
-    "amax_compute_algo": "max",
-    "override_linear_precision": [False, False, False],
-    "rounding": "nearest",
-    "bf16_layers": [],
-}
+
+
+def _recipe_defaults() -> dict[str, Any]:
+    """convert's ``precision`` defaults: those of readback's recipe (``DelayedScaling()``, which
+    are Transformer Engine's and the ``precision`` group's), rounding to nearest, no BF16 sites."""
+    d = DelayedScaling()
+    return {
+        "recipe": "delayed",
+        "fp8_format": d.fp8_format.name,
+        "margin": d.margin,
+        "interval": d.interval,
+        "amax_history_len": d.amax_history_len,
+        "amax_compute_algo": d.amax_compute_algo,
+        "override_linear_precision": list(d.override_linear_precision),
+        "rounding": "nearest",
+        "bf16_layers": [],
+    }
 
 
 @dataclass
@@ -103,7 +109,7 @@ def _calls_sdpa(cls: type[nn.Module]) -> bool:
 def _numerics(precision, policy: str, attention_bwd: str, seed: int) -> Numerics:
     """The ``Numerics`` of ``precision``: ``"fp8"``, ``"bf16"``, ``"off"``, or a mapping of recipe
     keys (Transformer Engine's names), checked by the ``precision`` group's own schema."""
-    from readback.backends.precision import Fp8Precision, Precision  # the config's checks, one line each
+    from readback.backends.precision import Attention, Fp8Precision, Policy, Precision  # the checks, one line each
     from readback.fields import valid_text
 
     choose("policy", policy, POLICIES)
@@ -120,7 +126,7 @@ def _numerics(precision, policy: str, attention_bwd: str, seed: int) -> Numerics
     keys = [f.name for f in dataclasses.fields(schema) if f.name != "name"]
     for key in precision:
         choose("precision", key, keys)
-    values = {"name": name, **{k: v for k, v in DEFAULT_RECIPE.items() if k in keys}, **precision}
+    values = {"name": name, **{k: v for k, v in _recipe_defaults().items() if k in keys}, **precision}
     if values.get("recipe") == "mxfp8":  # readback's ops scale per tensor; a converted model has no TE-only path
         raise ConfigError("precision.recipe", "mxfp8", "delayed, current (convert scales per tensor)")
     try:
@@ -129,12 +135,9 @@ def _numerics(precision, policy: str, attention_bwd: str, seed: int) -> Numerics
         raise ConfigError(
             f"precision.{error.key}", values.get(error.key), valid_text(schema, str(error.key)) or "a value of its type"
         ) from None
-    OmegaConf.to_object(node)  # ranges and choices
-    return build_numerics(
-        OmegaConf.create(
-            {"precision": node, "policy": {"name": policy}, "attention": {"bwd_precision": attention_bwd}, "seed": seed}
-        )
-    )
+    settings = OmegaConf.to_object(node)  # ranges and choices
+    assert isinstance(settings, Precision)
+    return build_numerics(settings, Policy(name=policy), Attention(bwd_precision=attention_bwd), seed)
 
 
 def _matches(name: str, patterns: Iterable[str]) -> str | None:

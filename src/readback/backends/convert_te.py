@@ -14,9 +14,9 @@ from typing import Any
 
 import torch
 import torch.nn as nn
-from omegaconf import DictConfig, OmegaConf
 
 from readback.backends.converted import eps_of
+from readback.backends.precision import Fp8Precision
 from readback.backends.te import _te as te_modules
 from readback.backends.te import check_available, fp8_autocast, make_recipe
 from readback.backends.te_facts import installed_te_version
@@ -32,27 +32,25 @@ def te_recipe(numerics: Numerics) -> Any:
     return make_recipe(te_recipe_plan(_precision_settings(numerics)), installed_te_version())
 
 
-def _precision_settings(numerics: Numerics) -> DictConfig:
-    """The ``precision`` group's settings that ``numerics`` was built from."""
+def _precision_settings(numerics: Numerics) -> Fp8Precision | None:
+    """The ``precision`` group's FP8 settings that ``numerics`` was built from (``None``: no FP8).
+    Under current scaling the delayed-only fields keep ``DelayedScaling``'s values, unread."""
     r = numerics.recipe
     if numerics.precision != "fp8" or r is None:  # FP8 Numerics always have a recipe
-        return OmegaConf.create({"name": numerics.precision})
-    settings = {
-        "name": "fp8",
-        "recipe": "current",
-        "fp8_format": r.fp8_format.name,
-        "margin": r.margin,
-        "override_linear_precision": list(r.override_linear_precision),
-        "rounding": numerics.rounding,
-    }
-    if isinstance(r, DelayedScaling):
-        settings.update(
-            recipe="delayed",
-            interval=r.interval,
-            amax_history_len=r.amax_history_len,
-            amax_compute_algo=r.amax_compute_algo,
-        )
-    return OmegaConf.create(settings)
+        return None
+    delayed = r if isinstance(r, DelayedScaling) else DelayedScaling()
+    return Fp8Precision(
+        name="fp8",
+        recipe="delayed" if r is delayed else "current",
+        fp8_format=r.fp8_format.name,
+        margin=r.margin,
+        interval=delayed.interval,
+        amax_history_len=delayed.amax_history_len,
+        amax_compute_algo=delayed.amax_compute_algo,
+        override_linear_precision=list(r.override_linear_precision),
+        rounding=numerics.rounding,
+        bf16_layers=[],
+    )
 
 
 class TEConverter:

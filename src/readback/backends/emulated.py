@@ -2,9 +2,8 @@
 
 from __future__ import annotations
 
-from omegaconf import OmegaConf
-
-from readback.fields import RunConfig
+from readback.backends.precision import fp8_settings
+from readback.backends.settings import ModelSettings
 from readback.numerics.spec import in_bf16_layers
 from readback.ops.attention import READS as ATTENTION_READS
 
@@ -24,12 +23,11 @@ def attention_reads(policy: str) -> dict[str, str]:
     return {f"attention_core.{g}": _READ_LABELS[reads[g]].format(x) for g, x in READ_OPERANDS.items()}
 
 
-def site_implementations(cfg: RunConfig) -> dict[str, str]:
+def site_implementations(cfg: ModelSettings) -> dict[str, str]:
     """``{site: implementation}`` of a ``backend=emulated`` run, for the run's summary."""
-    cfg = OmegaConf.structured(cfg)  # a typed Config, a DictConfig or a mapping
-    p = cfg.precision
-    head_bf16 = p.name != "fp8" or in_bf16_layers("lm_head", p.get("bf16_layers", ()) or ())
-    tied = " (tied embedding)" if cfg.model.get("tied", True) else ""
+    p = fp8_settings(cfg.precision)
+    head_bf16 = p is None or in_bf16_layers("lm_head", p.bf16_layers)
+    tied = " (tied embedding)" if cfg.model.tied else ""
     return {
         "embedding": "torch.nn.functional.embedding",
         "linear": "readback.ops.linear",

@@ -10,17 +10,21 @@ extra (``.[hf]``).
 from __future__ import annotations
 
 import importlib.util
-from typing import Any, cast
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import MISSING
 
 from readback.backends.convert import ConvertReport, convert
 from readback.backends.precision import build_numerics
+from readback.backends.settings import ModelSettings
 from readback.errors import ConfigError
+from readback.fields import one_of
 from readback.model.fog import Linear
+from readback.model.settings import Model
 
 UNAVAILABLE = "needs transformers (pip install -e .[hf]); use model=tiny for readback's FOG"
 
@@ -29,6 +33,25 @@ def check_available() -> None:
     """Raise the one-line ``ConfigError`` unless transformers can be imported."""
     if importlib.util.find_spec("transformers") is None:
         raise ConfigError("model", "hf", UNAVAILABLE)
+
+
+@dataclass
+class HfModel(Model):
+    """``model=hf``: a transformers causal LM of these sizes, converted by ``readback.convert``."""
+
+    architecture: str = one_of(("llama",))
+    filter: list[str] = MISSING  # module-name patterns left in high precision
+
+    def check(self) -> None:
+        super().check()
+        check_available()
+
+
+def hf_model(cfg: ModelSettings) -> HfModel:
+    """The ``model`` group of a ``model=hf`` run."""
+    if not isinstance(cfg.model, HfModel):
+        raise TypeError(f"model={cfg.model.name} is not a transformers model (model=hf)")
+    return cfg.model
 
 
 class HFCausalLM(nn.Module):
@@ -62,10 +85,11 @@ class HFCausalLM(nn.Module):
         return 6 * gemm_weights + 6 * c.num_hidden_layers * self.seq_len * c.hidden_size
 
 
-def llama(m: DictConfig) -> nn.Module:
+def llama(m: HfModel) -> nn.Module:
     """A Llama-style causal LM of the ``model`` group's sizes, randomly initialised."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
+    assert m.vocab_size is not None, "train.contract.with_vocabulary resolves it before a model is built"
     config = LlamaConfig(
         vocab_size=m.vocab_size,
         hidden_size=m.d_model,
@@ -81,32 +105,34 @@ def llama(m: DictConfig) -> nn.Module:
     return LlamaForCausalLM(config)
 
 
-def build_hf_model(cfg: DictConfig, device: str | torch.device = "cpu") -> HFCausalLM:
+def build_hf_model(cfg: ModelSettings, device: str | torch.device = "cpu") -> HFCausalLM:
     """The ``cfg.model`` transformers LM on ``device``, converted with the run's precision,
     policy and backend; ``cfg.model.filter`` names the modules left in high precision."""
     check_available()
+    m = hf_model(cfg)
     with torch.device(device):
-        lm = llama(cfg.model)
-    numerics = build_numerics(cfg)
-    report = convert(lm, numerics, backend=cfg.backend.name, filter=tuple(cfg.model.get("filter") or ()))
-    return HFCausalLM(lm, report, int(cfg.model.seq_len))
+        lm = llama(m)
+    numerics = build_numerics(cfg.precision, cfg.policy, cfg.attention, cfg.seed)
+    report = convert(lm, numerics, backend=cfg.backend.name, filter=tuple(m.filter))
+    return HFCausalLM(lm, report, m.seq_len)
 
 
-def site_implementations(cfg: DictConfig) -> dict[str, str]:
+def site_implementations(cfg: ModelSettings) -> dict[str, str]:
     """``{site: implementation}`` of a ``model=hf`` run, for the run's summary."""
     from readback.backends.emulated import attention_reads
 
-    filtered = ", ".join(cast(list[str], OmegaConf.to_container(cfg.model.get("filter") or OmegaConf.create([]))))
+    m = hf_model(cfg)
+    filtered = ", ".join(m.filter)
     if cfg.backend.name == "te":
         return {
-            "model": f"transformers {cfg.model.architecture}",
+            "model": f"transformers {m.architecture}",
             "linear": "transformer_engine.pytorch.Linear",
             "norm": "transformer_engine.pytorch.RMSNorm",
             "attention_core": "torch SDPA",
             "left_in_high_precision": filtered,
         }
     return {
-        "model": f"transformers {cfg.model.architecture}",
+        "model": f"transformers {m.architecture}",
         "linear": "readback.ops.linear",
         "norm": "readback.ops.norm",
         "attention_core": "readback.ops.attention (routed SDPA)",

@@ -56,31 +56,44 @@ class Attention(Checked):
     bwd_precision: str = one_of(ATTENTION_BWD)
 
 
-def build_numerics(cfg: Any) -> Numerics:
-    """The run's ``Numerics`` from the ``precision``, ``policy`` and ``attention`` groups and ``seed``."""
-    p = cfg.precision
-    recipe: DelayedScaling | CurrentScaling | None = None
+def fp8_settings(p: Precision) -> Fp8Precision | None:
+    """``p``'s FP8 settings, ``None`` without FP8; a ``TypeError`` for an untyped FP8 group (a
+    composed ``DictConfig`` not yet built into the schema's dataclasses by ``readback.config``)."""
+    if isinstance(p, Fp8Precision):
+        return p
     if p.name == "fp8":
-        common = dict(
-            margin=p.margin, fp8_format=p.fp8_format, override_linear_precision=tuple(p.override_linear_precision)
+        raise TypeError(f"precision=fp8 as {type(p).__name__}: build the typed config (readback.config.typed)")
+    return None
+
+
+def build_numerics(precision: Precision, policy: Policy, attention: Attention, seed: int) -> Numerics:
+    """The run's ``Numerics`` from the ``precision``, ``policy`` and ``attention`` groups and ``seed``."""
+    p = fp8_settings(precision)
+    if p is None:
+        return numerics_for(
+            precision=precision.name, policy=policy.name, attention_bwd=attention.bwd_precision, seed=seed
         )
-        if p.recipe == "delayed":
-            recipe = DelayedScaling(
-                interval=p.interval,
-                amax_history_len=p.amax_history_len,
-                amax_compute_algo=p.amax_compute_algo,
-                **common,
-            )
-        else:
-            recipe = CurrentScaling(**common)
-    fp8 = p.name == "fp8"
+    fprop, dgrad, wgrad = p.override_linear_precision  # three, checked by the schema
+    fmt, override = Format.parse(p.fp8_format), (fprop, dgrad, wgrad)
+    recipe: DelayedScaling | CurrentScaling = (
+        DelayedScaling(
+            margin=p.margin,
+            interval=p.interval,
+            fp8_format=fmt,
+            amax_history_len=p.amax_history_len,
+            amax_compute_algo=p.amax_compute_algo,
+            override_linear_precision=override,
+        )
+        if p.recipe == "delayed"
+        else CurrentScaling(margin=p.margin, fp8_format=fmt, override_linear_precision=override)
+    )
     return numerics_for(
         precision=p.name,
         recipe=recipe,
-        policy=cfg.policy.name,
-        attention_bwd=cfg.attention.bwd_precision,
-        rounding=p.rounding if fp8 else "nearest",
-        seed=cfg.seed,
-        bf16_sites=tuple(p.bf16_layers) if fp8 else (),
-        site_margin=dict(p.site_margin or {}) if fp8 else {},
+        policy=policy.name,
+        attention_bwd=attention.bwd_precision,
+        rounding=p.rounding,
+        seed=seed,
+        bf16_sites=tuple(p.bf16_layers),
+        site_margin=dict(p.site_margin or {}),
     )

@@ -1,31 +1,20 @@
-"""The ``backend`` group's schema, and ``model=hf``'s (a transformers model converted to a
-backend's parts).
+"""The ``backend`` group's schema, and :class:`ModelSettings`, what of a run's configuration a
+backend builds a model from (``model=hf``'s schema is ``backends.hf.HfModel``).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Protocol
 
 from omegaconf import MISSING
 
-from readback.backends import BACKENDS
-from readback.backends.te_plan import ATTENTION_CORES
+from readback.backends.precision import Attention, Policy, Precision
 from readback.fields import Checked, one_of
 from readback.model.settings import Model
 
-
-@dataclass
-class HfModel(Model):
-    """``model=hf``: a transformers causal LM of these sizes, converted by ``readback.convert``."""
-
-    architecture: str = one_of(("llama",))
-    filter: list[str] = MISSING  # module-name patterns left in high precision
-
-    def check(self) -> None:
-        from readback.backends.hf import check_available
-
-        super().check()
-        check_available()
+BACKENDS = ("emulated", "te")
+ATTENTION_CORES = ("auto", "readback")  # backend=te: auto (TE's where it can run the experiment) | readback
 
 
 @dataclass
@@ -38,3 +27,21 @@ class Backend(Checked):
 class TeBackend(Backend):
     attention_core: str = one_of(ATTENTION_CORES)
     fp8_mha: bool = MISSING
+
+
+class ModelSettings(Protocol):
+    """The groups of a run's configuration a model is built from: ``readback.train.settings.Config``
+    (which sits above the backends) has them, and so does any object with these attributes."""
+
+    @property
+    def seed(self) -> int: ...
+    @property
+    def model(self) -> Model: ...
+    @property
+    def precision(self) -> Precision: ...
+    @property
+    def policy(self) -> Policy: ...
+    @property
+    def attention(self) -> Attention: ...
+    @property
+    def backend(self) -> Backend: ...

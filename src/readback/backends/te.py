@@ -20,23 +20,23 @@ model's checkpoint carries it; ``model.numerics`` holds the state of the sites r
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import importlib.util
 import os
 import sys
 from collections.abc import Mapping
-from typing import Any, cast
+from typing import Any
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from omegaconf import DictConfig, OmegaConf
 
-from readback.backends.precision import build_numerics
+from readback.backends.precision import build_numerics, fp8_settings
+from readback.backends.settings import ModelSettings
 from readback.backends.te_plan import IMPORT_TIME_ENV, TEPlan, site_implementations, te_plan
 from readback.backends.te_recipe import RECIPES, TERecipe
 from readback.errors import ConfigError
-from readback.fields import RunConfig
 from readback.model import FOG, fog_config
 from readback.model.fog import XIELU, AttentionCore, FOGConfig, Linear, Parts
 from readback.numerics.spec import in_bf16_layers
@@ -51,10 +51,6 @@ UNAVAILABLE = (
 _IMPORT_TIME_DEFAULTS = {"NVTE_DPA_FP8CS_O_in_F16": "1"}
 
 __all__ = ["TEParts", "apply_te_env", "build_te_model", "check_available", "site_implementations", "te_plan"]
-
-
-def _as_config(cfg: RunConfig) -> DictConfig:
-    return OmegaConf.structured(cfg)  # a typed Config, a DictConfig or a mapping
 
 
 def check_available() -> None:
@@ -245,17 +241,18 @@ class TEParts(Parts):
         return fp8_autocast(enabled=True, recipe=self.recipe, group=group)
 
 
-def _readback_numerics(cfg: DictConfig, plan: TEPlan) -> Numerics:
+def _readback_numerics(cfg: ModelSettings, plan: TEPlan) -> Numerics:
     """readback's Numerics for the sites its ops own; per-tensor current scaling under mxfp8."""
-    if plan.fp8 and cfg.precision.recipe != plan.readback_recipe:
-        cfg = cast(DictConfig, OmegaConf.merge(cfg, {"precision": {"recipe": plan.readback_recipe}}))
-    return build_numerics(cfg)
+    precision = cfg.precision
+    p8 = fp8_settings(precision)
+    if p8 is not None and plan.readback_recipe not in (None, p8.recipe):
+        precision = dataclasses.replace(p8, recipe=plan.readback_recipe)
+    return build_numerics(precision, cfg.policy, cfg.attention, cfg.seed)
 
 
-def build_te_model(cfg: RunConfig, device: str | torch.device = "cuda") -> FOG:
+def build_te_model(cfg: ModelSettings, device: str | torch.device = "cuda") -> FOG:
     """The FOG of ``cfg.model`` on Transformer Engine's parts, on a CUDA ``device``.
     Raises ``ConfigError`` (one line) when TE or CUDA is missing or cannot run ``cfg`` here."""
-    cfg = _as_config(cfg)
     check_available()
     plan = te_plan(cfg)
     apply_te_env(plan.env)

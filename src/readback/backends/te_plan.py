@@ -24,17 +24,15 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from omegaconf import OmegaConf
-
 from readback.backends.emulated import attention_reads as readback_attention_reads
+from readback.backends.precision import fp8_settings
+from readback.backends.settings import ATTENTION_CORES, ModelSettings, TeBackend
 from readback.backends.te_facts import SINCE, Hardware, fp8_attention_refusal, te_attention_reads
 from readback.backends.te_recipe import INSTALLED, RECIPES, TERecipe, resolve_target, te_recipe_plan
 from readback.errors import ConfigError, choose, require
-from readback.fields import RunConfig
 from readback.numerics.spec import in_bf16_layers
 from readback.ops.linear import READS as LINEAR_READS
 
-ATTENTION_CORES = ("auto", "readback")
 # Read by Transformer Engine when it is imported, not when attention runs (pytorch/attention/
 # dot_product_attention/backends.py v2.8: a module-level os.getenv).
 IMPORT_TIME_ENV = ("NVTE_DPA_FP8CS_O_in_F16",)
@@ -81,22 +79,22 @@ def _lm_head_bf16(fp8: bool, bf16_layers: tuple[str, ...]) -> bool:
     return not fp8 or in_bf16_layers("lm_head", bf16_layers)
 
 
-def te_plan(cfg: RunConfig, te_version: str | None = INSTALLED, hardware: Hardware = INSTALLED) -> TEPlan:
+def te_plan(cfg: ModelSettings, te_version: str | None = INSTALLED, hardware: Hardware = INSTALLED) -> TEPlan:
     """The plan for ``cfg`` under ``te_version`` on ``hardware`` (defaults: what this machine
     has; no TE means 2.x, no GPU means the checks that need one are not made). Raises
     ``ConfigError`` (one line naming the TE version, the GPU and the setting) for what this TE
     cannot run on this GPU as configured, instead of failing inside TE."""
-    cfg = OmegaConf.structured(cfg)  # a typed Config, a DictConfig or a mapping
     version, hw, vt, where = resolve_target(te_version, hardware)
 
     p, policy, bwd = cfg.precision, cfg.policy.name, cfg.attention.bwd_precision
-    backend = cfg.get("backend") or {}
-    core_choice = choose("backend.attention_core", backend.get("attention_core", "auto"), ATTENTION_CORES)
-    fp8_mha = backend.get("fp8_mha", False)
+    te_backend = cfg.backend if isinstance(cfg.backend, TeBackend) else None
+    core_choice = choose("backend.attention_core", te_backend.attention_core if te_backend else "auto", ATTENTION_CORES)
+    fp8_mha = te_backend.fp8_mha if te_backend else False
     require(isinstance(fp8_mha, bool), "backend.fp8_mha", fp8_mha, "true or false")
-    recipe = te_recipe_plan(p, version, hw)
-    fp8 = recipe is not None
-    recipe_key = str(p.recipe) if fp8 else None
+    p8 = fp8_settings(p)
+    recipe = te_recipe_plan(p8, version, hw)
+    fp8 = p8 is not None
+    recipe_key = p8.recipe if p8 is not None else None
 
     attention = None if core_choice == "readback" else _te_attention(fp8, recipe_key, policy, bwd)
     if attention is not None and recipe_key is not None:  # fp8
@@ -123,7 +121,7 @@ def te_plan(cfg: RunConfig, te_version: str | None = INSTALLED, hardware: Hardwa
 
     if recipe is not None:
         recipe = recipe.for_attention(fp8_dpa=attention is not None, fp8_mha=fp8_mha)
-    bf16_layers = tuple(p.get("bf16_layers", ()) or ()) if fp8 else ()
+    bf16_layers = tuple(p8.bf16_layers) if p8 is not None else ()
     proj = _projection_label(attention is not None, recipe_key, fp8_mha)
     sites = {**_sites(cfg, attention_label, proj, fp8, bf16_layers, _linear_label(policy, fp8)), **attention_reads}
     readback_recipe = None if not fp8 else ("current" if recipe_key == "mxfp8" else recipe_key)
@@ -142,7 +140,7 @@ def te_plan(cfg: RunConfig, te_version: str | None = INSTALLED, hardware: Hardwa
     )
 
 
-def _check_fp8_attention(cfg, recipe_key: str, vt, hw: Hardware, where: str) -> None:
+def _check_fp8_attention(cfg: ModelSettings, recipe_key: str, vt, hw: Hardware, where: str) -> None:
     """Refuse what TE's FP8 attention cannot train here (``te_facts.fp8_attention_refusal``)."""
     if recipe_key == "current" and vt is not None and vt[:2] < SINCE["current_scaling_fp8_dpa"]:
         raise ConfigError(
@@ -231,9 +229,9 @@ def _projection_label(te_attention: bool, recipe_key: str | None, fp8_mha: bool)
 
 
 def _sites(
-    cfg, attention_label: str, proj: str, fp8: bool, bf16_layers: tuple[str, ...], linear: str
+    cfg: ModelSettings, attention_label: str, proj: str, fp8: bool, bf16_layers: tuple[str, ...], linear: str
 ) -> dict[str, str]:
-    tied = bool(cfg.model.get("tied", True))
+    tied = cfg.model.tied
     head_bf16 = _lm_head_bf16(fp8, bf16_layers)
     if tied:
         lm_head = "torch BF16 matmul (tied embedding)" if head_bf16 else "readback.ops.linear (tied embedding)"
@@ -252,7 +250,7 @@ def _sites(
 
 
 def site_implementations(
-    cfg: RunConfig, te_version: str | None = INSTALLED, hardware: Hardware = INSTALLED
+    cfg: ModelSettings, te_version: str | None = INSTALLED, hardware: Hardware = INSTALLED
 ) -> dict[str, str]:
     """``{site: implementation}`` of a ``backend=te`` run, for the run's summary."""
     return dict(te_plan(cfg, te_version, hardware).sites)

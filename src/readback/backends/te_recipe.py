@@ -6,8 +6,9 @@ GPU is refused in one line, never dropped. Like the plan, it never imports Trans
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 from readback.backends.te_facts import (
     INTERVAL_REMOVED,
@@ -26,6 +27,28 @@ from readback.errors import ConfigError, choose, require
 RECIPES = {"delayed": "DelayedScaling", "current": "Float8CurrentScaling", "mxfp8": "MXFP8BlockScaling"}
 MIN_TE = (1, 13)
 INSTALLED: Any = object()  # default: what this machine has
+
+
+class RecipeSettings(Protocol):
+    """The ``precision`` group's FP8 fields this mapping reads: ``backends.precision.Fp8Precision``
+    has them (it sits above this module, whose ``RECIPES`` it names)."""
+
+    @property
+    def recipe(self) -> str: ...
+    @property
+    def fp8_format(self) -> str: ...
+    @property
+    def margin(self) -> int: ...
+    @property
+    def interval(self) -> int: ...
+    @property
+    def amax_history_len(self) -> int: ...
+    @property
+    def amax_compute_algo(self) -> str: ...
+    @property
+    def override_linear_precision(self) -> Sequence[bool]: ...
+    @property
+    def rounding(self) -> str: ...
 
 
 def _te_name(version: str | None) -> str:
@@ -60,22 +83,22 @@ def resolve_target(te_version: str | None, hardware: Hardware) -> tuple[str | No
 
 
 def te_recipe_plan(
-    precision: Any, te_version: str | None = INSTALLED, hardware: Hardware = INSTALLED
+    precision: RecipeSettings | None, te_version: str | None = INSTALLED, hardware: Hardware = INSTALLED
 ) -> TERecipe | None:
-    """The one mapping of readback's ``precision`` settings onto a Transformer Engine recipe, for
-    ``backend=te`` and for ``convert(backend="te")`` alike (``None`` without FP8; TE's FP8
+    """The one mapping of readback's FP8 ``precision`` settings onto a Transformer Engine recipe,
+    for ``backend=te`` and for ``convert(backend="te")`` alike (``None`` without FP8; TE's FP8
     attention off, see ``TERecipe.for_attention``). Raises ``ConfigError`` (one line) for a
     setting this TE cannot run on this GPU, never dropping it."""
-    if precision.name != "fp8":
+    if precision is None:
         return None
     _, hw, vt, where = resolve_target(te_version, hardware)
     recipe_key = _check_fp8_recipe(precision, vt, hw, where)
     return TERecipe(RECIPES[recipe_key], _recipe_kwargs(precision, recipe_key, vt))
 
 
-def _check_fp8_recipe(p, vt, hw: Hardware, where: str) -> str:
+def _check_fp8_recipe(p: RecipeSettings, vt, hw: Hardware, where: str) -> str:
     recipe_key = choose("precision.recipe", p.recipe, RECIPES)
-    rounding = p.get("rounding", "nearest")
+    rounding = p.rounding
     require(
         rounding == "nearest",
         "precision.rounding",
@@ -98,10 +121,10 @@ def _check_fp8_recipe(p, vt, hw: Hardware, where: str) -> str:
     return recipe_key
 
 
-def _refuse_unsupported_fields(p, recipe_key: str, vt: tuple[int, int, int] | None, where: str) -> None:
+def _refuse_unsupported_fields(p: RecipeSettings, recipe_key: str, vt: tuple[int, int, int] | None, where: str) -> None:
     """Fields of readback's recipe that this Transformer Engine does not have, when they are set
     to anything but their default: refused, never dropped."""
-    interval = p.get("interval", 1)
+    interval = p.interval
     if recipe_key == "delayed" and interval != 1:
         state = (
             "has no DelayedScaling.interval"
@@ -111,7 +134,7 @@ def _refuse_unsupported_fields(p, recipe_key: str, vt: tuple[int, int, int] | No
         raise ConfigError(
             "precision.interval", interval, f"1 ({where} {state}; use backend=emulated to study interval)"
         )
-    override = [bool(b) for b in p.get("override_linear_precision", (False,) * 3)]
+    override = [bool(b) for b in p.override_linear_precision]
     if any(override):
         removed = vt is None or vt[:2] >= OVERRIDE_LINEAR_PRECISION_REMOVED
         if recipe_key != "delayed" or removed:
@@ -127,7 +150,7 @@ def _refuse_unsupported_fields(p, recipe_key: str, vt: tuple[int, int, int] | No
                 override,
                 f"[false, false, false] or [false, false, true] ({where} overrides only the wgrad GEMM)",
             )
-    if recipe_key == "current" and int(p.get("margin", 0)) != 0:
+    if recipe_key == "current" and p.margin != 0:
         raise ConfigError(
             "precision.margin",
             p.margin,
@@ -135,7 +158,7 @@ def _refuse_unsupported_fields(p, recipe_key: str, vt: tuple[int, int, int] | No
         )
 
 
-def _recipe_kwargs(p, recipe_key: str, vt) -> dict[str, Any]:
+def _recipe_kwargs(p: RecipeSettings, recipe_key: str, vt) -> dict[str, Any]:
     """TE's FP8 attention is off here (``fp8_dpa``, ``fp8_mha``); ``TERecipe.for_attention`` sets it."""
     fmt = str(p.fp8_format).upper()
     if recipe_key == "delayed":
@@ -147,7 +170,7 @@ def _recipe_kwargs(p, recipe_key: str, vt) -> dict[str, Any]:
             fp8_dpa=False,
             fp8_mha=False,
         )
-        override = tuple(bool(b) for b in p.get("override_linear_precision", (False,) * 3))
+        override = tuple(bool(b) for b in p.override_linear_precision)
         if any(override):  # only reached on TE 1.x, with (False, False, True)
             kwargs["override_linear_precision"] = override
     elif recipe_key == "current":

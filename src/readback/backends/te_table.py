@@ -7,8 +7,8 @@
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
 
+from readback.backends.settings import ModelSettings
 from readback.backends.te_facts import Hardware
 from readback.backends.te_plan import PINNED_BACKEND, te_plan
 from readback.errors import ConfigError
@@ -66,8 +66,8 @@ def _on(cfg, hardware: Hardware) -> str:
     return "runs"
 
 
-def render(compose: Callable[[list[str]], Any]) -> str:
-    """The markdown table; ``compose(overrides)`` composes a run's config (``backend=te``)."""
+def render(compose: Callable[[list[str]], ModelSettings]) -> str:
+    """The markdown table; ``compose(overrides)`` builds a run's typed config (``backend=te``)."""
     header = [
         "experiment",
         "TE recipe",
@@ -103,7 +103,7 @@ if __name__ == "__main__":
     from hydra import compose as hydra_compose
     from hydra import initialize_config_dir
 
-    from readback.config import CONF_DIR
+    from readback.config import CONF_DIR, typed
 
     with initialize_config_dir(str(CONF_DIR), version_base="1.3"):
-        print(render(lambda overrides: hydra_compose("train", overrides=overrides)))
+        print(render(lambda overrides: typed(hydra_compose("train", overrides=overrides))))

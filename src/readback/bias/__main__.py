@@ -29,7 +29,6 @@ import time
 from pathlib import Path
 
 import torch
-from omegaconf import OmegaConf
 
 from readback.errors import ConfigError, require
 
@@ -42,6 +41,7 @@ def load_run(path: Path, site_margin: dict[str, int] | None = None):
     ``precision.site_margin`` replaced by that mapping (``ConfigError`` if a pattern matches no
     site the run rounded at)."""
     from readback.backends import build_model
+    from readback.config import from_saved
     from readback.data import build_data
     from readback.train.checkpoint import checkpoint_dir, is_checkpoint, list_checkpoints, load_checkpoint
 
@@ -52,15 +52,15 @@ def load_run(path: Path, site_margin: dict[str, int] | None = None):
         path = found[-1][1]
     state = load_checkpoint(path)
     saved, numerics_state = state["config"], state["ranks"][0]["numerics"]
-    cfg = OmegaConf.create(saved)
+    cfg = from_saved(saved)
     if site_margin is not None:  # a new config whose margins replace the run's (a merge would add them)
         check_margins(site_margin, cfg, list(numerics_state["sites"]))
-        cfg = OmegaConf.create({**saved, "precision": {**saved["precision"], "site_margin": dict(site_margin)}})
+        cfg = from_saved({**saved, "precision": {**saved["precision"], "site_margin": dict(site_margin)}})
     stream = build_data(
         cfg.data,
-        seq_len=int(cfg.model.seq_len),
-        micro_batch=int(cfg.trainer.micro_batch),
-        seed=int(cfg.seed),
+        seq_len=cfg.model.seq_len,
+        micro_batch=cfg.trainer.micro_batch,
+        seed=cfg.seed,
         rank=0,
         world_size=1,
     )

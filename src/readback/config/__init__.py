@@ -7,8 +7,10 @@ from readback.config.entry import (
     PREEXISTING_RUN_DIRS,
     check_run_dir,
     exit_on_bad_config,
+    from_saved,
     print_error,
     restore_hydra_files,
+    typed,
     validate,
 )
 from readback.config.refusals import CONF_DIR
@@ -23,7 +25,9 @@ __all__ = [
     "Config",
     "check_run_dir",
     "exit_on_bad_config",
+    "from_saved",
     "print_error",
     "restore_hydra_files",
+    "typed",
     "validate",
 ]

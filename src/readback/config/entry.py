@@ -15,7 +15,9 @@ import os
 import sys
 import tempfile
 import traceback
+from collections.abc import Mapping
 from pathlib import Path
+from typing import Any, cast
 
 from hydra.errors import HydraException
 from omegaconf import DictConfig, OmegaConf, open_dict
@@ -29,6 +31,7 @@ from readback.config.refusals import (
     from_schema_error,
     unknown_key,
 )
+from readback.config.store import OPTION_SCHEMAS
 from readback.data.settings import ShakespeareData
 from readback.errors import ConfigError
 from readback.train.settings import Config
@@ -41,6 +44,14 @@ PREEXISTING_RUN_DIRS: dict[str, dict[str, bytes]] = {}
 def validate(cfg: DictConfig) -> Config:
     """The typed config of ``cfg`` (composed against the schema), or ``ConfigError`` for the
     first bad value, key or input file, or what this machine lacks."""
+    config = typed(cfg)
+    check_machine(config)
+    return config
+
+
+def typed(cfg: DictConfig) -> Config:
+    """The typed config of ``cfg`` (composed against the schema), or ``ConfigError`` for the
+    first bad value or key; what this machine has is not checked (see :func:`validate`)."""
     undeclared = first_undeclared_key(cfg)
     if undeclared:
         raise unknown_key(*undeclared, overrides=[])
@@ -58,8 +69,17 @@ def validate(cfg: DictConfig) -> Config:
         raise refusal from None
     assert isinstance(config, Config), type(config)
     check_between_groups(config)  # once every group has checked its own ranges
-    check_machine(config)
     return config
+
+
+def from_saved(saved: Mapping[str, Any]) -> Config:
+    """The typed config a run saved (``plain_config``, in its checkpoints), checked again."""
+    node = OmegaConf.structured(Config)
+    for group, options in OPTION_SCHEMAS.items():
+        schema = options.get(str(saved.get(group, {}).get("name")))
+        if schema is not None:
+            node[group] = OmegaConf.structured(schema)
+    return typed(cast(DictConfig, OmegaConf.merge(node, saved)))
 
 
 def check_machine(config: Config) -> None:
@@ -76,7 +96,7 @@ def check_machine(config: Config) -> None:
     if isinstance(config.data, ShakespeareData) and config.data.files:
         from readback.data.corpus import corpus_files
 
-        corpus_files(config.data)
+        corpus_files(config.data.files, config.data.editions)
 
 
 def check_run_dir(path: Path) -> None:

@@ -9,8 +9,9 @@ import typing
 
 from hydra.core.config_store import ConfigStore
 
+from readback.backends.hf import HfModel
 from readback.backends.precision import Fp8Precision, Precision
-from readback.backends.settings import Backend, HfModel, TeBackend
+from readback.backends.settings import Backend, TeBackend
 from readback.data.settings import FinewebData, ShakespeareData, SyntheticData
 from readback.train.settings import Config, Logger, WandbLogger
 

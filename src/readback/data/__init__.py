@@ -22,33 +22,33 @@ from __future__ import annotations
 
 from typing import Any
 
-from readback.data.cache import cfg_get
+from readback.data.settings import DATASETS, Data, FinewebData, ShakespeareData, SyntheticData
 from readback.data.stream import PackedStream, check_layout
-from readback.errors import choose, require
-
-DATASETS: tuple[str, ...] = ("shakespeare", "synthetic", "fineweb_edu")
 
 __all__ = ["DATASETS", "PackedStream", "build_data"]
 
 
-def build_data(cfg_data: Any, *, seq_len: int, micro_batch: int, seed: int, rank: int = 0, world_size: int = 1) -> Any:
+def build_data(cfg_data: Data, *, seq_len: int, micro_batch: int, seed: int, rank: int = 0, world_size: int = 1) -> Any:
     """The batch stream for this rank; builds and caches tokenizer and token ids on first use."""
-    name = choose("data.name", cfg_get(cfg_data, "name", None), DATASETS)
     check_layout(seq_len, micro_batch, seed, rank, world_size)
     layout = dict(seq_len=seq_len, micro_batch=micro_batch, seed=seed, rank=rank, world_size=world_size)
-    if name == "synthetic":
+    if isinstance(cfg_data, SyntheticData):
         from readback.data.synthetic import synthetic_split
 
         train, val, vocab_size, fingerprint = synthetic_split(cfg_data)
         return PackedStream(train, val, vocab_size=vocab_size, fingerprint=fingerprint, **layout)
-    if name == "fineweb_edu":
+    if isinstance(cfg_data, FinewebData):
         from readback.data.fineweb import build_fineweb
 
         return build_fineweb(cfg_data, **layout)
-    return _build_text(cfg_data, progress=rank == 0, **layout)
+    if isinstance(cfg_data, ShakespeareData):
+        return _build_text(cfg_data, progress=rank == 0, **layout)
+    raise TypeError(
+        f"data={cfg_data.name} as {type(cfg_data).__name__}: build the typed config (readback.config.typed)"
+    )
 
 
-def _build_text(cfg: Any, *, progress: bool, **layout: Any) -> PackedStream:
+def _build_text(cfg: ShakespeareData, *, progress: bool, **layout: Any) -> PackedStream:
     """A local text corpus (Shakespeare by default): cached tokenizer and ids, block split, packing."""
     import numpy as np
 
@@ -56,15 +56,14 @@ def _build_text(cfg: Any, *, progress: bool, **layout: Any) -> PackedStream:
     from readback.data.stream import split_blocks
     from readback.data.tokenizer import tokenized_corpus
 
-    val_fraction = cfg_get(cfg, "val_fraction", 0.05)
-    require(0.0 <= val_fraction < 1.0, "data.val_fraction", val_fraction, "a fraction in [0, 1)")
+    val_fraction = cfg.val_fraction
     tc = tokenized_corpus(cfg, progress=progress)
     is_val = np.asarray([is_val_block(i, val_fraction) for i in range(len(tc.block_doc))], dtype=bool)
     train, val = split_blocks(tc.ids, tc.offsets, tc.block_doc, is_val, tc.eos)
     return PackedStream(
         train,
         val,
-        vocab_size=cfg_get(cfg, "vocab_size", 2048),
+        vocab_size=cfg.vocab_size,
         tokenizer=tc.tokenizer,
         fingerprint=f"text:{tc.key}:f{val_fraction}",
         **layout,

@@ -17,31 +17,17 @@ import os
 import uuid
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import BinaryIO
 
 from filelock import FileLock
 
 DEFAULT_CACHE = "~/.cache/readback"
 CACHE_ENV = "READBACK_CACHE"
-_MISSING = object()
 
 
-def cfg_get(cfg: Any, key: str, default: Any = _MISSING) -> Any:
-    """``cfg[key]`` for a DictConfig, a dict or any object with attributes; ``default`` if absent."""
-    try:
-        return cfg[key] if hasattr(cfg, "__getitem__") else getattr(cfg, key)
-    except (KeyError, AttributeError):
-        if default is _MISSING:
-            from readback.errors import ConfigError
-
-            raise ConfigError(f"data.{key}", None, f"set data.{key} in conf/data/*.yaml") from None
-        return default
-
-
-def cache_root(cfg: Any) -> Path:
-    """The cache directory: ``cfg.cache_dir`` if set, else ``$READBACK_CACHE``, else the default."""
-    configured = cfg_get(cfg, "cache_dir", None)
-    root = configured or os.environ.get(CACHE_ENV) or DEFAULT_CACHE
+def cache_root(cache_dir: str | None) -> Path:
+    """The cache directory: ``data.cache_dir`` if set, else ``$READBACK_CACHE``, else the default."""
+    root = cache_dir or os.environ.get(CACHE_ENV) or DEFAULT_CACHE
     return Path(os.path.expandvars(os.path.expanduser(str(root))))
 
 

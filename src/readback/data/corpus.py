@@ -22,7 +22,6 @@ import importlib.resources
 import importlib.util
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 from readback.errors import ConfigError, choose
 
@@ -93,15 +92,9 @@ def _check_text(path: Path, chunk: int = 1 << 20) -> None:
             offset += len(data)
 
 
-def corpus_files(cfg: Any) -> list[Path]:
-    """The files the config selects: ``data.files`` if set, else the embedded Shakespeare."""
-    from readback.data.cache import cfg_get
-
-    patterns = cfg_get(cfg, "files", None)
-    if patterns:
-        files = local_files(list(patterns) if not isinstance(patterns, str) else patterns)
-    else:
-        files = shakespeare_files(cfg_get(cfg, "editions", "modern"))
+def corpus_files(patterns: list[str] | None, editions: str) -> list[Path]:
+    """The files ``data.files`` selects if set, else the embedded Shakespeare's ``editions``."""
+    files = local_files(list(patterns)) if patterns else shakespeare_files(editions)
     return check_files(files)
 
 

@@ -30,7 +30,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from readback.data.cache import cfg_get
+from readback.data.settings import FinewebData
 from readback.data.stream import Batch, check_layout, val_iter, windows
 from readback.errors import ConfigError, require
 
@@ -41,15 +41,15 @@ def _one_line(error: BaseException) -> str:
 
 
 def build_fineweb(
-    cfg: Any, *, seq_len: int, micro_batch: int, seed: int, rank: int = 0, world_size: int = 1
+    cfg: FinewebData, *, seq_len: int, micro_batch: int, seed: int, rank: int = 0, world_size: int = 1
 ) -> TokenStream:
     """The hub tokenizer and streaming dataset the config names, wrapped in a ``TokenStream``."""
     import datasets
     from tokenizers import Tokenizer
 
-    name = cfg_get(cfg, "tokenizer", "mistralai/Mistral-Nemo-Base-2407")
-    path = cfg_get(cfg, "path", "HuggingFaceFW/fineweb-edu")
-    subset = cfg_get(cfg, "subset", "sample-10BT")
+    name = cfg.tokenizer
+    path = cfg.path
+    subset = cfg.subset
     try:
         tok = Tokenizer.from_pretrained(name, token=os.environ.get("HF_TOKEN"))
     except Exception as e:  # no network, gated repo without a token, wrong name
@@ -58,11 +58,11 @@ def build_fineweb(
             name,
             f"a hub tokenizer this machine can download (network; HF_TOKEN for gated repos) [{_one_line(e)}]",
         ) from e
-    vocab_size = cfg_get(cfg, "vocab_size", 131072)
+    vocab_size = cfg.vocab_size
     require(
         tok.get_vocab_size() == vocab_size, "data.vocab_size", vocab_size, f"{tok.get_vocab_size()}, the size of {name}"
     )
-    eos_token = cfg_get(cfg, "eos_token", "</s>")
+    eos_token = cfg.eos_token
     eos = tok.token_to_id(eos_token)
     if eos is None:
         raise ConfigError("data.eos_token", eos_token, f"a token of {name}")
@@ -74,8 +74,8 @@ def build_fineweb(
             f"{path}/{subset}",
             f"a dataset and subset this machine can stream from the hub [{_one_line(e)}]",
         ) from e
-    val_docs = cfg_get(cfg, "val_docs", 2000)
-    shuffle_buffer = cfg_get(cfg, "shuffle_buffer", 0)
+    val_docs = cfg.val_docs
+    shuffle_buffer = cfg.shuffle_buffer
     train, val = hold_out(ds.select_columns(["text"]), val_docs)
     if shuffle_buffer > 0:
         train = train.shuffle(seed=seed % (1 << 32), buffer_size=shuffle_buffer)
@@ -90,9 +90,9 @@ def build_fineweb(
         seed=seed,
         rank=rank,
         world_size=world_size,
-        doc_batch=cfg_get(cfg, "doc_batch", 256),
-        workers=cfg_get(cfg, "loader_workers", 2),
-        prefetch=cfg_get(cfg, "prefetch", 2),
+        doc_batch=cfg.doc_batch,
+        workers=cfg.loader_workers,
+        prefetch=cfg.prefetch,
         fingerprint=f"fineweb:{path}:{subset}:{name}:val{val_docs}:buf{shuffle_buffer}",
     )
 

@@ -6,9 +6,11 @@ from dataclasses import dataclass
 
 from omegaconf import MISSING
 
-from readback.data import DATASETS
 from readback.data.corpus import EDITIONS
+from readback.errors import require
 from readback.fields import Checked, integer, number, one_of
+
+DATASETS: tuple[str, ...] = ("shakespeare", "synthetic", "fineweb_edu")
 
 
 @dataclass
@@ -26,6 +28,9 @@ class ShakespeareData(Data):
     files: list[str] | None = None  # readable text files, checked by readback.config.entry
     cache_dir: str | None = None
 
+    def check(self) -> None:
+        require(self.vocab_size >= 257, "data.vocab_size", self.vocab_size, "an integer >= 257 (256 bytes + EOS)")
+
 
 @dataclass
 class SyntheticData(Data):
@@ -34,6 +39,9 @@ class SyntheticData(Data):
     data_seed: int = integer(minimum=0)
     branching: int = integer()
     noise: float = number(0, 1)
+
+    def check(self) -> None:
+        require(self.branching <= self.vocab_size, "data.branching", self.branching, f"1..{self.vocab_size}")
 
 
 @dataclass

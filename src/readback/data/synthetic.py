@@ -11,12 +11,9 @@ given to ``build_data`` only shuffles the order of the packed sequences.
 
 from __future__ import annotations
 
-from typing import Any
-
 import numpy as np
 
-from readback.data.cache import cfg_get
-from readback.errors import require
+from readback.data.settings import SyntheticData
 
 
 def markov_tokens(vocab_size: int, n_tokens: int, *, seed: int, branching: int = 4, noise: float = 0.1) -> np.ndarray:
@@ -38,19 +35,10 @@ def markov_tokens(vocab_size: int, n_tokens: int, *, seed: int, branching: int =
     return np.asarray(out, dtype=np.int64)
 
 
-def synthetic_split(cfg: Any) -> tuple[np.ndarray, np.ndarray, int, str]:
+def synthetic_split(cfg: SyntheticData) -> tuple[np.ndarray, np.ndarray, int, str]:
     """``(train, val, vocab_size, fingerprint)``: one chain, its last ``val_fraction`` held out."""
-    vocab_size = cfg_get(cfg, "vocab_size", 256)
-    n_tokens = cfg_get(cfg, "n_tokens", 1 << 20)
-    val_fraction = cfg_get(cfg, "val_fraction", 0.05)
-    data_seed = cfg_get(cfg, "data_seed", 0)
-    branching = cfg_get(cfg, "branching", 4)
-    noise = cfg_get(cfg, "noise", 0.1)
-    require(vocab_size >= 2, "data.vocab_size", vocab_size, "an integer >= 2")
-    require(n_tokens >= 4, "data.n_tokens", n_tokens, "an integer >= 4")
-    require(0.0 <= val_fraction < 1.0, "data.val_fraction", val_fraction, "a fraction in [0, 1)")
-    require(1 <= branching <= vocab_size, "data.branching", branching, f"1..{vocab_size}")
-    require(0.0 <= noise <= 1.0, "data.noise", noise, "a probability in [0, 1]")
+    vocab_size, n_tokens, val_fraction = cfg.vocab_size, cfg.n_tokens, cfg.val_fraction
+    data_seed, branching, noise = cfg.data_seed, cfg.branching, cfg.noise
     tokens = markov_tokens(vocab_size, n_tokens, seed=data_seed, branching=branching, noise=noise)
     cut = n_tokens - int(n_tokens * val_fraction)
     fingerprint = f"synthetic:v{vocab_size}:n{n_tokens}:s{data_seed}:b{branching}:p{noise}:f{val_fraction}"

@@ -23,8 +23,8 @@ from typing import Any
 import numpy as np
 
 from readback.data import corpus
-from readback.data.cache import atomic_write, build_lock, cache_root, cfg_get, digest
-from readback.errors import require
+from readback.data.cache import atomic_write, build_lock, cache_root, digest
+from readback.data.settings import ShakespeareData
 
 EOS = "<|endoftext|>"
 FORMAT = "readback-text-v1"  # bump when tokenisation or the cache layout changes
@@ -79,15 +79,12 @@ class TokenizedCorpus:
     eos: int
 
 
-def tokenized_corpus(cfg: Any, *, progress: bool = True) -> TokenizedCorpus:
+def tokenized_corpus(cfg: ShakespeareData, *, progress: bool = True) -> TokenizedCorpus:
     """Load the tokenizer and token ids from the cache, building (once, under a lock) what is missing."""
-    vocab_size = cfg_get(cfg, "vocab_size", 2048)
-    block_lines = cfg_get(cfg, "block_lines", 100)
-    require(vocab_size >= 257, "data.vocab_size", vocab_size, "an integer >= 257 (256 bytes + EOS)")
-    require(block_lines >= 1, "data.block_lines", block_lines, "an integer >= 1")
-    files = corpus.corpus_files(cfg)
+    vocab_size, block_lines = cfg.vocab_size, cfg.block_lines
+    files = corpus.corpus_files(cfg.files, cfg.editions)
     corpus_key = digest([FORMAT, *(part for f in files for part in (f.name, f.read_bytes()))])
-    directory = cache_root(cfg) / "text" / f"{corpus_key}-v{vocab_size}"
+    directory = cache_root(cfg.cache_dir) / "text" / f"{corpus_key}-v{vocab_size}"
     tok_path, ids_path = directory / "tokenizer.json", directory / f"tokens-b{block_lines}.npz"
 
     if not (tok_path.exists() and ids_path.exists()):
@@ -97,13 +94,19 @@ def tokenized_corpus(cfg: Any, *, progress: bool = True) -> TokenizedCorpus:
 
 
 def _build(
-    cfg: Any, files: list[Path], tok_path: Path, ids_path: Path, vocab_size: int, block_lines: int, progress: bool
+    cfg: ShakespeareData,
+    files: list[Path],
+    tok_path: Path,
+    ids_path: Path,
+    vocab_size: int,
+    block_lines: int,
+    progress: bool,
 ) -> None:
     from tokenizers import Tokenizer
 
     if tok_path.exists() and ids_path.exists():
         return
-    docs = corpus.load_documents(files, cache_root(cfg) / "hf-datasets")
+    docs = corpus.load_documents(files, cache_root(cfg.cache_dir) / "hf-datasets")
     if tok_path.exists():
         tok = Tokenizer.from_file(str(tok_path))
     else:

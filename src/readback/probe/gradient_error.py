@@ -15,28 +15,19 @@ from dataclasses import dataclass
 
 import torch
 
-DTYPES = {"fp32": torch.float32, "fp64": torch.float64}
+from readback.probe.settings import DTYPES, Probe
 
 
-@dataclass
 class GradientProbe:
-    """Config group ``probe``: ``every`` (steps, 0 = off), ``repeats``, ``dtype``, ``params``
-    (glob patterns over parameter and site names)."""
+    """The probe the ``probe`` group sets: ``every`` (steps, 0 = off), ``repeats``, ``dtype``,
+    ``params`` (glob patterns over parameter and site names)."""
 
-    every: int = 0
-    repeats: int = 1
-    dtype: str = "fp32"
-    params: tuple[str, ...] = ("*",)
-
-    @classmethod
-    def from_config(cls, cfg) -> GradientProbe:
-        """From the ``probe`` config group; off when absent."""
-        if cfg is None:
-            return cls()
-        return cls(every=cfg.every, repeats=cfg.repeats, dtype=cfg.dtype, params=tuple(cfg.params))
+    def __init__(self, settings: Probe) -> None:
+        self.settings = settings
 
     def due(self, step: int) -> bool:
-        return self.every > 0 and step % self.every == 0
+        every = self.settings.every
+        return every > 0 and step % every == 0
 
     def measure(
         self, model, inputs: torch.Tensor, targets: torch.Tensor, trained: TapedStep | None = None
@@ -55,7 +46,7 @@ class GradientProbe:
         micro_batches = 1 if trained is None else trained.micro_batches
         errors, references = [], []
         try:
-            for repeat in range(self.repeats):
+            for repeat in range(self.settings.repeats):
                 if repeat == 0 and trained is not None:
                     executed, reference = self._against_reference(model, params, trained, inputs, targets)
                 else:
@@ -64,7 +55,7 @@ class GradientProbe:
                             p.grad = None
                         _, taped = train_taped(model, inputs, targets, micro_batches)
                         executed, reference = self._against_reference(model, params, taped, inputs, targets)
-                keep = [n for n in reference if any(fnmatch.fnmatch(n, pat) for pat in self.params)]
+                keep = [n for n in reference if any(fnmatch.fnmatch(n, pat) for pat in self.settings.params)]
                 errors.append({n: executed[n] - reference[n] for n in keep})
                 references.append({n: reference[n] for n in keep})
         finally:
@@ -81,7 +72,7 @@ class GradientProbe:
                 taped.tape,
                 inputs,
                 targets,
-                DTYPES[self.dtype],
+                DTYPES[self.settings.dtype],
                 taped.micro_batches,
             )
         return {n: taped.executed[n].detach().double() for n in reference}, reference

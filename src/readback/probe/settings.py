@@ -4,10 +4,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
 from omegaconf import MISSING
 
 from readback.fields import Checked, integer, one_of
-from readback.probe.gradient_error import DTYPES
+
+DTYPES = {"fp32": torch.float32, "fp64": torch.float64}  # the reference replay's precision
 
 
 @dataclass

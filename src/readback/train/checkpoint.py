@@ -31,10 +31,9 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from omegaconf import OmegaConf
-
 from readback.errors import ConfigError
 from readback.train import dcp_io
+from readback.train.settings import Config, plain_config
 
 log = logging.getLogger(__name__)
 
@@ -207,24 +206,29 @@ def load_latest_checkpoint(ckpt_dir: Path, quiet: bool = False) -> tuple[Path, d
     return None
 
 
-def config_mismatch(saved_config: Mapping[str, Any] | None, cfg: Any) -> tuple[str, Any, Any] | None:
+def config_mismatch(saved_config: Mapping[str, Any] | None, cfg: Config) -> tuple[str, Any, Any] | None:
     """The first of :data:`ARCHITECTURE_KEYS` whose value in ``cfg`` differs from the one the
     checkpoint was trained with: ``(key, now, saved)``, or ``None``. Keys unset on either side
     (``model.vocab_size: null`` takes the data's) are not compared."""
     if not isinstance(saved_config, Mapping):
         return None
-    saved, cfg = OmegaConf.create(dict(saved_config)), OmegaConf.structured(cfg)
+    now_config = plain_config(cfg)
     for key in ARCHITECTURE_KEYS:
-        try:
-            now, was = OmegaConf.select(cfg, key, default=None), OmegaConf.select(saved, key, default=None)
-        except Exception:
-            continue
+        now, was = _dotted(now_config, key), _dotted(saved_config, key)
         if now is not None and was is not None and now != was:
             return key, now, was
     return None
 
 
-def resume_plan(run_dir: Path, cfg: Any, *, quiet: bool = False) -> tuple[Path, dict[str, Any]] | None:
+def _dotted(config: Mapping[str, Any], key: str) -> Any:
+    """``config``'s value at the dotted ``key``; ``None`` where a part is missing."""
+    value: Any = config
+    for part in key.split("."):
+        value = value.get(part) if isinstance(value, Mapping) else None
+    return value
+
+
+def resume_plan(run_dir: Path, cfg: Config, *, quiet: bool = False) -> tuple[Path, dict[str, Any]] | None:
     """Where a run in ``run_dir`` starts: ``(path, shared state)`` of the checkpoint to resume
     from, or ``None`` for step 0. Raises ``ConfigError`` when
 

@@ -33,7 +33,6 @@ from typing import Any, Protocol, cast
 
 import torch
 import torch.distributed as dist
-from omegaconf import DictConfig, OmegaConf
 from torch import nn
 from torch.distributed.checkpoint.state_dict import (
     get_model_state_dict,
@@ -53,6 +52,7 @@ from readback.train.checkpoint import (
     temp_checkpoint_path,
 )
 from readback.train.distributed import DistEnv, barrier, broadcast_object
+from readback.train.settings import Config, plain_config
 
 log = logging.getLogger(__name__)
 
@@ -116,15 +116,6 @@ class RNGState:
             torch.cuda.set_rng_state_all([s.cpu() for s in state["cuda"]])
 
 
-def plain_config(cfg: DictConfig) -> dict[str, Any]:
-    """``cfg`` as plain containers for wandb and checkpoints (unresolved if it cannot resolve)."""
-    cfg = OmegaConf.structured(cfg)  # the typed Config, or a DictConfig in tests
-    try:
-        return OmegaConf.to_container(cfg, resolve=True)  # type: ignore[return-value]
-    except Exception:
-        return OmegaConf.to_container(cfg, resolve=False)  # type: ignore[return-value]
-
-
 def to_cpu(obj: Any) -> Any:
     if isinstance(obj, torch.Tensor):
         return obj.detach().cpu()
@@ -141,7 +132,7 @@ class CheckpointManager:
     def __init__(
         self,
         run_dir: Path,
-        cfg: DictConfig,
+        cfg: Config,
         env: DistEnv,
         *,
         model: nn.Module,

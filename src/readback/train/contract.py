@@ -8,13 +8,16 @@ member is one clear error at build time instead of a silent skip in the loop.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import Any, Protocol, cast, runtime_checkable
 
 import torch
-from omegaconf import OmegaConf
+
+from readback.data.settings import Data
+from readback.train.settings import Config
 
 
 @runtime_checkable
@@ -66,13 +69,13 @@ class DataStream(Protocol):
     def load_state_dict(self, state: dict[str, Any]) -> None: ...
 
 
-def _default_model(cfg: Any, device: str) -> TrainableModel:
+def _default_model(cfg: Config, device: str) -> TrainableModel:
     from readback.backends import build_model
 
     return build_model(cfg, device)
 
 
-def _default_data(cfg_data: Any, **layout: Any) -> DataStream:
+def _default_data(cfg_data: Data, **layout: Any) -> DataStream:
     from readback.data import build_data
 
     return build_data(cfg_data, **layout)
@@ -82,10 +85,10 @@ def _default_data(cfg_data: Any, **layout: Any) -> DataStream:
 class Builders:
     """``model(cfg, device)`` and ``data(cfg.data, seq_len=, micro_batch=, seed=, rank=, world_size=)``."""
 
-    model: Callable[[Any, str], TrainableModel] = _default_model
+    model: Callable[[Config, str], TrainableModel] = _default_model
     data: Callable[..., DataStream] = _default_data
 
-    def stream(self, cfg: Any, *, rank: int, world_size: int) -> DataStream:
+    def stream(self, cfg: Config, *, rank: int, world_size: int) -> DataStream:
         """This rank's data stream (``with_vocabulary`` gives a config its vocabulary)."""
         return self.data(
             cfg.data,
@@ -97,12 +100,12 @@ class Builders:
         )
 
 
-def with_vocabulary(cfg: Any, stream: DataStream) -> Any:
+def with_vocabulary(cfg: Config, stream: DataStream) -> Config:
     """``cfg`` with ``model.vocab_size: null`` resolved to the stream's vocabulary, as a new
     config: the run's own is never written."""
     if cfg.model.vocab_size is not None:
         return cfg
-    return OmegaConf.merge(cfg, {"model": {"vocab_size": stream.vocab_size}})
+    return dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, vocab_size=stream.vocab_size))
 
 
 def check_model(model: object) -> TrainableModule:

@@ -20,10 +20,15 @@ from __future__ import annotations
 import math
 from typing import Any
 
+from readback.train.settings import Divergence
+
 
 class DivergenceDetector:
-    def __init__(self, factor: float = 2.0, patience: int = 3, stop: bool = False, nonfinite_grads: str = "stop"):
-        self.factor, self.patience, self.stop, self.nonfinite_grads = factor, patience, stop, nonfinite_grads
+    """The verdicts of the ``trainer.divergence`` group's settings."""
+
+    def __init__(self, settings: Divergence):
+        self.factor, self.patience = settings.factor, settings.patience
+        self.stop, self.nonfinite_grads = settings.stop, settings.nonfinite_grads
         self.nonfinite_tensors: list[str] = []
         self.running_min = math.inf
         self.streak_start: int | None = None
@@ -32,10 +37,6 @@ class DivergenceDetector:
         self.reason: str | None = None
         self.nonfinite_loss = False
         self.skipped: list[dict[str, Any]] = []
-
-    @classmethod
-    def from_config(cls, cfg: Any) -> DivergenceDetector:
-        return cls(factor=cfg.factor, patience=cfg.patience, stop=cfg.stop, nonfinite_grads=cfg.nonfinite_grads)
 
     @property
     def diverged(self) -> bool:

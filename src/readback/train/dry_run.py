@@ -9,27 +9,26 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from omegaconf import DictConfig
 
 from readback.train.contract import Builders, TrainableModule, check_model, with_vocabulary
 from readback.train.memory import GB, estimate, refuse_unless_fits, table
-from readback.train.parallel import PARALLEL, parallel_of
+from readback.train.settings import PARALLEL, Config
 from readback.train.summary import write_summary
 
 
-def _meta_model(cfg: DictConfig, builders: Builders) -> TrainableModule:
+def _meta_model(cfg: Config, builders: Builders) -> TrainableModule:
     torch.manual_seed(cfg.seed)
     return check_model(builders.model(cfg, "meta"))
 
 
-def check_memory(cfg: DictConfig, builders: Builders, world_size: int) -> None:
+def check_memory(cfg: Config, builders: Builders, world_size: int) -> None:
     """Refuse (one-line ``ConfigError``) a run whose per-GPU estimate exceeds ``trainer.gpu_memory_gb``."""
-    e = estimate(_meta_model(cfg, builders), cfg, parallel_of(cfg), world_size)
+    e = estimate(_meta_model(cfg, builders), cfg, cfg.trainer.parallel, world_size)
     refuse_unless_fits(e, cfg.trainer.gpu_memory_gb)
 
 
 def dry_run(
-    cfg: DictConfig, run_dir: Path, experiment: str, builders: Builders, *, rank: int, world_size: int
+    cfg: Config, run_dir: Path, experiment: str, builders: Builders, *, rank: int, world_size: int
 ) -> dict[str, Any]:
     """Print the model's size and memory table, refuse it if it does not fit, else write
     ``status: dry_run`` (rank 0); reads data only for a vocabulary the config leaves unset."""
@@ -39,7 +38,7 @@ def dry_run(
     model = _meta_model(cfg, builders)
     n_params, fpt = int(model.n_params()), float(model.flops_per_token())
     estimates = {p: estimate(model, cfg, p, world_size) for p in PARALLEL}
-    chosen = estimates[parallel_of(cfg)]
+    chosen = estimates[cfg.trainer.parallel]
     if rank == 0:
         print(f"{experiment}: {n_params:,} parameters, {fpt:.4g} FLOPs per token (dry run, no weights allocated)")
         print(table(list(estimates.values())))

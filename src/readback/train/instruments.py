@@ -14,6 +14,7 @@ from typing import Any
 import torch
 
 from readback.probe import GradientProbe, train_taped
+from readback.probe.settings import Probe
 
 
 class _Pending:
@@ -74,10 +75,10 @@ class TrainingBiasMeter(_Pending):
         self.pending = measure_bias(model, batches).metrics()
 
 
-def instruments(probe_cfg: Any, distributed: bool) -> list[ProbeBeforeTraining | TrainingBiasMeter]:
+def instruments(settings: Probe, distributed: bool) -> list[ProbeBeforeTraining | TrainingBiasMeter]:
     """The run's instruments, in the order they measure and their metrics appear in a record."""
-    probe = GradientProbe.from_config(probe_cfg)
+    probe = GradientProbe(settings)
     return [
         (ProbeBeforeTraining if distributed else TapedProbe)(probe),
-        TrainingBiasMeter(probe_cfg.bias_every, probe_cfg.bias_batches),
+        TrainingBiasMeter(settings.bias_every, settings.bias_batches),
     ]

@@ -7,7 +7,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from omegaconf import DictConfig
 
 from readback.errors import ConfigError
 from readback.train.contract import Builders
@@ -19,10 +18,11 @@ from readback.train.distributed import (
 )
 from readback.train.dry_run import dry_run
 from readback.train.preemption import PreemptionGuard
+from readback.train.settings import Config
 from readback.train.trainer import Trainer
 
 
-def run(cfg: DictConfig, run_dir: Path, builders: Builders | None = None) -> dict[str, Any]:
+def run(cfg: Config, run_dir: Path, builders: Builders | None = None) -> dict[str, Any]:
     """Train (or, with ``trainer.dry_run``, size) the configured model; return the summary.
 
     ``builders`` make the model and the data (:class:`~readback.train.contract.Builders`: the FOG
@@ -54,7 +54,7 @@ def run(cfg: DictConfig, run_dir: Path, builders: Builders | None = None) -> dic
         cleanup(env)
 
 
-def accumulation_steps(cfg: DictConfig, world_size: int) -> int:
+def accumulation_steps(cfg: Config, world_size: int) -> int:
     """``global_batch / (micro_batch * world_size)``; a ``ConfigError`` unless it divides."""
     gb, mb = cfg.model.global_batch, cfg.trainer.micro_batch
     per_step = mb * world_size

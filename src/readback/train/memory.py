@@ -20,10 +20,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from omegaconf import DictConfig
-
 from readback.errors import ConfigError
 from readback.train.contract import TrainableModule
+from readback.train.settings import Config
 
 GB = 1e9
 
@@ -42,16 +41,17 @@ class MemoryEstimate:
         return self.params + self.grads + self.optimizer + self.activations
 
 
-def activation_bytes(cfg: DictConfig) -> float:
+def activation_bytes(cfg: Config) -> float:
     """Saved-for-backward bytes of one micro-batch (see the module docstring)."""
     m, b = cfg.model, cfg.trainer.micro_batch
     s, d, f, h, v = m.seq_len, m.d_model, m.ffn_dim, m.n_heads, m.vocab_size
-    fused = hasattr(cfg, "backend") and cfg.backend.name == "te"  # a toy config has no backend group
+    assert v is not None, "train.contract.with_vocabulary resolves it before the model is sized"
+    fused = cfg.backend.name == "te"
     scores = 0 if fused else b * h * s * s
     return m.n_layers * (b * s * (14 * d + 4 * f) + scores) + 8 * b * s * v
 
 
-def estimate(model: TrainableModule, cfg: DictConfig, parallel: str, world_size: int) -> MemoryEstimate:
+def estimate(model: TrainableModule, cfg: Config, parallel: str, world_size: int) -> MemoryEstimate:
     """Per-GPU bytes of ``model`` (built on ``meta``) trained under ``parallel`` on ``world_size`` GPUs."""
     n = sum(p.numel() for p in model.parameters() if p.requires_grad)
     if parallel == "fsdp":

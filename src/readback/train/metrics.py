@@ -19,6 +19,8 @@ from typing import Any, TextIO
 
 from readback.train.checkpoint import atomic_write_text
 from readback.train.identity import launch_context, run_identity
+from readback.train.settings import Logger
+from readback.train.settings import WandbLogger as WandbSettings
 from readback.train.tracking import WandbLogger
 
 log = logging.getLogger(__name__)
@@ -148,7 +150,7 @@ class MetricsLogger:
 
 
 def build_metrics_logger(
-    logger_cfg: Any,
+    logger_cfg: Logger,
     run_dir: Path,
     *,
     is_main: bool,
@@ -165,35 +167,18 @@ def build_metrics_logger(
     atomic_write_text(Path(run_dir) / "launch.json", json.dumps(json_safe(launch), indent=2) + "\n")
     jsonl = JsonlWriter(Path(run_dir) / "metrics.jsonl")
     jsonl.truncate_after(resume_step)
-    name = str(_get(logger_cfg, "name", "none"))
     wb = None
-    if name == "wandb":
+    if isinstance(logger_cfg, WandbSettings):
         identity = run_identity(
-            config,
-            launch,
-            user_tags=list(_get(logger_cfg, "tags", []) or []),
-            group=_get(logger_cfg, "group", None),
-            job_type=str(_get(logger_cfg, "job_type", "train")),
+            config, launch, user_tags=list(logger_cfg.tags), group=logger_cfg.group, job_type=logger_cfg.job_type
         )
         wb = WandbLogger(
             run_dir=Path(run_dir),
             identity=identity,
-            project=_get(logger_cfg, "project", "readback"),
-            entity=_get(logger_cfg, "entity", None),
-            mode=_get(logger_cfg, "mode", "auto"),
+            project=logger_cfg.project,
+            entity=logger_cfg.entity,
+            mode=logger_cfg.mode,
             run_id=wandb_run_id,
-            init_timeout=float(_get(logger_cfg, "init_timeout", 60.0)),
+            init_timeout=logger_cfg.init_timeout,
         )
-    elif name != "none":
-        log.warning("unknown logger %r; writing metrics.jsonl only", name)
     return MetricsLogger(jsonl, wb)
-
-
-def _get(cfg: Any, key: str, default: Any) -> Any:
-    if cfg is None:
-        return default
-    try:
-        value = cfg.get(key, default)
-    except Exception:
-        value = getattr(cfg, key, default)
-    return default if value is None and default is not None else value

@@ -9,6 +9,8 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from readback.train.settings import Optim
+
 
 def param_groups(model: nn.Module, weight_decay: float) -> list[dict[str, Any]]:
     """Split the trainable parameters into a decayed and a non-decayed AdamW group.
@@ -30,17 +32,18 @@ def param_groups(model: nn.Module, weight_decay: float) -> list[dict[str, Any]]:
     return groups
 
 
-def build_optimizer(model: nn.Module, optim_cfg: Any) -> torch.optim.AdamW:
+def build_optimizer(model: nn.Module, optim_cfg: Optim) -> torch.optim.AdamW:
     """AdamW over :func:`param_groups` with ``trainer.optim`` betas, eps and weight decay.
 
     Its base learning rate is 1: the schedule (:func:`readback.train.schedule.build_scheduler`)
     gives absolute learning rates as the ``LambdaLR`` factor, so ``lr = 1.0 * schedule(t)``
     holds exactly.
     """
+    beta1, beta2 = optim_cfg.betas  # two, checked by the schema
     return torch.optim.AdamW(
         param_groups(model, optim_cfg.weight_decay),
         lr=1.0,
-        betas=tuple(optim_cfg.betas),
+        betas=(beta1, beta2),
         eps=optim_cfg.eps,
     )
 

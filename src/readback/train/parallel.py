@@ -16,17 +16,10 @@ from contextlib import contextmanager, nullcontext
 from typing import Any
 
 import torch
-from omegaconf import DictConfig
 from torch import nn
 
 from readback.train.contract import TrainableModule
 from readback.train.distributed import DistEnv
-
-PARALLEL = ("ddp", "fsdp")
-
-
-def parallel_of(cfg: DictConfig) -> str:
-    return cfg.trainer.parallel
 
 
 def apply_parallelism(model: TrainableModule, env: DistEnv, parallel: str) -> nn.Module:

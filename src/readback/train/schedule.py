@@ -15,9 +15,10 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any
 
 import torch
+
+from readback.train.settings import Optim
 
 
 @dataclass(frozen=True)
@@ -26,9 +27,9 @@ class WSDSchedule:
 
     peak: float
     steps: int
-    warmup_steps: int = 0
-    cooldown_frac: float = 0.2
-    min_lr: float = 1e-8
+    warmup_steps: int
+    cooldown_frac: float
+    min_lr: float
 
     @property
     def cooldown_start(self) -> int:
@@ -47,7 +48,7 @@ class WSDSchedule:
         return lr
 
     @classmethod
-    def from_config(cls, optim_cfg: Any, *, peak: float, steps: int) -> WSDSchedule:
+    def from_config(cls, optim_cfg: Optim, *, peak: float, steps: int) -> WSDSchedule:
         """Build from ``trainer.optim`` (``warmup_steps``, ``cooldown_frac``, ``min_lr``)."""
         return cls(
             peak=peak,

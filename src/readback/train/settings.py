@@ -7,7 +7,9 @@ of one run that ``readback.config.validate`` builds and every component reads it
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
+from typing import Any
 
 from omegaconf import MISSING
 
@@ -18,9 +20,9 @@ from readback.errors import ConfigError
 from readback.fields import Checked, integer, items, number, one_of
 from readback.model.settings import Model
 from readback.probe.settings import Probe
-from readback.train.parallel import PARALLEL
 
 DEVICES = ("auto", "cpu", "cuda")
+PARALLEL = ("ddp", "fsdp")  # readback.train.parallel: DDP, or FSDP2's fully_shard
 NONFINITE_GRADS = ("stop", "skip")
 LOGGERS = ("none", "wandb")
 WANDB_MODES = ("auto", "online", "offline", "disabled")
@@ -114,3 +116,8 @@ class Config(Checked):
     logger: Logger = MISSING
     trainer: Trainer = MISSING
     probe: Probe = MISSING
+
+
+def plain_config(cfg: Config) -> dict[str, Any]:
+    """``cfg`` as plain containers, for wandb and checkpoints."""
+    return dataclasses.asdict(cfg)

@@ -33,13 +33,12 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from omegaconf import DictConfig
 
 from readback.backends import site_implementations
 from readback.errors import ConfigError
 from readback.model import ActivationStats
 from readback.ops.compiled import compiled
-from readback.train.checkpoint_manager import CheckpointManager, RNGState, plain_config
+from readback.train.checkpoint_manager import CheckpointManager, RNGState
 from readback.train.contract import Builders, check_model, with_vocabulary
 from readback.train.distributed import DistEnv, all_reduce_mean
 from readback.train.divergence import DivergenceDetector
@@ -48,9 +47,10 @@ from readback.train.instruments import TapedProbe, instruments
 from readback.train.metrics import build_metrics_logger
 from readback.train.metrics_processor import MetricsProcessor
 from readback.train.optim import build_optimizer, clip_gradients, nonfinite_grad_names
-from readback.train.parallel import apply_parallelism, no_gradient_sync, parallel_of, whole_parameters
+from readback.train.parallel import apply_parallelism, no_gradient_sync, whole_parameters
 from readback.train.preemption import Preempted, PreemptionGuard
 from readback.train.schedule import WSDSchedule, build_scheduler
+from readback.train.settings import Config, plain_config
 from readback.train.summary import SummaryWriter, run_summary
 from readback.train.validator import Validator
 
@@ -60,7 +60,7 @@ log = logging.getLogger(__name__)
 class Trainer:
     def __init__(
         self,
-        cfg: DictConfig,
+        cfg: Config,
         run_dir: Path,
         env: DistEnv,
         accum: int,
@@ -75,7 +75,7 @@ class Trainer:
         self.tokens_per_step = cfg.model.global_batch * cfg.model.seq_len
         self.log_every, self.eval_every = t.log_every, t.eval_every
         self.grad_clip = t.optim.grad_clip
-        self.detector = DivergenceDetector.from_config(t.divergence)
+        self.detector = DivergenceDetector(t.divergence)
         self.instruments = instruments(cfg.probe, env.distributed)
         self.summary = SummaryWriter(self.run_dir, is_main=env.is_main)
         self.n_params: int | None = None
@@ -94,7 +94,7 @@ class Trainer:
         torch.manual_seed(cfg.seed)
         self.model = check_model(self.builders.model(cfg, str(env.device)))
         self.n_params = int(self.model.n_params())
-        self.forward = apply_parallelism(self.model, env, parallel_of(cfg))  # before the optimizer: FSDP shards
+        self.forward = apply_parallelism(self.model, env, cfg.trainer.parallel)  # before the optimizer: FSDP shards
         self.compiled = compiled(self.forward) if cfg.trainer.compile else None
         self.activation_stats = ActivationStats(self.model)  # forward hooks: FSDP keeps the modules
         self.named_params = [(n, p) for n, p in self.model.named_parameters() if p.requires_grad]
@@ -103,7 +103,7 @@ class Trainer:
         schedule = WSDSchedule.from_config(cfg.trainer.optim, peak=cfg.model.lr, steps=self.steps)
         self.scheduler = build_scheduler(self.optimizer, schedule)
         self.metrics.flops_per_token = float(self.model.flops_per_token())
-        self.validator = Validator(self.stream, cfg.trainer.eval_batches, env, lockstep=parallel_of(cfg) == "fsdp")
+        self.validator = Validator(self.stream, cfg.trainer.eval_batches, env, lockstep=cfg.trainer.parallel == "fsdp")
         self.checkpoints = CheckpointManager(
             self.run_dir,
             cfg,
@@ -293,6 +293,6 @@ class Trainer:
             n_params=self.n_params,
             flops_per_token=m.flops_per_token,
             world_size=self.env.world_size,
-            site_implementations=site_implementations(self.cfg) if hasattr(self.cfg, "backend") else None,
+            site_implementations=site_implementations(self.cfg),
             experiment=self.experiment,
         )

@@ -13,13 +13,13 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import readback
+import toys
 from readback.audit.core import audit
 from readback.backends.converted import SDPARouter
 from readback.errors import ConfigError
 from readback.numerics.state import Site
 from readback.ops import linear as linear_op
 from readback.ops import norm as norm_op
-from readback.probe import GradientProbe
 from toys import REPO
 
 # FP8 forward, FP32 backward GEMMs: what a gradient read is then told apart from GEMM round-off.
@@ -156,7 +156,7 @@ def test_sequential_probe_exact_matches_its_reference():
     readback.convert(model, precision=FP32_BACKWARD, policy="exact")
     g = torch.Generator().manual_seed(3)
     x, target = torch.randn(4, 7, 32, generator=g), torch.randn(4, 7, 3, generator=g)
-    errors = GradientProbe(every=1).measure(LossOf(model), x, target)
+    errors = toys.probe(every=1).measure(LossOf(model), x, target)
     assert errors["grad_error/rel_err/total"] < 1e-5
     assert errors["grad_error/rel_err/net.2.weight"] < 1e-5
 
@@ -227,7 +227,7 @@ def test_llama_probe_exact_matches_its_reference_and_reuse_rounded_does_not():
     errors = {}
     for policy in ("exact", "reuse_rounded"):
         model, _ = converted_llama(precision=FP32_BACKWARD, policy=policy, attention_bwd="fp32")
-        errors[policy] = GradientProbe(every=1).measure(model, ids, targets)
+        errors[policy] = toys.probe(every=1).measure(model, ids, targets)
     assert errors["exact"]["grad_error/rel_err/total"] < 1e-5
     q_proj = "grad_error/rel_err/lm.model.layers.0.self_attn.q_proj.weight"
     assert errors["reuse_rounded"][q_proj] > 100 * max(errors["exact"][q_proj], 1e-9)

@@ -23,16 +23,20 @@ from readback.errors import ConfigError
 from readback.model import ActivationStats
 from readback.model.fog import AttentionCore
 from readback.model.fog import Linear as ReadbackLinear
-from toys import REPO, compose
+from toys import REPO
+from toys import config as typed_config
 
 HAS_TE = torch.cuda.is_available() and importlib.util.find_spec("transformer_engine") is not None
 needs_te = pytest.mark.skipif(not HAS_TE, reason="needs CUDA and transformer_engine")
 TE2 = "2.8.0"
 
 
+SMALL_DATA = ("data=synthetic", "data.vocab_size=64")  # a vocabulary every model size here can hold
+
+
 def config(experiment: str | None = None, *overrides: str, backend: str = "te"):
-    args = ([f"+experiment={experiment}"] if experiment else []) + [f"backend={backend}", *overrides]
-    return compose(*args)
+    args = ([f"+experiment={experiment}"] if experiment else []) + [f"backend={backend}", *SMALL_DATA, *overrides]
+    return typed_config(*args)
 
 
 # --------------------------------------------------------------------------- the pure mapping
@@ -106,7 +110,7 @@ READS = [
 
 @pytest.mark.parametrize("overrides, d_read, dq_read", READS)
 def test_plan_records_what_each_attention_gradient_reads(overrides, d_read, dq_read):
-    cfg = compose(*overrides, "backend=te", *HD128)
+    cfg = typed_config(*overrides, "backend=te", *SMALL_DATA, *HD128)
     sites = te_plan(cfg, TE2, B200).sites
     assert (sites["attention_core.D"], sites["attention_core.dQ"]) == (d_read, dq_read)
     assert {f"attention_core.{g}" for g in ("D", "dQ", "dK", "dV", "dP", "dS")} <= set(sites)
@@ -607,7 +611,7 @@ def test_documented_te_table_is_the_plan(document):
     from readback.backends import te_table
 
     def compose_te(overrides):
-        return compose(*overrides)
+        return typed_config(*overrides)
 
     text = (REPO / document).read_text()
     documented = text.split(te_table.START, 1)[1].split(te_table.END, 1)[0].strip()

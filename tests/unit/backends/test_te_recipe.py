@@ -16,7 +16,7 @@ from readback.backends import te as te_backend
 from readback.backends.precision import build_numerics
 from readback.backends.te_facts import Hardware
 from readback.errors import ConfigError
-from toys import compose
+from toys import config as compose
 
 H100 = Hardware((9, 0), (9, 13, 0))
 B200 = Hardware((10, 0), (9, 14, 0))
@@ -66,7 +66,7 @@ def test_converted_model_gets_the_fog_runs_te_recipe(monkeypatch, overrides, ver
     cfg = compose("+experiment=fresh_reround", "backend=te", *overrides)
 
     fog = _built(lambda: te_backend.make_recipe(te_plan.te_plan(cfg, version, H100).te_recipe, version))
-    converted = _built(lambda: convert_te.te_recipe(build_numerics(cfg)))
+    converted = _built(lambda: convert_te.te_recipe(build_numerics(cfg.precision, cfg.policy, cfg.attention, cfg.seed)))
     assert converted == fog
 
 
@@ -78,7 +78,7 @@ def test_converted_recipe_pins_backward_override_from_te_2_15():
 
 
 def test_mxfp8_recipe_is_block_scaling_where_the_gpu_has_it():
-    precision = compose("+experiment=fresh_reround", "precision.recipe=mxfp8").precision
+    precision = compose("+experiment=fresh_reround", "backend=te", "precision.recipe=mxfp8").precision
     recipe = te_recipe.te_recipe_plan(precision, "2.8.0", B200)
     assert recipe == te_recipe.TERecipe("MXFP8BlockScaling", {"fp8_format": "HYBRID"})
     with pytest.raises(ConfigError, match=r"^precision.recipe='mxfp8' is not valid"):

@@ -13,6 +13,7 @@ import torch
 from omegaconf import OmegaConf
 
 import readback.data.tokenizer as tokmod
+import toys
 from readback.data import DATASETS, build_data
 from readback.data.cache import cache_root
 from readback.data.corpus import shakespeare_files
@@ -76,11 +77,12 @@ def test_every_dataset_has_a_config_that_composes(monkeypatch, tmp_path):
 
 
 def test_cache_dir_follows_env_var_and_defaults_to_home(monkeypatch, tmp_path):
-    cfg = load_data_cfg("shakespeare")
     monkeypatch.setenv("READBACK_CACHE", str(tmp_path))
-    assert cache_root(cfg) == tmp_path
+    assert cache_root(load_data_cfg("shakespeare").cache_dir) == tmp_path
+    assert cache_root(None) == tmp_path
     monkeypatch.delenv("READBACK_CACHE")
-    assert cache_root(cfg) == Path.home() / ".cache" / "readback"
+    assert cache_root(load_data_cfg("shakespeare").cache_dir) == Path.home() / ".cache" / "readback"
+    assert cache_root(None) == Path.home() / ".cache" / "readback"
 
 
 # --- corpus and tokenizer ------------------------------------------------------------------
@@ -291,7 +293,7 @@ def test_synthetic_is_deterministic_from_its_seed():
     assert np.array_equal(a[0], b[0]) and np.array_equal(a[1], b[1])
     assert not np.array_equal(a[0], c[0])
     assert a[2] == 256 and int(a[0].max()) < 256 and len(a[1]) == int(20_000 * 0.05)
-    stream = build_data({"name": "synthetic", "vocab_size": 64, "n_tokens": 5_000}, seq_len=8, micro_batch=2, seed=0)
+    stream = build_data(synth(vocab_size=64, n_tokens=5_000), seq_len=8, micro_batch=2, seed=0)
     assert stream.vocab_size == 64 and int(stream.next_batch()[0].max()) < 64
 
 
@@ -410,19 +412,30 @@ def test_fineweb_without_network_fails_with_a_config_error(monkeypatch):
 
 
 @pytest.mark.parametrize(
-    "cfg, key",
+    "name, settings, key",
     [
-        ({"name": "tiny_stories"}, "data.name"),
-        ({}, "data.name"),
-        ({"name": "synthetic", "val_fraction": 1.0}, "data.val_fraction"),
-        ({"name": "shakespeare", "editions": "quarto"}, "data.editions"),
+        ("synthetic", {"val_fraction": 1.0}, "data.val_fraction"),
+        ("synthetic", {"branching": 300}, "data.branching"),
+        ("shakespeare", {"editions": "quarto"}, "data.editions"),
+        ("shakespeare", {"vocab_size": 256}, "data.vocab_size"),
     ],
 )
-def test_bad_config_raises_config_error(cfg, key, tmp_path):
+def test_bad_config_raises_config_error(name, settings, key):
     with pytest.raises(ConfigError) as info:
-        build_data({"cache_dir": str(tmp_path), **cfg}, seq_len=16, micro_batch=2, seed=0)
+        load_data_cfg(name, **settings)
     assert info.value.key == key
     assert "\n" not in str(info.value) and key in str(info.value)
+
+
+def test_an_unknown_dataset_is_refused_in_one_line():
+    with pytest.raises(ConfigError) as info:
+        toys.config("data.name=tiny_stories")
+    assert info.value.key == "data.name" and "synthetic" in str(info.value)
+
+
+def test_an_untyped_data_group_is_refused():
+    with pytest.raises(TypeError, match="typed config"):
+        build_data(OmegaConf.create({"name": "synthetic", "vocab_size": 64}), seq_len=8, micro_batch=2, seed=0)
 
 
 def test_missing_or_empty_files_raise_config_error(tmp_path):
@@ -431,7 +444,7 @@ def test_missing_or_empty_files_raise_config_error(tmp_path):
     blank.write_text("\n\n  \n")
     for files in ([str(tmp_path / "missing.txt")], [str(empty)], [str(blank)], [str(tmp_path / "*.md")]):
         with pytest.raises(ConfigError) as info:
-            cfg = {"name": "shakespeare", "files": files, "cache_dir": str(tmp_path / "cache")}
+            cfg = load_data_cfg("shakespeare", files=files, cache_dir=str(tmp_path / "cache"))
             build_data(cfg, seq_len=16, micro_batch=2, seed=0)
         assert info.value.key == "data.files" and files[0].split("/")[-1] in str(info.value)
 

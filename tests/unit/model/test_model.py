@@ -10,7 +10,9 @@ from readback.model import ActivationStats, kurtosis
 from readback.model.fog import FOG, FOGConfig, Parts, rope, rounding_owners
 from readback.ops import numerics_for
 from readback.ops.activation import BETA, EPS
-from toys import compose
+from toys import config as compose
+
+VOCAB_128 = ("data=synthetic", "data.vocab_size=128", "model.vocab_size=128")
 
 
 def _tiny(precision="off", **kw):
@@ -198,7 +200,7 @@ def test_activation_stats_hooks_measure_every_layer_only_when_active():
 @pytest.mark.parametrize("experiment", ["reuse_rounded", "bf16_baseline"])
 def test_tiny_model_learns(experiment):
     """A few steps on a fixed batch lower the loss in FP8 and in BF16 alike."""
-    cfg = compose(f"+experiment={experiment}", "model.vocab_size=128")
+    cfg = compose(f"+experiment={experiment}", *VOCAB_128)
     torch.manual_seed(0)
     model = build_model(cfg)
     idx = torch.randint(0, 128, (4, 32))
@@ -215,7 +217,7 @@ def test_tiny_model_learns(experiment):
 
 
 def test_lm_head_stays_bf16_under_fp8():
-    model = build_model(compose("+experiment=reuse_rounded", "model.vocab_size=128"))
+    model = build_model(compose("+experiment=reuse_rounded", *VOCAB_128))
     model(torch.randint(0, 128, (2, 16)), torch.randint(0, 128, (2, 16)))
     sites = model.numerics.sites
     assert sites["lm_head.weight"].fmt.name == "BF16"

@@ -14,7 +14,7 @@ from readback.backends import build_model
 from readback.numerics import CurrentScaling
 from readback.ops import attention as attention_op
 from readback.ops import mechanism, numerics_for
-from toys import compose
+from toys import config
 
 
 def test_logits_and_entropy_by_hand():
@@ -91,7 +91,9 @@ def test_the_row_blocked_backward_logs_the_cosine_one_block_would(monkeypatch, p
 
 
 def test_a_logged_fog_step_records_them_and_the_analysis_plots_them(tmp_path):
-    cfg = compose("model.vocab_size=64", "model.seq_len=16", "policy=reuse_rounded")
+    cfg = config(
+        "data=synthetic", "data.vocab_size=64", "model.vocab_size=64", "model.seq_len=16", "policy=reuse_rounded"
+    )
     model = build_model(cfg)
     idx = torch.randint(0, 64, (2, 16))
     model(idx, idx).backward()  # not a log step: nothing measured

@@ -8,18 +8,17 @@ import pytest
 import torch
 
 from readback.backends import build_model
-from readback.config import validate
 from readback.errors import ConfigError
 from readback.model import rounding_sites
 from readback.numerics import E4M3, E5M2, CurrentScaling, compute_scale
 from readback.ops import Site, numerics_for
 from readback.ops.attention import attention
 from readback.ops.linear import linear
-from toys import compose
+from toys import config
 
 
 def _compose(*overrides):
-    return compose("data=synthetic", "data.vocab_size=64", "model.vocab_size=64", *overrides)
+    return config("data=synthetic", "data.vocab_size=64", "model.vocab_size=64", *overrides)
 
 
 def test_site_margin_is_the_recipe_margin_at_matched_sites_only():
@@ -105,8 +104,7 @@ def test_rounding_sites_are_the_sites_one_step_creates():
 
 
 def test_site_margin_config():
-    cfg = _compose("precision.site_margin={attn.core.output:14}")
-    validate(cfg)
+    cfg = _compose("precision.site_margin={attn.core.output:14}")  # the typed config: checked
     numerics = build_model(cfg).numerics
     assert numerics.site("layers.0.attn.core.output").margin == 14
     assert numerics.site("layers.0.attn.core.q").margin == 0
@@ -115,5 +113,5 @@ def test_site_margin_config():
         ("precision.site_margin={attn.core.output:-1}", "precision.site_margin.attn.core.output"),
     ):
         with pytest.raises(ConfigError) as error:
-            validate(_compose(override))
+            _compose(override)
         assert error.value.key == key and "valid:" in str(error.value)

@@ -5,15 +5,16 @@ import json
 import pytest
 import torch
 
+import toys
 from readback.backends import build_model
-from readback.probe import GradientProbe, compare, train_taped
-from toys import compose
+from readback.probe import compare, train_taped
+from toys import config
 
 FP32_BACKWARD = ["attention.bwd_precision=fp32", "precision.override_linear_precision=[false,true,true]"]
 
 
 def _cfg(*overrides):
-    return compose("model.vocab_size=128", *overrides)
+    return config("data=synthetic", "data.vocab_size=128", "model.vocab_size=128", *overrides)
 
 
 def _trained_model(*overrides, steps=3):
@@ -32,16 +33,16 @@ def _trained_model(*overrides, steps=3):
 
 def test_exact_policy_with_fp32_backward_is_the_reference_to_round_off():
     model, x, y = _trained_model("+experiment=no_saved_copy", "policy=exact", *FP32_BACKWARD)
-    stats = GradientProbe(every=1).measure(model, x, y)
+    stats = toys.probe(every=1).measure(model, x, y)
     assert stats["grad_error/rel_err/total"] < 1e-5
     assert stats["grad_error/cosine/total"] > 1 - 1e-9
     assert stats["grad_error/rel_err/layers.1.attn.core.dq"] < 1e-5
 
 
 def test_reuse_rounded_error_is_orders_larger_and_starts_at_attention():
-    exact = GradientProbe(every=1).measure(*_trained_model("+experiment=no_saved_copy", "policy=exact", *FP32_BACKWARD))
+    exact = toys.probe(every=1).measure(*_trained_model("+experiment=no_saved_copy", "policy=exact", *FP32_BACKWARD))
     model, x, y = _trained_model("+experiment=reuse_rounded", *FP32_BACKWARD)
-    reuse = GradientProbe(every=1).measure(model, x, y)
+    reuse = toys.probe(every=1).measure(model, x, y)
     assert reuse["grad_error/rel_err/total"] > 1000 * exact["grad_error/rel_err/total"]
     # The backward reaches the last block's MLP before any attention: its gradients are still exact.
     assert reuse["grad_error/rel_err/layers.1.mlp.down.weight"] < 1e-5
@@ -54,12 +55,12 @@ def test_reuse_rounded_error_is_orders_larger_and_starts_at_attention():
 
 def test_fresh_reround_bias_is_within_its_noise_and_reuse_has_no_noise():
     model, x, y = _trained_model("+experiment=fresh_reround", *FP32_BACKWARD)
-    fresh = GradientProbe(every=1, repeats=8).measure(model, x, y)
+    fresh = toys.probe(every=1, repeats=8).measure(model, x, y)
     assert fresh["grad_error/noise/total"] > 0
     assert fresh["grad_error/bias/total"] < 3 * fresh["grad_error_se/bias/total"]
 
     model, x, y = _trained_model("+experiment=reuse_rounded", *FP32_BACKWARD)
-    reuse = GradientProbe(every=1, repeats=3).measure(model, x, y)
+    reuse = toys.probe(every=1, repeats=3).measure(model, x, y)
     assert reuse["grad_error/noise/total"] == 0  # nearest forward rounding: every repeat is the same
     assert reuse["grad_error/bias/total"] == pytest.approx(reuse["grad_error/rel_err/total"])
 
@@ -69,7 +70,7 @@ def test_probe_leaves_model_grads_and_numerics_untouched():
     before_params = [p.detach().clone() for p in model.parameters()]
     before_state = model.numerics.state_dict()
     before_sites = set(model.numerics.sites)
-    GradientProbe(every=1, repeats=2).measure(model, x, y)
+    toys.probe(every=1, repeats=2).measure(model, x, y)
     assert all(torch.equal(a, p) for a, p in zip(before_params, model.parameters()))
     assert all(p.grad is None for p in model.parameters())
     assert set(model.numerics.sites) == before_sites
@@ -87,7 +88,7 @@ def test_the_training_backward_as_repeat_0_gives_the_probe_s_own_result():
     """The trainer hands its taped first micro-batch to the probe (``train_taped``): the same
     statistics as the probe executing the batch itself, and the step's gradients are kept."""
     model, x, y = _trained_model("+experiment=fresh_reround", "precision.rounding=stochastic")
-    probe = GradientProbe(every=1, repeats=2)
+    probe = toys.probe(every=1, repeats=2)
     own = probe.measure(model, x, y)
     _, trained = train_taped(model, x, y)
     grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
@@ -160,6 +161,7 @@ def test_probe_does_not_change_the_training_trajectory(tmp_path, micro_batch):
         "trainer.eval_every=6",
         "trainer.progress=false",
         "model.d_model=32",
+        "model.n_heads=2",  # head dim 16, as FP8 asks
         "model.ffn_dim=64",
         "model.global_batch=4",
         f"trainer.micro_batch={micro_batch}",

@@ -11,7 +11,6 @@ import sys
 
 import pytest
 import torch
-from omegaconf import OmegaConf
 
 import toys
 from readback.train.checkpoint import list_checkpoints, load_checkpoint
@@ -38,8 +37,7 @@ def test_wandb_crash_mid_run_keeps_training_and_local_metrics(tmp_path, built, m
 
     runs = []
     monkeypatch.setattr(wandb, "init", lambda **kwargs: runs.append(CrashingRun()) or runs[-1])
-    cfg = toys.make_cfg()
-    cfg.logger = OmegaConf.create({"name": "wandb", "mode": "offline", "project": "t", "entity": None, "tags": []})
+    cfg = toys.make_cfg(logger="wandb", **{"logger.mode": "offline", "logger.project": "t"})
     summary = toys.train(cfg, tmp_path)
     assert summary["status"] == "completed" and summary["steps"] == 12
     assert runs[0].logged == [2, 4]
@@ -92,7 +90,7 @@ def test_signal_on_the_last_step_just_completes(tmp_path, built, monkeypatch):
 
 def test_requeued_slurm_job_resumes_even_without_resume_flag(tmp_path, built, monkeypatch):
     with pytest.raises(RuntimeError, match="simulated crash"):
-        toys.train(toys.make_cfg(**{"data.crash_at_call": 40}), tmp_path)
+        toys.train(toys.make_cfg(), tmp_path, crash_at_call=40)
     monkeypatch.setenv("SLURM_RESTART_COUNT", "1")
     summary = toys.train(toys.make_cfg(), tmp_path)  # trainer.resume=false, but a requeued job
     assert summary["status"] == "completed"

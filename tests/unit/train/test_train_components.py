@@ -3,6 +3,7 @@ model and stream of ``toys`` (handed to ``run`` as its builders)."""
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import json
 import logging
@@ -12,7 +13,6 @@ from typing import ClassVar
 
 import pytest
 import torch
-from omegaconf import OmegaConf
 from torch import nn
 
 from readback.errors import ConfigError
@@ -34,9 +34,13 @@ from readback.train.identity import RunIdentity
 from readback.train.metrics import JsonlWriter, MetricsLogger, read_jsonl
 from readback.train.optim import build_optimizer, clip_gradients, nonfinite_grad_names, param_groups
 from readback.train.schedule import WSDSchedule
-from readback.train.settings import Optim
 from readback.train.tracking import WandbLogger, resolve_wandb_mode
-from toys import CONF, ToyModel, make_cfg, train
+from toys import ToyModel, make_cfg, train
+
+
+def detector(**settings) -> DivergenceDetector:
+    """A detector of ``conf/trainer/default.yaml``'s divergence settings, with ``settings`` changed."""
+    return DivergenceDetector(dataclasses.replace(make_cfg().trainer.divergence, **settings))
 
 
 # --------------------------------------------------------------------------- schedule
@@ -57,13 +61,13 @@ def test_schedule_warmup_stable_cooldown():
 
 
 def test_schedule_from_config_and_overlap():
-    cfg = OmegaConf.load(CONF / "trainer" / "default.yaml")
+    cfg = make_cfg().trainer
     s = WSDSchedule.from_config(cfg.optim, peak=3e-3, steps=cfg.steps)
     assert (s.warmup_steps, s.cooldown_frac, s.min_lr) == (cfg.optim.warmup_steps, 0.2, 1e-8)
     short = WSDSchedule(peak=1.0, steps=4, warmup_steps=4, cooldown_frac=0.5, min_lr=0.0)
     assert short(3) == pytest.approx(min(0.75, 1 - math.sqrt(0.5)))
     with pytest.raises(ConfigError):  # the schema refuses it before any schedule is built
-        Optim(**{**OmegaConf.to_container(cfg.optim), "cooldown_frac": 1.5})
+        dataclasses.replace(cfg.optim, cooldown_frac=1.5)
 
 
 # --------------------------------------------------------------------------- optimizer
@@ -78,7 +82,7 @@ def test_param_groups_no_decay_on_1d():
     assert id(model.frozen) not in ids and id(model.gain) in {id(p) for p in no_decay["params"]}
     assert id(model.fc.bias) in {id(p) for p in no_decay["params"]}
     assert len(ids) == sum(1 for p in model.parameters() if p.requires_grad)
-    opt = build_optimizer(model, OmegaConf.load(CONF / "trainer" / "default.yaml").optim)
+    opt = build_optimizer(model, make_cfg().trainer.optim)
     assert isinstance(opt, torch.optim.AdamW)
     assert opt.defaults["betas"] == (0.9, 0.95) and opt.defaults["eps"] == 1e-8
 
@@ -105,27 +109,27 @@ def test_clip_gradients_is_torchs_clip_and_names_nonfinite_grads():
 
 # --------------------------------------------------------------------------- divergence
 def test_divergence_nan_stops():
-    d = DivergenceDetector(factor=2.0, patience=3)
+    d = detector(factor=2.0, patience=3)
     assert not d.check_loss(1, 3.0)
     assert d.check_loss(2, math.nan) and d.diverged_at_step == 2 and d.nonfinite_loss
-    assert DivergenceDetector().check_loss(7, math.inf)
+    assert detector().check_loss(7, math.inf)
 
 
 def test_divergence_factor_patience_marks_first_step_of_streak():
-    d = DivergenceDetector(factor=2.0, patience=3, stop=False)
+    d = detector(factor=2.0, patience=3, stop=False)
     for step, loss in [(10, 5.0), (20, 3.0), (30, 2.0), (40, 4.5), (50, 2.5), (60, 4.1), (70, 5.0)]:
         assert not d.observe_logged(step, loss)
     assert not d.diverged  # 40 alone, then a streak of two
     assert not d.observe_logged(80, 9.0)  # third in a row: marked, but stop=False
     assert d.diverged_at_step == 60 and "60" in d.reason
-    stopper = DivergenceDetector(factor=1.5, patience=2, stop=True)
+    stopper = detector(factor=1.5, patience=2, stop=True)
     assert not stopper.observe_logged(1, 2.0)
     assert not stopper.observe_logged(2, 3.5)
     assert stopper.observe_logged(3, 3.5) and stopper.diverged_at_step == 2
 
 
 def test_divergence_no_false_positive_on_falling_curve():
-    d = DivergenceDetector(factor=1.2, patience=1, stop=True)
+    d = detector(factor=1.2, patience=1, stop=True)
     for step in range(1, 500):
         noisy = 10.0 * math.exp(-step / 100) + 2.0 + 0.05 * math.sin(step)
         assert not d.observe_logged(step, noisy)
@@ -134,11 +138,11 @@ def test_divergence_no_false_positive_on_falling_curve():
 
 
 def test_divergence_state_roundtrip():
-    d = DivergenceDetector(2.0, 2)
+    d = detector(factor=2.0, patience=2)
     d.observe_logged(1, 1.0)
     d.observe_logged(2, 3.0)
     d.record_nonfinite_grads(2, ["w"])
-    e = DivergenceDetector(2.0, 2)
+    e = detector(factor=2.0, patience=2)
     e.load_state_dict(d.state_dict())
     e.observe_logged(3, 3.0)
     assert e.diverged_at_step == 2 and e.skipped == [{"step": 2, "params": ["w"]}]
@@ -371,7 +375,7 @@ def test_run_end_to_end_contracts(tmp_path, built):
     assert on_disk["status"] == "completed" and on_disk["diverged_at_step"] is None
     assert on_disk["steps"] == 12 and on_disk["tokens"] == 12 * 64
     assert on_disk["final_loss"] == records[-1]["loss"] and on_disk["val_loss"] == records[-1]["val_loss"]
-    assert on_disk["n_params"] == built[0].n_params() and on_disk["experiment"] == "toy"
+    assert on_disk["n_params"] == built[0].n_params() and on_disk["experiment"] == "custom"
     assert cfg.model.vocab_size is None  # the run's config is not written ...
     assert [s for s, _ in list_checkpoints(tmp_path / "checkpoints")] == [8, 12]
     state = load_checkpoint(checkpoint_path(tmp_path / "checkpoints", 12))
@@ -387,7 +391,7 @@ def test_resume_reproduces_the_uninterrupted_curve_bit_exactly(tmp_path, built):
     train(make_cfg(), straight)
     # 4 micro-batches per step: call 40 is the first of step 11, after step 10 was logged
     with pytest.raises(RuntimeError, match="simulated crash"):
-        train(make_cfg(**{"data.crash_at_call": 40}), crashed)
+        train(make_cfg(), crashed, crash_at_call=40)
     failed = json.loads((crashed / "summary.json").read_text())
     assert failed["status"] == "failed" and "simulated crash" in failed["error"] and failed["steps"] == 10
     assert [r["step"] for r in read_jsonl(crashed / "metrics.jsonl")][-1] == 10
@@ -422,8 +426,8 @@ def test_evaluation_leaves_training_untouched(tmp_path, built):
 
 
 def test_nan_loss_stops_without_applying_the_update(tmp_path, built):
-    cfg = make_cfg(**{"model.nan_loss_at": 6, "trainer.log_every": 1, "trainer.ckpt_every": 5})
-    summary = train(cfg, tmp_path)
+    cfg = make_cfg(**{"trainer.log_every": 1, "trainer.ckpt_every": 5})
+    summary = train(cfg, tmp_path, nan_loss_at=6)
     assert summary["status"] == "diverged" and summary["diverged_at_step"] == 6 and summary["steps"] == 6
     assert "non-finite loss" in summary["divergence_reason"]
     records = read_jsonl(tmp_path / "metrics.jsonl")
@@ -439,7 +443,7 @@ def test_nan_loss_stops_without_applying_the_update(tmp_path, built):
 
 
 def test_nonfinite_gradients_skip_the_update(tmp_path, built):
-    summary = train(make_cfg(**{"model.nan_grad_at": 3, "trainer.divergence.nonfinite_grads": "skip"}), tmp_path)
+    summary = train(make_cfg(**{"trainer.divergence.nonfinite_grads": "skip"}), tmp_path, nan_grad_at=3)
     assert summary["status"] == "completed"
     assert summary["skipped_updates"] == [{"step": 3, "params": ["gain"]}]
     assert all(torch.isfinite(v).all() for v in built[0].state_dict().values())
@@ -447,8 +451,8 @@ def test_nonfinite_gradients_skip_the_update(tmp_path, built):
 
 
 def test_nonfinite_gradients_stop_as_divergence_by_default(tmp_path, built):
-    cfg = make_cfg(**{"model.nan_grad_at": 3, "trainer.log_every": 1, "trainer.ckpt_every": 2})
-    summary = train(cfg, tmp_path)
+    cfg = make_cfg(**{"trainer.log_every": 1, "trainer.ckpt_every": 2})
+    summary = train(cfg, tmp_path, nan_grad_at=3)
     assert summary["status"] == "diverged" and summary["diverged_at_step"] == 3 and summary["steps"] == 3
     assert summary["nonfinite_tensors"] == ["gain.grad"] and "gain" in summary["divergence_reason"]
     on_disk = json.loads((tmp_path / "summary.json").read_text())
@@ -463,14 +467,8 @@ def test_nonfinite_gradients_stop_as_divergence_by_default(tmp_path, built):
 
 
 def test_patience_divergence_can_stop(tmp_path, built):
-    cfg = make_cfg(
-        **{
-            "trainer.divergence.factor": 0.5,
-            "trainer.divergence.patience": 2,
-            "trainer.divergence.stop": True,
-            "trainer.log_every": 1,
-        }
-    )
+    cfg = make_cfg(**{"trainer.divergence.patience": 2, "trainer.divergence.stop": True, "trainer.log_every": 1})
+    cfg.trainer.divergence.factor = 0.5  # below the schema's range: every logged loss counts as a blow-up
     summary = train(cfg, tmp_path)
     # every loss is above 0.5 x the running minimum: marked at step 2, stopped at step 3
     assert summary["status"] == "diverged" and summary["diverged_at_step"] == 2 and summary["steps"] == 3
@@ -484,8 +482,7 @@ def test_wandb_failure_does_not_stop_training(tmp_path, built, monkeypatch, caps
         raise RuntimeError("wandb is down")
 
     monkeypatch.setattr(wandb, "init", broken_init)
-    cfg = make_cfg(**{"trainer.steps": 4, "trainer.progress": True})
-    cfg.logger = OmegaConf.load(CONF / "logger" / "wandb.yaml")
+    cfg = make_cfg(logger="wandb", **{"trainer.steps": 4, "trainer.progress": True})
     summary = train(cfg, tmp_path)
     assert summary["status"] == "completed"
     bar = capsys.readouterr().err
@@ -496,8 +493,8 @@ def test_wandb_failure_does_not_stop_training(tmp_path, built, monkeypatch, caps
 
 
 def test_dry_run_builds_on_meta_and_skips_data(tmp_path, built, capsys):
-    cfg = make_cfg(**{"trainer.dry_run": True, "model.vocab_size": 24, "data.forbid_build": True})
-    summary = train(cfg, tmp_path)
+    cfg = make_cfg(**{"trainer.dry_run": True, "model.vocab_size": 24})
+    summary = train(cfg, tmp_path, forbid_build=True)
     assert summary["status"] == "dry_run" and summary["n_params"] == built[0].n_params()
     assert summary["flops_per_token"] == 6.0 * summary["n_params"]
     assert all(p.is_meta for p in built[0].parameters())
