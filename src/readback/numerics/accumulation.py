@@ -150,6 +150,9 @@ def _block(x: torch.Tensor, y: torch.Tensor, units: torch.Tensor, c: torch.Tenso
     ``2**(E - 13)`` (a product is below ``2**(E + 2)``, ``c`` below ``2**(E + 1)``), so the 33
     terms add up to an integer below ``2**21``, exact in any order; times the power of two it is
     an exact normal FP32 number, whose low fraction bits the mask clears.
+
+    A zero result is +0: a nonzero ``c`` is at least ``2**E_c`` and ``E >= E_c``, so its term is
+    a nonzero integer, and a sum that cancels is +0 in round-to-nearest; ``c`` = +0 adds +0.
     """
     own = (c.view(torch.int32) & 0x7F800000) - (FRACTION_BITS << 23)
     q = torch.maximum(units, own).view(torch.float32)  # 2**(E - 13)
@@ -157,7 +160,7 @@ def _block(x: torch.Tensor, y: torch.Tensor, units: torch.Tensor, c: torch.Tenso
     terms = products.div_(q[..., None], rounding_mode="trunc").sum(-1)
     s = terms + torch.div(c, q, rounding_mode="trunc")
     d = (s * q).view(torch.int32) & _RESULT_MASK
-    return d.view(torch.float32) + 0.0  # -0 -> +0
+    return d.view(torch.float32)
 
 
 def _nonfinite_as_ieee(acc: torch.Tensor, va: torch.Tensor, vb: torch.Tensor) -> torch.Tensor:
