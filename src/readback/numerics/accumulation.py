@@ -33,7 +33,8 @@ MODES = ("fast", "split", "ieee")
 BLOCK = 32  # products aligned together
 FRACTION_BITS = 13  # kept below the alignment exponent, and below the block result's own exponent
 CHUNK = 128  # split: the chain restarts every CHUNK elements of K
-TILE = 1 << 18  # elements of a [rows, n, BLOCK] temporary: small enough to stay in cache
+TILE = 1 << 19  # elements of a [rows, n, BLOCK] temporary: small enough to stay in cache
+PANEL = 1 << 21  # alignment exponents found at once (one FP64 GEMM, of 16 MiB)
 
 _FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
 _RESULT_MASK = ~((1 << (23 - FRACTION_BITS)) - 1)  # clears the fraction bits of an FP32 below 13
@@ -100,23 +101,26 @@ def _chains(x: torch.Tensor, y: torch.Tensor, min_exponents: tuple[int, int]) ->
     wx, wy = _exponent_weights(x, min_exponents[0]), _exponent_weights(y, min_exponents[1])
     out = torch.empty(g, m, n, device=x.device)
     rows = max(1, TILE // max(1, g * n * BLOCK))
-    for r in range(0, m, rows):
-        xs = x[:, r : r + rows]
-        units = _units(wx[:, :, r : r + rows], wy, sum(min_exponents))
-        acc = torch.zeros(g, xs.shape[1], n, device=x.device)
-        for j in range(k // BLOCK):
-            block = slice(j * BLOCK, (j + 1) * BLOCK)
-            acc = _block(xs[..., block], y[..., block], units[j], acc)
-        out[:, r : r + rows] = acc
+    panel = rows * max(1, PANEL // (rows * g * n * (k // BLOCK)))  # rows whose exponents one GEMM finds
+    for p in range(0, m, panel):
+        units = _units(wx[:, :, p : p + panel], wy, sum(min_exponents))
+        for r in range(p, min(p + panel, m), rows):
+            xs = x[:, r : r + rows]
+            acc = torch.zeros(g, xs.shape[1], n, device=x.device)
+            for j in range(k // BLOCK):
+                block = slice(j * BLOCK, (j + 1) * BLOCK)
+                acc = _block(xs[..., block], y[..., block], units[j, :, r - p : r - p + rows], acc)
+            out[:, r : r + rows] = acc
     return out
 
 
 def _exponent_weights(v: torch.Tensor, clamp: int) -> torch.Tensor:
-    """``64 ** max(floor(log2|v|), clamp)`` in FP64, 0 for a zero value, blocks first:
-    ``[g, rows, K]`` -> ``[K / 32, g, rows, 32]`` (FP8 values are normal in FP32, so each
-    exponent is in the bits)."""
-    e = (((v.view(torch.int32) >> 23) & 0xFF) - 127).clamp_min(clamp)
-    weights = torch.where(v != 0, ((6 * e.long() + 1023) << 52).view(torch.float64), 0.0)
+    """``256 ** max(floor(log2|v|), clamp)`` in FP64, 0 for a zero value, blocks first:
+    ``[g, rows, K]`` -> ``[K / 32, g, rows, 32]``. FP8 values are normal in FP32, so a table
+    indexed by the biased FP32 exponent gives the weight (index 0: zero)."""
+    e = (torch.arange(256) - 127).clamp_min(clamp)
+    table = torch.where(torch.arange(256) > 0, ((8 * e + 1023) << 52).view(torch.float64), 0.0)
+    weights = table.to(v.device)[(v.view(torch.int32) >> 23) & 0xFF]
     return weights.reshape(*v.shape[:-1], -1, BLOCK).movedim(-2, 0)
 
 
@@ -124,15 +128,15 @@ def _units(wx: torch.Tensor, wy: torch.Tensor, floor: int) -> torch.Tensor:
     """The FP32 bits of ``2**(E - 13)`` for each block and output, ``E`` the largest sum of clamped
     exponents over the block's nonzero products, floored at ``floor`` (see ``_block``).
 
-    One GEMM finds every maximum: a sum of at most 32 powers ``64**(ex + ey)`` lies in
-    ``[64**E, 32 * 64**E]`` in any order of FP64 additions (each rounding is monotone and both
-    bounds are representable), so its binary exponent divided by 6 is ``E``; a block without a
-    nonzero product sums to 0, whose exponent is below any floor.
+    One GEMM finds every maximum: a sum of at most 32 powers ``256**(ex + ey)`` lies in
+    ``[256**E, 32 * 256**E]`` in any order of FP64 additions (each rounding is monotone and both
+    bounds are representable), so its binary exponent, shifted right by 3, is ``E``; a block
+    without a nonzero product sums to 0, whose exponent is below any floor. The high word of the
+    FP64 holds the biased exponent from bit 20 (the sign is 0).
     """
-    total = torch.matmul(wx, wy.mT)
-    binary = ((total.view(torch.int64) >> 52) & 0x7FF) - 1023
-    e = torch.div(binary, 6, rounding_mode="floor").clamp_min(floor).to(torch.int32)
-    return (e - FRACTION_BITS + 127) << 23
+    high = torch.matmul(wx, wy.mT).view(torch.int32)[..., 1::2]  # little-endian: the high words
+    e = ((high - (1023 << 20)) >> 23).clamp_min(floor)
+    return (e + 127 - FRACTION_BITS) << 23
 
 
 def _block(x: torch.Tensor, y: torch.Tensor, units: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
