@@ -47,6 +47,7 @@ DEFAULT_RECIPE = {
     "override_linear_precision": [False, False, False],
     "rounding": "nearest",
     "bf16_layers": [],
+    "accumulation": "native",
 }
 
 

@@ -14,9 +14,10 @@ from typing import Any
 from omegaconf import MISSING
 
 from readback.backends.te_recipe import RECIPES
+from readback.errors import ConfigError
 from readback.fields import Checked, integer, items, one_of
 from readback.numerics import AMAX_COMPUTE_ALGOS, ROUNDINGS, CurrentScaling, DelayedScaling, Format
-from readback.numerics.spec import PRECISIONS
+from readback.numerics.spec import ACCUMULATIONS, PRECISIONS, resolve_accumulation
 from readback.ops import Numerics, numerics_for
 
 
@@ -38,6 +39,18 @@ class Fp8Precision(Precision):
     rounding: str = one_of(ROUNDINGS)
     bf16_layers: list[str] = MISSING  # checked against the model's layers in Config.check
     site_margin: Any = None  # {site pattern: k} (untyped: Hydra replaces the whole mapping); checked in Config.check
+    accumulation: str = one_of(ACCUMULATIONS)
+    accumulation_gemms: Any = None  # {fprop | dgrad | wgrad: fast | split | ieee}, over accumulation's
+
+    def check(self) -> None:
+        try:
+            resolve_accumulation(self.accumulation, dict(self.accumulation_gemms or {}))
+        except (ValueError, TypeError):
+            raise ConfigError(
+                self.key("accumulation_gemms"),
+                self.accumulation_gemms,
+                "null or a mapping {fprop | dgrad | wgrad: fast | split | ieee}, e.g. {dgrad: fast}",
+            ) from None
 
 
 def build_numerics(cfg: Any) -> Numerics:
@@ -67,4 +80,6 @@ def build_numerics(cfg: Any) -> Numerics:
         seed=cfg.seed,
         bf16_sites=tuple(p.bf16_layers) if fp8 else (),
         site_margin=dict(p.site_margin or {}) if fp8 else {},
+        accumulation=p.accumulation if fp8 else "native",
+        accumulation_gemms=dict(p.accumulation_gemms or {}) if fp8 else None,
     )
