@@ -9,7 +9,10 @@ inputs and weights, E5M2 gradients) in each accumulation, the modes alternating 
 of ``--rounds`` rounds, so that a busy machine slows them alike; the table gives each median and
 its ratio to ``ieee``. ``hopper`` is the recipe's mix: ``fast`` for fprop, ``split`` for dgrad and
 wgrad; the last lines add up each mode's medians over the step's GEMMs (times ``n_layers`` for
-the blocks' linears).
+the blocks' linears), without the LM head, which the study's recipe keeps in BF16
+(``precision.bf16_layers: [lm_head]``), and with it. ``--step`` also times whole training steps
+(forward, backward, ``end_step``) of the reuse_rounded experiment under
+``precision.accumulation=ieee`` and ``=hopper``, alternating.
 """
 
 from __future__ import annotations
@@ -21,8 +24,10 @@ import time
 from collections.abc import Callable
 
 import torch
+from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
+from readback.backends import build_model
 from readback.config import CONF_DIR
 from readback.numerics import E4M3, E5M2, QTensor, fp8_mm
 
@@ -85,13 +90,34 @@ def measure(model: str, tokens: int, vocab: int, rounds: int, seed: int = 0) -> 
     return rows
 
 
-def step_totals(rows: list[dict], n_layers: int) -> dict[str, float]:
+def step_totals(rows: list[dict], n_layers: int, head: bool = False) -> dict[str, float]:
     """Each mode's milliseconds summed over a step's GEMMs, and ``hopper``'s (fast fprop, split
-    dgrad and wgrad)."""
-    count = {row["linear"]: 1 if row["linear"] == "lm_head" else n_layers for row in rows}
+    dgrad and wgrad); the LM head's only if ``head`` (an FP8 head)."""
+    count = {row["linear"]: int(head) if row["linear"] == "lm_head" else n_layers for row in rows}
     totals = {mode: sum(count[r["linear"]] * r[mode] for r in rows) for mode in MODES}
     totals["hopper"] = sum(count[r["linear"]] * r[HOPPER[r["gemm"]]] for r in rows)
     return totals
+
+
+def step_ms(model: str, micro_batch: int, vocab: int, rounds: int) -> dict[str, float]:
+    """Median milliseconds of a training step under ``precision.accumulation`` ``ieee`` and
+    ``hopper``, the two alternating."""
+    steps = {}
+    for mode in ("ieee", "hopper"):
+        overrides = [f"model={model}", "+experiment=reuse_rounded", f"model.vocab_size={vocab}"]
+        with initialize_config_dir(str(CONF_DIR), version_base="1.3"):
+            cfg = compose("train", overrides=[*overrides, f"precision.accumulation={mode}"])
+        torch.manual_seed(0)
+        fog = build_model(cfg)
+        x = torch.randint(0, vocab, (micro_batch, cfg.model.seq_len))
+
+        def step(fog=fog, x=x) -> None:
+            fog(x, x.roll(-1, 1)).backward()
+            fog.numerics.end_step()
+            fog.zero_grad(set_to_none=True)
+
+        steps[mode] = step
+    return interleaved_ms(steps, rounds)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -101,6 +127,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--vocab", type=int, default=2048, help="the tied head's rows (the Shakespeare tokenizer's)")
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--step", action="store_true", help="also time whole training steps, ieee against hopper")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     c = OmegaConf.load(CONF_DIR / "model" / f"{args.model}.yaml")
@@ -118,9 +145,19 @@ def main(argv: list[str] | None = None) -> None:
             f"  {r['linear'] + ' ' + r['gemm']:<15}{shape:>18}{r['ieee']:11.2f}{r['fast']:11.2f}{r['split']:11.2f}"
             f"{r['fast'] / r['ieee']:11.1f}{r['split'] / r['ieee']:11.1f}"
         )
-    totals = step_totals(rows, c.n_layers)
-    print("  a step's GEMMs: " + ", ".join(f"{mode} {ms:.0f} ms" for mode, ms in totals.items()))
-    print(f"  hopper / ieee over a step's GEMMs: {totals['hopper'] / totals['ieee']:.1f}")
+    for head in (False, True):
+        totals = step_totals(rows, c.n_layers, head)
+        print(
+            f"  a step's GEMMs ({'FP8' if head else 'BF16'} LM head): "
+            + ", ".join(f"{mode} {ms:.0f} ms" for mode, ms in totals.items())
+            + f"; hopper / ieee {totals['hopper'] / totals['ieee']:.1f}"
+        )
+    if args.step:
+        steps = step_ms(args.model, args.micro_batch, args.vocab, args.rounds)
+        print(
+            f"  training step (reuse_rounded): ieee {steps['ieee']:.0f} ms, hopper {steps['hopper']:.0f} ms; "
+            f"hopper / ieee {steps['hopper'] / steps['ieee']:.1f}"
+        )
 
 
 if __name__ == "__main__":

@@ -44,13 +44,16 @@ def test_a_steps_totals_count_the_blocks_linears_per_layer():
         dict(linear="qkv", gemm="wgrad", ieee=2.0, fast=30.0, split=40.0),
         dict(linear="lm_head", gemm="dgrad", ieee=5.0, fast=50.0, split=60.0),
     ]
-    totals = accumulation.step_totals(rows, n_layers=2)
+    totals = accumulation.step_totals(rows, n_layers=2, head=True)
     assert totals == {"ieee": 2 * 3.0 + 5.0, "fast": 2 * 40.0 + 50.0, "split": 2 * 60.0 + 60.0, "hopper": 2 * 50.0 + 60}
+    # the study's LM head is BF16: its GEMMs are not FP8 ones
+    assert accumulation.step_totals(rows, n_layers=2) == {"ieee": 6.0, "fast": 80.0, "split": 120.0, "hopper": 100.0}
 
 
 def test_it_measures_every_mode_of_a_small_model(capsys, monkeypatch):
     shapes = accumulation.gemm_shapes
     monkeypatch.setattr(accumulation, "gemm_shapes", lambda model, tokens, vocab: shapes(model, tokens, vocab)[:3])
-    accumulation.main(["--micro-batch", "1", "--rounds", "1"])
+    accumulation.main(["--micro-batch", "1", "--rounds", "1", "--step"])
     out = capsys.readouterr().out
     assert "qkv fprop" in out and "128x64x128" in out and "qkv wgrad" in out and "hopper / ieee" in out
+    assert "training step (reuse_rounded): ieee" in out
