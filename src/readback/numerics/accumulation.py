@@ -62,6 +62,8 @@ def accumulate(
         min_exponents = (min_exponent(a.dtype), min_exponent(b.dtype))
     batch = (va[..., :0, :0] + vb[..., :0, :0]).shape[:-2]  # the broadcast batch dimensions
     m, k, n = va.shape[-2], va.shape[-1], vb.shape[-1]
+    if 0 in (m, k, n, batch.numel()):  # no products: +0 (the kernel's result for K = 0)
+        return torch.zeros(*batch, m, n, device=va.device)
     x = va.expand(*batch, m, k).reshape(-1, m, k)
     y = vb.expand(*batch, k, n).reshape(-1, k, n).mT  # [g, n, k]: K last in both
     if mode == "fast":

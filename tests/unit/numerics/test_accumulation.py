@@ -162,6 +162,14 @@ def test_a_non_finite_input_gives_the_fp32_gemm_in_its_row_only():
     assert torch.equal(bits(acc[[0, 2, 3]]), bits(finite))
 
 
+@pytest.mark.parametrize("shapes", [((0, 32), (32, 5)), ((3, 0), (0, 4)), ((3, 32), (32, 0)), ((0, 2, 8), (8, 3))])
+def test_an_empty_product_is_plus_zero(shapes):
+    a, b = (torch.ones(shape).to(torch.float8_e4m3fn) for shape in shapes)
+    for mode in ("fast", "split"):
+        acc = accumulate(a, b, mode)
+        assert acc.shape == torch.matmul(a.float(), b.float()).shape and not bits(acc).any()
+
+
 def test_an_unknown_mode_is_refused():
     with pytest.raises(ValueError, match="unknown accumulation"):
         accumulate(torch.zeros(2, 2), torch.zeros(2, 2), "hopper")
