@@ -80,6 +80,7 @@ def build_numerics(cfg: Any) -> Numerics:
         seed=cfg.seed,
         bf16_sites=tuple(p.bf16_layers) if fp8 else (),
         site_margin=dict(p.site_margin or {}) if fp8 else {},
-        accumulation=p.accumulation if fp8 else "native",
-        accumulation_gemms=dict(p.accumulation_gemms or {}) if fp8 else None,
+        # a run saved before precision.accumulation existed (readback.bias loads its config) ran natively
+        accumulation=getattr(p, "accumulation", "native") if fp8 else "native",
+        accumulation_gemms=dict(getattr(p, "accumulation_gemms", None) or {}) if fp8 else None,
     )

@@ -6,6 +6,7 @@ import pickle
 
 import pytest
 import torch
+from omegaconf import OmegaConf
 
 import readback.numerics.gemm as gemm
 from readback.backends.precision import build_numerics
@@ -94,3 +95,10 @@ def test_validate_names_a_bad_accumulation(overrides, key):
     with pytest.raises(ConfigError) as error:
         validate(compose(*overrides))
     assert error.value.key == key
+
+
+def test_a_config_saved_before_the_key_existed_accumulates_natively():
+    saved = OmegaConf.to_container(compose(), resolve=True)
+    for key in ("accumulation", "accumulation_gemms"):
+        del saved["precision"][key]
+    assert build_numerics(OmegaConf.create(saved)).spec.accumulation == ("native",) * 3
