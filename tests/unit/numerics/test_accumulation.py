@@ -197,3 +197,23 @@ def test_fresh_random_operands_match_mmaemu(formats):
             y = epilogue(acc, scale_a, scale_b, torch.bfloat16)
             theirs = mmaemu_epilogue.apply(expected, scale_a, scale_b, out_dtype=torch.bfloat16)
             assert torch.equal(bits(y), bits(theirs))
+
+
+@pytest.mark.parametrize("mode, kernel", [("fast", True), ("split", False), ("ieee", None)])
+def test_where_the_fp8_kernel_runs_fast_is_its_fast_accumulation_and_ieee_does_not_call_it(mode, kernel, monkeypatch):
+    import readback.numerics.gemm as gemm
+
+    calls = []
+
+    def scaled_mm(a, b, scale_a, scale_b, out_dtype, use_fast_accum):
+        calls.append(use_fast_accum)
+        return torch.zeros(a.shape[0], b.shape[1], dtype=out_dtype)
+
+    monkeypatch.setattr(gemm, "use_scaled_mm", lambda a, b: True)
+    monkeypatch.setattr(torch, "_scaled_mm", scaled_mm)
+    a = QTensor(torch.ones(16, 32).to(torch.float8_e4m3fn), torch.tensor(1.0), E4M3)
+    b = QTensor(torch.ones(32, 16).to(torch.float8_e4m3fn), torch.tensor(1.0), E4M3)
+    y = fp8_mm(a, b, accumulation=mode)
+    assert calls == ([] if kernel is None else [kernel])
+    assert (y == (32.0 if kernel is None else 0.0)).all()  # ieee: the FP32 product of the decoded values
+    assert gemm.native_accumulation(a, b) == "split"
