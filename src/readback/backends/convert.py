@@ -53,6 +53,7 @@ def _recipe_defaults() -> dict[str, Any]:
         "override_linear_precision": list(d.override_linear_precision),
         "rounding": "nearest",
         "bf16_layers": [],
+        "accumulation": "native",
     }
 
 

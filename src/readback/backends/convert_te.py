@@ -38,6 +38,12 @@ def _precision_settings(numerics: Numerics) -> Fp8Precision | None:
     r = numerics.recipe
     if numerics.precision != "fp8" or r is None:  # FP8 Numerics always have a recipe
         return None
+    if set(numerics.spec.accumulation) != {"native"}:
+        raise ConfigError(
+            "precision.accumulation",
+            numerics.spec.accumulation,
+            "native with backend=te (Transformer Engine's GPU accumulates as it does)",
+        )
     delayed = r if isinstance(r, DelayedScaling) else DelayedScaling()
     return Fp8Precision(
         name="fp8",
@@ -50,6 +56,7 @@ def _precision_settings(numerics: Numerics) -> Fp8Precision | None:
         override_linear_precision=list(r.override_linear_precision),
         rounding=numerics.rounding,
         bf16_layers=[],
+        accumulation="native",
     )
 
 

@@ -15,9 +15,10 @@ from typing import Any
 from omegaconf import MISSING
 
 from readback.backends.te_recipe import RECIPES
+from readback.errors import ConfigError
 from readback.fields import Checked, integer, items, one_of
 from readback.numerics import AMAX_COMPUTE_ALGOS, ROUNDINGS, CurrentScaling, DelayedScaling, Format
-from readback.numerics.spec import ATTENTION_BWD, PRECISIONS
+from readback.numerics.spec import ACCUMULATIONS, ATTENTION_BWD, PRECISIONS, resolve_accumulation
 from readback.ops import Numerics, numerics_for
 from readback.policy import POLICIES
 
@@ -38,10 +39,20 @@ class Fp8Precision(Precision):
     amax_compute_algo: str = one_of(AMAX_COMPUTE_ALGOS)
     override_linear_precision: list[bool] = items("three booleans [fprop, dgrad, wgrad]", lambda v: len(v) == 3)
     rounding: str = one_of(ROUNDINGS)
-    bf16_layers: list[str] = MISSING  # checked against the model's layers in Config.check
-    site_margin: Any = (
-        None  # {site pattern: k} (untyped: Hydra replaces the whole mapping); checked in config.cross_group
-    )
+    bf16_layers: list[str] = MISSING  # checked against the model's layers in config.cross_group
+    site_margin: Any = None  # {site pattern: k} (untyped: Hydra replaces the whole mapping); see bf16_layers
+    accumulation: str = one_of(ACCUMULATIONS)
+    accumulation_gemms: Any = None  # {fprop | dgrad | wgrad: fast | split | ieee}, over accumulation's
+
+    def check(self) -> None:
+        try:
+            resolve_accumulation(self.accumulation, dict(self.accumulation_gemms or {}))
+        except (ValueError, TypeError):
+            raise ConfigError(
+                self.key("accumulation_gemms"),
+                self.accumulation_gemms,
+                "null or a mapping {fprop | dgrad | wgrad: fast | split | ieee}, e.g. {dgrad: fast}",
+            ) from None
 
 
 @dataclass
@@ -96,4 +107,6 @@ def build_numerics(precision: Precision, policy: Policy, attention: Attention, s
         seed=seed,
         bf16_sites=tuple(p.bf16_layers),
         site_margin=dict(p.site_margin or {}),
+        accumulation=p.accumulation,
+        accumulation_gemms=dict(p.accumulation_gemms or {}),
     )

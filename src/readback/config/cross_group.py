@@ -53,6 +53,12 @@ def _check_fp8(cfg: Config, p: Fp8Precision) -> None:
             [r for r in RECIPES if r not in TE_ONLY_RECIPES] + ["mxfp8 with backend=te"],
         )
     _check_site_margin(cfg, p)
+    require(
+        cfg.backend.name == "emulated" or (p.accumulation == "native" and not p.accumulation_gemms),
+        "precision.accumulation",
+        p.accumulation,
+        "native with backend=te (Transformer Engine's GPU accumulates as it does)",
+    )
     owners = rounding_owners(m.n_layers)
     for entry in p.bf16_layers:
         matches = any(o.startswith(entry) or entry.startswith(o + ".") for o in owners)

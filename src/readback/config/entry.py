@@ -73,13 +73,19 @@ def typed(cfg: DictConfig) -> Config:
 
 
 def from_saved(saved: Mapping[str, Any]) -> Config:
-    """The typed config a run saved (``plain_config``, in its checkpoints), checked again."""
-    node = OmegaConf.structured(Config)
-    for group, options in OPTION_SCHEMAS.items():
-        schema = options.get(str(saved.get(group, {}).get("name")))
-        if schema is not None:
-            node[group] = OmegaConf.structured(schema)
-    return typed(cast(DictConfig, OmegaConf.merge(node, saved)))
+    """The typed config a run saved (``plain_config``, in its checkpoints), checked again. It is
+    laid over today's defaults of the options it names, so a key added since the run was saved
+    takes its default (the behaviour the run had)."""
+    from hydra import compose, initialize_config_dir
+
+    options = [
+        f"{group}={saved[group]['name']}"
+        for group in OPTION_SCHEMAS
+        if (CONF_DIR / group / f"{saved.get(group, {}).get('name')}.yaml").is_file()
+    ]
+    with initialize_config_dir(str(CONF_DIR), version_base="1.3"):
+        defaults = compose("train", overrides=options)
+    return typed(cast(DictConfig, OmegaConf.merge(defaults, saved)))
 
 
 def check_machine(config: Config) -> None:

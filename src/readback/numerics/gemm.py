@@ -4,7 +4,9 @@ The semantics are those of the real kernel (``torch._scaled_mm``, cuBLASLt, Tran
 the FP8 codes' values are multiplied and accumulated in FP32 (each product of two FP8 values is
 exact in FP32), the accumulator is multiplied by both inverse scales in FP32, and the result is
 rounded once, to BF16. On FP8 GPUs ``torch._scaled_mm`` runs it as a real FP8 GEMM; on the CPU
-the emulation is an FP32 GEMM of the decoded codes (``_scaled_mm`` runs there too, only slower).
+the emulation is an FP32 GEMM of the decoded codes (``_scaled_mm`` runs there too, only slower),
+or, with ``accumulation`` ``fast`` or ``split``, Hopper's tensor-core accumulation bit for bit
+(``readback.numerics.accumulation``).
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ import functools
 
 import torch
 
+from readback.numerics.accumulation import MODES, accumulate, epilogue
 from readback.numerics.rounding import QTensor, decode
 
 
@@ -33,24 +36,34 @@ def use_scaled_mm(a: QTensor, b: QTensor) -> bool:
     return not both_e5m2 and all(n % 16 == 0 for n in (*a.data.shape, *b.data.shape))
 
 
-def fp8_mm(a: QTensor, b: QTensor) -> torch.Tensor:
+def fp8_mm(a: QTensor, b: QTensor, accumulation: str = "ieee") -> torch.Tensor:
     """``a @ b`` of two quantized tensors in real units, rounded once to BF16, returned in FP32.
 
     Batched operands (``..., m, k``) are allowed. BF16 operands (the no-FP8 baseline and BF16
     sites) take torch's BF16 GEMM, which accumulates in FP32 and rounds once; BF16 is never
-    scaled, so nothing is applied afterwards.
+    scaled, so nothing is applied afterwards. ``accumulation`` (``accumulation.MODES``) says how
+    FP8 products are added: ``ieee`` in FP32 (on CUDA too: an FP32 GEMM of the decoded values),
+    ``fast`` or ``split`` as Hopper's tensor cores do (the real kernel where it runs, with
+    ``use_fast_accum`` for ``fast``).
     """
-    if use_scaled_mm(a, b):
+    if accumulation not in MODES:
+        raise ValueError(f"unknown accumulation {accumulation!r}; valid: {MODES}")
+    if accumulation != "ieee" and use_scaled_mm(a, b):
         out = torch._scaled_mm(
             a.data.contiguous(),
             b.data.t().contiguous().t(),  # column-major, as the kernel requires
             scale_a=a.scale_inv,
             scale_b=b.scale_inv,
             out_dtype=torch.bfloat16,
+            use_fast_accum=accumulation == "fast",
         )
         return out.float()
     if a.data.dtype == b.data.dtype == torch.bfloat16:  # unscaled (round_bf16): no scale to apply
         return torch.matmul(a.data, b.data).float()
+    clamps = _min_exponents(a, b)
+    if accumulation != "ieee" and clamps is not None:
+        acc = accumulate(a.data, b.data, accumulation, clamps)
+        return epilogue(acc, a.scale_inv, b.scale_inv, torch.bfloat16).float()
     scale = a.scale_inv * b.scale_inv
     if a.data.dim() == 2 or a.data.shape[:-2] != b.data.shape[:-2]:
         return _decoded_product(a.data, b.data, scale)
@@ -71,8 +84,22 @@ DECODED_BLOCK = 1 << 20  # FP32 elements (4 MiB) of decoded operands per block o
 
 def _decoded_product(a: torch.Tensor, b: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     """FP32 GEMM of the codes' values (exact products, FP32 sums), scaled, rounded once to BF16."""
-    accumulator = torch.matmul(decode(a, torch.float32), decode(b, torch.float32))
-    return accumulator.mul_(scale).to(torch.bfloat16).float()
+    return accumulate(a, b, "ieee").mul_(scale).to(torch.bfloat16).float()
+
+
+def _min_exponents(a: QTensor, b: QTensor) -> tuple[int, int] | None:
+    """The exponent clamps of two operands of FP8 values (codes, or decoded by ``decoded``);
+    None if either is not FP8 (BF16, or not rounded)."""
+    fp8 = (torch.float8_e4m3fn, torch.float8_e5m2)
+    if a.fmt is None or b.fmt is None or a.fmt.dtype not in fp8 or b.fmt.dtype not in fp8:
+        return None
+    return a.fmt.min_exponent, b.fmt.min_exponent
+
+
+def native_accumulation(a: QTensor, b: QTensor) -> str:
+    """What the device computes when nothing is asked: ``split`` (``torch._scaled_mm``'s default)
+    where the FP8 kernel runs, else ``ieee``."""
+    return "split" if use_scaled_mm(a, b) else "ieee"
 
 
 def decoded(q: QTensor) -> QTensor:
@@ -89,17 +116,20 @@ GEMM_PRECISIONS = ("fp8", "bf16", "fp32", "fp64")
 _DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32, "fp64": torch.float64}
 
 
-def matmul(a: QTensor | torch.Tensor, b: QTensor | torch.Tensor, precision: str) -> torch.Tensor:
+def matmul(
+    a: QTensor | torch.Tensor, b: QTensor | torch.Tensor, precision: str, accumulation: str = "native"
+) -> torch.Tensor:
     """``a @ b`` in one of ``GEMM_PRECISIONS``; the result is FP32.
 
-    ``fp8`` multiplies quantized operands (``QTensor``; FP8, or BF16 in the no-FP8 baseline);
+    ``fp8`` multiplies quantized operands (``QTensor``; FP8, or BF16 in the no-FP8 baseline),
+    accumulating as ``accumulation`` says (``fp8_mm``; ``native``: ``native_accumulation``);
     the others multiply the operands' real values in that dtype (``fp64``: rounding switched off,
     for gradcheck and the FP64 reference). The result is FP32, or FP64 for ``fp64``.
     """
     if precision == "fp8":
         if not (isinstance(a, QTensor) and isinstance(b, QTensor)):
             raise TypeError("matmul(precision='fp8') multiplies QTensors")
-        return fp8_mm(a, b)
+        return fp8_mm(a, b, native_accumulation(a, b) if accumulation == "native" else accumulation)
     dtype = _DTYPES[precision]
     values = [t.dequantize(dtype) if isinstance(t, QTensor) else t.to(dtype) for t in (a, b)]
     return torch.matmul(*values).to(torch.promote_types(dtype, torch.float32))

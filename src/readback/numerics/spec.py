@@ -12,6 +12,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from types import MappingProxyType
 
+from readback.numerics.accumulation import MODES as ACCUMULATION_MODES
 from readback.numerics.gemm import GEMM_PRECISIONS
 from readback.numerics.rounding import ROUNDINGS
 from readback.numerics.scaling import CurrentScaling, DelayedScaling
@@ -19,6 +20,13 @@ from readback.numerics.scaling import CurrentScaling, DelayedScaling
 PRECISIONS = ("fp8", "bf16", "off")
 ATTENTION_BWD = GEMM_PRECISIONS[:3]  # what a run may choose: fp8, bf16, fp32 (fp64 is the "off" spec's)
 GEMMS = ("fprop", "dgrad", "wgrad")
+# precision.accumulation: each device's own (native), IEEE FP32 everywhere, or Hopper's recipe,
+# which Transformer Engine and torch._scaled_mm's defaults give: fast fprop, split dgrad and wgrad.
+ACCUMULATIONS = {
+    "native": ("native",) * 3,
+    "ieee": ("ieee",) * 3,
+    "hopper": ("fast", "split", "split"),
+}
 
 Reads = Mapping[str, Mapping[str, str]]  # op -> gradient -> read mode
 
@@ -27,6 +35,20 @@ def in_bf16_layers(name: str, bf16_layers: tuple[str, ...] | list[str]) -> bool:
     """The one rule of ``precision.bf16_layers``: a site or module is kept in BF16 when its name
     starts with one of the listed prefixes (``lm_head``, ``layers.0.mlp``, ...)."""
     return name.startswith(tuple(bf16_layers))
+
+
+def resolve_accumulation(name: str, gemms: Mapping[str, str] | None = None) -> tuple[str, str, str]:
+    """``(fprop, dgrad, wgrad)`` accumulations of ``precision.accumulation`` with its per-GEMM
+    overrides (``{gemm: fast | split | ieee}``)."""
+    if name not in ACCUMULATIONS:
+        raise ValueError(f"accumulation={name!r}; valid: {list(ACCUMULATIONS)}")
+    resolved = dict(zip(GEMMS, ACCUMULATIONS[name]))
+    for gemm, mode in (gemms or {}).items():
+        if gemm not in GEMMS or mode not in ACCUMULATION_MODES:
+            raise ValueError(f"accumulation of {gemm!r}: {mode!r}; valid: {{{', '.join(GEMMS)}}}: {ACCUMULATION_MODES}")
+        resolved[gemm] = mode
+    fprop, dgrad, wgrad = (resolved[g] for g in GEMMS)
+    return fprop, dgrad, wgrad
 
 
 def frozen_reads(reads: Mapping[str, Mapping[str, str]]) -> Reads:
@@ -43,7 +65,9 @@ class NumericsSpec:
     choice runs in BF16, an ``off`` run's in FP64). ``rounding``: the forward's roundings
     (``nearest`` or ``stochastic``; always ``nearest`` without FP8). ``bf16_sites``: name prefixes of sites kept in BF16
     under FP8 (the study's LM head). ``site_margin``: ``((site pattern, k), ...)``, an extra margin
-    at the FP8 sites a pattern matches, dividing their scale by ``2**k`` wherever it is used."""
+    at the FP8 sites a pattern matches, dividing their scale by ``2**k`` wherever it is used.
+    ``accumulation``: how the FP8 GEMMs of a linear's ``(fprop, dgrad, wgrad)`` add their products
+    (``resolve_accumulation``; ``native`` is each device's own, resolved by ``gemm.matmul``)."""
 
     precision: str
     recipe: DelayedScaling | CurrentScaling | None
@@ -53,6 +77,7 @@ class NumericsSpec:
     rounding: str = "nearest"
     bf16_sites: tuple[str, ...] = ()
     site_margin: tuple[tuple[str, int], ...] = field(default=())
+    accumulation: tuple[str, str, str] = ("native", "native", "native")
 
     def __post_init__(self) -> None:
         if self.precision not in PRECISIONS:
@@ -65,6 +90,10 @@ class NumericsSpec:
         ):
             if value not in valid:
                 raise ValueError(f"{key}={value!r}; valid: {list(valid)}")
+        if len(self.accumulation) != 3 or not set(self.accumulation) <= {"native", *ACCUMULATION_MODES}:
+            valid = ("native", *ACCUMULATION_MODES)
+            raise ValueError(f"accumulation={self.accumulation!r}: (fprop, dgrad, wgrad), each one of {valid}")
+        object.__setattr__(self, "accumulation", tuple(self.accumulation))
         object.__setattr__(self, "reads", frozen_reads(self.reads))
         object.__setattr__(self, "bf16_sites", tuple(self.bf16_sites))
         object.__setattr__(self, "site_margin", tuple((str(p), int(k)) for p, k in self.site_margin))
@@ -83,6 +112,7 @@ class NumericsSpec:
             self.rounding,
             self.bf16_sites,
             self.site_margin,
+            self.accumulation,
         )
 
     def read(self, op: str, gradient: str) -> str:
@@ -95,6 +125,10 @@ class NumericsSpec:
             return "fp64"
         overrides = self.recipe.override_linear_precision if self.recipe is not None else (False,) * 3
         return "fp32" if self.precision == "fp8" and overrides[GEMMS.index(gemm)] else "fp8"
+
+    def linear_accumulation(self, gemm: str) -> str:
+        """How a linear's ``fprop``, ``dgrad`` or ``wgrad`` FP8 GEMM accumulates (``gemm.matmul``)."""
+        return self.accumulation[GEMMS.index(gemm)]
 
     def is_bf16_site(self, name: str) -> bool:
         """Whether site ``name`` rounds to BF16 (the one rule: a BF16 run, or a ``bf16_sites`` prefix)."""

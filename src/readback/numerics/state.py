@@ -70,6 +70,10 @@ class Numerics:
         """GEMM precision of a linear's ``fprop``, ``dgrad`` or ``wgrad``."""
         return self._spec.linear_precision(gemm)
 
+    def linear_accumulation(self, gemm: str) -> str:
+        """How a linear's ``fprop``, ``dgrad`` or ``wgrad`` FP8 GEMM accumulates."""
+        return self._spec.linear_accumulation(gemm)
+
     @contextlib.contextmanager
     def using(self, spec: NumericsSpec) -> Iterator[None]:
         """Run the block under ``spec`` (a bias-meter variant's backward); the run's own spec after."""

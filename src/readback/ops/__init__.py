@@ -9,7 +9,7 @@ from typing import Any
 
 from readback.numerics import CurrentScaling, DelayedScaling
 from readback.numerics.site import Site
-from readback.numerics.spec import ATTENTION_BWD, PRECISIONS, NumericsSpec
+from readback.numerics.spec import ATTENTION_BWD, PRECISIONS, NumericsSpec, resolve_accumulation
 from readback.numerics.state import Numerics
 from readback.ops import activation, attention, linear, norm
 from readback.policy import POLICIES
@@ -31,10 +31,13 @@ def numerics_spec(
     rounding: str = "nearest",
     bf16_sites: tuple[str, ...] = (),
     site_margin: dict[str, int] | None = None,
+    accumulation: str = "native",
+    accumulation_gemms: dict[str, str] | None = None,
 ) -> NumericsSpec:
     """The spec of a run: ``policy``'s reads resolved from the ops' tables, the choices made
     concrete (an FP8 run without a recipe gets ``DelayedScaling()``; a BF16 run's FP8 attention
-    backward runs in BF16, an ``off`` run's in FP64; only FP8 rounds stochastically)."""
+    backward runs in BF16, an ``off`` run's in FP64; only FP8 rounds stochastically; the linears'
+    accumulation, ``spec.resolve_accumulation``, applies to FP8 GEMMs only)."""
     for key, value, valid in (
         ("precision", precision, PRECISIONS),
         ("policy", policy, POLICIES),
@@ -55,6 +58,7 @@ def numerics_spec(
         rounding=rounding if precision == "fp8" else "nearest",
         bf16_sites=bf16_sites,
         site_margin=tuple((site_margin or {}).items()),
+        accumulation=resolve_accumulation(accumulation, accumulation_gemms),
     )
 
 

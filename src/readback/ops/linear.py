@@ -1,7 +1,7 @@
 """FP8 linear ``y = x W^T``: input and weight rounded (E4M3), output gradient rounded (E5M2).
 
 A GEMM named in the recipe's ``override_linear_precision`` (fprop, dgrad, wgrad) runs in FP32
-on the operands below instead.
+on the operands below instead; an FP8 GEMM accumulates as the spec's ``accumulation`` says.
 """
 
 from __future__ import annotations
@@ -46,7 +46,7 @@ class _Linear(torch.autograd.Function):
             else (numerics.site(f"{name}.input").quantize(_rows(x), rounding))
         )
         wq = numerics.site(f"{name}.weight").quantize(weight, rounding)
-        y = matmul(xq, wq.mT, numerics.linear_precision("fprop"))
+        y = matmul(xq, wq.mT, numerics.linear_precision("fprop"), numerics.linear_accumulation("fprop"))
         numerics.record(name, input=xq, weight=wq, output=y)
 
         # An input (or its rounded copy, passed in) is saved in its own shape, not as a 2-D view:
@@ -72,11 +72,14 @@ class _Linear(torch.autograd.Function):
         dyq = decoded(dyq) if dyq is not None and dgrad == wgrad == "fp8" else dyq  # two GEMMs read it
         dx = dw = None
         if fctx.needs_input_grad[0]:
-            dx = matmul(dy if dyq is None or dgrad != "fp8" else dyq, saved["w_for_dgrad"], dgrad).reshape(fctx.x_shape)
+            dy_operand = dy if dyq is None or dgrad != "fp8" else dyq
+            dx = matmul(dy_operand, saved["w_for_dgrad"], dgrad, numerics.linear_accumulation("dgrad"))
+            dx = dx.reshape(fctx.x_shape)
         if fctx.needs_input_grad[1]:
             x = saved["x_for_wgrad"]
             x = x.map(_rows) if isinstance(x, QTensor) else _rows(x)
-            dw = matmul((dy if dyq is None or wgrad != "fp8" else dyq).mT, x, wgrad)
+            dy_operand = dy if dyq is None or wgrad != "fp8" else dyq
+            dw = matmul(dy_operand.mT, x, wgrad, numerics.linear_accumulation("wgrad"))
         return dx, dw, None, None, None, None, None
 
 
