@@ -46,7 +46,8 @@ def dry_run(
         print(f"{experiment}: {n_params:,} parameters, {fpt:.4g} FLOPs per token (dry run, no weights allocated)")
         print(table(list(estimates.values())))
     te_plan = None
-    if cfg.backend.name == "te":  # printed before the memory check: a job that does not fit is planned too
+    # The plan is printed before the memory check: a job that does not fit is planned too.
+    if hasattr(cfg, "backend") and cfg.backend.name == "te":
         from readback.backends.te_dry_run import dry_run_plan
 
         lines, te_plan = dry_run_plan(cfg)
