@@ -16,6 +16,8 @@ from typing import Any, Protocol, cast, runtime_checkable
 import torch
 from omegaconf import OmegaConf
 
+from readback.progress import shown
+
 
 @runtime_checkable
 class RunNumerics(Protocol):
@@ -86,15 +88,17 @@ class Builders:
     data: Callable[..., DataStream] = _default_data
 
     def stream(self, cfg: Any, *, rank: int, world_size: int) -> DataStream:
-        """This rank's data stream (``with_vocabulary`` gives a config its vocabulary)."""
-        return self.data(
-            cfg.data,
-            seq_len=cfg.model.seq_len,
-            micro_batch=cfg.trainer.micro_batch,
-            seed=cfg.seed,
-            rank=rank,
-            world_size=world_size,
-        )
+        """This rank's data stream (``with_vocabulary`` gives a config its vocabulary); what it
+        tokenises shows progress unless ``trainer.progress=false``."""
+        with shown(bool(getattr(cfg.trainer, "progress", True))):
+            return self.data(
+                cfg.data,
+                seq_len=cfg.model.seq_len,
+                micro_batch=cfg.trainer.micro_batch,
+                seed=cfg.seed,
+                rank=rank,
+                world_size=world_size,
+            )
 
 
 def with_vocabulary(cfg: Any, stream: DataStream) -> Any:
