@@ -3,7 +3,7 @@
 # activations), so every run shards it with FSDP2 over several nodes: by default 4 nodes x 8 GPUs
 # = 32 ranks a job (NODES=... to change). Check the per-GPU memory first:
 #
-#   WORLD_SIZE=32 python train.py model=fog_8b backend=te trainer.parallel=fsdp trainer.dry_run=true
+#   WORLD_SIZE=32 python train.py model=fog_8b backend=te trainer.parallel=fsdp trainer.micro_batch=1 trainer.dry_run=true
 #   sweeps/fog8b.sh [OVERRIDES...]        e.g. hydra.launcher.partition=gpu hydra.launcher.account=abc
 #
 # Runs land in multirun/fog8b/<experiment>/<overrides>/; requeued jobs resume from their newest

@@ -1,5 +1,5 @@
 """``train.py`` with ``model=hf``: a converted transformers model trains and is probed, and an
-unknown architecture is refused in one line (exit 2)."""
+unknown architecture is refused in one line (exit 2); a converted GPT-2 (Conv1D linears) trains."""
 
 import os
 import subprocess
@@ -51,3 +51,34 @@ def test_model_hf_with_an_unknown_architecture_is_one_line_exit_2(tmp_path):
     )
     assert proc.returncode == 2 and not (tmp_path / "run").exists()
     assert proc.stderr.strip().splitlines()[-1] == "error: model.architecture='gpt9' is not valid; valid: llama"
+
+
+def test_a_converted_gpt2_trains_its_conv1d_linears_in_fp8():
+    """GPT-2's linears are transformers' Conv1D: converted, a few steps of AdamW on one batch lower
+    the loss, and every Conv1D weight moves (its gradient reached the Parameter)."""
+    transformers = pytest.importorskip("transformers", reason="transformers not installed (extra hf)")
+    import torch
+
+    import readback
+
+    torch.manual_seed(0)
+    config = transformers.GPT2Config(
+        n_layer=2, n_embd=64, n_head=4, vocab_size=128, n_positions=32, attn_implementation="sdpa", use_cache=False
+    )
+    model = transformers.GPT2LMHeadModel(config)
+    report = readback.convert(model, precision={"recipe": "delayed", "amax_history_len": 16}, policy="reuse_rounded")
+    conv1d = [n for n, what in report.swapped.items() if what.startswith("Conv1D -> readback.ops.linear")]
+    assert len(conv1d) == 8
+    before = {n: model.get_submodule(n).weight.detach().clone() for n in conv1d}
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    ids = torch.randint(0, 128, (4, 32), generator=torch.Generator().manual_seed(1))
+    losses = []
+    for _ in range(12):
+        loss = model(input_ids=ids, labels=ids).loss
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        model.numerics.end_step()
+        losses.append(loss.item())
+    assert all(torch.isfinite(torch.tensor(losses))) and losses[-1] < 0.9 * losses[0], losses
+    assert all(not torch.equal(model.get_submodule(n).weight, before[n]) for n in conv1d)

@@ -3,11 +3,12 @@
 As Accelerate's FP8 support and torchao's ``convert_to_float8_training`` do, the converter walks
 the model and swaps modules in place, keeping their Parameters: ``nn.Linear`` for readback's FP8
 linear (FOG's ``Linear``, made by a subclass of FOG's ``Parts``, so a converted model and FOG
-multiply through one module), ``nn.LayerNorm`` and RMSNorm modules (``torch.nn.RMSNorm``, and
-classes named ``*RMSNorm`` whose output is ``weight * x / rms(x)``) for readback's norm ops
-(``readback.backends.converted``). A norm's rounded output
-is handed to the converted linears that consume it (``x_q``), as readback's norm does; so is the
-attention core's O8 to the output projection: inside a module that calls
+multiply through one module), transformers' ``Conv1D`` (GPT-2) for the same op on its weight's
+transposed view (left under ``backend="te"``: ``TE_CONV1D``), ``nn.LayerNorm`` and RMSNorm
+modules (``torch.nn.RMSNorm``, and classes named ``*RMSNorm`` whose output is
+``weight * x / rms(x)``) for readback's norm ops (``readback.backends.converted``). A norm's
+rounded output is handed to the converted linears that consume it (``x_q``), as readback's norm
+does; so is the attention core's O8 to the output projection: inside a module that calls
 ``torch.nn.functional.scaled_dot_product_attention`` (HF's ``*Attention`` with
 ``attn_implementation="sdpa"``), causal, mask-free calls run readback's attention op, so the
 D-term policies apply. ``backend="te"`` swaps in Transformer Engine's modules instead (CUDA).
@@ -19,6 +20,7 @@ import dataclasses
 import fnmatch
 import functools
 import inspect
+import sys
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, cast
@@ -37,6 +39,9 @@ from readback.ops import Numerics, numerics_for
 from readback.policy import POLICIES
 
 FP8_ALIGNMENT = 16
+# transformers' Conv1D keeps its weight as (in, out); te.Linear holds (out, in) and would need a
+# transposed copy of it: a new Parameter and another state_dict layout.
+TE_CONV1D = "Conv1D's weight is (in, out): te.Linear would need a transposed copy of it (not the same Parameter)"
 
 
 def _recipe_defaults() -> dict[str, Any]:
@@ -153,6 +158,9 @@ def _matches(name: str, patterns: Iterable[str]) -> str | None:
 def _kind(module: nn.Module) -> str | None:
     if isinstance(module, nn.Linear):
         return "linear"
+    conv1d = getattr(sys.modules.get("transformers.pytorch_utils"), "Conv1D", None)  # imported if used
+    if conv1d is not None and isinstance(module, conv1d):
+        return "conv1d"
     if isinstance(module, nn.LayerNorm):
         return "layer_norm"
     if isinstance(module, nn.RMSNorm) or type(module).__name__.endswith("RMSNorm"):
@@ -163,8 +171,8 @@ def _kind(module: nn.Module) -> str | None:
 def _why_left(module: Any, kind: str | None) -> str | None:
     if kind is None:
         return f"unknown type {type(module).__name__}"
-    if kind == "linear":
-        shape = (module.out_features, module.in_features)
+    if kind in ("linear", "conv1d"):
+        shape = (module.out_features, module.in_features) if kind == "linear" else tuple(module.weight.shape[::-1])
         if any(n % FP8_ALIGNMENT for n in shape):
             return f"shape {shape} not a multiple of {FP8_ALIGNMENT}"
         return None
@@ -223,6 +231,8 @@ def convert(
             continue  # containers and parameter-free leaves are not reported
         pattern = _matches(name, filter)
         why = f"filtered ({pattern})" if pattern else (None if kind == "attention" else _why_left(module, kind))
+        if why is None and kind == "conv1d" and backend == "te":
+            why = TE_CONV1D
         if why is not None:
             report.left[name] = why
         elif kind == "attention":
@@ -234,6 +244,9 @@ def convert(
     for name, module, kind in swaps:
         if kind == "linear":
             new = parts.linear_from(module, name)
+        elif kind == "conv1d":
+            assert isinstance(parts, ConvertParts)  # left under backend="te"
+            new = parts.conv1d_from(module, name)
         else:
             new = parts.norm_from(module, name, center=kind == "layer_norm")
         parent_name, _, child = name.rpartition(".")

@@ -1,5 +1,6 @@
-"""The modules ``readback.convert`` swaps in: FOG's linear on an existing weight, readback's
-norms on existing parameters, and the router that runs a module's SDPA calls as readback's
+"""The modules ``readback.convert`` swaps in: FOG's linear on an existing weight (an
+``nn.Linear``'s, or transformers' ``Conv1D``'s read transposed), readback's norms on existing
+parameters, and the router that runs a module's SDPA calls as readback's
 attention op. Producer and consumer share rounded copies through a ``Handoff``."""
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import torch.nn as nn
 from readback.model.fog import Linear, Parts
 from readback.numerics.state import Numerics
 from readback.ops.attention import attention
+from readback.ops.linear import linear
 from readback.ops.norm import layer_norm, rms_norm
 
 _SDPA = torch.nn.functional.scaled_dot_product_attention
@@ -75,6 +77,26 @@ class ConvertedLinear(Linear):
         return y if self.bias is None else y + self.bias
 
 
+class ConvertedConv1D(nn.Module):
+    """transformers' ``Conv1D`` (GPT-2's linears: ``y = x @ W + b`` with ``W`` of shape
+    ``(in, out)``) as readback's FP8 linear op on the view ``W.mT``: the same Parameters, so the
+    same shapes and ``state_dict`` keys (``weight``, ``bias``); the weight's gradient comes back
+    through the view in ``W``'s own layout."""
+
+    def __init__(self, module: nn.Module, name: str, numerics: Numerics, handoff: Handoff):
+        super().__init__()
+        self.weight = cast(nn.Parameter, module.weight)
+        self.bias = cast(nn.Parameter | None, getattr(module, "bias", None))
+        self.nf = self.weight.shape[1]  # Conv1D's name for the output width
+        self.name, self.numerics, self.handoff = name, numerics, handoff
+
+    def forward(self, x, x_q=None):
+        if x_q is None:
+            x_q = self.handoff.take(x, self.name)
+        y = linear(x, self.weight.mT, self.numerics, self.name, x_q).to(x.dtype)
+        return y if self.bias is None else y + self.bias
+
+
 class ConvertedNorm(nn.Module):
     """readback's RMSNorm or LayerNorm (``center``) on the Parameters of ``module``; its output's
     rounded copy is handed to the linears that consume it."""
@@ -111,9 +133,13 @@ class ConvertParts(Parts):
     def norm_from(self, module: nn.Module, name: str, center: bool) -> nn.Module:
         return ConvertedNorm(module, name, self.numerics, center, self.handoff)
 
+    def conv1d_from(self, module: nn.Module, name: str) -> nn.Module:
+        return ConvertedConv1D(module, name, self.numerics, self.handoff)
+
     def describe(self, kind: str) -> str:
         return {
             "linear": "readback.ops.linear",
+            "conv1d": "readback.ops.linear (on the transposed view of its (in, out) weight)",
             "layer_norm": "readback.ops.norm.layer_norm",
             "rms_norm": "readback.ops.norm.rms_norm",
         }[kind]

@@ -44,6 +44,14 @@ class Hardware:
         return sm + (f", cuDNN {'.'.join(map(str, self.cudnn))}" if self.cudnn else "")
 
 
+# What a plan assumes where it cannot look (a dry run on a machine without Transformer Engine or
+# its GPU, planning a cluster job): the release the facts here were read from, and a Hopper GPU
+# (H100, H200) with a cuDNN above every cuDNN bound below (>= 9.2.1, not 9.10.0, >= 9.7).
+PLANNING_TE = "2.8.0"
+PLANNING_GPU = Hardware((9, 0), (9, 13, 0))
+PLANNING_GPU_NAME = "sm90 (H100, H200)"
+
+
 def installed_te_version() -> str | None:
     """The installed Transformer Engine's version, read from package metadata (no import)."""
     module = sys.modules.get("transformer_engine")

@@ -9,13 +9,13 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from readback.backends.settings import ModelSettings
-from readback.backends.te_facts import Hardware
+from readback.backends.te_facts import PLANNING_GPU, PLANNING_GPU_NAME, PLANNING_TE, Hardware
 from readback.backends.te_plan import PINNED_BACKEND, te_plan
 from readback.errors import ConfigError
 
 START, END = "<!-- te-plan-table:start -->", "<!-- te-plan-table:end -->"
-TE_VERSION = "2.8.0"
-GPUS = {"sm90 (H100, H200)": Hardware((9, 0), (9, 13, 0)), "sm100 (B200)": Hardware((10, 0), (9, 14, 0))}
+TE_VERSION = PLANNING_TE
+GPUS = {PLANNING_GPU_NAME: PLANNING_GPU, "sm100 (B200)": Hardware((10, 0), (9, 14, 0))}
 MODEL = ("model=fog_390m",)  # head dim 128, sequence 4096
 # (row label, config overrides)
 ROWS = [

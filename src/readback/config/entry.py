@@ -90,12 +90,13 @@ def from_saved(saved: Mapping[str, Any]) -> Config:
 
 def check_machine(config: Config) -> None:
     """What this machine must have: CUDA for ``trainer.device=cuda``; what ``backend=te`` needs
-    (the backend's own check); readable text in ``data.files``."""
+    (the backend's own check; a dry run prints the plan for an assumed TE and GPU instead,
+    ``readback.train.dry_run``); readable text in ``data.files``."""
     import torch
 
     if config.trainer.device == "cuda" and not torch.cuda.is_available():
         raise ConfigError("trainer.device", "cuda", "auto, cpu (no CUDA device is available)")
-    if config.backend.name == "te":
+    if config.backend.name == "te" and not config.trainer.dry_run:  # a dry run plans for any machine
         from readback.backends import check_available
 
         check_available(config)

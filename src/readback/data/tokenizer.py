@@ -25,6 +25,7 @@ import numpy as np
 from readback.data import corpus
 from readback.data.cache import atomic_write, build_lock, cache_root, digest
 from readback.data.settings import ShakespeareData
+from readback.progress import progress as progress_of
 
 EOS = "<|endoftext|>"
 FORMAT = "readback-text-v1"  # bump when tokenisation or the cache layout changes
@@ -53,14 +54,13 @@ def encode_blocks(
     tok: Any, texts: list[str], *, progress: bool = True, chunk: int = 256
 ) -> tuple[np.ndarray, np.ndarray]:
     """All ``texts`` encoded back to back, and ``offsets`` so text i is ``ids[offsets[i]:offsets[i+1]]``."""
-    from tqdm.auto import tqdm  # imported here: a run on synthetic data (the GPU check's) needs no tqdm
-
     BUILDS["tokens"] += 1
     pieces: list[np.ndarray] = []
-    with tqdm(total=len(texts), desc="tokenising", unit="block", disable=not progress) as bar:
-        for i in range(0, len(texts), chunk):
-            pieces.extend(np.asarray(e.ids, dtype=np.int64) for e in tok.encode_batch(texts[i : i + chunk]))
-            bar.update(min(chunk, len(texts) - i))
+    bar = progress_of(len(texts), desc="tokenising", unit="block", enabled=progress)  # plain lines in a log file
+    for i in range(0, len(texts), chunk):
+        pieces.extend(np.asarray(e.ids, dtype=np.int64) for e in tok.encode_batch(texts[i : i + chunk]))
+        bar.update(min(chunk, len(texts) - i))
+    bar.close()
     lengths = np.fromiter((len(p) for p in pieces), dtype=np.int64, count=len(pieces))
     offsets = np.concatenate([[0], np.cumsum(lengths)])
     ids = np.concatenate(pieces) if pieces else np.zeros(0, dtype=np.int64)

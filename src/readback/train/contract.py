@@ -17,6 +17,7 @@ from typing import Any, Protocol, cast, runtime_checkable
 import torch
 
 from readback.data.settings import Data
+from readback.progress import shown
 from readback.train.settings import Config
 
 
@@ -89,15 +90,17 @@ class Builders:
     data: Callable[..., DataStream] = _default_data
 
     def stream(self, cfg: Config, *, rank: int, world_size: int) -> DataStream:
-        """This rank's data stream (``with_vocabulary`` gives a config its vocabulary)."""
-        return self.data(
-            cfg.data,
-            seq_len=cfg.model.seq_len,
-            micro_batch=cfg.trainer.micro_batch,
-            seed=cfg.seed,
-            rank=rank,
-            world_size=world_size,
-        )
+        """This rank's data stream (``with_vocabulary`` gives a config its vocabulary); what it
+        tokenises shows progress unless ``trainer.progress=false``."""
+        with shown(cfg.trainer.progress):
+            return self.data(
+                cfg.data,
+                seq_len=cfg.model.seq_len,
+                micro_batch=cfg.trainer.micro_batch,
+                seed=cfg.seed,
+                rank=rank,
+                world_size=world_size,
+            )
 
 
 def with_vocabulary(cfg: Config, stream: DataStream) -> Config:

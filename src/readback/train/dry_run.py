@@ -1,6 +1,8 @@
 """``trainer.dry_run=true``: the model built on the meta device, its size and its per-GPU memory
-under DDP and FSDP (:mod:`~readback.train.memory`), no weights allocated; and the same memory
-check before a real run on GPUs allocates anything."""
+under DDP and FSDP (:mod:`~readback.train.memory`), no weights allocated, and under ``backend=te``
+the Transformer Engine plan (for this machine's TE and GPU, or the assumed ones it names:
+:mod:`~readback.backends.te_dry_run`); and the same memory check before a real run on GPUs
+allocates anything."""
 
 from __future__ import annotations
 
@@ -42,6 +44,14 @@ def dry_run(
     if rank == 0:
         print(f"{experiment}: {n_params:,} parameters, {fpt:.4g} FLOPs per token (dry run, no weights allocated)")
         print(table(list(estimates.values())))
+    te_plan = None
+    # The plan is printed before the memory check: a job that does not fit is planned too.
+    if cfg.backend.name == "te":
+        from readback.backends.te_dry_run import dry_run_plan
+
+        lines, te_plan = dry_run_plan(cfg)
+        if rank == 0:
+            print("\n".join(lines))
     refuse_unless_fits(chosen, cfg.trainer.gpu_memory_gb)
     summary = {
         "status": "dry_run",
@@ -62,6 +72,7 @@ def dry_run(
             }
             for p, e in estimates.items()
         },
+        **({"te_plan": te_plan} if te_plan is not None else {}),
     }
     if rank == 0:
         write_summary(run_dir, summary)

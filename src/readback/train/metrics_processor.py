@@ -1,5 +1,6 @@
 """From training steps to records: the loss and throughput window between two log steps, MFU,
-the model's statistics, the progress bar, and the run-level results a summary reports."""
+the model's statistics, the progress (a live bar on a terminal, plain lines in a log file), and
+the run-level results a summary reports."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from typing import Any
 
 import torch
 
+from readback.progress import Off, Progress, progress
 from readback.train.contract import TrainableModel
 from readback.train.distributed import DistEnv
 from readback.train.metrics import MetricsLogger, peak_bf16_flops
@@ -54,7 +56,7 @@ class MetricsProcessor:
         self.flops_per_token: float | None = None  # set once the model is built
         self.window = Window()
         self.logger = MetricsLogger()
-        self.pbar: Any = None
+        self.pbar: Progress = Off()
         self.t_start = t_start
         self.peak_flops = peak_bf16_flops(torch.cuda.get_device_name(env.device)) if env.device.type == "cuda" else None
 
@@ -73,15 +75,15 @@ class MetricsProcessor:
             )
 
     def open_progress_bar(self, total: int, initial: int, desc: str) -> None:
+        """Rank 0's progress on stderr: tqdm's bar on a terminal, else a line every 5 % of the steps."""
         if self.env.is_main:
-            from tqdm import tqdm
-
-            self.pbar = tqdm(total=total, initial=initial, desc=desc, dynamic_ncols=True)
+            self.pbar = progress(total, initial, desc)
 
     def step_done(self, loss: float, seconds: float) -> None:
         self.window.add(loss, self.tokens_per_step, seconds)
-        if self.pbar is not None:
-            self.pbar.update(1)
+        w = self.window  # since the last log step
+        self.pbar.set_postfix(loss=f"{w.mean_loss():.4f}", tok_s=f"{w.tokens_per_s():.0f}")
+        self.pbar.update(1)
 
     def record(
         self,
@@ -132,16 +134,13 @@ class MetricsProcessor:
         self.logger.log(rec)
         if window_loss is not None:
             self.window.last_loss = window_loss
-            if self.pbar is not None:
-                self.pbar.set_postfix(loss=f"{window_loss:.4f}", tok_s=f"{rec['tokens_per_s']:.0f}", refresh=False)
             self.window.reset()
 
     def wall_time(self) -> float:
         return self.window.wall_time_s + (time.time() - self.t_start)
 
     def close(self) -> None:
-        if self.pbar is not None:
-            self.pbar.close()
+        self.pbar.close()
 
     def state_dict(self) -> dict[str, Any]:
         return {**vars(self.window), "wall_time_s": self.wall_time()}
