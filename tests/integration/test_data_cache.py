@@ -6,19 +6,16 @@ from __future__ import annotations
 import multiprocessing as mp
 from pathlib import Path
 
-from omegaconf import OmegaConf
-
 from readback.data.corpus import shakespeare_files
 from toys import load_data_cfg
 
 
-def _build_in_child(cfg_yaml: str, barrier, queue) -> None:
+def _build_in_child(cfg, barrier, queue) -> None:
     import hashlib
 
     import readback.data.tokenizer as t
     from readback.data import build_data as build
 
-    cfg = OmegaConf.create(cfg_yaml)
     barrier.wait(timeout=120)  # both look at the empty cache at the same moment
     stream = build(cfg, seq_len=32, micro_batch=2, seed=0)
     json_path = next(Path(cfg.cache_dir, "text").iterdir()) / "tokenizer.json"
@@ -32,7 +29,7 @@ def test_two_processes_building_at_once_train_once_and_agree(tmp_path):
     cfg = load_data_cfg("shakespeare", files=plays, vocab_size=300, cache_dir=str(tmp_path))
     ctx = mp.get_context("spawn")
     queue, barrier = ctx.Queue(), ctx.Barrier(2)
-    procs = [ctx.Process(target=_build_in_child, args=(OmegaConf.to_yaml(cfg), barrier, queue)) for _ in range(2)]
+    procs = [ctx.Process(target=_build_in_child, args=(cfg, barrier, queue)) for _ in range(2)]
     for p in procs:
         p.start()
     results = [queue.get(timeout=120) for _ in procs]
