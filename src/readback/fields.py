@@ -17,10 +17,6 @@ from omegaconf import MISSING
 
 from readback.errors import ConfigError
 
-# What library functions take as a run's config: a typed ``readback.config.Config``, a
-# ``DictConfig`` or a plain mapping of the same keys (``OmegaConf.structured`` accepts all three).
-RunConfig = Any
-
 
 @dataclasses.dataclass(frozen=True)
 class Valid:

@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from readback.backends.settings import ModelSettings
 from readback.backends.te_facts import (
     PLANNING_GPU,
     PLANNING_GPU_NAME,
@@ -21,7 +22,6 @@ from readback.backends.te_facts import (
     installed_te_version,
 )
 from readback.backends.te_plan import TEPlan, te_plan
-from readback.fields import RunConfig
 
 
 @dataclass(frozen=True)
@@ -61,7 +61,7 @@ def _recipe(plan: TEPlan) -> str:
     return f"{plan.recipe}({', '.join(f'{k}={v}' for k, v in plan.recipe_kwargs.items())})"
 
 
-def dry_run_plan(cfg: RunConfig) -> tuple[list[str], dict[str, Any]]:
+def dry_run_plan(cfg: ModelSettings) -> tuple[list[str], dict[str, Any]]:
     """The lines a dry run prints for ``cfg``'s ``backend=te`` plan, and the plan as a record for
     its summary. Raises ``ConfigError`` (one line) for what the target cannot run."""
     target = planning_target()
