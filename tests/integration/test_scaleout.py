@@ -28,7 +28,8 @@ from readback.errors import ConfigError
 from readback.train import run
 from readback.train.checkpoint import list_checkpoints, load_checkpoint
 from readback.train.metrics import read_jsonl
-from toys import TOY_RUN, compose
+from toys import TOY_RUN
+from toys import config as compose
 
 CONF = str(CONF_DIR)
 LOSS_RTOL = 3e-3  # FSDP vs DDP, and a 2-process checkpoint resumed by 1 process, over 20 steps
@@ -59,6 +60,8 @@ WORKER = textwrap.dedent(
     import torch.distributed as dist
     from hydra import compose, initialize_config_dir
 
+    from readback.config import typed
+
     import readback.config  # registers the schema
     from readback.train import run
     from readback.train.checkpoint import list_checkpoints
@@ -68,7 +71,7 @@ WORKER = textwrap.dedent(
 
     def cfg(*extra):
         with initialize_config_dir(conf, version_base="1.3"):
-            return compose("train", overrides=[*common, *extra])
+            return typed(compose("train", overrides=[*common, *extra]))
 
     for experiment in {experiments!r}:
         for parallel in ("ddp", "fsdp"):
@@ -94,6 +97,8 @@ KILLER = textwrap.dedent(
     from pathlib import Path
 
     from hydra import compose, initialize_config_dir
+
+    from readback.config import typed
 
     import readback.config  # registers the schema
     from readback.data import build_data
@@ -124,7 +129,7 @@ KILLER = textwrap.dedent(
 
     checkpoint_manager.commit_checkpoint = dying_commit
     with initialize_config_dir(conf, version_base="1.3"):
-        cfg = compose("train", overrides=overrides)
+        cfg = typed(compose("train", overrides=overrides))
     run(cfg, out, Builders(data=data))
     """
 )
