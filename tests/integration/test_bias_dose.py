@@ -134,3 +134,30 @@ def test_the_dose_and_response_of_a_checkpoint(run, tmp_path):
         assert calm[layer]["underflow"] < stressed[layer]["underflow"]
         assert calm[layer]["rel_err"] < stressed[layer]["rel_err"]
     plot_dose(dose).savefig(io.BytesIO(), format="png")  # the JSON's nulls draw too
+
+
+@pytest.mark.slow
+def test_the_accumulation_given_at_measurement_replaces_the_runs_own(run, tmp_path, capsys):
+    """``--accumulation hopper`` measures the run's checkpoint with Hopper's accumulation (fast
+    forward, split backward) and attributes each backward GEMM kind; ``--accumulation-gemm``
+    overrides one; a name the config refuses is one line and exit 2."""
+    assert bias_main([str(run), "--batches", "1", "--accumulation", "hopper"]) == 0
+    hopper = json.loads((run / "bias" / "step2-acc-hopper" / "bias.json").read_text())
+    assert hopper["accumulation"] == ["fast", "split", "split"]
+    assert {"contrib.ieee_acc.dgrad", "contrib.ieee_acc.wgrad"} <= set(hopper["stats"])
+    assert hopper["gemm_k"]["layers.0.mlp.down"]["wgrad"] > 0
+    mixed = _o_rounding(run, tmp_path / "mixed", "--accumulation", "hopper", "--accumulation-gemm", "dgrad=ieee")
+    assert mixed["accumulation"] == ["fast", "ieee", "split"]
+    assert "contrib.ieee_acc.dgrad" not in mixed["stats"] and "contrib.ieee_acc.wgrad" in mixed["stats"]
+    own = _o_rounding(run, tmp_path / "own")
+    assert own["accumulation"] == ["native"] * 3 and not [v for v in own["variants"] if "ieee_acc" in v["name"]]
+    for flags, words in (
+        (["--accumulation", "fast"], "precision.accumulation"),
+        (["--accumulation-gemm", "dgrad"], "GEMM=MODE"),
+        (["--accumulation-gemm", "attn=fast"], "accumulation_gemms"),
+    ):
+        with pytest.raises(SystemExit) as exit_:
+            bias_main([str(run), "--batches", "1", "--out", str(tmp_path / "refused"), *flags])
+        error = capsys.readouterr().err
+        assert exit_.value.code == 2 and words in error and error.count("\n") == 1, flags
+        assert not (tmp_path / "refused").exists()

@@ -1,5 +1,6 @@
 """``python -m readback.bias CHECKPOINT_OR_RUN_DIR [--batches N] [--out DIR] [--dtype fp64|fp32]
-[--site-margin PATTERN=K ...] [--sweep-margin PATTERN=K1,K2,...]``
+[--site-margin PATTERN=K ...] [--sweep-margin PATTERN=K1,K2,...] [--accumulation NAME]
+[--accumulation-gemm GEMM=MODE ...]``
 
 Loads a training checkpoint (its directory, or a run directory's newest), and runs the bias meter at its
 weights and FP8 scales on the run's first N validation batches; writes ``bias.json``,
@@ -13,6 +14,12 @@ both match, as the config's margins do. Default DIR then ``<run dir>/bias/step<s
 ``--sweep-margin PATTERN=K1,K2,...`` runs the meter once per K with PATTERN=K added to the
 ``--site-margin`` ones (replacing one of the same pattern): ``bias.*`` in DIR/margin<K>, and
 ``dose.json``, ``dose.png`` in DIR (default ``<run dir>/bias/step<step>-dose-<PATTERN>``).
+
+``--accumulation NAME`` and ``--accumulation-gemm GEMM=MODE`` replace the run's
+``precision.accumulation`` and its per-GEMM overrides (``hopper``: the linears' forward GEMMs
+add as Hopper's fast accumulation, dgrad and wgrad as its split one); the meter then attributes
+the backward GEMMs' accumulation (``contrib.ieee_acc.dgrad``, ``contrib.ieee_acc.wgrad``).
+Default DIR then gets ``-acc-<NAME>`` appended.
 
 Exit code 2, one line on stderr, when there is no checkpoint to read or a margin is refused (a
 pattern that matches no site of the run, a K below 0, a run without FP8 sites).
@@ -35,11 +42,12 @@ from readback.errors import ConfigError, require
 DTYPES = {"fp64": torch.float64, "fp32": torch.float32}
 
 
-def load_run(path: Path, site_margin: dict[str, int] | None = None):
+def load_run(path: Path, site_margin: dict[str, int] | None = None, accumulation: dict | None = None):
     """``(model, stream, step, run_dir)`` from a checkpoint or a run directory's newest one; with
     ``site_margin`` the model's numerics are built from the run's config with its
     ``precision.site_margin`` replaced by that mapping (``ConfigError`` if a pattern matches no
-    site the run rounded at)."""
+    site the run rounded at); with ``accumulation`` (``{accumulation: NAME, accumulation_gemms:
+    {...}}``) its accumulation keys replaced, checked as the config checks them."""
     from readback.backends import build_model
     from readback.config import from_saved
     from readback.data import build_data
@@ -53,9 +61,12 @@ def load_run(path: Path, site_margin: dict[str, int] | None = None):
     state = load_checkpoint(path)
     saved, numerics_state = state["config"], state["ranks"][0]["numerics"]
     cfg = from_saved(saved)
+    replaced = dict(accumulation or {})
     if site_margin is not None:  # a new config whose margins replace the run's (a merge would add them)
         check_margins(site_margin, cfg, list(numerics_state["sites"]))
-        cfg = from_saved({**saved, "precision": {**saved["precision"], "site_margin": dict(site_margin)}})
+        replaced["site_margin"] = dict(site_margin)
+    if replaced:
+        cfg = from_saved({**saved, "precision": {**saved["precision"], **replaced}})
     stream = build_data(
         cfg.data,
         seq_len=cfg.model.seq_len,
@@ -123,15 +134,25 @@ def main(argv: list[str] | None = None) -> int:
         help="replace the run's site margins (repeatable; the last K of a pattern counts)",
     )
     parser.add_argument("--sweep-margin", default=None, metavar="PATTERN=K1,K2,...", help="one meter per K")
+    parser.add_argument("--accumulation", default=None, metavar="NAME", help="replace precision.accumulation")
+    parser.add_argument(
+        "--accumulation-gemm",
+        action="append",
+        default=[],
+        metavar="GEMM=MODE",
+        help="replace precision.accumulation_gemms (repeatable; e.g. dgrad=ieee)",
+    )
     args = parser.parse_args(argv)
     if args.batches < 1:
         parser.exit(2, f"{parser.prog}: error: --batches must be >= 1, got {args.batches}\n")
     os.environ.setdefault("MPLBACKEND", "Agg")
     try:
+        args.accumulation_keys = accumulation_keys(args.accumulation, args.accumulation_gemm)
         given = None if args.site_margin is None else dict(_single(parse_margin(m)) for m in args.site_margin)
         sweep = parse_margin(args.sweep_margin) if args.sweep_margin else None
         if sweep is None:
             suffix = "" if given is None else "-" + label(",".join(f"{p}={k}" for p, k in given.items()))
+            suffix += accumulation_label(args.accumulation_keys)
             _measure(args, given, lambda run_dir, step: args.out or run_dir / "bias" / f"step{step}{suffix}")
             return 0
         pattern, margins = sweep
@@ -139,7 +160,8 @@ def main(argv: list[str] | None = None) -> int:
         for k in margins:
 
             def out_for(run_dir: Path, step: int, k: int = k) -> Path:
-                base = args.out or run_dir / "bias" / f"step{step}-dose-{label(pattern)}"
+                dose = f"step{step}-dose-{label(pattern)}{accumulation_label(args.accumulation_keys)}"
+                base = args.out or run_dir / "bias" / dose
                 return base / f"margin{k}"
 
             result, out = _measure(args, {**(given or {}), pattern: k}, out_for, shown=False)
@@ -156,6 +178,25 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def accumulation_keys(name: str | None, gemms: list[str]) -> dict | None:
+    """The ``precision`` keys that ``--accumulation`` and ``--accumulation-gemm`` replace (None: neither given)."""
+    if name is None and not gemms:
+        return None
+    pairs = [g.partition("=") for g in gemms]
+    for text, (gemm, sep, mode) in zip(gemms, pairs):
+        require(bool(gemm and sep and mode), "--accumulation-gemm", text, "GEMM=MODE, e.g. dgrad=ieee")
+    keys: dict = {"accumulation_gemms": {gemm: mode for gemm, _, mode in pairs} or None}
+    return keys | ({"accumulation": name} if name is not None else {})
+
+
+def accumulation_label(keys: dict | None) -> str:
+    """The default directory's suffix for replaced accumulation keys (``-acc-hopper``)."""
+    if keys is None:
+        return ""
+    gemms = ",".join(f"{g}={m}" for g, m in (keys["accumulation_gemms"] or {}).items())
+    return "-acc-" + label("".join(filter(None, [keys.get("accumulation"), gemms and f"({gemms})"])))
+
+
 def _single(parsed: tuple[str, list[int]]) -> tuple[str, int]:
     pattern, margins = parsed
     require(len(margins) == 1, "--site-margin", f"{pattern}={margins}", "one K per pattern (a sweep: --sweep-margin)")
@@ -168,13 +209,14 @@ def _measure(args, site_margin: dict[str, int] | None, out_for, shown: bool = Tr
     from readback.bias import measure_bias
     from readback.bias.report import to_markdown, write
 
-    model, stream, step, run_dir = load_run(args.path, site_margin)
+    model, stream, step, run_dir = load_run(args.path, site_margin, args.accumulation_keys)
     start = time.perf_counter()
     result = measure_bias(model, list(stream.val_batches(args.batches)), dtype=DTYPES[args.dtype])
     result.info = {
         "checkpoint_step": step,
         "run_dir": str(run_dir),
         "site_margin_from": "checkpoint" if site_margin is None else "command line",
+        "accumulation": list(model.numerics.spec.accumulation),
     }
     out = out_for(run_dir, step)
     paths = write(result, out)

@@ -15,7 +15,9 @@ batch so that the backward's other roundings cancel: ``contrib.<policy>`` is
 ``g_policy - g_exact`` (both with the configured gradient roundings: the policy's D-term read
 alone), and ``contrib.<read>`` is ``g_configured - g_<read switched to exact>`` (e.g.
 ``contrib.exact_read.attention.D`` under reuse_rounded, ``contrib.exact_bwd.attention`` for the
-attention backward's E5M2 roundings).
+attention backward's E5M2 roundings, ``contrib.ieee_acc.dgrad`` for the tensor core's way of
+adding in the linears' dgrad GEMMs). Each linear's GEMM sizes K (the length of the sums its
+fprop, dgrad and wgrad add) are read from the executed forward's tape.
 """
 
 from __future__ import annotations
@@ -41,7 +43,8 @@ class BiasResult:
     """``stats[variant][group][stat]``; ``variants`` in order; cost of one batch in seconds and
     in plain training steps (one forward and backward of the same batch); ``site_margin``, the
     margins the run's numerics applied (``{pattern: k}``); ``o_rounding``, O's rounding per
-    attention layer (:mod:`readback.bias.output_rounding`)."""
+    attention layer (:mod:`readback.bias.output_rounding`); ``gemm_k``, each linear's
+    ``{fprop, dgrad, wgrad: K}`` (:func:`gemm_sizes`)."""
 
     variants: list[Variant]
     groups: list[str]
@@ -53,6 +56,7 @@ class BiasResult:
     info: dict = field(default_factory=dict)
     site_margin: dict[str, int] = field(default_factory=dict)
     o_rounding: dict[str, dict[str, float]] = field(default_factory=dict)
+    gemm_k: dict[str, dict[str, int]] = field(default_factory=dict)
 
     def metrics(self) -> dict[str, float]:
         """Training keys ``grad_bias_<stat>/<variant>/<group>``: ``grad_bias`` (bias),
@@ -82,6 +86,7 @@ class BiasResult:
             "stats": self.stats,
             "site_margin": self.site_margin,
             "o_rounding": self.o_rounding,
+            "gemm_k": self.gemm_k,
         }
 
 
@@ -96,6 +101,7 @@ def measure_bias(model, batches, which: list[Variant] | None = None, dtype=torch
     references = []
     o_rounding = OutputRounding()
     start, step_seconds = time.perf_counter(), []
+    gemm_k: dict[str, dict[str, int]] = {}
     try:
         for b, (x, y) in enumerate(batches):
             salt = f"/bias{b}"
@@ -104,6 +110,7 @@ def measure_bias(model, batches, which: list[Variant] | None = None, dtype=torch
                 loss, tape = _backward(model, params, x, y)
                 step_seconds.append(time.perf_counter() - t0)
                 o_rounding.add(numerics, tape)
+                gemm_k = gemm_k or gemm_sizes(tape)
                 reference = reference_gradients(model, params, tape, x, y, dtype)
             references.append(reference)
             for v in which:
@@ -133,7 +140,19 @@ def measure_bias(model, batches, which: list[Variant] | None = None, dtype=torch
         numerics.policy,
         site_margin=dict(numerics.spec.site_margin),
         o_rounding=o_rounding.summary(),
+        gemm_k=gemm_k,
     )
+
+
+def gemm_sizes(tape: list) -> dict[str, dict[str, int]]:
+    """Each linear's K from its tape record (input rows x in, weight out x in): fprop sums over
+    the input features, dgrad over the output features, wgrad over the batch's tokens."""
+    return {
+        site: {"fprop": w.shape[1], "dgrad": w.shape[0], "wgrad": x.shape[0]}
+        for site, record in tape
+        if {"input", "weight"} <= record.keys()
+        for x, w in [(record["input"].data, record["weight"].data)]
+    }
 
 
 def _backward(model, params, x, y):

@@ -1,11 +1,12 @@
 """What the bias meter switches: the backward under each policy, and under the configured
-policy with one read switched to exact (one READS entry, or one op's gradient roundings)."""
+policy with one read switched to exact (one READS entry, one op's gradient roundings, or one
+kind of the linears' backward GEMMs accumulating in IEEE FP32 instead of the tensor core's way)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
-from readback.numerics.spec import NumericsSpec
+from readback.numerics.spec import GEMMS, NumericsSpec
 from readback.ops import read_rules
 from readback.policy import POLICIES
 
@@ -14,19 +15,24 @@ from readback.policy import POLICIES
 class Variant:
     """A backward to compare with the reference. ``policy`` None keeps the configured one;
     ``reads`` ``{op: {gradient: mode}}`` overrides entries of it; ``exact_bwd`` names the ops
-    (``attention``, ``linear``) whose backward runs in FP32 with no gradient rounding."""
+    (``attention``, ``linear``) whose backward runs in FP32 with no gradient rounding;
+    ``accumulation`` ``{gemm: mode}`` overrides how the linears' ``dgrad``/``wgrad`` GEMMs add."""
 
     name: str
     what: str
     policy: str | None = None
     reads: dict = field(default_factory=dict)
     exact_bwd: tuple[str, ...] = ()
+    accumulation: dict = field(default_factory=dict)
 
 
 def variants(numerics) -> list[Variant]:
     """Every policy; every read where the configured policy differs from ``exact``, switched to
     exact alone; each op's backward roundings (E5M2 of dO, dS, dY and the BF16 GEMM outputs)
-    switched off alone; and everything exact at once (the meter's own zero)."""
+    switched off alone; each backward GEMM kind of the linears that accumulates like a tensor
+    core (``fast``, ``split``) switched to IEEE FP32 alone; and everything exact at once (the
+    meter's own zero). The forward GEMMs' accumulation is part of the executed forward, so no
+    variant switches it (the reference replays its outputs)."""
     out = [Variant(p, f"backward under policy {p}", policy=p) for p in POLICIES]
     if numerics.policy not in POLICIES:  # a spec whose reads no named policy has (a test's planted read)
         out.insert(0, Variant(numerics.policy, "the configured backward"))
@@ -50,6 +56,16 @@ def variants(numerics) -> list[Variant]:
                 exact_bwd=(op,),
             )
         )
+    for gemm in ("dgrad", "wgrad"):
+        mode = numerics.linear_accumulation(gemm)
+        if numerics.precision == "fp8" and numerics.linear_precision(gemm) == "fp8" and mode in ("fast", "split"):
+            out.append(
+                Variant(
+                    f"ieee_acc.{gemm}",
+                    f"{numerics.policy}, but the linears' {gemm} GEMMs accumulate in IEEE FP32 instead of {mode!r}",
+                    accumulation={gemm: "ieee"},
+                )
+            )
     out.append(
         Variant(
             "all_exact",
@@ -84,6 +100,11 @@ def spec_of(variant: Variant, spec: NumericsSpec) -> NumericsSpec:
         spec = spec.with_reads(f"{policy} with {variant.reads}", reads)
     for op in variant.exact_bwd:
         spec = spec.with_exact_backward(op)
+    if variant.accumulation:
+        if not set(variant.accumulation) <= {"dgrad", "wgrad"}:
+            raise ValueError(f"accumulation {variant.accumulation}: only the backward's dgrad and wgrad can switch")
+        switched = tuple(variant.accumulation.get(g, a) for g, a in zip(GEMMS, spec.accumulation))
+        spec = replace(spec, accumulation=switched)
     return spec
 
 

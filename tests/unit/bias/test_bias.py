@@ -115,3 +115,26 @@ def test_the_new_statistics_reach_training_and_the_json(tiny_cfg):
     )
     assert stats["floor"] == stats["bias_se"] > 0
     assert result.to_json()["o_rounding"] == result.o_rounding
+
+
+def test_the_backward_gemms_accumulation_is_attributed_per_gemm_kind(tiny_cfg):
+    """Under hopper accumulation the meter switches dgrad and wgrad to IEEE FP32 one at a time:
+    the forward stays the executed one (the meter checks the loss bit for bit), each switch
+    moves the gradients it feeds, and each linear's K is read from the tape."""
+    model = _model(tiny_cfg, "policy=reuse_rounded", "precision.accumulation=hopper")
+    names = [v.name for v in variants(model.numerics)]
+    assert {"ieee_acc.dgrad", "ieee_acc.wgrad"} <= set(names)
+    result = measure_bias(model, _batches())
+    wgrad, dgrad = result.stats["contrib.ieee_acc.wgrad"], result.stats["contrib.ieee_acc.dgrad"]
+    assert wgrad["layers.1.mlp.down"]["rel_err"] > 0  # a wgrad GEMM's own sums
+    assert dgrad["layers.1.mlp.down"]["rel_err"] == 0  # its weight's gradient has no dgrad upstream of it
+    assert dgrad["layers.0.attn.qkv"]["rel_err"] > 0  # the dgrads of every later linear feed it
+    out_features, in_features = dict(model.named_parameters())["layers.0.attn.qkv.weight"].shape
+    assert result.gemm_k["layers.0.attn.qkv"] == {"fprop": in_features, "dgrad": out_features, "wgrad": 2 * 16}
+    assert result.to_json()["gemm_k"] == result.gemm_k
+
+
+def test_ieee_and_native_accumulation_on_the_cpu_add_no_accumulation_variant(tiny_cfg):
+    for accumulation in ("ieee", "native"):
+        model = _model(tiny_cfg, "policy=reuse_rounded", f"precision.accumulation={accumulation}")
+        assert not [v for v in variants(model.numerics) if v.accumulation]

@@ -39,6 +39,20 @@ def test_exact_policy_with_fp32_backward_is_the_reference_to_round_off():
     assert stats["grad_error/rel_err/layers.1.attn.core.dq"] < 1e-5
 
 
+def test_the_forward_gemms_accumulation_is_part_of_the_executed_forward():
+    """Hopper's fast accumulation in the forward GEMMs changes the executed forward, and the
+    reference follows it (the replay pins each GEMM's output): the error stays round-off."""
+    fast = ("precision.accumulation=hopper",)  # fast fprop; dgrad and wgrad run in FP32 here
+    model, x, y = _trained_model("+experiment=no_saved_copy", "policy=exact", *FP32_BACKWARD, *fast)
+    ieee, _, _ = _trained_model("+experiment=no_saved_copy", "policy=exact", *FP32_BACKWARD)
+    ieee.load_state_dict(model.state_dict())
+    ieee.numerics.load_state_dict(model.numerics.state_dict())
+    assert not torch.equal(model(x, y), ieee(x, y))  # the forward's sums are truncated
+    stats = toys.probe(every=1).measure(model, x, y)
+    assert stats["grad_error/rel_err/total"] < 1e-5
+    assert stats["grad_error/rel_err/layers.0.attn.qkv.weight"] < 1e-5
+
+
 def test_reuse_rounded_error_is_orders_larger_and_starts_at_attention():
     exact = toys.probe(every=1).measure(*_trained_model("+experiment=no_saved_copy", "policy=exact", *FP32_BACKWARD))
     model, x, y = _trained_model("+experiment=reuse_rounded", *FP32_BACKWARD)
