@@ -29,7 +29,7 @@ D_READ = "contrib.exact_read.attention.D"
 TENTH = 0.1
 
 
-def shares(stats: dict, reference: str, group: str) -> dict[str, float]:
+def shares(stats: dict, reference: str, group: str) -> dict[str, dict[str, float]]:
     """Each contribution's ``share`` and ``share_upper`` of the reference's bias in ``group``
     (NaN where the reference has no bias above its floor or a statistic is missing)."""
     ref = stats.get(reference, {}).get(group, {}).get("debiased_sq")
@@ -55,7 +55,7 @@ def attribution(measured: dict[str, dict], groups: list[str], reference: str = D
         all_groups = list(next(iter(bias["stats"].values())))
         chosen = [g for g in all_groups if any(fnmatch.fnmatchcase(g, p) for p in groups)]
         contribs = {n: s for n, s in bias["stats"].items() if n.startswith("contrib.")}
-        stats = {name: {} for name in contribs}
+        stats: dict[str, dict[str, dict]] = {name: {} for name in contribs}
         for group in chosen:
             for name, share in shares(contribs, reference, group).items():
                 stats[name][group] = {**contribs[name][group], **share}
