@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 from readback.backends.precision import fp8_settings
 from readback.backends.settings import ModelSettings
-from readback.numerics.spec import in_bf16_layers
+from readback.numerics.spec import GEMMS, in_bf16_layers, resolve_accumulation
 from readback.ops.attention import READS as ATTENTION_READS
 
 # attention gradient -> the forward tensor it reads (dO is every gradient's other operand)
@@ -38,4 +40,16 @@ def site_implementations(cfg: ModelSettings) -> dict[str, str]:
         "activation": "readback.ops.activation.xielu",
         "lm_head": f"readback.ops.linear{tied}" + (" in BF16" if head_bf16 else ""),
         **attention_reads(cfg.policy.name),
+        **({} if p is None else accumulations(p.accumulation, p.accumulation_gemms)),
+    }
+
+
+def accumulations(name: str, gemms: Mapping[str, str] | None) -> dict[str, str]:
+    """How the FP8 GEMMs add their products: the linears' per GEMM (``native`` is IEEE FP32 on
+    the CPU and split accumulation where ``torch._scaled_mm`` runs), attention's always in IEEE
+    FP32 (nothing is known of cuDNN's FP8 attention accumulation, so none is modelled)."""
+    resolved = resolve_accumulation(name, dict(gemms or {}))
+    return {
+        "linear.accumulation": " ".join(f"{g}={mode}" for g, mode in zip(GEMMS, resolved)),
+        "attention_core.accumulation": "ieee",
     }

@@ -124,6 +124,9 @@ def te_plan(cfg: ModelSettings, te_version: str | None = INSTALLED, hardware: Ha
     bf16_layers = tuple(p8.bf16_layers) if p8 is not None else ()
     proj = _projection_label(attention is not None, recipe_key, fp8_mha)
     sites = {**_sites(cfg, attention_label, proj, fp8, bf16_layers, _linear_label(policy, fp8)), **attention_reads}
+    if fp8:  # TE's own GEMM accumulation (the config refuses any other), cuDNN's attention unmodelled
+        core = "cuDNN's own (not modelled)" if attention is not None else "ieee"
+        sites |= {"linear.accumulation": "fprop=fast dgrad=split wgrad=split", "attention_core.accumulation": core}
     readback_recipe = None if not fp8 else ("current" if recipe_key == "mxfp8" else recipe_key)
     return TEPlan(
         version,

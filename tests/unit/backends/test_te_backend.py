@@ -358,8 +358,13 @@ def test_site_implementations_for_both_backends():
     assert emulated["attention_core"] == "readback.ops.attention" and emulated["linear"] == "readback.ops.linear"
     assert emulated["lm_head"] == "readback.ops.linear (tied embedding) in BF16"
     assert (emulated["attention_core.D"], emulated["attention_core.dK"]) == ("rounded O", "rounded Q")
+    assert emulated["linear.accumulation"] == "fprop=native dgrad=native wgrad=native"
+    hopper = backends.site_implementations(config("reuse_rounded", "precision.accumulation=hopper", backend="emulated"))
+    assert hopper["linear.accumulation"] == "fprop=fast dgrad=split wgrad=split"
+    assert hopper["attention_core.accumulation"] == "ieee"
     te = backends.site_implementations(config("reuse_rounded"))
     assert te == te_plan(config("reuse_rounded")).sites and set(te) == set(emulated)
+    assert te["linear.accumulation"] == hopper["linear.accumulation"]
 
 
 @pytest.mark.skipif(HAS_TE, reason="this machine has CUDA and transformer_engine")
