@@ -7,7 +7,7 @@ rank 0 renames that directory onto its final name (:func:`commit_checkpoint`), s
 moment leaves either the previous checkpoint set or the new one, never a partial directory under
 a checkpoint name. The temporary directory of a save that a ``SIGKILL`` interrupted is removed
 when the run resumes (:func:`remove_stale_temp_files`). Other files (``summary.json``,
-``metrics.jsonl``) are written to a temporary name and ``os.replace``-d (:func:`atomic_write_bytes`).
+``metrics.jsonl``) are written to a temporary name and ``os.replace``-d (:mod:`atomic_files`).
 
 :func:`resume_plan` decides, from a run directory and a config, where a run starts: the newest
 readable checkpoint (``trainer.resume=true``), step 0 (an empty run directory), or a
@@ -21,24 +21,20 @@ tensors and plain containers is refused with one line.
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
 import re
 import shutil
-import tempfile
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 from readback.errors import ConfigError
 from readback.train import dcp_io
+from readback.train.atomic_files import fsync_dir
 from readback.train.settings import Config, plain_config
 
 log = logging.getLogger(__name__)
-
-_UMASK = os.umask(0o022)
-os.umask(_UMASK)
 
 CHECKPOINT_FORMAT = 3  # 3: a sharded DCP directory (2: one weights_only file of full state dicts)
 _NAME = re.compile(r"^step_(\d+)$")
@@ -69,42 +65,6 @@ def checkpoint_path(ckpt_dir: Path, step: int) -> Path:
 def temp_checkpoint_path(ckpt_dir: Path, step: int) -> Path:
     """Where the ranks write the checkpoint of ``step`` before :func:`commit_checkpoint`."""
     return Path(ckpt_dir) / f".step_{int(step):07d}.tmp"
-
-
-def _fsync_dir(path: Path) -> None:
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
-
-
-def atomic_write_bytes(path: Path, write: Any) -> None:
-    """Call ``write(fileobj)`` on a temp file next to ``path``, fsync it, then rename onto ``path``."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        os.fchmod(fd, 0o666 & ~_UMASK)  # mkstemp makes 0600 files: give the final file the usual mode
-        with os.fdopen(fd, "wb") as f:
-            write(f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        raise
-    _fsync_dir(path.parent)
-
-
-def atomic_write_text(path: Path, text: str) -> None:
-    atomic_write_bytes(path, lambda f: f.write(text.encode("utf-8")))
 
 
 def is_checkpoint(path: Path) -> bool:
@@ -148,7 +108,7 @@ def commit_checkpoint(ckpt_dir: Path, step: int, keep_last: int | None = None) -
     if path.exists():  # an unreadable checkpoint of the same step, which resume skipped
         shutil.rmtree(path)
     os.rename(tmp, path)
-    _fsync_dir(path.parent)
+    fsync_dir(path.parent)
     prune_checkpoints(ckpt_dir, keep_last)
     return path
 
