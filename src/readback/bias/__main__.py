@@ -1,7 +1,8 @@
 """``python -m readback.bias CHECKPOINT_OR_RUN_DIR [--batches N] [--out DIR] [--dtype fp64|fp32]
 [--site-margin PATTERN=K ...] [--sweep-margin PATTERN=K1,K2,...]``
 
-Loads a training checkpoint (its directory, or a run directory's newest), and runs the bias meter at its
+Loads a training checkpoint (its directory, or a run directory's newest intact one: each is
+verified as a resume verifies it, a damaged one skipped with a warning), and runs the bias meter at its
 weights and FP8 scales on the run's first N validation batches; writes ``bias.json``,
 ``bias.md`` and ``bias.png`` to DIR (default ``<run dir>/bias/step<step>``) and prints the
 table's total rows.
@@ -14,7 +15,7 @@ both match, as the config's margins do. Default DIR then ``<run dir>/bias/step<s
 ``--site-margin`` ones (replacing one of the same pattern): ``bias.*`` in DIR/margin<K>, and
 ``dose.json``, ``dose.png`` in DIR (default ``<run dir>/bias/step<step>-dose-<PATTERN>``).
 
-Exit code 2, one line on stderr, when there is no checkpoint to read or a margin is refused (a
+Exit code 2, one line on stderr, when there is no intact checkpoint to read or a margin is refused (a
 pattern that matches no site of the run, a K below 0, a run without FP8 sites).
 """
 
@@ -43,13 +44,23 @@ def load_run(path: Path, site_margin: dict[str, int] | None = None):
     from readback.backends import build_model
     from readback.config import from_saved
     from readback.data import build_data
-    from readback.train.checkpoint import checkpoint_dir, is_checkpoint, list_checkpoints, load_checkpoint
+    from readback.train.checkpoint import (
+        checkpoint_dir,
+        is_checkpoint,
+        list_checkpoints,
+        load_checkpoint,
+        load_latest_checkpoint,
+    )
+    from readback.train.checkpoint_verify import verify
 
-    if not is_checkpoint(path):
-        found = list_checkpoints(checkpoint_dir(path)) or list_checkpoints(path)
-        if not found:
-            raise FileNotFoundError(f"no checkpoint in {path} (nor in {checkpoint_dir(path)})")
-        path = found[-1][1]
+    if is_checkpoint(path):
+        verify(path)
+    else:
+        ckpt_dir = checkpoint_dir(path) if list_checkpoints(checkpoint_dir(path)) else path
+        found = load_latest_checkpoint(ckpt_dir, move_damaged=False)  # a reader leaves the run as it is
+        if found is None:
+            raise FileNotFoundError(f"no intact checkpoint in {path} (nor in {checkpoint_dir(path)})")
+        path = found[0]
     state = load_checkpoint(path)
     saved, numerics_state = state["config"], state["ranks"][0]["numerics"]
     cfg = from_saved(saved)
@@ -127,6 +138,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.batches < 1:
         parser.exit(2, f"{parser.prog}: error: --batches must be >= 1, got {args.batches}\n")
     os.environ.setdefault("MPLBACKEND", "Agg")
+    from readback.train.checkpoint_verify import Damaged
+
     try:
         given = None if args.site_margin is None else dict(_single(parse_margin(m)) for m in args.site_margin)
         sweep = parse_margin(args.sweep_margin) if args.sweep_margin else None
@@ -147,7 +160,7 @@ def main(argv: list[str] | None = None) -> int:
             dose_dir = out.parent
     except ConfigError as error:
         parser.exit(2, f"{parser.prog}: error: {error}\n")
-    except (FileNotFoundError, IsADirectoryError, RuntimeError, KeyError) as error:
+    except (OSError, Damaged, RuntimeError, KeyError) as error:
         parser.exit(2, f"{parser.prog}: error: cannot read a checkpoint at {args.path}: {error}\n")
     from readback.bias.dose import combine, write_dose
 

@@ -1,6 +1,6 @@
 """Files written all at once: a temporary sibling, fsync-ed, then ``os.replace``-d onto the name,
 so a crash leaves the old file or the new one, never a part (``summary.json``, ``metrics.jsonl``,
-``launch.json``)."""
+``launch.json``, a checkpoint's checksums)."""
 
 from __future__ import annotations
 
