@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import io
 import json
+import logging
 import math
+import shutil
 import subprocess
 import sys
 
@@ -134,3 +136,21 @@ def test_the_dose_and_response_of_a_checkpoint(run, tmp_path):
         assert calm[layer]["underflow"] < stressed[layer]["underflow"]
         assert calm[layer]["rel_err"] < stressed[layer]["rel_err"]
     plot_dose(dose).savefig(io.BytesIO(), format="png")  # the JSON's nulls draw too
+
+
+def test_a_damaged_newest_checkpoint_is_skipped_and_left_where_it_is(run, tmp_path, capsys, caplog):
+    """The meter verifies a checkpoint as a resume does; a reader leaves the run's files alone."""
+    copy = tmp_path / "run"
+    shutil.copytree(run, copy)
+    newer = copy / "checkpoints" / "step_0000004"
+    shutil.copytree(copy / "checkpoints" / "step_0000002", newer)
+    shard = newer / "__0_0.distcp"
+    shard.write_bytes(shard.read_bytes()[:100])
+    with caplog.at_level(logging.WARNING):
+        load_run(copy)  # step 2's: the truncated shard of step 4 would not load
+    assert f"skipping damaged checkpoint {newer}" in caplog.text and "its index needs" in caplog.text
+    assert newer.is_dir() and not list((copy / "checkpoints").glob("*.damaged*"))
+    with pytest.raises(SystemExit) as exit_:
+        bias_main([str(newer), "--batches", "1", "--out", str(tmp_path / "out")])
+    error = capsys.readouterr().err
+    assert exit_.value.code == 2 and "its index needs" in error and error.count("\n") == 1
