@@ -272,8 +272,7 @@ def resume_plan(run_dir: Path, cfg: Config, *, quiet: bool = False) -> tuple[Pat
             "trainer.resume",
             True,
             f"a run directory with an intact, readable checkpoint: none of the "
-            f"{len(found)} in {ckpt_dir} is (damaged ones are moved aside as step_*.damaged; "
-            f"remove them to start afresh)",
+            f"{len(found)} in {ckpt_dir} is (remove them, and any step_*.damaged, to start afresh)",
         )
     path, state = latest
     if state.get("format") != CHECKPOINT_FORMAT:

@@ -87,9 +87,12 @@ def _needed_sizes(path: Path) -> dict[str, int]:
     if not isinstance(storage, dict):
         raise Damaged(f"the index is not DCP's (a {type(index).__name__})")
     needed: dict[str, int] = {}
-    for info in storage.values():
-        end = int(info.offset) + int(info.length)
-        needed[info.relative_path] = max(end, needed.get(info.relative_path, 0))
+    try:
+        for info in storage.values():
+            end = int(info.offset) + int(info.length)
+            needed[str(info.relative_path)] = max(end, needed.get(str(info.relative_path), 0))
+    except (AttributeError, TypeError, ValueError) as e:
+        raise Damaged(f"the index is not DCP's ({e})") from e
     return needed
 
 
