@@ -18,7 +18,6 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.distributed.checkpoint as dcp
 
 from readback.train import dcp_io
 from readback.train.checkpoint import list_checkpoints
@@ -259,7 +258,8 @@ class _Mkdir:
 
 
 def _tamper(run_dir: Path, how: str, marker: Path) -> None:
-    """The newest checkpoint of ``run_dir`` with a pickled call inside, or an old format number."""
+    """The newest checkpoint of ``run_dir`` with a pickled call inside, or an old format number,
+    rewritten with its checksums (a crafted checkpoint is no damaged one: it must be refused)."""
     path = list_checkpoints(run_dir / "checkpoints")[-1][1]
     state = dcp_io.read(path)
     shared = dcp_io.unpack(state["shared"], path)
@@ -268,7 +268,7 @@ def _tamper(run_dir: Path, how: str, marker: Path) -> None:
     else:
         shared["format"] = 1
     state["shared"] = dcp_io.pack(shared)
-    dcp.save(state, checkpoint_id=path, no_dist=True)
+    dcp_io.save(state, path, distributed=False)
 
 
 def _snapshot(run_dir: Path) -> dict[str, str]:

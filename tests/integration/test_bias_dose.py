@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import io
 import json
+import logging
 import math
+import shutil
 import subprocess
 import sys
 
@@ -161,3 +163,21 @@ def test_the_accumulation_given_at_measurement_replaces_the_runs_own(run, tmp_pa
         error = capsys.readouterr().err
         assert exit_.value.code == 2 and words in error and error.count("\n") == 1, flags
         assert not (tmp_path / "refused").exists()
+
+
+def test_a_damaged_newest_checkpoint_is_skipped_and_left_where_it_is(run, tmp_path, capsys, caplog):
+    """The meter verifies a checkpoint as a resume does; a reader leaves the run's files alone."""
+    copy = tmp_path / "run"
+    shutil.copytree(run, copy)
+    newer = copy / "checkpoints" / "step_0000004"
+    shutil.copytree(copy / "checkpoints" / "step_0000002", newer)
+    shard = newer / "__0_0.distcp"
+    shard.write_bytes(shard.read_bytes()[:100])
+    with caplog.at_level(logging.WARNING):
+        load_run(copy)  # step 2's: the truncated shard of step 4 would not load
+    assert f"skipping damaged checkpoint {newer}" in caplog.text and "its index needs" in caplog.text
+    assert newer.is_dir() and not list((copy / "checkpoints").glob("*.damaged*"))
+    with pytest.raises(SystemExit) as exit_:
+        bias_main([str(newer), "--batches", "1", "--out", str(tmp_path / "out")])
+    error = capsys.readouterr().err
+    assert exit_.value.code == 2 and "its index needs" in error and error.count("\n") == 1

@@ -206,7 +206,7 @@ def test_sigkill_during_a_checkpoint_save_leaves_the_previous_one(tmp_path, refe
     assert _finish(proc)[0] == -signal.SIGKILL  # killed inside the third save (step 12)
     assert [s for s, _ in list_checkpoints(ckpts)] == [4, 8]
     torn = ckpts / ".step_0000012.tmp"  # written in full, never under a checkpoint name
-    assert sorted(p.name for p in torn.iterdir()) == [".metadata", "__0_0.distcp"]
+    assert sorted(p.name for p in torn.iterdir()) == [".metadata", "__0_0.distcp", "__0_checksums.json"]
     assert load_checkpoint(list_checkpoints(ckpts)[-1][1])["step"] == 8
     rc, _, err = _train(run_dir, "trainer.resume=true")
     assert rc == 0, err[-3000:]

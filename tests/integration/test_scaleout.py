@@ -204,7 +204,8 @@ def test_fsdp_sigkill_in_training_and_in_a_save_resumes_on_the_same_curve(runs, 
     second = launch(0, 20)  # resumed from step 10; rank 0 dies in the commit of step 20
     assert second.returncode != 0 and [s for s, _ in list_checkpoints(ckpts)] == [10], second.stderr[-3000:]
     torn = ckpts / ".step_0000020.tmp"
-    assert sorted(p.name for p in torn.iterdir()) == [".metadata", "__0_0.distcp", "__1_0.distcp"]
+    names = [".metadata", "__0_0.distcp", "__0_checksums.json", "__1_0.distcp", "__1_checksums.json"]
+    assert sorted(p.name for p in torn.iterdir()) == names  # every rank's shards and their checksums
     third = launch(0, 0, "trainer.ckpt_async=true")  # resumed from step 10 again, to the end, saving async
     assert third.returncode == 0, third.stdout[-3000:] + third.stderr[-3000:]
     assert _losses(run_dir) == _losses(runs / "reuse_rounded_fsdp")

@@ -2,7 +2,8 @@
 [--site-margin PATTERN=K ...] [--sweep-margin PATTERN=K1,K2,...] [--accumulation NAME]
 [--accumulation-gemm GEMM=MODE ...]``
 
-Loads a training checkpoint (its directory, or a run directory's newest), and runs the bias meter at its
+Loads a training checkpoint (its directory, or a run directory's newest intact one: each is
+verified as a resume verifies it, a damaged one skipped with a warning), and runs the bias meter at its
 weights and FP8 scales on the run's first N validation batches; writes ``bias.json``,
 ``bias.md`` and ``bias.png`` to DIR (default ``<run dir>/bias/step<step>``) and prints the
 table's total rows.
@@ -21,7 +22,7 @@ add as Hopper's fast accumulation, dgrad and wgrad as its split one); the meter 
 the backward GEMMs' accumulation (``contrib.ieee_acc.dgrad``, ``contrib.ieee_acc.wgrad``).
 Default DIR then gets ``-acc-<NAME>`` appended.
 
-Exit code 2, one line on stderr, when there is no checkpoint to read or a margin is refused (a
+Exit code 2, one line on stderr, when there is no intact checkpoint to read or a margin is refused (a
 pattern that matches no site of the run, a K below 0, a run without FP8 sites).
 """
 
@@ -51,13 +52,23 @@ def load_run(path: Path, site_margin: dict[str, int] | None = None, accumulation
     from readback.backends import build_model
     from readback.config import from_saved
     from readback.data import build_data
-    from readback.train.checkpoint import checkpoint_dir, is_checkpoint, list_checkpoints, load_checkpoint
+    from readback.train.checkpoint import (
+        checkpoint_dir,
+        is_checkpoint,
+        list_checkpoints,
+        load_checkpoint,
+        load_latest_checkpoint,
+    )
+    from readback.train.checkpoint_verify import verify
 
-    if not is_checkpoint(path):
-        found = list_checkpoints(checkpoint_dir(path)) or list_checkpoints(path)
-        if not found:
-            raise FileNotFoundError(f"no checkpoint in {path} (nor in {checkpoint_dir(path)})")
-        path = found[-1][1]
+    if is_checkpoint(path):
+        verify(path)
+    else:
+        ckpt_dir = checkpoint_dir(path) if list_checkpoints(checkpoint_dir(path)) else path
+        found = load_latest_checkpoint(ckpt_dir, move_damaged=False)  # a reader leaves the run as it is
+        if found is None:
+            raise FileNotFoundError(f"no intact checkpoint in {path} (nor in {checkpoint_dir(path)})")
+        path = found[0]
     state = load_checkpoint(path)
     saved, numerics_state = state["config"], state["ranks"][0]["numerics"]
     cfg = from_saved(saved)
@@ -146,6 +157,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.batches < 1:
         parser.exit(2, f"{parser.prog}: error: --batches must be >= 1, got {args.batches}\n")
     os.environ.setdefault("MPLBACKEND", "Agg")
+    from readback.train.checkpoint_verify import Damaged
+
     try:
         args.accumulation_keys = accumulation_keys(args.accumulation, args.accumulation_gemm)
         given = None if args.site_margin is None else dict(_single(parse_margin(m)) for m in args.site_margin)
@@ -169,7 +182,7 @@ def main(argv: list[str] | None = None) -> int:
             dose_dir = out.parent
     except ConfigError as error:
         parser.exit(2, f"{parser.prog}: error: {error}\n")
-    except (FileNotFoundError, IsADirectoryError, RuntimeError, KeyError) as error:
+    except (OSError, Damaged, RuntimeError, KeyError) as error:
         parser.exit(2, f"{parser.prog}: error: cannot read a checkpoint at {args.path}: {error}\n")
     from readback.bias.dose import combine, write_dose
 

@@ -7,13 +7,15 @@ rank 0 renames that directory onto its final name (:func:`commit_checkpoint`), s
 moment leaves either the previous checkpoint set or the new one, never a partial directory under
 a checkpoint name. The temporary directory of a save that a ``SIGKILL`` interrupted is removed
 when the run resumes (:func:`remove_stale_temp_files`). Other files (``summary.json``,
-``metrics.jsonl``) are written to a temporary name and ``os.replace``-d (:func:`atomic_write_bytes`).
+``metrics.jsonl``) are written to a temporary name and ``os.replace``-d (:mod:`atomic_files`).
 
 :func:`resume_plan` decides, from a run directory and a config, where a run starts: the newest
-readable checkpoint (``trainer.resume=true``), step 0 (an empty run directory), or a
+intact and readable checkpoint (``trainer.resume=true``), step 0 (an empty run directory), or a
 ``ConfigError`` (checkpoints that cannot be resumed, or would be overwritten). ``train.py`` asks it
-before Hydra touches the run directory, the trainer again when it starts. It reads only the
-index and the small shared state of a checkpoint, never its tensors.
+before Hydra touches the run directory, the trainer again when it starts. Each checkpoint it
+considers is verified first (:mod:`checkpoint_verify`: sizes against the index, checksums against
+what the ranks recorded); a damaged one is moved aside to ``step_XXXXXXX.damaged`` with a warning,
+and the next older one tried. Pruning (``keep_last``) counts intact checkpoints only.
 
 Loading runs no code (:mod:`dcp_io`): a checkpoint that would need to unpickle anything but
 tensors and plain containers is refused with one line.
@@ -21,24 +23,21 @@ tensors and plain containers is refused with one line.
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
 import re
 import shutil
-import tempfile
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 from readback.errors import ConfigError
-from readback.train import dcp_io
+from readback.train import checkpoint_verify, dcp_io
+from readback.train.atomic_files import fsync_dir
+from readback.train.checkpoint_verify import Damaged, has_all_bytes, move_aside, moved_aside
 from readback.train.settings import Config, plain_config
 
 log = logging.getLogger(__name__)
-
-_UMASK = os.umask(0o022)
-os.umask(_UMASK)
 
 CHECKPOINT_FORMAT = 3  # 3: a sharded DCP directory (2: one weights_only file of full state dicts)
 _NAME = re.compile(r"^step_(\d+)$")
@@ -71,42 +70,6 @@ def temp_checkpoint_path(ckpt_dir: Path, step: int) -> Path:
     return Path(ckpt_dir) / f".step_{int(step):07d}.tmp"
 
 
-def _fsync_dir(path: Path) -> None:
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
-
-
-def atomic_write_bytes(path: Path, write: Any) -> None:
-    """Call ``write(fileobj)`` on a temp file next to ``path``, fsync it, then rename onto ``path``."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        os.fchmod(fd, 0o666 & ~_UMASK)  # mkstemp makes 0600 files: give the final file the usual mode
-        with os.fdopen(fd, "wb") as f:
-            write(f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        raise
-    _fsync_dir(path.parent)
-
-
-def atomic_write_text(path: Path, text: str) -> None:
-    atomic_write_bytes(path, lambda f: f.write(text.encode("utf-8")))
-
-
 def is_checkpoint(path: Path) -> bool:
     """Whether ``path`` is a complete checkpoint directory (its index written)."""
     return (Path(path) / dcp_io.INDEX).is_file()
@@ -125,12 +88,19 @@ def list_checkpoints(ckpt_dir: Path) -> list[tuple[int, Path]]:
     return sorted(found)
 
 
+def newest_intact(ckpt_dir: Path) -> Path | None:
+    """The newest checkpoint in ``ckpt_dir`` with all its bytes; nothing is moved."""
+    return next((p for _, p in reversed(list_checkpoints(ckpt_dir)) if has_all_bytes(p, move_damaged=False)), None)
+
+
 def prune_checkpoints(ckpt_dir: Path, keep_last: int | None) -> list[Path]:
-    """Delete all but the newest ``keep_last`` checkpoints (``None`` or ``<= 0`` keeps all)."""
+    """Delete all but the newest ``keep_last`` intact checkpoints (``None`` or ``<= 0`` keeps all).
+    A damaged one is moved aside, one that cannot be checked now kept; neither is counted."""
     if keep_last is None or keep_last <= 0:
         return []
+    intact = [p for _, p in reversed(list_checkpoints(ckpt_dir)) if has_all_bytes(p, move_damaged=True)]
     removed = []
-    for _, p in list_checkpoints(ckpt_dir)[: -int(keep_last)]:
+    for p in intact[int(keep_last) :]:
         try:
             shutil.rmtree(p)
             removed.append(p)
@@ -145,10 +115,10 @@ def commit_checkpoint(ckpt_dir: Path, step: int, keep_last: int | None = None) -
     tmp, path = temp_checkpoint_path(ckpt_dir, step), checkpoint_path(ckpt_dir, step)
     if not is_checkpoint(tmp):
         raise FileNotFoundError(f"{tmp} holds no complete checkpoint (no {dcp_io.INDEX})")
-    if path.exists():  # an unreadable checkpoint of the same step, which resume skipped
-        shutil.rmtree(path)
+    if path.exists():  # one of the same step whose shared state did not load, which resume skipped
+        move_aside(path, f"its shared state did not load; step {step} was saved again")
     os.rename(tmp, path)
-    _fsync_dir(path.parent)
+    fsync_dir(path.parent)
     prune_checkpoints(ckpt_dir, keep_last)
     return path
 
@@ -192,10 +162,26 @@ def load_checkpoint(path: Path) -> dict[str, Any]:
     return {**shared, **state, "ranks": ranks}
 
 
-def load_latest_checkpoint(ckpt_dir: Path, quiet: bool = False) -> tuple[Path, dict[str, Any]] | None:
-    """The newest checkpoint whose shared state loads (:func:`read_shared`); unreadable ones are
-    skipped with a warning."""
+def load_latest_checkpoint(
+    ckpt_dir: Path, quiet: bool = False, *, move_damaged: bool = True
+) -> tuple[Path, dict[str, Any]] | None:
+    """The newest intact checkpoint whose shared state loads (:func:`read_shared`). A damaged one
+    (:func:`checkpoint_verify.verify`) is moved aside (``move_damaged``; else named in a warning)
+    and skipped, an unreadable one skipped with a warning. ``quiet``, the entry point's look
+    ahead (on every rank of a launch, before the run's log exists): sizes checked, not checksums
+    (the run's own resume reads those, once), nothing moved or logged. An I/O error that
+    outlasts the retries is raised (``OSError``): nothing is moved for it."""
     for step, path in reversed(list_checkpoints(ckpt_dir)):
+        try:
+            checkpoint_verify.verify(path, checksums=not quiet)
+        except Damaged as e:
+            if quiet:
+                continue
+            if move_damaged:
+                move_aside(path, str(e))
+            else:
+                log.warning("skipping damaged checkpoint %s (step %d): %s", path, step, e)
+            continue
         try:
             return path, read_shared(path)
         except ConfigError:  # refused as unsafe: never skipped for an older one
@@ -250,6 +236,13 @@ def resume_plan(run_dir: Path, cfg: Config, *, quiet: bool = False) -> tuple[Pat
             f"a checkpoint of format {CHECKPOINT_FORMAT}; {legacy[-1]} is a single file of format 2 "
             f"(resume it with the readback that wrote it, or use a new hydra.run.dir)",
         )
+    if not found and moved_aside(ckpt_dir):
+        raise ConfigError(
+            "trainer.resume",
+            cfg.trainer.resume,
+            f"a run directory with an intact checkpoint, or a new hydra.run.dir: {ckpt_dir} holds only "
+            f"damaged ones, moved aside ({', '.join(p.name for p in moved_aside(ckpt_dir))})",
+        )
     if not found:
         return None
     resume = cfg.trainer.resume
@@ -265,13 +258,21 @@ def resume_plan(run_dir: Path, cfg: Config, *, quiet: bool = False) -> tuple[Pat
             f"true to continue the run in {run_dir} (it holds {len(found)} "
             f"checkpoint(s), up to step {found[-1][0]}), or a new hydra.run.dir",
         )
-    latest = load_latest_checkpoint(ckpt_dir, quiet=quiet)
+    try:
+        latest = load_latest_checkpoint(ckpt_dir, quiet=quiet)
+    except OSError as e:
+        raise ConfigError(
+            "trainer.resume",
+            True,
+            f"a checkpoint that can be read; reading those in {ckpt_dir} failed, retried too ({e}); "
+            f"nothing was moved (an I/O error is no sign of damage): resume once the file system answers",
+        ) from e
     if latest is None:
         raise ConfigError(
             "trainer.resume",
             True,
-            f"a run directory with a readable checkpoint: none of the "
-            f"{len(found)} in {ckpt_dir} loads (remove them to start afresh)",
+            f"a run directory with an intact, readable checkpoint: none of the "
+            f"{len(found)} in {ckpt_dir} is (remove them, and any step_*.damaged, to start afresh)",
         )
     path, state = latest
     if state.get("format") != CHECKPOINT_FORMAT:

@@ -20,16 +20,22 @@ and from where to resume and tells the others, so every rank raises the same ``C
 ``trainer.ckpt_async``: the state is copied when the save starts and written by a background
 thread (``dcp.async_save``, over a process group of its own); the commit waits for the next save
 or the end of the run (:meth:`CheckpointManager.wait`).
+
+A save that a file system error stops (a full disk: ``ENOSPC``), at once or, asynchronous, at
+that wait, becomes one line (``ConfigError``): the step, the cause and the newest intact
+checkpoint, once rank 0 has removed the half-written temporary directory; the trainer then
+writes ``summary.json`` (``status: failed``) into the room that freed.
 """
 
 from __future__ import annotations
 
 import logging
 import random
+import shutil
 from collections.abc import Mapping
 from concurrent.futures import Future
 from pathlib import Path
-from typing import Any, Protocol, cast
+from typing import Any, NoReturn, Protocol, cast
 
 import torch
 import torch.distributed as dist
@@ -47,6 +53,7 @@ from readback.train.checkpoint import (
     CHECKPOINT_FORMAT,
     checkpoint_dir,
     commit_checkpoint,
+    newest_intact,
     remove_stale_temp_files,
     resume_plan,
     temp_checkpoint_path,
@@ -169,9 +176,12 @@ class CheckpointManager:
             meta |= {"config": plain_config(self.cfg), "wandb_run_id": wandb_run_id}
             state["shared"] = dcp_io.pack(to_cpu({**meta, **shared}))
         tmp = temp_checkpoint_path(self.dir, step)
-        future = dcp_io.save(
-            state, tmp, distributed=env.distributed, process_group=self.group, asynchronous=self.asynchronous
-        )
+        try:
+            future = dcp_io.save(
+                state, tmp, distributed=env.distributed, process_group=self.group, asynchronous=self.asynchronous
+            )
+        except BaseException as e:  # DCP's CheckpointException is no Exception
+            self._failed(step, e)
         self.pending = (step, future)
         if not self.asynchronous:
             self.wait()
@@ -181,11 +191,31 @@ class CheckpointManager:
         if self.pending is None:
             return
         (step, future), self.pending = self.pending, None
-        if future is not None:
-            future.result()
-        if self.env.is_main:
-            self.last_path = str(commit_checkpoint(self.dir, step, self.keep_last))
+        try:
+            if future is not None:
+                future.result()
+            if self.env.is_main:
+                self.last_path = str(commit_checkpoint(self.dir, step, self.keep_last))
+        except BaseException as e:
+            self._failed(step, e)
         barrier(self.env)
+
+    def _failed(self, step: int, error: BaseException) -> NoReturn:
+        """Re-raise ``error``, a failed save of ``step``; one with a file system error behind it
+        as one line, once rank 0 has removed what it wrote."""
+        cause = dcp_io.os_error_of(error)
+        if cause is None:
+            raise error
+        if self.env.is_main:
+            shutil.rmtree(temp_checkpoint_path(self.dir, step), ignore_errors=True)
+        newest = newest_intact(self.dir)
+        resume = f"{newest}, which trainer.resume=true continues from" if newest else "none"
+        raise ConfigError(
+            "hydra.run.dir",
+            str(self.run_dir),
+            f"a directory the checkpoint of step {step} can be saved in: saving it failed "
+            f"({' '.join(str(cause).split())}); the newest intact checkpoint is {resume}",
+        ) from error
 
     def resume(self) -> tuple[int, str | None]:
         """Load the checkpoint :func:`resume_plan` picks into the components: ``(step, wandb id)``,

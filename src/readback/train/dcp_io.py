@@ -1,7 +1,8 @@
 """Sharded checkpoints through ``torch.distributed.checkpoint`` (DCP), read without running code.
 
-A checkpoint is a DCP directory: every rank writes its own shards (``__<rank>_0.distcp``), the
-coordinator the index (``.metadata``) once all shards are written. Tensors (model, optimizer) are
+A checkpoint is a DCP directory: every rank writes its own shards (``__<rank>_0.distcp``) and
+their checksums (:mod:`shard_manifest`), the coordinator the index (``.metadata``) once all
+shards are written. Tensors (model, optimizer) are
 DCP items, resharded on load to any world size. Other state travels as blobs: :func:`pack`
 ``torch.save``-s a component's state (tensors and plain containers) into a uint8 tensor, one item.
 
@@ -18,17 +19,19 @@ import pickle
 import warnings
 from concurrent.futures import Future
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint._nested_dict import set_element
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, _EmptyStateDictLoadPlanner
 from torch.distributed.checkpoint.planner import ReadItem
 from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 
 from readback.errors import ConfigError
+from readback.train import shard_manifest
 
 # without a process group DCP warns on every call that it assumes one process: so it does
 warnings.filterwarnings("ignore", message="torch.distributed is .*assuming the intent is to")
@@ -47,7 +50,7 @@ _INDEX_GLOBALS = {
 }
 
 
-def refuse(path: Path, error: pickle.UnpicklingError) -> None:
+def refuse(path: Path, error: pickle.UnpicklingError) -> NoReturn:
     """Raise the one-line refusal of a checkpoint whose pickle names a callable; re-raise
     ``error`` when it names none (an unreadable file, which resume skips)."""
     refused = next((line.strip() for line in str(error).splitlines() if "GLOBAL" in line), None)
@@ -77,19 +80,31 @@ class _IndexUnpickler(pickle.Unpickler):
         return super().find_class(module, name)
 
 
-def check_index(path: Path) -> None:
-    """Refuse (:func:`refuse`) a checkpoint whose index names anything but DCP's own classes."""
+def read_index(path: Path) -> Any:
+    """The checkpoint's index (DCP's ``Metadata``, unchecked); refused (:func:`refuse`) when it
+    names anything but DCP's own classes."""
     with open(Path(path) / INDEX, "rb") as f:
         try:
-            _IndexUnpickler(f).load()
+            return _IndexUnpickler(f).load()
         except pickle.UnpicklingError as e:
             refuse(Path(path), e)
 
 
 class _SafeReader(FileSystemReader):
     def read_metadata(self, *args: Any, **kwargs: Any) -> Any:
-        check_index(Path(self.path))
+        read_index(Path(self.path))
         return super().read_metadata(*args, **kwargs)
+
+
+class _ChecksummedWriter(FileSystemWriter):
+    """DCP's writer, which then records the checksums of the files this rank wrote (in the
+    background thread of an asynchronous save too): before the index, so before the commit."""
+
+    def write_data(self, plan: Any, planner: Any) -> Any:
+        future = super().write_data(plan, planner)
+        written = {result.storage_data.relative_path for result in future.wait()}
+        shard_manifest.write(Path(self.path), plan.storage_data.prefix, written)
+        return future
 
 
 class _SafeBytes:
@@ -146,11 +161,25 @@ def save(
     """Every rank writes its part of ``state_dict`` (``Stateful`` values are asked for their
     state) into the directory ``path``. Asynchronous: the state is copied now and written by a
     background thread; the returned future completes when the index is written."""
-    writer = FileSystemWriter(str(path), single_file_per_rank=True, sync_files=True)
+    writer = _ChecksummedWriter(str(path), single_file_per_rank=True, sync_files=True)
     kwargs = {"storage_writer": writer, "process_group": process_group, "no_dist": not distributed}
     if asynchronous:
         return dcp.async_save(state_dict, **kwargs)  # type: ignore[return-value]
     dcp.save(state_dict, **kwargs)
+    return None
+
+
+def os_error_of(error: BaseException) -> OSError | None:
+    """The ``OSError`` (a full disk, ...) behind a failed :func:`save`, which DCP wraps, each
+    rank's error apart, in a ``CheckpointException``, and ``torch.save`` may hide behind an error
+    of its own (a full disk's short write: ``unexpected pos``); ``None``: no file system error."""
+    if isinstance(error, OSError):
+        return error
+    inner = [e for e, _ in error.failures.values()] if isinstance(error, CheckpointException) else []
+    for e in [*inner, error.__cause__, error.__context__]:
+        found = os_error_of(e) if e is not None else None
+        if found is not None:
+            return found
     return None
 
 
@@ -169,7 +198,7 @@ def load(state_dict: dict[str, Any], path: Path, *, distributed: bool) -> None:
 def read(path: Path, keys: set[str] | None = None) -> dict[str, Any]:
     """The checkpoint at ``path`` as full (unsharded) tensors and blobs, in this process alone;
     ``keys``: only those top-level entries."""
-    check_index(Path(path))
+    read_index(Path(path))
     planner = _SafeFullPlanner(keys=keys)
     state: dict[str, Any] = {}
     _load_state_dict(state, storage_reader=_SafeReader(str(path)), planner=planner, no_dist=True)

@@ -17,7 +17,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, TextIO
 
-from readback.train.checkpoint import atomic_write_text
+from readback.train.atomic_files import atomic_write_text
 from readback.train.identity import launch_context, run_identity
 from readback.train.settings import Logger
 from readback.train.settings import WandbLogger as WandbSettings

@@ -173,7 +173,7 @@ def test_atomic_checkpoint_survives_a_kill_after_the_shards(tmp_path, monkeypatc
     monkeypatch.undo()
     assert [s for s, _ in list_checkpoints(tmp_path)] == [1]
     torn = temp_checkpoint_path(tmp_path, 2)
-    assert [p.suffix for p in torn.iterdir()] == [".distcp"]  # shards, no index: never committed
+    assert sorted(p.name for p in torn.iterdir()) == ["__0_0.distcp", "__0_checksums.json"]  # no index: never committed
     with pytest.raises(FileNotFoundError, match=r"no \.metadata"):
         commit_checkpoint(tmp_path, 2)
     path, shared = load_latest_checkpoint(tmp_path)
