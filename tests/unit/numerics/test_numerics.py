@@ -341,6 +341,18 @@ def test_format_choice():
     assert TABLES["E5M2"][-1].item() == 57344.0
 
 
+@pytest.mark.parametrize("fmt, bound", [(E4M3, 19), (E5M2, 33)])
+@pytest.mark.parametrize("amax", [1e-3, 1.0, 3e4])
+def test_zero_margin_is_where_the_amax_element_first_rounds_to_zero(fmt, bound, amax):
+    """max 448, smallest subnormal 2**-9: 448 * 2**-19 < 2**-10; max 57344, 2**-16: 57344 * 2**-33 < 2**-17."""
+    assert fmt.zero_margin == bound
+    x = torch.tensor([amax, -amax, amax / 2])
+    below = quantize(x, fmt, compute_scale(torch.tensor(amax), fmt, bound - 1))
+    at = quantize(x, fmt, compute_scale(torch.tensor(amax), fmt, bound))
+    assert below.dequantize()[:2].abs().min() > 0
+    assert torch.count_nonzero(at.dequantize()) == 0
+
+
 def test_delayed_scaling_defaults_match_transformer_engine():
     recipe = DelayedScaling()
     assert recipe.margin == 0
