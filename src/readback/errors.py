@@ -18,6 +18,12 @@ class ConfigError(ValueError):
         super().__init__(f"{key}={value!r} is not valid; valid: {self.valid}")
 
 
+class NumericsError(RuntimeError):
+    """A run's numerics reached a value they cannot go on with, which no config check could see
+    (a site's scale that is no usable FP32 number): the run ends ``failed``, naming the site,
+    never ``diverged``, since the model did not blow up: its rounding did."""
+
+
 def require(condition: bool, key: str, value: object, valid: Iterable[object] | str) -> None:
     """Raise ``ConfigError(key, value, valid)`` unless ``condition`` holds."""
     if not condition:

@@ -5,8 +5,10 @@ Order of one optimizer step ``t`` (counted from 1):
 
 1. ``accum`` micro-steps of forward + ``(loss / accum).backward()`` at ``lr = schedule(t)``, DDP
    ``no_sync`` on all but the last;
-2. the step's loss is averaged over ranks (with it travels the preemption flag); a NaN/Inf loss
-   stops the run (``status: diverged``), the update not applied;
+2. the step's loss is averaged over ranks (with it travels the preemption flag); a scale that was
+   no usable FP32 number at some site ends the run ``failed`` (``NumericsError``, naming the site:
+   the rounding broke, not the model), before any verdict on the loss; a NaN/Inf loss stops the run
+   (``status: diverged``), the update not applied;
 3. pre-clip gradient norm; non-finite gradients are not applied either: they stop the run like a
    NaN loss (``trainer.divergence.nonfinite_grads: stop``) or skip the update (``skip``);
    otherwise clip to ``grad_clip`` and ``optimizer.step()``; the schedule steps in both cases;
@@ -195,7 +197,9 @@ class Trainer:
         return self.compiled
 
     def _apply_update(self, step: int, loss: float, gnorm: float) -> bool:
-        """Step the optimizer unless the loss or the gradients are not finite; ``False``: stop."""
+        """Step the optimizer unless the loss or the gradients are not finite; ``False``: stop.
+        An unusable scale raises first (``NumericsError``): a run it broke fails, not diverges."""
+        self.model.numerics.check_scales()
         if self.detector.check_loss(step, loss):
             grads = nonfinite_grad_names(self.named_params) if not math.isfinite(gnorm) else []
             self.detector.record_nonfinite_tensors(["loss"] + [f"{n}.grad" for n in grads])

@@ -629,3 +629,18 @@ def test_matmul_fp32_and_fp64(shape, seed):
     assert got64.dtype == torch.float64
     torch.testing.assert_close(got64, want, rtol=1e-12, atol=1e-300)
     assert torch.equal(matmul(qa, qb, "fp8"), fp8_mm(qa, qb))
+
+
+def test_check_scales_names_the_site_whose_own_scale_was_unusable():
+    """Current scaling of an amax near FP32's max under margin 18 (allowed: 18 < E4M3's 19) gives a
+    subnormal scale: counted at its site, raised once by ``check_scales``, then cleared."""
+    from readback.errors import NumericsError
+    from readback.ops import numerics_for
+
+    numerics = numerics_for("fp8", recipe=CurrentScaling(margin=18))
+    numerics.site("a.input").quantize(torch.tensor([1.0, -2.0]))
+    numerics.site("b.input").quantize(torch.tensor([3e38, 1.0]))
+    numerics.site("a.input").quantize(torch.tensor([1.0]), scale=torch.tensor(0.0))  # a reused scale: not its own
+    with pytest.raises(NumericsError, match=r"^the FP8 scale of site b.input was 0, subnormal, infinite or NaN"):
+        numerics.check_scales()
+    numerics.check_scales()  # counted since the last call only
