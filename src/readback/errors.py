@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterable
 
 
@@ -28,6 +29,13 @@ def require(condition: bool, key: str, value: object, valid: Iterable[object] | 
     """Raise ``ConfigError(key, value, valid)`` unless ``condition`` holds."""
     if not condition:
         raise ConfigError(key, value, valid)
+
+
+def some_of(names: Iterable[str], most: int = 12) -> str:
+    """``names`` as a refusal lists what exists: layer indices folded into a glob
+    (``layers.*.mlp.up``), each name once, the first ``most`` and how many there are."""
+    kinds = list(dict.fromkeys(re.sub(r"(^|\.)layers\.\d+\.", r"\1layers.*.", n) for n in names))
+    return ", ".join(kinds[:most]) + (f", ... ({len(kinds)} in all)" if len(kinds) > most else "")
 
 
 def choose(key: str, value: str, valid: Iterable[str]) -> str:

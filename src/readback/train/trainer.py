@@ -40,6 +40,7 @@ from readback.backends import site_implementations
 from readback.errors import ConfigError
 from readback.model import ActivationStats
 from readback.ops.compiled import compiled
+from readback.probe import check_params
 from readback.train.checkpoint_manager import CheckpointManager, RNGState
 from readback.train.contract import Builders, check_model, with_vocabulary
 from readback.train.distributed import DistEnv, all_reduce_mean
@@ -95,6 +96,7 @@ class Trainer:
             check_memory(cfg, self.builders, env.world_size)
         torch.manual_seed(cfg.seed)
         self.model = check_model(self.builders.model(cfg, str(env.device)))
+        check_params(cfg.probe, self.model)  # the names its patterns match exist once it is built
         self.n_params = int(self.model.n_params())
         self.forward = apply_parallelism(self.model, env, cfg.trainer.parallel)  # before the optimizer: FSDP shards
         self.compiled = compiled(self.forward) if cfg.trainer.compile else None
