@@ -7,10 +7,12 @@ and owned by ``readback.numerics.state.Numerics``.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 import torch
 
+from readback.errors import NumericsError
 from readback.numerics import (
     BF16,
     CurrentScalingState,
@@ -126,6 +128,28 @@ class Site:
             self.saturated, self.underflowed, self.nonzero, self.unusable = (
                 t.to(device) for t in (self.saturated, self.underflowed, self.nonzero, self.unusable)
             )
+
+
+def check_scales(sites: Mapping[str, Site], step: int) -> None:
+    """Raise ``NumericsError`` naming the sites whose own scale was not a usable FP32 number
+    (0, subnormal, infinite or NaN) since the last call, at ``step``: no margin the config allows
+    gives one, but an amax near FP32's max or a restored scale can. One read of the device for all
+    sites; with several processes the counts are reduced first, so every rank raises."""
+    if not sites:
+        return
+    device = max((s.unusable.device for s in sites.values()), key=lambda d: d.type != "cpu")
+    counts = torch.stack([s.unusable.to(device) for s in sites.values()])
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        torch.distributed.all_reduce(counts, op=torch.distributed.ReduceOp.MAX)
+    for site in sites.values():
+        site.unusable.zero_()
+    bad = [name for name, n in zip(sites, counts.tolist()) if n]
+    if bad:
+        more = f" (and {len(bad) - 1} more: {', '.join(bad[1:4])}{', ...' if len(bad) > 4 else ''})" if bad[1:] else ""
+        raise NumericsError(
+            f"the FP8 scale of site {bad[0]}{more} was 0, subnormal, infinite or NaN in FP32 at step {step}: "
+            "its tensor cannot be rounded to FP8 (an amax near FP32's max, or a bad saved scale)"
+        )
 
 
 def underflow_counts(x: torch.Tensor, q: QTensor) -> tuple[torch.Tensor, torch.Tensor]:

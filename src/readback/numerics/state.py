@@ -17,7 +17,6 @@ from typing import Any
 
 import torch
 
-from readback.errors import NumericsError
 from readback.numerics import (
     BF16,
     DelayedScalingState,
@@ -25,7 +24,7 @@ from readback.numerics import (
     QTensor,
 )
 from readback.numerics.observations import Observations
-from readback.numerics.site import ScalingState, Site, UnitScale
+from readback.numerics.site import ScalingState, Site, UnitScale, check_scales
 from readback.numerics.spec import NumericsSpec
 from readback.numerics.streams import RandomStreams
 
@@ -238,27 +237,8 @@ class Numerics:
         return fractions
 
     def check_scales(self) -> None:
-        """Raise ``NumericsError`` naming the sites whose own scale was not a usable FP32 number
-        (0, subnormal, infinite or NaN) since the last call: no margin the config allows gives
-        one, but an amax near FP32's max or a restored scale can. One read of the device for all
-        sites; with several processes the counts are reduced first, so every rank raises."""
-        if not self.sites:
-            return
-        device = max((s.unusable.device for s in self.sites.values()), key=lambda d: d.type != "cpu")
-        counts = torch.stack([s.unusable.to(device) for s in self.sites.values()])
-        if torch.distributed.is_available() and torch.distributed.is_initialized():
-            torch.distributed.all_reduce(counts, op=torch.distributed.ReduceOp.MAX)
-        for site in self.sites.values():
-            site.unusable.zero_()
-        bad = [name for name, n in zip(self.sites, counts.tolist()) if n]
-        if bad:
-            more = (
-                f" (and {len(bad) - 1} more: {', '.join(bad[1:4])}{', ...' if len(bad) > 4 else ''})" if bad[1:] else ""
-            )
-            raise NumericsError(
-                f"the FP8 scale of site {bad[0]}{more} was 0, subnormal, infinite or NaN in FP32 at step "
-                f"{self.step + 1}: its tensor cannot be rounded to FP8 (an amax near FP32's max, or a bad saved scale)"
-            )
+        """``NumericsError`` for the sites whose own scale was unusable since the last call."""
+        check_scales(self.sites, self.step + 1)
 
     def observe(self, key: str, values: torch.Tensor) -> None:
         self.observations.observe(key, values)
