@@ -105,6 +105,9 @@ class ToyNumerics:
     def end_step(self) -> None:
         self.step += 1
 
+    def check_scales(self) -> None:
+        pass  # no scales
+
     def measuring(self, on: bool = True) -> contextlib.AbstractContextManager:
         return contextlib.nullcontext()  # no mechanism to measure
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterable
 
 
@@ -18,10 +19,23 @@ class ConfigError(ValueError):
         super().__init__(f"{key}={value!r} is not valid; valid: {self.valid}")
 
 
+class NumericsError(RuntimeError):
+    """A run's numerics reached a value they cannot go on with, which no config check could see
+    (a site's scale that is no usable FP32 number): the run ends ``failed``, naming the site,
+    never ``diverged``, since the model did not blow up: its rounding did."""
+
+
 def require(condition: bool, key: str, value: object, valid: Iterable[object] | str) -> None:
     """Raise ``ConfigError(key, value, valid)`` unless ``condition`` holds."""
     if not condition:
         raise ConfigError(key, value, valid)
+
+
+def some_of(names: Iterable[str], most: int = 12) -> str:
+    """``names`` as a refusal lists what exists: layer indices folded into a glob
+    (``layers.*.mlp.up``), each name once, the first ``most`` and how many there are."""
+    kinds = list(dict.fromkeys(re.sub(r"(^|\.)layers\.\d+\.", r"\1layers.*.", n) for n in names))
+    return ", ".join(kinds[:most]) + (f", ... ({len(kinds)} in all)" if len(kinds) > most else "")
 
 
 def choose(key: str, value: str, valid: Iterable[str]) -> str:

@@ -9,6 +9,7 @@ The cases run a few at a time (each is a fresh Python process: most of its time 
 from __future__ import annotations
 
 import hashlib
+import importlib.util
 import os
 import shutil
 import subprocess
@@ -188,7 +189,43 @@ CASES = [
         {},
         "is not valid; valid: readable text files (it holds NUL bytes: binary?)",
     ),
+    # settings that are well typed but cannot mean anything
+    (
+        "margin_underflow",
+        ["precision.margin=19"],
+        {},
+        "precision.margin=19 is not valid; valid: an integer in [0, 18] for the E4M3 sites (the forward sites: "
+        "activations and weights): from margin 19 on, the amax scales to 448 x 2^-19, below half E4M3's smallest "
+        "subnormal (2^-9), and rounds to zero",
+    ),
+    (
+        "site_margin_underflow",
+        ["precision.margin=3", "precision.site_margin={{mlp.up.grad_output:30}}"],
+        {},
+        "precision.site_margin.mlp.up.grad_output=30 is not valid; valid: margins adding up to at most 32 at the "
+        "E5M2 site layers.0.mlp.up.grad_output (here precision.margin=3 + site margins 30 = 33)",
+    ),
+    (
+        "empty_files",
+        ["data=shakespeare", "data.files=[]"],
+        {},
+        "data.files=[] is not valid; valid: null (the embedded texts) or a non-empty list",
+    ),
     # raised inside run(), after Hydra made the run directory: removed again
+    (
+        "seq_len_over_validation",
+        ["data.n_tokens=400"],
+        {},
+        "model.seq_len=32 is not valid; valid: at most 19: a sequence takes seq_len + 1 tokens, and the data "
+        "holds 380 training and 20 validation tokens",
+    ),
+    (
+        "probe_params_nothing",
+        ["probe.params=[*.atn.*]"],
+        {},
+        "probe.params='*.atn.*' is not valid; valid: globs over whole parameter names, e.g. embedding, "
+        "layers.*.attn.qkv.weight,",
+    ),
     (
         "world_size",
         [],
@@ -350,3 +387,21 @@ def test_full_error_shows_the_traceback_too(tmp_path):
         assert proc.returncode == 2
         assert "Traceback" in proc.stderr and proc.stderr.splitlines()[-1].startswith("error: ")
     assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()
+
+
+@pytest.mark.skipif(importlib.util.find_spec("transformers") is None, reason="model=hf needs transformers")
+def test_a_model_filter_naming_nothing_is_refused_in_one_line(tmp_path):
+    """convert's ``filter`` as ``model=hf`` reaches it. Importing transformers may let other
+    packages log warnings of their own on stderr, so the refusal is the one ``error:`` line."""
+    run_dir = tmp_path / "run"
+    proc = _run(["model=hf", "model.filter=[lm_haed]", f"hydra.run.dir={run_dir}"], _env({}))
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error: ")]
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr + proc.stdout, proc.stderr[-3000:]
+    assert errors == [
+        "error: model.filter='lm_haed' is not valid; valid: module-name patterns (globs or dotted prefixes) "
+        "naming a module of the model, e.g. model.embed_tokens, model.layers.*.self_attn.q_proj, "
+        "model.layers.*.self_attn.k_proj, model.layers.*.self_attn.v_proj, model.layers.*.self_attn.o_proj, "
+        "model.layers.*.mlp.gate_proj, model.layers.*.mlp.up_proj, model.layers.*.mlp.down_proj, "
+        "model.layers.*.input_layernorm, model.layers.*.post_attention_layernorm, model.norm, lm_head"
+    ]
+    assert not run_dir.exists()

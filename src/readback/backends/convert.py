@@ -32,7 +32,7 @@ from omegaconf.errors import ValidationError
 
 from readback.backends.converted import ConvertParts, SDPARouter, eps_of
 from readback.backends.precision import build_numerics
-from readback.errors import ConfigError, choose
+from readback.errors import ConfigError, choose, require, some_of
 from readback.numerics import DelayedScaling
 from readback.numerics.spec import ATTENTION_BWD, PRECISIONS
 from readback.ops import Numerics, numerics_for
@@ -183,6 +183,20 @@ def _why_left(module: Any, kind: str | None) -> str | None:
     return None
 
 
+def _check_filter(model: nn.Module, filter: tuple[str, ...]) -> None:
+    """``ConfigError`` for a ``filter`` pattern that names no module of ``model`` (by ``_matches``'s
+    rule), listing the modules that hold parameters, before anything is swapped."""
+    names = [name for name, _ in model.named_modules() if name]
+    for pattern in filter:
+        require(
+            any(_matches(name, (pattern,)) for name in names),
+            "filter",
+            pattern,
+            "module-name patterns (globs or dotted prefixes) naming a module of the model, e.g. "
+            + some_of(n for n, m in model.named_modules() if n and list(m.parameters(recurse=False))),
+        )
+
+
 def convert(
     model: nn.Module,
     precision: str | Mapping | Numerics = "fp8",
@@ -210,9 +224,10 @@ def convert(
             "a model that has no readback numerics yet (this one was "
             "converted, or built from readback's parts, already)",
         )
+    filter = tuple(filter)
+    _check_filter(model, filter)
     numerics = precision if isinstance(precision, Numerics) else _numerics(precision, policy, attention_bwd, seed)
     report = ConvertReport(numerics)
-    filter = tuple(filter)
     parts: ConvertParts | TEConverter
     if backend == "te":
         from readback.backends.convert_te import TEConverter

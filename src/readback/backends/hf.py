@@ -113,7 +113,12 @@ def build_hf_model(cfg: ModelSettings, device: str | torch.device = "cpu") -> HF
     with torch.device(device):
         lm = llama(m)
     numerics = build_numerics(cfg.precision, cfg.policy, cfg.attention, cfg.seed)
-    report = convert(lm, numerics, backend=cfg.backend.name, filter=tuple(m.filter))
+    try:
+        report = convert(lm, numerics, backend=cfg.backend.name, filter=tuple(m.filter))
+    except ConfigError as error:
+        if error.key != "filter":
+            raise
+        raise ConfigError("model.filter", error.value, error.valid) from None  # the run's key for it
     return HFCausalLM(lm, report, m.seq_len)
 
 

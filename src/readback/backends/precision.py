@@ -15,9 +15,9 @@ from typing import Any
 from omegaconf import MISSING
 
 from readback.backends.te_recipe import RECIPES
-from readback.errors import ConfigError
+from readback.errors import ConfigError, require
 from readback.fields import Checked, integer, items, one_of
-from readback.numerics import AMAX_COMPUTE_ALGOS, ROUNDINGS, CurrentScaling, DelayedScaling, Format
+from readback.numerics import AMAX_COMPUTE_ALGOS, ROUNDINGS, CurrentScaling, DelayedScaling, Format, FP8Format
 from readback.numerics.spec import ACCUMULATIONS, ATTENTION_BWD, PRECISIONS, resolve_accumulation
 from readback.ops import Numerics, numerics_for
 from readback.policy import POLICIES
@@ -45,6 +45,16 @@ class Fp8Precision(Precision):
     accumulation_gemms: Any = None  # {fprop | dgrad | wgrad: fast | split | ieee}, over accumulation's
 
     def check(self) -> None:
+        fmt = Format.parse(self.fp8_format)
+        strictest = min((fmt.fwd, fmt.bwd), key=lambda f: f.zero_margin)
+        sites = "all sites" if fmt.fwd is fmt.bwd else "the forward sites: activations and weights"
+        require(
+            self.margin < strictest.zero_margin,
+            self.key("margin"),
+            self.margin,
+            f"an integer in [0, {strictest.zero_margin - 1}] for the {strictest} sites ({sites}): "
+            + underflow_words(strictest),
+        )
         try:
             resolve_accumulation(self.accumulation, dict(self.accumulation_gemms or {}))
         except (ValueError, TypeError):
@@ -53,6 +63,15 @@ class Fp8Precision(Precision):
                 self.accumulation_gemms,
                 "null or a mapping {fprop | dgrad | wgrad: fast | split | ieee}, e.g. {dgrad: fast}",
             ) from None
+
+
+def underflow_words(fmt: FP8Format) -> str:
+    """Why margins from ``fmt.zero_margin`` on are refused, in the words of a refusal."""
+    k = fmt.zero_margin
+    return (
+        f"from margin {k} on, the amax scales to {fmt.max:g} x 2^-{k}, below half {fmt}'s smallest "
+        f"subnormal (2^{fmt.min_exponent - fmt.mantissa_bits}), and rounds to zero"
+    )
 
 
 @dataclass

@@ -6,9 +6,10 @@ its own ranges.
 
 from __future__ import annotations
 
-from readback.backends.precision import Fp8Precision
+from readback.backends.precision import Fp8Precision, underflow_words
 from readback.backends.te_recipe import RECIPES
-from readback.errors import require
+from readback.errors import ConfigError, require
+from readback.numerics import Format
 from readback.train.settings import Config
 
 FP8_ALIGNMENT = 16  # FP8 GEMMs need every dimension divisible by 16
@@ -71,7 +72,8 @@ def _check_fp8(cfg: Config, p: Fp8Precision) -> None:
 
 
 def _check_site_margin(cfg: Config, p: Fp8Precision) -> None:
-    """Every pattern matches some site of the model; margins >= 0; emulated backend only."""
+    """Every pattern matches some site of the model; margins >= 0; emulated backend only; at no
+    site do the margins add up to one that rounds even the amax to zero in the site's format."""
     from readback.model.fog import rounding_sites
     from readback.numerics.state import site_kinds, site_matches
 
@@ -104,3 +106,29 @@ def _check_site_margin(cfg: Config, p: Fp8Precision) -> None:
             margin,
             "an integer >= 0",
         )
+    _check_margin_sums(p, sites)
+
+
+def _check_margin_sums(p: Fp8Precision, sites: list[str]) -> None:
+    """``precision.margin`` plus the site margins matching a site, against the bound of the
+    site's format (``FP8Format.zero_margin``); the largest margin there is the one refused."""
+    from readback.model.fog import is_gradient_site
+    from readback.numerics.spec import in_bf16_layers
+    from readback.numerics.state import site_matches
+
+    fmt = Format.parse(p.fp8_format)
+    for site in sites:
+        if in_bf16_layers(site, p.bf16_layers):
+            continue  # BF16 sites are unscaled: no margin applies
+        site_fmt = fmt.bwd if is_gradient_site(site) else fmt.fwd
+        matched = {pattern: k for pattern, k in p.site_margin.items() if site_matches(site, pattern)}
+        total = p.margin + sum(matched.values())
+        if matched and total >= site_fmt.zero_margin:
+            pattern = max(matched, key=matched.__getitem__)
+            parts = " + ".join(str(k) for k in matched.values())
+            raise ConfigError(
+                f"precision.site_margin.{pattern}",
+                matched[pattern],
+                f"margins adding up to at most {site_fmt.zero_margin - 1} at the {site_fmt} site {site} (here "
+                f"precision.margin={p.margin} + site margins {parts} = {total}): " + underflow_words(site_fmt),
+            )

@@ -30,6 +30,12 @@ class ShakespeareData(Data):
 
     def check(self) -> None:
         require(self.vocab_size >= 257, "data.vocab_size", self.vocab_size, "an integer >= 257 (256 bytes + EOS)")
+        require(  # an empty list would fall back to the embedded texts unasked
+            self.files is None or len(self.files) > 0,
+            "data.files",
+            self.files,
+            "null (the embedded texts) or a non-empty list of text files / globs",
+        )
 
 
 @dataclass

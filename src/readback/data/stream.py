@@ -51,6 +51,21 @@ def n_windows(tokens: np.ndarray, seq_len: int) -> int:
     return max(0, (len(tokens) - 1) // seq_len)
 
 
+def check_seq_len(seq_len: int, train: np.ndarray, val: np.ndarray) -> None:
+    """``ConfigError`` unless both splits hold one window of ``seq_len + 1`` tokens: refused when
+    the stream is built, before any step, not at the first evaluation."""
+    fits = min(len(train), len(val)) - 1
+    held = f"the data holds {len(train)} training and {len(val)} validation tokens"
+    require(
+        seq_len <= fits,
+        "model.seq_len",
+        seq_len,
+        f"at most {fits}: a sequence takes seq_len + 1 tokens, and {held}"
+        if fits >= 1
+        else f"a length both splits can supply, and none can: {held} (more text, or another data.val_fraction)",
+    )
+
+
 def val_iter(tokens: np.ndarray, n: int, micro_batch: int, seq_len: int) -> Iterator[Batch]:
     """``n`` batches of the validation windows in order, cycling if ``n`` batches need more."""
     total = n_windows(tokens, seq_len)
@@ -108,8 +123,8 @@ class PackedStream:
         self.tokenizer = tokenizer  # tokenizers.Tokenizer for text data, None for synthetic
         self.fingerprint = fingerprint
         self.train_tokens, self.val_tokens = train, val
+        check_seq_len(seq_len, train, val)
         self.n_sequences = n_windows(train, seq_len)
-        require(self.n_sequences >= 1, "seq_len", seq_len, f"at most {len(train) - 1} for {len(train)} training tokens")
         self._consumed = 0  # global entries of the sequence stream taken so far, by all ranks
         self._perms: dict[int, np.ndarray] = {}
 

@@ -60,6 +60,12 @@ def rounding_sites(n_layers: int) -> list[str]:
     ]
 
 
+def is_gradient_site(site: str) -> bool:
+    """Whether ``site`` rounds a gradient (the recipe's backward format, E5M2 under HYBRID) rather
+    than an activation or weight (the forward format, E4M3)."""
+    return site.rsplit(".", 1)[-1] in linear_op.GRADIENT_SITES + attention_op.GRADIENT_SITES
+
+
 @dataclass(frozen=True)
 class FOGConfig:
     n_layers: int

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+import math
 from dataclasses import dataclass
 
 import torch
@@ -25,6 +26,13 @@ class FP8Format:
     @property
     def smallest_subnormal(self) -> float:
         return 2.0 ** (self.min_exponent - self.mantissa_bits)
+
+    @property
+    def zero_margin(self) -> int:
+        """The smallest margin ``k`` at which even a tensor's amax rounds to zero: its scaled
+        value is ``max * 2**-k``, and round to nearest gives 0 below half the smallest subnormal
+        (at exactly half, the even neighbour, 0). A scale with such a margin means nothing."""
+        return math.ceil(math.log2(self.max / (self.smallest_subnormal / 2)))
 
     def __repr__(self) -> str:
         return self.name

@@ -7,10 +7,12 @@ and owned by ``readback.numerics.state.Numerics``.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 import torch
 
+from readback.errors import NumericsError
 from readback.numerics import (
     BF16,
     CurrentScalingState,
@@ -44,6 +46,10 @@ class UnitScale:
         pass
 
 
+# A usable scale is a normal, finite FP32 number: 0 or a subnormal has no finite inverse
+# (``QTensor.scale_inv``), an infinite one rounds every element to 0 or +-max.
+FP32 = torch.finfo(torch.float32)
+
 # The exponent field of each FP8 code (sign, exponent, mantissa from the top bit down).
 EXPONENT_BITS = {torch.float8_e4m3fn: 0b0111_1000, torch.float8_e5m2: 0b0111_1100}
 
@@ -66,8 +72,11 @@ class Site:
         self.fmt, self.state, self.margin = fmt, state, margin
         # Counters are tensors updated in place, so a compiled backward can count into them:
         # elements clipped to +-fmt.max since the last saturation_counts(), and nonzero elements
-        # rounded to 0 or a subnormal (of all nonzero) since the last underflow_fractions().
-        self.saturated, self.underflowed, self.nonzero = (torch.zeros((), dtype=torch.int64) for _ in range(3))
+        # rounded to 0 or a subnormal (of all nonzero) since the last underflow_fractions(), and
+        # the site's own scales that were not usable (FP32) since the last Numerics.check_scales().
+        self.saturated, self.underflowed, self.nonzero, self.unusable = (
+            torch.zeros((), dtype=torch.int64) for _ in range(4)
+        )
 
     @property
     def reads_amax_first(self) -> bool:
@@ -91,12 +100,13 @@ class Site:
         if self.fmt is BF16:  # BF16 sites round to nearest, as BF16 GEMM inputs do, unscaled
             return round_bf16(x)
         amax = abs_max(x) if amax is None else amax
+        self._follow(x.device)
         if scale is None:  # the site margin divides the scale like the recipe's margin (2**-k)
             scale = self.state.scale_for(x, amax)
             if self.margin:
                 scale = scale * 2.0**-self.margin
+            self.unusable.add_(~((scale >= FP32.tiny) & (scale <= FP32.max)))  # NaN fails both
         generator = self.streams.state(self.name, stream, x.device) if rounding == "stochastic" else None
-        self._follow(x.device)
         saturated = _count_saturated(x, amax, scale, self.fmt)
         if isinstance(saturated, torch.Tensor):
             self.saturated.add_(saturated)
@@ -115,9 +125,31 @@ class Site:
     def _follow(self, device: torch.device) -> None:
         """Move the counters to the model's device, once (before any compiled step)."""
         if self.saturated.device != device:
-            self.saturated, self.underflowed, self.nonzero = (
-                t.to(device) for t in (self.saturated, self.underflowed, self.nonzero)
+            self.saturated, self.underflowed, self.nonzero, self.unusable = (
+                t.to(device) for t in (self.saturated, self.underflowed, self.nonzero, self.unusable)
             )
+
+
+def check_scales(sites: Mapping[str, Site], step: int) -> None:
+    """Raise ``NumericsError`` naming the sites whose own scale was not a usable FP32 number
+    (0, subnormal, infinite or NaN) since the last call, at ``step``: no margin the config allows
+    gives one, but an amax near FP32's max or a restored scale can. One read of the device for all
+    sites; with several processes the counts are reduced first, so every rank raises."""
+    if not sites:
+        return
+    device = max((s.unusable.device for s in sites.values()), key=lambda d: d.type != "cpu")
+    counts = torch.stack([s.unusable.to(device) for s in sites.values()])
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        torch.distributed.all_reduce(counts, op=torch.distributed.ReduceOp.MAX)
+    for site in sites.values():
+        site.unusable.zero_()
+    bad = [name for name, n in zip(sites, counts.tolist()) if n]
+    if bad:
+        more = f" (and {len(bad) - 1} more: {', '.join(bad[1:4])}{', ...' if len(bad) > 4 else ''})" if bad[1:] else ""
+        raise NumericsError(
+            f"the FP8 scale of site {bad[0]}{more} was 0, subnormal, infinite or NaN in FP32 at step {step}: "
+            "its tensor cannot be rounded to FP8 (an amax near FP32's max, or a bad saved scale)"
+        )
 
 
 def underflow_counts(x: torch.Tensor, q: QTensor) -> tuple[torch.Tensor, torch.Tensor]:

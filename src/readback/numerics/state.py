@@ -24,7 +24,7 @@ from readback.numerics import (
     QTensor,
 )
 from readback.numerics.observations import Observations
-from readback.numerics.site import ScalingState, Site, UnitScale
+from readback.numerics.site import ScalingState, Site, UnitScale, check_scales
 from readback.numerics.spec import NumericsSpec
 from readback.numerics.streams import RandomStreams
 
@@ -235,6 +235,10 @@ class Numerics:
             site.underflowed.zero_()
             site.nonzero.zero_()
         return fractions
+
+    def check_scales(self) -> None:
+        """``NumericsError`` for the sites whose own scale was unusable since the last call."""
+        check_scales(self.sites, self.step + 1)
 
     def observe(self, key: str, values: torch.Tensor) -> None:
         self.observations.observe(key, values)

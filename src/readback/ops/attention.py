@@ -37,6 +37,7 @@ ROW_BLOCK = 64  # query rows per block of the backward
 
 # The sites an attention core named ``name`` rounds at (``{name}.q``, ...): its GEMMs' operands and O.
 SITES = ("q", "k", "v", "probs", "output", "grad_output", "grad_scores")
+GRADIENT_SITES = ("grad_output", "grad_scores")  # rounded in the recipe's backward format
 # gradient -> which value it reads:
 #   dV reads P (the PV GEMM's operand), dS reads P (the softmax's output), D reads O,
 #   dP = dO V^T reads V, dQ = c dS K reads K, dK = c dS^T Q reads Q (the QK^T and PV operands).

@@ -23,6 +23,7 @@ if TYPE_CHECKING:
 # "rounded" is the FP8 copy the forward multiplied, i.e. the executed forward's own operand.
 # The sites a linear named ``name`` rounds at: ``{name}.input`` (unless handed its rounded copy), ...
 SITES = ("input", "weight", "grad_output")
+GRADIENT_SITES = ("grad_output",)  # rounded in the recipe's backward format (E5M2 under HYBRID)
 READS = frozen_reads({policy: {"dgrad": "rounded", "wgrad": "rounded"} for policy in POLICIES})
 
 

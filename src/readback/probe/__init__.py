@@ -3,10 +3,19 @@
 from readback.probe.gradient_error import (
     GradientProbe,
     TapedStep,
+    check_params,
     compare,
     reference_gradients,
     taped_backward,
     train_taped,
 )
 
-__all__ = ["GradientProbe", "TapedStep", "compare", "reference_gradients", "taped_backward", "train_taped"]
+__all__ = [
+    "GradientProbe",
+    "TapedStep",
+    "check_params",
+    "compare",
+    "reference_gradients",
+    "taped_backward",
+    "train_taped",
+]

@@ -15,7 +15,32 @@ from dataclasses import dataclass
 
 import torch
 
+from readback.errors import require, some_of
 from readback.probe.settings import DTYPES, Probe
+
+WATCHED = ("dq", "dk", "dv")  # the op inputs' gradients the attention op watches: {core}.dq, ...
+
+
+def probed(name: str, patterns: list[str]) -> bool:
+    """The rule of ``probe.params``: a glob over the whole parameter or watched gradient name."""
+    return any(fnmatch.fnmatch(name, pattern) for pattern in patterns)
+
+
+def check_params(settings: Probe, model: torch.nn.Module) -> None:
+    """``ConfigError`` for a ``probe.params`` pattern that names nothing of ``model``: none of its
+    trainable parameters, nor any ``{module}.dq|dk|dv`` (which module is an attention core shows
+    only once it runs, so any module's name counts)."""
+    params = [n for n, p in model.named_parameters() if p.requires_grad]
+    watched = [f"{m}.{d}" for m, _ in model.named_modules() if m for d in WATCHED]
+    for pattern in settings.params:
+        require(
+            any(probed(n, [pattern]) for n in params + watched),
+            "probe.params",
+            pattern,
+            "globs over whole parameter names, e.g. "
+            + some_of(params)
+            + "; or an attention core's {core}.dq, .dk, .dv",
+        )
 
 
 class GradientProbe:
@@ -55,7 +80,7 @@ class GradientProbe:
                             p.grad = None
                         _, taped = train_taped(model, inputs, targets, micro_batches)
                         executed, reference = self._against_reference(model, params, taped, inputs, targets)
-                keep = [n for n in reference if any(fnmatch.fnmatch(n, pat) for pat in self.settings.params)]
+                keep = [n for n in reference if probed(n, self.settings.params)]
                 errors.append({n: executed[n] - reference[n] for n in keep})
                 references.append({n: reference[n] for n in keep})
         finally:

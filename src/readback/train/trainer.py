@@ -5,8 +5,10 @@ Order of one optimizer step ``t`` (counted from 1):
 
 1. ``accum`` micro-steps of forward + ``(loss / accum).backward()`` at ``lr = schedule(t)``, DDP
    ``no_sync`` on all but the last;
-2. the step's loss is averaged over ranks (with it travels the preemption flag); a NaN/Inf loss
-   stops the run (``status: diverged``), the update not applied;
+2. the step's loss is averaged over ranks (with it travels the preemption flag); a scale that was
+   no usable FP32 number at some site ends the run ``failed`` (``NumericsError``, naming the site:
+   the rounding broke, not the model), before any verdict on the loss; a NaN/Inf loss stops the run
+   (``status: diverged``), the update not applied;
 3. pre-clip gradient norm; non-finite gradients are not applied either: they stop the run like a
    NaN loss (``trainer.divergence.nonfinite_grads: stop``) or skip the update (``skip``);
    otherwise clip to ``grad_clip`` and ``optimizer.step()``; the schedule steps in both cases;
@@ -38,6 +40,7 @@ from readback.backends import site_implementations
 from readback.errors import ConfigError
 from readback.model import ActivationStats
 from readback.ops.compiled import compiled
+from readback.probe import check_params
 from readback.train.checkpoint_manager import CheckpointManager, RNGState
 from readback.train.contract import Builders, check_model, with_vocabulary
 from readback.train.distributed import DistEnv, all_reduce_mean
@@ -93,6 +96,7 @@ class Trainer:
             check_memory(cfg, self.builders, env.world_size)
         torch.manual_seed(cfg.seed)
         self.model = check_model(self.builders.model(cfg, str(env.device)))
+        check_params(cfg.probe, self.model)  # the names its patterns match exist once it is built
         self.n_params = int(self.model.n_params())
         self.forward = apply_parallelism(self.model, env, cfg.trainer.parallel)  # before the optimizer: FSDP shards
         self.compiled = compiled(self.forward) if cfg.trainer.compile else None
@@ -195,7 +199,9 @@ class Trainer:
         return self.compiled
 
     def _apply_update(self, step: int, loss: float, gnorm: float) -> bool:
-        """Step the optimizer unless the loss or the gradients are not finite; ``False``: stop."""
+        """Step the optimizer unless the loss or the gradients are not finite; ``False``: stop.
+        An unusable scale raises first (``NumericsError``): a run it broke fails, not diverges."""
+        self.model.numerics.check_scales()
         if self.detector.check_loss(step, loss):
             grads = nonfinite_grad_names(self.named_params) if not math.isfinite(gnorm) else []
             self.detector.record_nonfinite_tensors(["loss"] + [f"{n}.grad" for n in grads])

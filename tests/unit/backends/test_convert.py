@@ -256,6 +256,16 @@ def test_filter_patterns_leave_whole_subtrees():
     assert type(model.model.layers[1].mlp.up_proj) is nn.Linear
 
 
+def test_a_filter_pattern_naming_no_module_is_refused_listing_the_modules_before_any_swap():
+    model = llama()
+    with pytest.raises(ConfigError) as error:
+        readback.convert(model, filter=["lm_head", "model.layer.1*"])
+    line = str(error.value)
+    assert (error.value.key, error.value.value) == ("filter", "model.layer.1*") and "\n" not in line
+    assert "e.g. model.embed_tokens, model.layers.*.self_attn.q_proj," in line and "lm_head" in line
+    assert not hasattr(model, "numerics") and type(model.model.layers[0].mlp.up_proj) is nn.Linear
+
+
 # ---------------------------------------------------------------------------------------------
 # what is refused or left
 

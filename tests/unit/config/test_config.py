@@ -102,3 +102,47 @@ def test_bf16_allows_widths_fp8_refuses():
     validate(compose("+experiment=bf16_baseline", "model.ffn_dim=200"))
     with pytest.raises(ConfigError):
         validate(compose("+experiment=reuse_rounded", "model.ffn_dim=200"))
+
+
+@pytest.mark.parametrize(
+    "overrides, key, value, bound",
+    [
+        # HYBRID: the forward sites are E4M3, the strictest: 448 x 2^-19 rounds to zero
+        (["precision.margin=19"], "precision.margin", 19, "[0, 18] for the E4M3 sites"),
+        (["precision.margin=19", "precision.fp8_format=E4M3"], "precision.margin", 19, "(all sites)"),
+        # a site margin adds to the global margin, at each site in that site's format
+        (["precision.site_margin={attn.core.output:19}"], "precision.site_margin.attn.core.output", 19, "at most 18"),
+        (
+            ["precision.margin=10", "precision.site_margin={attn.core.*:5,attn.core.output:4}"],
+            "precision.site_margin.attn.core.*",
+            5,
+            "at most 18 at the E4M3 site layers.0.attn.core.output (here precision.margin=10 + site margins 5 + 4",
+        ),
+        # gradients are E5M2 under HYBRID (57344 x 2^-33 rounds to zero) and E4M3 under fp8_format=E4M3
+        (["precision.site_margin={grad_output:33}"], "precision.site_margin.grad_output", 33, "E5M2 site"),
+        (
+            ["precision.fp8_format=E4M3", "precision.site_margin={grad_output:19}"],
+            "precision.site_margin.grad_output",
+            19,
+            "at most 18 at the E4M3 site layers.0.attn.qkv.grad_output",
+        ),
+    ],
+)
+def test_margins_that_round_even_the_amax_to_zero_are_refused(overrides, key, value, bound):
+    with pytest.raises(ConfigError) as error:
+        validate(compose(*overrides))
+    assert (error.value.key, error.value.value) == (key, value) and bound in str(error.value)
+    assert "\n" not in str(error.value)
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        ["precision.margin=18"],
+        ["precision.site_margin={grad_output:32}"],  # E5M2 under HYBRID
+        ["precision.margin=8", "precision.site_margin={attn.core.*:5,attn.core.output:5}"],  # 18
+        ["precision.site_margin={lm_head.input:40}"],  # lm_head is BF16 (bf16_layers): unscaled
+    ],
+)
+def test_margins_below_the_bound_of_their_sites_format_are_kept(overrides):
+    validate(compose(*overrides))

@@ -418,6 +418,7 @@ def test_fineweb_without_network_fails_with_a_config_error(monkeypatch):
         ("synthetic", {"branching": 300}, "data.branching"),
         ("shakespeare", {"editions": "quarto"}, "data.editions"),
         ("shakespeare", {"vocab_size": 256}, "data.vocab_size"),
+        ("shakespeare", {"files": []}, "data.files"),  # not the embedded texts, unasked
     ],
 )
 def test_bad_config_raises_config_error(name, settings, key):
@@ -447,6 +448,25 @@ def test_missing_or_empty_files_raise_config_error(tmp_path):
             cfg = load_data_cfg("shakespeare", files=files, cache_dir=str(tmp_path / "cache"))
             build_data(cfg, seq_len=16, micro_batch=2, seed=0)
         assert info.value.key == "data.files" and files[0].split("/")[-1] in str(info.value)
+
+
+@pytest.mark.parametrize(
+    "n_tokens, seq_len, fits",
+    [
+        (100, 32, "at most 4: a sequence takes seq_len + 1 tokens, and the data holds 95 training and 5 validation"),
+        (1000, 49, None),
+        (1000, 50, "at most 49"),
+        (20, 8, "none can: the data holds 19 training and 1 validation"),
+    ],
+)
+def test_a_sequence_longer_than_either_split_is_refused_when_the_stream_is_built(n_tokens, seq_len, fits):
+    """Validation too: not at the first evaluation, after the run has trained."""
+    if fits is None:
+        assert len(list(build_data(synth(n_tokens=n_tokens), seq_len=seq_len, micro_batch=2, seed=0).val_batches(1)))
+        return
+    with pytest.raises(ConfigError) as info:
+        build_data(synth(n_tokens=n_tokens), seq_len=seq_len, micro_batch=2, seed=0)
+    assert (info.value.key, info.value.value) == ("model.seq_len", seq_len) and fits in str(info.value)
 
 
 def test_impossible_layout_raises_config_error(tmp_path):

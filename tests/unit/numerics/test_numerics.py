@@ -341,6 +341,18 @@ def test_format_choice():
     assert TABLES["E5M2"][-1].item() == 57344.0
 
 
+@pytest.mark.parametrize("fmt, bound", [(E4M3, 19), (E5M2, 33)])
+@pytest.mark.parametrize("amax", [1e-3, 1.0, 3e4])
+def test_zero_margin_is_where_the_amax_element_first_rounds_to_zero(fmt, bound, amax):
+    """max 448, smallest subnormal 2**-9: 448 * 2**-19 < 2**-10; max 57344, 2**-16: 57344 * 2**-33 < 2**-17."""
+    assert fmt.zero_margin == bound
+    x = torch.tensor([amax, -amax, amax / 2])
+    below = quantize(x, fmt, compute_scale(torch.tensor(amax), fmt, bound - 1))
+    at = quantize(x, fmt, compute_scale(torch.tensor(amax), fmt, bound))
+    assert below.dequantize()[:2].abs().min() > 0
+    assert torch.count_nonzero(at.dequantize()) == 0
+
+
 def test_delayed_scaling_defaults_match_transformer_engine():
     recipe = DelayedScaling()
     assert recipe.margin == 0
@@ -617,3 +629,18 @@ def test_matmul_fp32_and_fp64(shape, seed):
     assert got64.dtype == torch.float64
     torch.testing.assert_close(got64, want, rtol=1e-12, atol=1e-300)
     assert torch.equal(matmul(qa, qb, "fp8"), fp8_mm(qa, qb))
+
+
+def test_check_scales_names_the_site_whose_own_scale_was_unusable():
+    """Current scaling of an amax near FP32's max under margin 18 (allowed: 18 < E4M3's 19) gives a
+    subnormal scale: counted at its site, raised once by ``check_scales``, then cleared."""
+    from readback.errors import NumericsError
+    from readback.ops import numerics_for
+
+    numerics = numerics_for("fp8", recipe=CurrentScaling(margin=18))
+    numerics.site("a.input").quantize(torch.tensor([1.0, -2.0]))
+    numerics.site("b.input").quantize(torch.tensor([3e38, 1.0]))
+    numerics.site("a.input").quantize(torch.tensor([1.0]), scale=torch.tensor(0.0))  # a reused scale: not its own
+    with pytest.raises(NumericsError, match=r"^the FP8 scale of site b.input was 0, subnormal, infinite or NaN"):
+        numerics.check_scales()
+    numerics.check_scales()  # counted since the last call only

@@ -1,5 +1,6 @@
 """The gradient-error probe: the reference is the gradient of the executed forward."""
 
+import dataclasses
 import json
 
 import pytest
@@ -7,7 +8,8 @@ import torch
 
 import toys
 from readback.backends import build_model
-from readback.probe import compare, train_taped
+from readback.errors import ConfigError
+from readback.probe import check_params, compare, train_taped
 from toys import config
 
 FP32_BACKWARD = ["attention.bwd_precision=fp32", "precision.override_linear_precision=[false,true,true]"]
@@ -194,3 +196,21 @@ def test_probe_does_not_change_the_training_trajectory(tmp_path, micro_batch):
     probed_steps = [r["step"] for r in records if "grad_error/rel_err/total" in r]
     assert probed_steps == [2, 4, 6]
     assert all("grad_error/bias/total" in r for r in records if r["step"] in probed_steps)
+
+
+@pytest.mark.parametrize(
+    "pattern", ["*", "embedding", "layers.*.mlp.up.weight", "*.attn.core.*", "layers.0.attn.core.dv"]
+)
+def test_probe_patterns_naming_a_parameter_or_watched_gradient_are_kept(pattern):
+    cfg = config(*toys.TINY_FOG)
+    check_params(dataclasses.replace(cfg.probe, params=[pattern]), build_model(cfg))
+
+
+@pytest.mark.parametrize("pattern", ["mlp.up.weight", "*.atn.*", "layers.0.attn.core.dx"])  # whole names, globs
+def test_a_probe_pattern_naming_nothing_is_refused_listing_the_parameters(pattern):
+    cfg = config(*toys.TINY_FOG)
+    with pytest.raises(ConfigError) as error:
+        check_params(dataclasses.replace(cfg.probe, params=["*", pattern]), build_model(cfg))
+    line = str(error.value)
+    assert (error.value.key, error.value.value) == ("probe.params", pattern) and "\n" not in line
+    assert "e.g. embedding, layers.*.attn.qkv.weight," in line

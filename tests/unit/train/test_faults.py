@@ -5,6 +5,7 @@ tests/integration/test_faults.py."""
 from __future__ import annotations
 
 import json
+import math
 import os
 import signal
 import sys
@@ -152,3 +153,26 @@ def test_checkpoint_holds_every_state_a_resume_needs(tmp_path, built):
     assert {"torch", "python", "numpy"} <= rank["rng"].keys()
     assert state["schedule"]["last_epoch"] == state["step"] == 12 and state["format"] == 3
     assert torch.is_tensor(rank["rng"]["torch"])
+
+
+@pytest.mark.parametrize("scale", [1e-40, math.inf, 0.0])  # subnormal, infinite, zero in FP32
+def test_an_unusable_scale_at_run_time_fails_the_run_naming_the_site(tmp_path, scale):
+    """A scale no config check could see (planted in one site's delayed-scaling state) ends the
+    run ``failed`` with the site named, at its first step, not ``diverged``."""
+    from readback.backends import build_model
+    from readback.errors import NumericsError
+    from readback.train import Builders, run
+
+    site = "layers.0.mlp.up.input"
+
+    def planted(cfg, device):
+        model = build_model(cfg, device)
+        model.numerics.site(site).state.scale.fill_(scale)
+        return model
+
+    cfg = toys.config(*toys.TWO_STEP_RUN, "trainer.device=cpu")
+    with pytest.raises(NumericsError, match=rf"site {site} was 0, subnormal, infinite or NaN in FP32 at step 1"):
+        run(cfg, tmp_path, Builders(model=planted))
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["status"] == "failed" and summary["diverged_at_step"] is None
+    assert summary["error"].startswith("NumericsError: the FP8 scale of site layers.0.mlp.up.input")
