@@ -1,7 +1,7 @@
 """What each inexact step of the backward contributes to the gradient bias, across checkpoints.
 
 ``python -m readback.bias.attribution LABEL=BIAS_JSON [LABEL=BIAS_JSON ...] --out DIR
-[--groups total,*.attn.qkv] [--reference contrib.exact_read.attention.D]``
+[--groups total,*.attn.qkv] [--contributions GLOBS] [--reference contrib.exact_read.attention.D]``
 
 Reads the bias meter's ``bias.json`` of several checkpoints (each measured by ``python -m
 readback.bias``) and writes ``attribution.md`` (one table: each ``contrib.*`` per gradient group
@@ -47,18 +47,23 @@ def shares(stats: dict, reference: str, group: str) -> dict[str, dict[str, float
     return out
 
 
-def attribution(measured: dict[str, dict], groups: list[str], reference: str = D_READ) -> dict:
+def attribution(
+    measured: dict[str, dict], groups: list[str], reference: str = D_READ, contributions: tuple[str, ...] = ("*",)
+) -> dict:
     """``{label: {checkpoint, policy, batches, accumulation, stats: {contrib: {group: stats + shares}},
-    gemm_k: {kind: sorted K}}}`` from ``{label: bias.json}``; ``groups`` are globs."""
+    gemm_k: {kind: sorted K}}}`` from ``{label: bias.json}``; ``groups`` and ``contributions``
+    (names without ``contrib.``) are globs."""
     out = {}
     for label, bias in measured.items():
         all_groups = list(next(iter(bias["stats"].values())))
         chosen = [g for g in all_groups if any(fnmatch.fnmatchcase(g, p) for p in groups)]
         contribs = {n: s for n, s in bias["stats"].items() if n.startswith("contrib.")}
-        stats: dict[str, dict[str, dict]] = {name: {} for name in contribs}
+        kept = [n for n in contribs if any(fnmatch.fnmatchcase(n.removeprefix("contrib."), c) for c in contributions)]
+        stats: dict[str, dict[str, dict]] = {name: {} for name in kept}
         for group in chosen:
             for name, share in shares(contribs, reference, group).items():
-                stats[name][group] = {**contribs[name][group], **share}
+                if name in stats:
+                    stats[name][group] = {**contribs[name][group], **share}
         kinds = ("fprop", "dgrad", "wgrad")
         out[label] = {
             "checkpoint_step": bias.get("checkpoint_step"),
@@ -153,6 +158,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("measured", nargs="+", metavar="LABEL=BIAS_JSON")
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--groups", default="total,*.attn.qkv", help="comma-separated globs of gradient groups")
+    parser.add_argument("--contributions", default="*", help="comma-separated globs of contributions (no contrib.)")
     parser.add_argument("--reference", default=D_READ, help=f"the contribution the others are compared with ({D_READ})")
     args = parser.parse_args(argv)
     measured = {}
@@ -161,7 +167,7 @@ def main(argv: list[str] | None = None) -> int:
         if not (label and sep and Path(path).is_file()):
             parser.exit(2, f"{parser.prog}: error: {item!r} is not LABEL=BIAS_JSON of an existing file\n")
         measured[label] = json.loads(Path(path).read_text())
-    table = attribution(measured, args.groups.split(","), args.reference)
+    table = attribution(measured, args.groups.split(","), args.reference, tuple(args.contributions.split(",")))
     args.out.mkdir(parents=True, exist_ok=True)
     write_json(args.out / "attribution.json", table)
     (args.out / "attribution.md").write_text(to_markdown(table, args.reference))

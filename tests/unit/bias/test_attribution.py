@@ -61,6 +61,9 @@ def test_the_table_keeps_the_chosen_groups_and_each_gemm_kinds_ks():
     assert list(entry["stats"]) == [D_READ, "contrib.ieee_acc.dgrad"]  # contributions only
     assert list(entry["stats"][D_READ]) == ["total", "layers.0.attn.qkv"]
     assert entry["gemm_k"] == {"fprop": [64], "dgrad": [192, 2048], "wgrad": [2048]}
+    only = attribution({"stress-14": _bias_json()}, ["total"], contributions=("ieee_acc.*",))["stress-14"]
+    assert list(only["stats"]) == ["contrib.ieee_acc.dgrad"]
+    assert only["stats"]["contrib.ieee_acc.dgrad"]["total"]["share"] > 0  # still against the reference left out
     text = to_markdown(table)
     assert "| stress-14 | ieee_acc.dgrad | layers.0.attn.qkv |" in text and "| 64 | 192, 2048 | 2048 |" in text
 
