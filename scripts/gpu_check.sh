@@ -4,7 +4,9 @@
 # (scripts/gpu_env.py decides, from what imports):
 #
 #   emulated_tests  tests/unit/backends/test_gpu.py: torch._scaled_mm against the emulation (bit-identical
-#                   fraction per accumulation mode), a head-dim-128 FOG step on CUDA against the CPU
+#                   fraction per accumulation mode: fp32, and Hopper's fast and split against readback's
+#                   model of them), a head-dim-128 FOG step on CUDA against the CPU
+#   accumulation    the same bit-identical fractions with CUBLASLT_WORKSPACE_SIZE=0 (cuBLAS cannot split K)
 #   policy_runs     scripts/gpu_policy_runs.py: every policy and BF16, 20 steps of a head-dim-128 FOG
 #                   through train.py on CUDA (completed, every loss finite)
 #   audit           python -m readback.audit: the read-rule audit of single ops
@@ -77,7 +79,9 @@ part() {  # part NAME SECONDS COMMAND...: if the plan says run, log to NAME.log 
 PYTEST=("$PY" -m pytest -q -rA -p no:cacheprovider)
 BENCH=("$PY" benchmarks/gpu_step.py --seq 1024 4096 --micro-batch 8 2 --steps 300 --max-seconds 12 --case-timeout 50)
 part emulated_tests 90 "${PYTEST[@]}" tests/unit/backends/test_gpu.py
-grep -h "^scaled_mm bit-identical" "$LOGS/emulated_tests.log" 2>/dev/null | tee -a "$LOGS/summary.txt"
+part accumulation 60 env CUBLASLT_WORKSPACE_SIZE=0 "${PYTEST[@]}" -s tests/unit/backends/test_gpu.py -k accumulation_mode
+grep -h "^scaled_mm bit-identical" "$LOGS/emulated_tests.log" "$LOGS/accumulation.log" 2>/dev/null \
+  | tee -a "$LOGS/summary.txt"
 part policy_runs 100 "$PY" scripts/gpu_policy_runs.py --out "$LOGS/policy_runs"
 part audit 40 "$PY" -m readback.audit
 part benchmark 220 "${BENCH[@]}" --cases emulated_bf16 emulated_reuse_rounded --json "$LOGS/gpu_step.json"

@@ -52,6 +52,7 @@ class Part:
 # In the order gpu_check.sh runs them; the TE parts last.
 PARTS = (
     Part("emulated_tests", "fp8", TESTS),
+    Part("accumulation", "fp8", TESTS),
     Part("policy_runs", "cuda", CONFIG),
     Part("audit", "none", READBACK),
     Part("benchmark", "fp8", CONFIG),

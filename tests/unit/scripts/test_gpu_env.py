@@ -17,7 +17,7 @@ import gpu_bundle
 import gpu_env
 from toys import REPO
 
-NON_TE = ("emulated_tests", "policy_runs", "audit", "benchmark")
+NON_TE = ("emulated_tests", "accumulation", "policy_runs", "audit", "benchmark")
 TE_PARTS = ("te_tests", "te_benchmark")
 
 
@@ -110,14 +110,14 @@ def test_a_missing_wheel_stops_the_parts_that_compose_configs_and_says_where_it_
 
 def test_a_missing_test_runner_stops_only_the_test_parts(machine):
     verdicts = _verdicts(machine(missing=("hypothesis",)))
-    assert {name for name, v in verdicts.items() if v != "run"} == {"emulated_tests", "te_tests"}
-    assert verdicts["emulated_tests"] == "not run: hypothesis"
+    assert {name for name, v in verdicts.items() if v != "run"} == {"emulated_tests", "accumulation", "te_tests"}
+    assert verdicts["emulated_tests"] == verdicts["accumulation"] == "not run: hypothesis"
 
 
 def test_a_gpu_without_fp8_runs_the_policy_runs_and_the_audit(machine):
     verdicts = _verdicts(machine(device="NVIDIA A100-SXM4-80GB", capability=(8, 0), missing=("transformer_engine",)))
     assert verdicts["policy_runs"] == verdicts["audit"] == "run"
-    for name in ("emulated_tests", "benchmark"):
+    for name in ("emulated_tests", "accumulation", "benchmark"):
         assert verdicts[name] == "not run: an FP8 GPU (sm89+; NVIDIA A100-SXM4-80GB is sm80)"
 
 
