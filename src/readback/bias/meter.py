@@ -30,6 +30,7 @@ import torch
 from readback.bias.estimators import group_stats
 from readback.bias.output_rounding import OutputRounding
 from readback.bias.variants import Variant, applied, variants
+from readback.numerics import BF16
 from readback.probe import reference_gradients, taped_backward
 
 
@@ -145,12 +146,13 @@ def measure_bias(model, batches, which: list[Variant] | None = None, dtype=torch
 
 
 def gemm_sizes(tape: list) -> dict[str, dict[str, int]]:
-    """Each linear's K from its tape record (input rows x in, weight out x in): fprop sums over
-    the input features, dgrad over the output features, wgrad over the batch's tokens."""
+    """Each FP8 linear's K from its tape record (input rows x in, weight out x in): fprop sums
+    over the input features, dgrad over the output features, wgrad over the batch's tokens.
+    Linears kept in BF16 are left out: ``precision.accumulation`` is the FP8 GEMMs'."""
     return {
         site: {"fprop": w.shape[1], "dgrad": w.shape[0], "wgrad": x.shape[0]}
         for site, record in tape
-        if {"input", "weight"} <= record.keys()
+        if {"input", "weight"} <= record.keys() and record["weight"].fmt not in (None, BF16)
         for x, w in [(record["input"].data, record["weight"].data)]
     }
 

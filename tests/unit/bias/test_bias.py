@@ -131,6 +131,7 @@ def test_the_backward_gemms_accumulation_is_attributed_per_gemm_kind(tiny_cfg):
     assert dgrad["layers.0.attn.qkv"]["rel_err"] > 0  # the dgrads of every later linear feed it
     out_features, in_features = dict(model.named_parameters())["layers.0.attn.qkv.weight"].shape
     assert result.gemm_k["layers.0.attn.qkv"] == {"fprop": in_features, "dgrad": out_features, "wgrad": 2 * 16}
+    assert "lm_head" not in result.gemm_k  # kept in BF16: no FP8 accumulation
     assert result.to_json()["gemm_k"] == result.gemm_k
 
 
