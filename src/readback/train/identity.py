@@ -90,7 +90,24 @@ def _devices() -> dict[str, Any]:
     gpus = (
         [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())] if torch.cuda.is_available() else []
     )
-    return {"torch": torch.__version__, "gpus": gpus}
+    # The CPU's model and the vector unit torch's kernels dispatch to: runs on CPUs that differ in
+    # either need not agree bit for bit (their float reductions run in other orders).
+    return {
+        "torch": torch.__version__,
+        "gpus": gpus,
+        "cpu_model": cpu_model(),
+        "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+    }
+
+
+def cpu_model(cpuinfo: Path = Path("/proc/cpuinfo")) -> str:
+    """The CPU's model name (Linux's ``/proc/cpuinfo``), else the platform's word for it."""
+    if cpuinfo.is_file():
+        for line in cpuinfo.read_text(errors="replace").splitlines():
+            key, _, value = line.partition(":")
+            if key.strip() == "model name":
+                return value.strip()
+    return platform.processor()
 
 
 def slurm_job_id() -> str | None:

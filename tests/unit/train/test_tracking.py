@@ -62,3 +62,16 @@ def test_slurm_job_id_names_the_array_task(monkeypatch):
     monkeypatch.setenv("SLURM_ARRAY_JOB_ID", "4700")
     monkeypatch.setenv("SLURM_ARRAY_TASK_ID", "11")
     assert slurm_job_id() == "4700_11"
+
+
+def test_launch_records_the_cpu_that_ran_the_run(tmp_path):
+    """A CPU run reproduces bit for bit only on a CPU whose kernels add in the same order."""
+    import torch
+
+    from readback.train.identity import cpu_model, launch_context
+
+    cpuinfo = tmp_path / "cpuinfo"
+    cpuinfo.write_text("processor\t: 0\nvendor_id\t: AuthenticAMD\nmodel name\t: AMD EPYC 9999 64-Core\n")
+    assert cpu_model(cpuinfo) == "AMD EPYC 9999 64-Core"
+    ctx = launch_context(tmp_path)
+    assert ctx["cpu_capability"] == torch.backends.cpu.get_cpu_capability() and isinstance(ctx["cpu_model"], str)
