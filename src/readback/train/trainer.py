@@ -5,9 +5,8 @@ Order of one optimizer step ``t`` (counted from 1):
 
 1. ``accum`` micro-steps of forward + ``(loss / accum).backward()`` at ``lr = schedule(t)``, DDP
    ``no_sync`` on all but the last;
-2. the step's loss is averaged over ranks (with it travels the preemption flag); a scale that was
-   no usable FP32 number at some site ends the run ``failed`` (``NumericsError``, naming the site:
-   the rounding broke, not the model), before any verdict on the loss; a NaN/Inf loss stops the run
+2. the step's loss is averaged over ranks (with it travels the preemption flag); an unusable FP32
+   scale at a site fails the run first (``NumericsError`` names it); a NaN/Inf loss stops the run
    (``status: diverged``), the update not applied;
 3. pre-clip gradient norm; non-finite gradients are not applied either: they stop the run like a
    NaN loss (``trainer.divergence.nonfinite_grads: stop``) or skip the update (``skip``);
@@ -19,9 +18,8 @@ Order of one optimizer step ``t`` (counted from 1):
    :class:`~readback.train.preemption.Preempted` (no ``summary.json``: the run is not over).
 
 Reproducibility: a run is a function of its config. The seed fixes the initialisation, the data
-order and every random stream of the numerics (seeded from (seed, site, stream, step)). A
-checkpoint (:mod:`~readback.train.checkpoint_manager`) holds everything else, so resuming from it
-reproduces the uninterrupted run bit for bit (same world size and device).
+order and every random stream of the numerics; a checkpoint holds everything else, so resuming
+reproduces the uninterrupted run bit for bit (same world size, device and CPU kernels).
 """
 
 from __future__ import annotations
