@@ -4,7 +4,8 @@
 Loads every run under the sweep directories (or of a wandb project), groups them by
 experiment and every override that varies except the seed, and writes to ``DIR`` (default
 ``<first SWEEP_DIR>/analysis``, or ``analysis/<project>`` for wandb alone) every plot as PNG,
-``final_loss.md`` (and ``.csv``), ``paired.csv``, ``runs.csv``, ``report.md`` and, with
+``final_loss.md`` (and ``.csv``), ``paired.csv``, ``paired_curve.csv`` and ``paired_gap.png`` (the
+paired gap at every evaluation), ``runs.csv``, ``report.md`` and, with
 ``--html``, the self-contained ``report.html``. Prints the keys it grouped by and the final-loss
 table, with paired-seed differences from ``--control`` (default ``no_saved_copy`` when loaded).
 Exit code 2, with one line on stderr, when a directory is missing or holds no runs.

@@ -105,3 +105,35 @@ def _mean_se(d: np.ndarray) -> tuple[float, float]:
 
 def _ratio(mean: float, se: float) -> float:
     return mean / se if math.isfinite(mean) and math.isfinite(se) and se > 0 else math.nan
+
+
+def paired_curve(runs: Runs, control: str, key: str = "val_loss") -> pd.DataFrame:
+    """The paired difference of ``key`` at every step both runs of a seed logged it: one row per
+    (group, step) with ``n_pairs``, ``mean`` and ``se`` (NaN below 2 pairs). The gap's trajectory
+    over training, where :func:`paired_table` has its final value only."""
+    curve = runs.curve(key)
+    columns = ["group", "control", "key", "step", "n_pairs", "mean", "se"]
+    rows: list[dict[str, Any]] = []
+    for group in runs.groups:
+        ctrl = control_group(group, runs.groups, control)
+        if ctrl is None:
+            continue
+        mine, theirs = (
+            curve[curve["group"] == g].pivot_table(index="step", columns="seed", values="value") for g in (group, ctrl)
+        )
+        for step in sorted(set(mine.index) & set(theirs.index)):
+            d = (mine.loc[step] - theirs.loc[step]).dropna().to_numpy(dtype=float)
+            if len(d):
+                mean, se = _mean_se(d)
+                rows.append(
+                    {
+                        "group": group,
+                        "control": ctrl,
+                        "key": key,
+                        "step": int(step),
+                        "n_pairs": len(d),
+                        "mean": mean,
+                        "se": se,
+                    }
+                )
+    return pd.DataFrame(rows, columns=columns)

@@ -23,6 +23,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import pandas as pd
 from matplotlib.figure import Figure
 
 from readback.analysis.drawing import colors, draw_curves, empty_panel, legend, panel_grid, save_figure
@@ -82,6 +83,27 @@ def plot_metric(
         ax.grid(alpha=0.3)
         if i == 0:
             legend(ax, runs)
+    return save_figure(fig, path)
+
+
+def plot_paired_gap(curve: pd.DataFrame, path: str | os.PathLike | None = None) -> Figure:
+    """The paired gap over training (:func:`readback.analysis.paired.paired_curve`): per group,
+    the mean over seed pairs of group minus control at each step, ± 1 SE and ± 2 SE bands."""
+    fig, axes = panel_grid(1, 1, w=7.0, h=4.0)
+    ax = axes[0]
+    if not len(curve):
+        empty_panel(ax, "no step that a group and its control both logged")
+        return save_figure(fig, path)
+    for i, (group, rows) in enumerate(curve.groupby("group", sort=False)):
+        se = rows["se"].fillna(0.0)
+        ax.plot(rows["step"], rows["mean"], "o-", ms=3, color=f"C{i}", label=f"{group} - {rows['control'].iloc[0]}")
+        for k, alpha in ((1, 0.25), (2, 0.1)):
+            ax.fill_between(rows["step"], rows["mean"] - k * se, rows["mean"] + k * se, color=f"C{i}", alpha=alpha)
+    ax.axhline(0.0, color="k", lw=0.6)
+    ax.set_xlabel("step")
+    ax.set_ylabel(f"paired Δ {curve['key'].iloc[0]} (bands: 1 and 2 SE)")
+    ax.legend(fontsize=8)
+    ax.grid(alpha=0.3)
     return save_figure(fig, path)
 
 

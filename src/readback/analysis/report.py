@@ -1,7 +1,8 @@
 """The one page to look at: every table and plot of a sweep, what made it and where.
 
 :func:`write_report` writes into ``out_dir`` every plot as PNG, ``final_loss.md``/``.csv``,
-``paired.csv``, ``runs.csv`` and ``report.md`` (a Markdown page linking the PNGs); with
+``paired.csv``, ``runs.csv``, with a control ``paired_curve.csv`` and ``paired_gap.png`` (the
+paired gap of the validation loss at every evaluation), and ``report.md`` (a Markdown page linking the PNGs); with
 ``with_html=True`` also ``report.html``, one self-contained file (the PNGs embedded as base64 data
 URIs, no script, no external resource) that any browser opens from disk or a mail attachment.
 ``page=PATH`` writes the Markdown page to PATH instead, its image links relative to it (how
@@ -29,8 +30,8 @@ from typing import Any
 import pandas as pd
 
 from readback.analysis.load import Runs
-from readback.analysis.paired import paired_table
-from readback.analysis.plots import plot_metric, save_all
+from readback.analysis.paired import paired_curve, paired_table
+from readback.analysis.plots import plot_metric, plot_paired_gap, save_all
 from readback.analysis.render import cell_text, html_inline, html_table, markdown_table
 from readback.analysis.tables import (
     METRIC_HEADERS,
@@ -200,6 +201,11 @@ def write_report(
     runs.summary.to_csv(out / "runs.csv")
     for name in ("final_loss.md", "final_loss.csv", "paired.csv", "runs.csv"):
         paths[name] = out / name
+    if control:  # the gap over training, beside its final value
+        gap = paired_curve(runs, control)
+        gap.to_csv(out / "paired_curve.csv", index=False)
+        plot_paired_gap(gap, out / "paired_gap.png")
+        paths |= {"paired_curve.csv": out / "paired_curve.csv", "paired_gap.png": out / "paired_gap.png"}
     page_path = Path(page) if page is not None else out / "report.md"
     page_path.parent.mkdir(parents=True, exist_ok=True)
     page_path.write_text(render_markdown(sections, title, page_path), encoding="utf-8")

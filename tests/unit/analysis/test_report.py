@@ -12,6 +12,8 @@ import yaml
 
 from readback.analysis import final_loss_table, format_final_loss_table, load_runs, paired_table, runs_from_records
 from readback.analysis.__main__ import main as cli_main
+from readback.analysis.paired import paired_curve
+from readback.analysis.plots import plot_paired_gap
 from sweeps import EXPERIMENTS, config, records, summary, write_run
 
 # final losses by (experiment, lr, seed): seeds share a large offset (init, data order) that
@@ -104,6 +106,35 @@ def test_paired_drops_seeds_without_a_partner():
     assert row["unpaired_mean"] == pytest.approx(4.2 - 6.5)
 
 
+def test_the_paired_gap_at_every_evaluation_pairs_seed_by_seed(tmp_path):
+    """val_loss = loss - 0.1 at steps 20 and 40 (records()); the gap is group minus control at
+    each step over the seeds both ran."""
+
+    def entry(exp, seed, losses):
+        return {
+            "run_id": f"{exp}/{seed}",
+            "config": config(exp, seed),
+            "records": records(losses),
+            "summary": summary("completed", losses[-1], losses[-1] - 0.1, 40, exp),
+        }
+
+    runs = runs_from_records(
+        [
+            entry("reuse_rounded", 0, [5.0, 4.5, 4.2, 4.0]),
+            entry("reuse_rounded", 1, [5.0, 4.6, 4.3, 4.2]),
+            entry("no_saved_copy", 0, [5.0, 4.4, 4.2, 3.9]),
+            entry("no_saved_copy", 1, [5.0, 4.4, 4.2, 4.0]),
+            entry("no_saved_copy", 2, [9.0, 9.0, 9.0, 9.0]),  # no partner
+        ]
+    )
+    gap = paired_curve(runs, "no_saved_copy").set_index("step")
+    assert list(gap.index) == [20, 40] and set(gap["n_pairs"]) == {2}
+    assert gap.loc[20, "mean"] == pytest.approx(0.15) and gap.loc[20, "se"] == pytest.approx(0.05)
+    assert gap.loc[40, "mean"] == pytest.approx(0.15) and gap.loc[40, "se"] == pytest.approx(0.05)
+    plot_paired_gap(gap.reset_index(), tmp_path / "gap.png")
+    assert (tmp_path / "gap.png").stat().st_size > 0
+
+
 def test_cli_metric_control_and_groups(lr_sweep, tmp_path, capsys):
     out = tmp_path / "out"
     assert cli_main([str(lr_sweep), "--out", str(out), "--metric", "kurtosis/*", "--control", "no_saved_copy"]) == 0
@@ -112,6 +143,7 @@ def test_cli_metric_control_and_groups(lr_sweep, tmp_path, capsys):
     assert "kurtosis/attn_out_max" in text and (out / "metric_kurtosis__.png").is_file()
     assert "Δ final, paired" in (out / "final_loss.md").read_text()
     assert len((out / "paired.csv").read_text().splitlines()) == 1 + 4  # 2 groups x 2 metrics
+    assert (out / "paired_gap.png").is_file() and "val_loss" in (out / "paired_curve.csv").read_text()
     assert cli_main([str(lr_sweep), "--out", str(out), "--control", "nope"]) == 2
     assert "--control 'nope' is not a loaded experiment" in capsys.readouterr().err
 
