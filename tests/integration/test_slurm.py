@@ -14,6 +14,7 @@ munge``), unless ``READBACK_REQUIRE_SLURM=1`` (CI), which turns the skip into a 
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import re
@@ -63,8 +64,9 @@ def test_slurm_launcher_config():
 
 
 def test_sweeps_have_own_dirs_and_resume(tmp_path):
-    """Every sweep file writes into its own hydra.sweep.dir and resumes requeued or rerun jobs
-    (read from the arguments each script really passes to train.py)."""
+    """Every sweep file writes into its own hydra.sweep.dir (a script that runs several
+    multiruns, one per shape, keeps them all under one folder of its own) and resumes requeued or
+    rerun jobs (read from the arguments each script really passes to train.py)."""
     echo = tmp_path / "echo_args"
     echo.write_text('#!/bin/sh\nprintf "%s\\n" "$@"\n')
     echo.chmod(0o755)
@@ -74,14 +76,16 @@ def test_sweeps_have_own_dirs_and_resume(tmp_path):
             ["bash", str(script)], env={**os.environ, "PYTHON": str(echo)}, capture_output=True, text=True, check=True
         ).stdout.splitlines()
         found = [a.split("=", 1)[1] for a in args if a.startswith("hydra.sweep.dir=")]
-        assert len(found) == 1, (script, args)
-        dirs[script.name] = found[0]
-        assert "trainer.resume=true" in args and "--multirun" in args, (script, args)
+        assert found, (script, args)
+        dirs[script.name] = os.path.commonpath(found)
+        assert args.count("trainer.resume=true") == args.count("--multirun") == len(found), (script, args)
         if script.name == "fog8b.sh":  # does not fit one GPU: sharded over several nodes
             assert "+sweep=fog8b" in args and "hydra.launcher.nodes=4" in args, args
             cfg = compose("+experiment=reuse_rounded", "+sweep=fog8b")
             assert (cfg.model.name, cfg.trainer.parallel, cfg.backend.name) == ("fog_8b", "fsdp", "te")
     assert "fog8b.sh" in dirs and len(dirs) >= 5 and len(set(dirs.values())) == len(dirs), dirs
+    for a, b in itertools.permutations(dirs.values(), 2):
+        assert not Path(a).is_relative_to(b), dirs  # no sweep writes inside another's folder
 
 
 def _missing() -> list[str]:
