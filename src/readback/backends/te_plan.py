@@ -24,6 +24,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from readback.backends.emulated import accumulations as readback_accumulations
 from readback.backends.emulated import attention_reads as readback_attention_reads
 from readback.backends.precision import fp8_settings
 from readback.backends.settings import ATTENTION_CORES, ModelSettings, TeBackend
@@ -124,9 +125,10 @@ def te_plan(cfg: ModelSettings, te_version: str | None = INSTALLED, hardware: Ha
     bf16_layers = tuple(p8.bf16_layers) if p8 is not None else ()
     proj = _projection_label(attention is not None, recipe_key, fp8_mha)
     sites = {**_sites(cfg, attention_label, proj, fp8, bf16_layers, _linear_label(policy, fp8)), **attention_reads}
-    if fp8:  # TE's own GEMM accumulation (the config refuses any other), cuDNN's attention unmodelled
-        core = "cuDNN's own (not modelled)" if attention is not None else "ieee"
-        sites |= {"linear.accumulation": "fprop=fast dgrad=split wgrad=split", "attention_core.accumulation": core}
+    if fp8:  # TE's own GEMM accumulation, Hopper's (the config refuses any other); cuDNN's attention unmodelled
+        sites |= readback_accumulations("hopper", None)
+        if attention is not None:
+            sites["attention_core.accumulation"] = "cuDNN's own (not modelled)"
     readback_recipe = None if not fp8 else ("current" if recipe_key == "mxfp8" else recipe_key)
     return TEPlan(
         version,
