@@ -190,6 +190,11 @@ def write_report(
         name = "metric_" + "".join(c if c.isalnum() or c in "-_." else "_" for c in pattern)
         plot_metric(runs, pattern, x=x, band=band, path=out / f"{name}.png")
         images[name] = out / f"{name}.png"
+    if control:  # the gap over training, beside its final value, on both pages
+        gap = paired_curve(runs, control)
+        gap.to_csv(out / "paired_curve.csv", index=False)
+        plot_paired_gap(gap, out / "paired_gap.png")
+        images["paired_gap"] = out / "paired_gap.png"
     sections, paired = _sections(runs, images, control=control, metrics=metrics, command=command or this_command())
     paths = dict(images)
     table = final_loss_table(runs)
@@ -199,13 +204,14 @@ def write_report(
     table.to_csv(out / "final_loss.csv", index=False)
     paired.to_csv(out / "paired.csv", index=False)
     runs.summary.to_csv(out / "runs.csv")
-    for name in ("final_loss.md", "final_loss.csv", "paired.csv", "runs.csv"):
+    for name in (
+        "final_loss.md",
+        "final_loss.csv",
+        "paired.csv",
+        "runs.csv",
+        *(("paired_curve.csv",) if control else ()),
+    ):
         paths[name] = out / name
-    if control:  # the gap over training, beside its final value
-        gap = paired_curve(runs, control)
-        gap.to_csv(out / "paired_curve.csv", index=False)
-        plot_paired_gap(gap, out / "paired_gap.png")
-        paths |= {"paired_curve.csv": out / "paired_curve.csv", "paired_gap.png": out / "paired_gap.png"}
     page_path = Path(page) if page is not None else out / "report.md"
     page_path.parent.mkdir(parents=True, exist_ok=True)
     page_path.write_text(render_markdown(sections, title, page_path), encoding="utf-8")

@@ -144,6 +144,7 @@ def test_cli_metric_control_and_groups(lr_sweep, tmp_path, capsys):
     assert "Δ final, paired" in (out / "final_loss.md").read_text()
     assert len((out / "paired.csv").read_text().splitlines()) == 1 + 4  # 2 groups x 2 metrics
     assert (out / "paired_gap.png").is_file() and "val_loss" in (out / "paired_curve.csv").read_text()
+    assert "![paired gap](paired_gap.png)" in (out / "report.md").read_text()  # on the page, not only on disk
     assert cli_main([str(lr_sweep), "--out", str(out), "--control", "nope"]) == 2
     assert "--control 'nope' is not a loaded experiment" in capsys.readouterr().err
 
