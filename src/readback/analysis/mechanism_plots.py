@@ -87,28 +87,32 @@ MECHANISM = (
     ("attn_entropy/mean/", "attention entropy"),
     ("attn_dq_dterm_cos/mean/", "cos(dQ D-term, mean key)"),
     ("fp8_underflow/", "O underflow fraction"),
+    ("attn_out_rel_err/mean/", "|O - O8| / |O|"),
+    ("attn_out_amax_to_rms/mean/", "max|O| / rms(O)"),
 )
 
 
 def plot_mechanism(
     runs: Runs, *, x: str = "tokens", band: str | None = "minmax", path: str | os.PathLike | None = None
 ) -> Figure:
-    """Per attention layer (one row each): max logit, attention entropy, the cosine between dQ's
-    D-term component and the mean attended key, and the fraction of O that FP8 flushes to zero
-    or subnormals; last panel: O's kurtosis. A divergence driven by the D-term shows as the
-    cosine leaving 0 with one sign while the logits grow."""
+    """Per attention layer (two rows of three each): max logit, attention entropy, the cosine
+    between dQ's D-term component and the mean attended key, the fraction of O that FP8 flushes
+    to zero or subnormals, O8's relative rounding error and O's amax-to-rms ratio; last panel:
+    O's kurtosis. A divergence driven by the D-term shows as the cosine leaving 0 with one sign
+    while the logits grow."""
     layers = layer_sites(runs, "attn_logit/max/", "*")
-    fig, axes = panel_grid(4 * len(layers) + 1, 4, w=4.2, h=3.0)
+    per_layer = len(MECHANISM)
+    fig, axes = panel_grid(per_layer * len(layers) + 1, 3, w=4.2, h=3.0)
     cmap = colors(runs)
     for row, layer in enumerate(layers):
         for col, (prefix, title) in enumerate(MECHANISM):
-            ax = axes[4 * row + col]
+            ax = axes[per_layer * row + col]
             key = f"{prefix}{layer}.output" if prefix == "fp8_underflow/" else f"{prefix}{layer}"
             if not draw_curves(ax, runs, key, x=x, band=band, cmap=cmap):
                 empty_panel(ax, f"no {key} records")
             ax.set_title(f"{title} / {short_layer(layer)}", fontsize=9)
             ax.grid(alpha=0.3)
-    ax = axes[4 * len(layers)]
+    ax = axes[per_layer * len(layers)]
     if not draw_curves(ax, runs, "kurtosis/attn_out_max", x=x, band=band, cmap=cmap, logy=True):
         empty_panel(ax, "no kurtosis/attn_out_max records")
     ax.set_title("O kurtosis (max over layers)", fontsize=9)

@@ -19,10 +19,8 @@ from __future__ import annotations
 import math
 from collections import defaultdict
 
-import torch
-
 from readback.numerics import QTensor
-from readback.numerics.site import EXPONENT_BITS, underflow_counts
+from readback.numerics.site import EXPONENT_BITS, rounding_figures, underflow_counts
 
 SUFFIX = ".core"  # the attention op's name is its module's, plus this
 
@@ -39,15 +37,15 @@ class OutputRounding:
             o8 = record.get("output")
             if "out" not in record or not isinstance(o8, QTensor) or o8.data.dtype not in EXPONENT_BITS:
                 continue  # not the attention op's record (O before and after rounding), or not FP8
-            o = record["out"].detach().double()
+            o = record["out"]
             underflowed, nonzero = underflow_counts(o, o8)
-            rms = o.pow(2).mean().sqrt().item()
+            rel_err, amax_to_rms = rounding_figures(o, o8)
             sums = self.sums[op.removesuffix(SUFFIX)]
             sums["batches"] += 1
             sums["underflowed"] += int(underflowed)
             sums["nonzero"] += int(nonzero)
-            sums["rel_err"] += ((o - o8.dequantize(torch.float64)).norm() / o.norm().clamp_min(1e-300)).item()
-            sums["amax_to_rms"] += o.abs().max().item() / rms if rms > 0 else math.nan
+            sums["rel_err"] += rel_err.item()
+            sums["amax_to_rms"] += amax_to_rms.item()
             sums["log2_scale"] += math.log2(float(o8.scale))
             sums["margin"] = numerics.site(f"{op}.output").margin
 

@@ -152,6 +152,17 @@ def check_scales(sites: Mapping[str, Site], step: int) -> None:
         )
 
 
+def rounding_figures(x: torch.Tensor, q: QTensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(rel_err, amax_to_rms)`` of one rounding, in FP64 over the whole tensor: how far ``q``
+    is from ``x`` (``|x - q| / |x|``, Frobenius) and how far ``x``'s largest element stands
+    above its typical one (``max|x| / rms(x)``, the ratio that sets how much of ``x`` an
+    amax-derived scale pushes into subnormals). The one definition of both, for the training
+    log (``readback.ops.mechanism``) and the bias meter (``readback.bias.output_rounding``)."""
+    xd = x.detach().double()
+    rel_err = (xd - q.dequantize(torch.float64)).norm() / xd.norm().clamp_min(1e-300)
+    return rel_err, xd.abs().max() / xd.pow(2).mean().sqrt()
+
+
 def underflow_counts(x: torch.Tensor, q: QTensor) -> tuple[torch.Tensor, torch.Tensor]:
     """``(underflowed, nonzero)``: the nonzero elements of ``x`` and those that their FP8 rounding
     ``q`` holds as zero or a subnormal (the one definition of ``fp8_underflow``).

@@ -88,6 +88,8 @@ class _Attention(torch.autograd.Function):
         out = matmul(pq, vq, gemm)  # (B, H, T, hd)
         out = out.transpose(1, 2).reshape(batch, seq, heads * dim)
         oq = numerics.site(f"{name}.output").quantize(out, rounding)
+        if numerics.mechanism:
+            mechanism.observe_output_rounding(numerics, name, out, oq)
         numerics.record(name, q=qq, k=kq, v=vq, scores=scores, probs=pq, out=out, output=oq)
 
         reads = numerics.spec.reads["attention"]

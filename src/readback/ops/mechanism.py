@@ -1,6 +1,7 @@
 """What a biased D-term does inside attention, measured where it happens (log steps only).
 
-Forward: the largest and the mean causal logit, and the attention entropy. Backward: the cosine
+Forward: the largest and the mean causal logit, the attention entropy, and how coarsely O8 holds
+the attention output O (the quantities a prediction across model sizes rests on). Backward: the cosine
 between dQ's D-term component and the mean attended key. Since ``dS = P * (dP - D)``, dQ's
 D-term part is ``-c * D_i * kbar_i`` with ``kbar_i = sum_j P_ij K_j``, the direction a biased D
 pushes every query along; its cosine with ``kbar`` over a whole layer (flattened) is near 0 when
@@ -12,6 +13,9 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 import torch
+
+from readback.numerics import QTensor
+from readback.numerics.site import rounding_figures
 
 if TYPE_CHECKING:
     from readback.numerics.state import Numerics
@@ -27,6 +31,16 @@ def observe_logits(numerics: Numerics, name: str, scores: torch.Tensor, probs: t
     p = probs.detach()
     entropy = -(p * torch.log(p.clamp_min(1e-30))).sum(-1)
     numerics.observe(f"attn_entropy/{name}", entropy)
+
+
+def observe_output_rounding(numerics: Numerics, name: str, out: torch.Tensor, out_q: QTensor) -> None:
+    """``|O - O8| / |O|`` and ``max|O| / rms(O)`` of this forward (the bias meter's figures,
+    ``readback.numerics.site.rounding_figures``); O's underflow is its site's ``fp8_underflow``."""
+    if out_q.fmt is None:  # rounding off: O8 is O
+        return
+    rel_err, amax_to_rms = rounding_figures(out, out_q)
+    numerics.observe(f"attn_out_rel_err/{name}", rel_err)
+    numerics.observe(f"attn_out_amax_to_rms/{name}", amax_to_rms)
 
 
 class DTermCosine:

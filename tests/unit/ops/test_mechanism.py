@@ -1,5 +1,5 @@
-"""Mechanism statistics of attention: hand-made cases for the logit, entropy and D-term
-cosine, their keys from a FOG step on a log step, and the analysis plot."""
+"""Mechanism statistics of attention: hand-made cases for the logit, entropy, D-term cosine and
+O's rounding figures, their keys from a FOG step on a log step, and the analysis plot."""
 
 from __future__ import annotations
 
@@ -11,7 +11,8 @@ import torch
 from readback.analysis import runs_from_records
 from readback.analysis.plots import plot_mechanism
 from readback.backends import build_model
-from readback.numerics import CurrentScaling
+from readback.numerics import E4M3, CurrentScaling, QTensor, quantize
+from readback.numerics.site import rounding_figures
 from readback.ops import attention as attention_op
 from readback.ops import mechanism, numerics_for
 from toys import config
@@ -26,6 +27,18 @@ def test_logits_and_entropy_by_hand():
     assert stats["attn_logit/max/a"] == 4.0  # 9.0 is masked
     assert stats["attn_logit/mean/a"] == pytest.approx(7 / 3)
     assert stats["attn_entropy/mean/a"] == pytest.approx(math.log(2) / 2)
+
+
+def test_rounding_figures_by_hand():
+    """E4M3 at scale 1 holds 1 and 0.001953125 (its smallest subnormal) exactly and rounds 1.03125
+    to 1 (3 mantissa bits): the error is 0.03125 of a vector whose norm and rms are known."""
+    x = torch.tensor([1.0, 1.03125, 0.001953125, 0.0])
+    q = quantize(x, E4M3, torch.tensor(1.0))
+    rel_err, amax_to_rms = rounding_figures(x, q)
+    norm = math.sqrt(1 + 1.03125**2 + 0.001953125**2)
+    assert float(rel_err) == pytest.approx(0.03125 / norm, rel=1e-12)
+    assert float(amax_to_rms) == pytest.approx(1.03125 / (norm / 2), rel=1e-12)
+    assert float(rounding_figures(x, QTensor(x, torch.tensor(1.0), None))[0]) == 0.0
 
 
 def test_dterm_cosine_is_minus_one_for_a_one_signed_d_and_small_for_a_signless_one():
@@ -106,6 +119,14 @@ def test_a_logged_fog_step_records_them_and_the_analysis_plots_them(tmp_path):
     assert -1 <= stats["attn_dq_dterm_cos/mean/layers.0.attn.core"] <= 1
     assert "attn_dq_dterm_cos/z/layers.0.attn.core" not in stats  # one value per layer and step: no spread
     assert "attn_entropy/z/layers.0.attn.core" in stats  # one value per row
+    # O's rounding: what the bias meter reads from the same forward (readback.bias.output_rounding)
+    with model.numerics.measuring(), model.numerics.taping() as tape:
+        model(idx, idx)
+    again = model.numerics.pop_observations()
+    o = dict(tape)["layers.0.attn.core"]
+    rel_err, amax_to_rms = rounding_figures(o["out"], o["output"])
+    assert again["attn_out_rel_err/mean/layers.0.attn.core"] == float(rel_err) > 0
+    assert again["attn_out_amax_to_rms/mean/layers.0.attn.core"] == float(amax_to_rms) > 1
     records = [
         {"step": s, "tokens": s, "loss": 1.0, **stats, "fp8_underflow/layers.0.attn.core.output": 0.5} for s in (1, 2)
     ]
