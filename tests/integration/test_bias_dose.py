@@ -17,6 +17,7 @@ import pytest
 from readback.bias.__main__ import load_run
 from readback.bias.__main__ import main as bias_main
 from readback.bias.dose import D_READ, plot_dose, rows_of
+from readback.bias.shapes import main as shapes_main
 from toys import REPO, TWO_STEP_RUN
 
 OWN_MARGIN = 4  # the run's own precision.site_margin at attn.core.output
@@ -136,6 +137,24 @@ def test_the_dose_and_response_of_a_checkpoint(run, tmp_path):
         assert calm[layer]["underflow"] < stressed[layer]["underflow"]
         assert calm[layer]["rel_err"] < stressed[layer]["rel_err"]
     plot_dose(dose).savefig(io.BytesIO(), format="png")  # the JSON's nulls draw too
+
+
+@pytest.mark.slow
+def test_the_shape_table_reads_the_meters_own_output(run, tmp_path):
+    """``readback.bias.shapes`` on a real measurement: the run's shape from its config, the D
+    read's figures from its bias.json (sqrt of the debiased square), O's from its o_rounding."""
+    measured = shutil.copytree(run, tmp_path / "sweep" / "run")
+    assert bias_main([str(measured), "--batches", "4", "--out", str(measured / "bias" / "width")]) == 0
+    bias = json.loads((measured / "bias" / "width" / "bias.json").read_text())
+    assert shapes_main([str(tmp_path / "sweep"), "--out", str(tmp_path / "out")]) == 0
+    rows = json.loads((tmp_path / "out" / "shapes.json").read_text())["rows"]
+    assert [r["layer"] for r in rows] == list(LAYERS)
+    for row in rows:
+        s, o = bias["stats"][D_READ][row["layer"] + ".qkv"], bias["o_rounding"][row["layer"]]
+        assert (row["head_dim"], row["seq_len"], row["seeds"]) == (16, 32, [0])
+        assert row["share"] == math.sqrt(max(s["debiased_sq"], 0.0)) and row["projection"] == s["projection"]
+        assert row["rel_err"] == o["rel_err"] and row["underflow"] == o["underflow"]
+        assert math.isfinite(row["rowsum_z"])
 
 
 @pytest.mark.slow

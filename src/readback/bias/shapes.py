@@ -1,0 +1,196 @@
+"""The reuse D read's bias against the model's shape: head dimension and sequence length.
+
+``python -m readback.bias.shapes SWEEP_DIR --out DIR [--measured bias/width] [--read READ]``
+
+Finds every run under ``SWEEP_DIR`` that the bias meter measured (``RUN/<measured>/bias.json``),
+takes its shape from ``RUN/.hydra/config.yaml`` (head dim ``model.d_model / model.n_heads``,
+``model.seq_len``) and writes ``shapes.md``, ``shapes.json`` and ``shapes.png``: per shape and
+attention layer, the read's bias in that layer's QKV gradient (``sqrt(debiased bias²)``, the
+projection, the bias and its floor, over |G|), O's rounding in the meter's forwards (underflow,
+``|O - O8| / |O|``, ``max|O| / rms(O)``) and the training's last ``attn_rowsum/z``.
+
+Seeds are pooled: each figure is the mean over the shape's seeds, its SE the between-seed one
+(``sd / sqrt(n)``: it holds the meter's noise and the spread of the trained states), or the
+meter's own SE where a shape has one seed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import statistics
+import sys
+from collections import defaultdict
+from pathlib import Path
+
+from omegaconf import OmegaConf
+
+from readback.bias.attribution import D_READ
+from readback.bias.report import write_json
+
+STATS = ("share", "projection", "bias", "floor", "underflow", "rel_err", "amax_to_rms", "rowsum_z")
+
+
+def measured_runs(sweep: Path, measured: str = "bias/width") -> list[Path]:
+    """The run folders under ``sweep`` with a ``<measured>/bias.json``."""
+    parts = Path(measured).parts
+    return sorted(p.parents[len(parts)] for p in sweep.rglob("bias.json") if p.parent.parts[-len(parts) :] == parts)
+
+
+def run_point(run: Path, measured: str = "bias/width", read: str = D_READ) -> dict:
+    """One measured run: its shape, seed, and per attention layer the :data:`STATS` (each with
+    ``<stat>_se`` where the meter gives one)."""
+    cfg = OmegaConf.load(run / ".hydra" / "config.yaml")
+    bias = json.loads((run / measured / "bias.json").read_text())
+    rowsum = _last_rowsum_z(run / "metrics.jsonl")
+    layers = {}
+    for layer, o in bias["o_rounding"].items():
+        s = bias["stats"][read][f"{layer}.qkv"]
+        sq, sq_se = _number(s["debiased_sq"]), _number(s["debiased_sq_se"])  # (an SE needs 4 batches)
+        layers[layer] = {
+            "share": math.sqrt(max(sq, 0.0)) if not math.isnan(sq) else math.nan,
+            "share_se": sq_se / (2 * math.sqrt(sq)) if sq > 0 else math.nan,  # delta method
+            **{k: _number(s[k]) for k in ("projection", "projection_se", "bias", "bias_se", "floor")},
+            "underflow": o["underflow"],
+            "rel_err": o["rel_err"],
+            "amax_to_rms": o["amax_to_rms"],
+            "rowsum_z": rowsum.get(f"{layer}.core", math.nan),
+        }
+    return {
+        "run_dir": str(run),
+        "head_dim": int(cfg.model.d_model) // int(cfg.model.n_heads),
+        "seq_len": int(cfg.model.seq_len),
+        "seed": int(cfg.seed),
+        "policy": bias["policy"],
+        "batches": bias["batches"],
+        "site_margin": bias.get("site_margin", {}),
+        "layers": layers,
+    }
+
+
+def _number(value: float | None) -> float:
+    return math.nan if value is None else float(value)
+
+
+def _last_rowsum_z(metrics: Path) -> dict[str, float]:
+    """``{attention op: z}`` from the last record of ``metrics`` that has ``attn_rowsum/z/...``."""
+    last: dict[str, float] = {}
+    if metrics.is_file():
+        for line in metrics.read_text().splitlines():
+            record = json.loads(line)
+            found = {k.removeprefix("attn_rowsum/z/"): v for k, v in record.items() if k.startswith("attn_rowsum/z/")}
+            last = found or last
+    return last
+
+
+def pool(points: list[dict]) -> list[dict]:
+    """Per (head dim, T, layer), in that order: each stat's mean over seeds and its SE."""
+    by_shape: dict[tuple, list[dict]] = defaultdict(list)
+    for p in points:
+        for layer, stats in p["layers"].items():
+            by_shape[(p["head_dim"], p["seq_len"], layer)].append({**stats, "seed": p["seed"]})
+    rows = []
+    for (head_dim, seq_len, layer), seeds in sorted(by_shape.items()):
+        row = {"head_dim": head_dim, "seq_len": seq_len, "layer": layer, "seeds": sorted(s["seed"] for s in seeds)}
+        for stat in STATS:
+            values = [s[stat] for s in seeds]
+            row[stat] = statistics.fmean(values)
+            if len(values) > 1:
+                row[f"{stat}_se"] = statistics.stdev(values) / math.sqrt(len(values))
+            else:
+                row[f"{stat}_se"] = seeds[0].get(f"{stat}_se", math.nan)
+        rows.append(row)
+    return rows
+
+
+def _pm(row: dict, stat: str, digits: int = 3) -> str:
+    value, se = row[stat], row.get(f"{stat}_se", math.nan)
+    if math.isnan(value):
+        return "n/a"
+    return f"{value:.{digits}g}" + ("" if math.isnan(se) else f" ± {se:.2g}")
+
+
+def to_markdown(rows: list[dict], points: list[dict], read: str = D_READ) -> str:
+    first = points[0]
+    margins = ", ".join(f"{p}={k}" for p, k in first["site_margin"].items()) or "none"
+    lines = [
+        f"`{read.removeprefix('contrib.')}` in each layer's QKV gradient, over |G|; meter policy "
+        f"{first['policy']}, {first['batches']} batches, site margins {margins}. Mean over seeds ± SE.",
+        "",
+        "| head dim | T | layer | seeds | sqrt(debiased²) | projection | bias | floor | O underflow | "
+        "O rel. rounding error | O amax / rms | attn_rowsum z |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        lines.append(
+            f"| {r['head_dim']} | {r['seq_len']} | {r['layer']} | {','.join(map(str, r['seeds']))} | "
+            + " | ".join(_pm(r, s, 4 if s == "underflow" else 3) for s in STATS)
+            + " |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def plot(rows: list[dict], path: str | Path | None = None):
+    """One row of panels per attention layer, against head dim (one line per T): the read's
+    sqrt(debiased²) and floor, its projection, O's relative rounding error and underflow."""
+    from matplotlib.figure import Figure
+
+    layers = list(dict.fromkeys(r["layer"] for r in rows))
+    lengths = sorted({r["seq_len"] for r in rows})
+    panels = (("share", "sqrt(debiased bias²) / |G| (dotted: floor)"), ("projection", "projection on -G / |G|²"))
+    panels += (("rel_err", "|O - O8| / |O| (dashed: underflow)"), ("amax_to_rms", "max|O| / rms(O)"))
+    fig = Figure(figsize=(4.4 * len(panels), 3.2 * len(layers)), layout="constrained")
+    axes = fig.subplots(len(layers), len(panels), squeeze=False)
+    for layer, row_axes in zip(layers, axes):
+        for c, seq_len in enumerate(lengths):
+            mine = sorted(
+                (r for r in rows if r["layer"] == layer and r["seq_len"] == seq_len), key=lambda r: r["head_dim"]
+            )
+            dims = [r["head_dim"] for r in mine]
+            for ax, (stat, title) in zip(row_axes, panels):
+                ax.errorbar(
+                    dims,
+                    [r[stat] for r in mine],
+                    [r[f"{stat}_se"] for r in mine],
+                    fmt="o-",
+                    color=f"C{c}",
+                    capsize=2,
+                    label=f"T {seq_len}",
+                )
+                extra = {"share": "floor", "rel_err": "underflow"}.get(stat)
+                if extra:
+                    ax.plot(dims, [r[extra] for r in mine], ":" if stat == "share" else "--", color=f"C{c}")
+                ax.set_xscale("log", base=2)
+                ax.set_title(f"{layer}: {title}", fontsize=9)
+                ax.set_xlabel("head dim")
+                ax.grid(alpha=0.3)
+    axes[0][0].legend(fontsize=8)
+    if path is not None:
+        fig.savefig(path, dpi=100)
+    return fig
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m readback.bias.shapes", description=__doc__.split("\n\n")[1])
+    parser.add_argument("sweep", type=Path)
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--measured", default="bias/width", help="where in each run the meter wrote (bias/width)")
+    parser.add_argument("--read", default=D_READ, help=f"the contribution to tabulate ({D_READ})")
+    args = parser.parse_args(argv)
+    runs = measured_runs(args.sweep, args.measured)
+    if not runs:
+        parser.exit(2, f"{parser.prog}: error: no run under {args.sweep} has {args.measured}/bias.json\n")
+    points = [run_point(run, args.measured, args.read) for run in runs]
+    rows = pool(points)
+    args.out.mkdir(parents=True, exist_ok=True)
+    write_json(args.out / "shapes.json", {"read": args.read, "rows": rows, "runs": points})
+    text = to_markdown(rows, points, args.read)
+    (args.out / "shapes.md").write_text(text)
+    plot(rows, args.out / "shapes.png")
+    print(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

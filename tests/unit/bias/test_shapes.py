@@ -1,0 +1,84 @@
+"""The shape table: runs found by their meter's output, their shape read from their config,
+seeds pooled with the between-seed SE (the meter's own for a single seed)."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+
+from readback.bias.attribution import D_READ
+from readback.bias.shapes import main, measured_runs, pool, run_point
+
+
+def _run(root, name, *, heads, seq_len, seed, debiased, z):
+    run = root / name
+    (run / ".hydra").mkdir(parents=True)
+    (run / ".hydra" / "config.yaml").write_text(
+        f"seed: {seed}\nmodel:\n  d_model: 128\n  n_heads: {heads}\n  seq_len: {seq_len}\n"
+    )
+    stats = {
+        "debiased_sq": debiased,
+        "debiased_sq_se": 0.0004,
+        "projection": 0.01 * seed,
+        "projection_se": 0.002,
+        "bias": 0.1,
+        "bias_se": 0.03,
+        "floor": 0.03,
+    }
+    bias = {
+        "policy": "reuse_rounded",
+        "batches": 16,
+        "site_margin": {"attn.core.output": 14},
+        "o_rounding": {"layers.0.attn": {"underflow": 0.99, "rel_err": 0.2 + seed, "amax_to_rms": 8.0}},
+        "stats": {D_READ: {"layers.0.attn.qkv": stats}},
+    }
+    (run / "bias" / "width").mkdir(parents=True)
+    (run / "bias" / "width" / "bias.json").write_text(json.dumps(bias))
+    records = [{"step": 20, "attn_rowsum/z/layers.0.attn.core": 1.0}, {"step": 40}]
+    records.append({"step": 60, "attn_rowsum/z/layers.0.attn.core": z})
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    return run
+
+
+@pytest.fixture
+def sweep(tmp_path):
+    _run(tmp_path / "T128", "a", heads=8, seq_len=128, seed=0, debiased=0.0016, z=-4.0)
+    _run(tmp_path / "T128", "b", heads=8, seq_len=128, seed=1, debiased=0.0036, z=-6.0)
+    _run(tmp_path / "T512", "c", heads=1, seq_len=512, seed=0, debiased=-0.001, z=-2.0)
+    (tmp_path / "T512" / "unmeasured" / "bias").mkdir(parents=True)
+    return tmp_path
+
+
+def test_a_run_gives_its_shape_and_its_layers_figures(sweep):
+    point = run_point(sweep / "T128" / "a")
+    assert (point["head_dim"], point["seq_len"], point["seed"]) == (16, 128, 0)
+    layer = point["layers"]["layers.0.attn"]
+    assert layer["share"] == pytest.approx(0.04) and layer["share_se"] == pytest.approx(0.0004 / (2 * 0.04))
+    assert layer["rowsum_z"] == -4.0  # the last record that has it
+    assert run_point(sweep / "T512" / "c")["layers"]["layers.0.attn"]["share"] == 0.0  # below its floor
+
+
+def test_seeds_pool_with_the_between_seed_se_and_one_seed_keeps_the_meters(sweep):
+    runs = measured_runs(sweep)
+    assert [r.name for r in runs] == ["a", "b", "c"]
+    rows = pool([run_point(r) for r in runs])
+    assert [(r["head_dim"], r["seq_len"], r["seeds"]) for r in rows] == [(16, 128, [0, 1]), (128, 512, [0])]
+    two, one = rows
+    assert two["share"] == pytest.approx(0.05) and two["share_se"] == pytest.approx(0.01)  # 0.04, 0.06
+    assert two["rel_err"] == pytest.approx(0.7) and two["rel_err_se"] == pytest.approx(0.5)
+    assert two["rowsum_z"] == -5.0
+    assert one["projection_se"] == 0.002 and math.isnan(one["rel_err_se"])
+
+
+def test_the_command_writes_its_files_and_refuses_an_empty_sweep(sweep, tmp_path, capsys):
+    out = tmp_path / "out"
+    assert main([str(sweep), "--out", str(out)]) == 0
+    table = (out / "shapes.md").read_text()
+    assert "| 16 | 128 | layers.0.attn | 0,1 | 0.05 ± 0.01 |" in table
+    assert json.loads((out / "shapes.json").read_text())["rows"][1]["head_dim"] == 128
+    assert (out / "shapes.png").stat().st_size > 0
+    with pytest.raises(SystemExit) as stop:
+        main([str(sweep / "T512" / "unmeasured"), "--out", str(out)])
+    assert stop.value.code == 2 and "no run under" in capsys.readouterr().err
