@@ -12,7 +12,8 @@
 #
 # Runs land in multirun/d_term_width/T<T>/<experiment>/<overrides>/, each meter's bias.* in the
 # run's bias/width/; run again, it continues unfinished trainings and measures only what has no
-# bias.json yet. The table: python -m readback.bias.attribution LABEL=RUN/bias/width/bias.json ...
+# bias.json yet. At the end, the table and figure of what is measured so far:
+# python -m readback.bias.shapes "$SWEEP_DIR" --out "$SWEEP_DIR/shapes".
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-$(test -x .venv/bin/python && echo .venv/bin/python || echo python3)}
@@ -38,3 +39,4 @@ for T in ${LENGTHS:-128 512 1024}; do
         "$PY" -m readback.bias "$run" --batches "${BATCHES:-16}" --out "$run/bias/width"
     done
 done
+"$PY" -m readback.bias.shapes "$SWEEP_DIR" --out "$SWEEP_DIR/shapes"
