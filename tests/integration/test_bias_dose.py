@@ -74,6 +74,9 @@ def test_a_site_margin_given_at_measurement_replaces_the_runs_own(run, tmp_path)
     none = _o_rounding(run, tmp_path / "zero", "--site-margin", "attn.core.output=0")
     assert shifts(none) == pytest.approx(dict.fromkeys(LAYERS, 0), abs=1e-12)
     assert [none["o_rounding"][layer]["margin"] for layer in LAYERS] == [0, 0]
+    first = "layers.0.attn"  # its O is the same forward's (later layers see the changed O8)
+    rms_shift = given["o_rounding"][first]["log2_rms_scaled"] - none["o_rounding"][first]["log2_rms_scaled"]
+    assert rms_shift == pytest.approx(-6, abs=1e-9)  # 6 binades lower on the grid
     twice = _o_rounding(
         run, tmp_path / "twice", "--site-margin", "attn.core.output=3", "--site-margin", "attn.core.output=6"
     )

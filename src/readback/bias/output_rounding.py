@@ -8,6 +8,8 @@ Per attention layer (keyed by the attention module, ``layers.<i>.attn``; its sit
   (underflowed / nonzero summed over batches: the run's ``fp8_underflow`` over these forwards);
 * ``rel_err``: ``|O - O8| / |O|`` (Frobenius norms over the whole batch), the mean over batches;
 * ``amax_to_rms``: ``max|O| / rms(O)`` (over the whole batch), the mean over batches;
+* ``log2_rms_scaled``: ``log2(rms(O) * scale)``, where O's typical element lands on the format's
+  grid (below its smallest normal exponent, E4M3's -6, most of O8 is subnormal), the mean over batches;
 * ``log2_scale``: the mean over batches of log2 of O8's scale (constant under delayed scaling);
 * ``margin``: the site margin that scale was divided by (``2**margin``).
 
@@ -39,18 +41,18 @@ class OutputRounding:
                 continue  # not the attention op's record (O before and after rounding), or not FP8
             o = record["out"]
             underflowed, nonzero = underflow_counts(o, o8)
-            rel_err, amax_to_rms = rounding_figures(o, o8)
+            figures = rounding_figures(o, o8)
             sums = self.sums[op.removesuffix(SUFFIX)]
             sums["batches"] += 1
             sums["underflowed"] += int(underflowed)
             sums["nonzero"] += int(nonzero)
-            sums["rel_err"] += rel_err.item()
-            sums["amax_to_rms"] += amax_to_rms.item()
+            for stat in figures._fields:
+                sums[stat] += getattr(figures, stat).item()
             sums["log2_scale"] += math.log2(float(o8.scale))
             sums["margin"] = numerics.site(f"{op}.output").margin
 
     def summary(self) -> dict[str, dict[str, float]]:
-        """``{attention module: {underflow, rel_err, amax_to_rms, log2_scale, margin}}``."""
+        """``{attention module: {underflow, rel_err, amax_to_rms, log2_rms_scaled, log2_scale, margin}}``."""
         out = {}
         for layer, s in self.sums.items():
             n = s["batches"]
@@ -58,6 +60,7 @@ class OutputRounding:
                 "underflow": s["underflowed"] / s["nonzero"] if s["nonzero"] else math.nan,
                 "rel_err": s["rel_err"] / n,
                 "amax_to_rms": s["amax_to_rms"] / n,
+                "log2_rms_scaled": s["log2_rms_scaled"] / n,
                 "log2_scale": s["log2_scale"] / n,
                 "margin": int(s["margin"]),
             }

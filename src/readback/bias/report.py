@@ -41,13 +41,13 @@ def to_markdown(result: BiasResult, groups: list[str] | None = None) -> str:
             "",
             "O's rounding in the executed forwards (underflow pooled over batches, the rest their mean):",
             "",
-            "| layer | margin | log2 O8 scale | underflow | rel. rounding error | amax / rms |",
-            "|---|---|---|---|---|---|",
+            "| layer | margin | log2 O8 scale | underflow | rel. rounding error | amax / rms | log2(rms * scale) |",
+            "|---|---|---|---|---|---|---|",
         ]
         for layer, o in result.o_rounding.items():
             lines.append(
                 f"| {layer} | {o['margin']} | {o['log2_scale']:.2f} | {o['underflow']:.4f} | "
-                f"{o['rel_err']:.4f} | {o['amax_to_rms']:.2f} |"
+                f"{o['rel_err']:.4f} | {o['amax_to_rms']:.2f} | {o['log2_rms_scaled']:.2f} |"
             )
     return "\n".join(lines) + "\n"
 

@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import statistics
 import sys
 from collections import defaultdict
 from pathlib import Path
@@ -29,7 +28,7 @@ from omegaconf import OmegaConf
 from readback.bias.attribution import D_READ
 from readback.bias.report import write_json
 
-STATS = ("share", "projection", "bias", "floor", "underflow", "rel_err", "amax_to_rms", "rowsum_z")
+STATS = ("share", "projection", "bias", "floor", "underflow", "rel_err", "amax_to_rms", "log2_rms_scaled", "rowsum_z")
 
 
 def measured_runs(sweep: Path, measured: str = "bias/width") -> list[Path]:
@@ -52,9 +51,7 @@ def run_point(run: Path, measured: str = "bias/width", read: str = D_READ) -> di
             "share": math.sqrt(max(sq, 0.0)) if not math.isnan(sq) else math.nan,
             "share_se": sq_se / (2 * math.sqrt(sq)) if sq > 0 else math.nan,  # delta method
             **{k: _number(s[k]) for k in ("projection", "projection_se", "bias", "bias_se", "floor")},
-            "underflow": o["underflow"],
-            "rel_err": o["rel_err"],
-            "amax_to_rms": o["amax_to_rms"],
+            **{k: _number(o.get(k)) for k in ("underflow", "rel_err", "amax_to_rms", "log2_rms_scaled")},
             "rowsum_z": rowsum.get(f"{layer}.core", math.nan),
         }
     return {
@@ -95,9 +92,10 @@ def pool(points: list[dict]) -> list[dict]:
         row = {"head_dim": head_dim, "seq_len": seq_len, "layer": layer, "seeds": sorted(s["seed"] for s in seeds)}
         for stat in STATS:
             values = [s[stat] for s in seeds]
-            row[stat] = statistics.fmean(values)
+            row[stat] = sum(values) / len(values)
             if len(values) > 1:
-                row[f"{stat}_se"] = statistics.stdev(values) / math.sqrt(len(values))
+                spread = sum((v - row[stat]) ** 2 for v in values) / (len(values) - 1)
+                row[f"{stat}_se"] = math.sqrt(spread / len(values))
             else:
                 row[f"{stat}_se"] = seeds[0].get(f"{stat}_se", math.nan)
         rows.append(row)
@@ -119,8 +117,8 @@ def to_markdown(rows: list[dict], points: list[dict], read: str = D_READ) -> str
         f"{first['policy']}, {first['batches']} batches, site margins {margins}. Mean over seeds ± SE.",
         "",
         "| head dim | T | layer | seeds | sqrt(debiased²) | projection | bias | floor | O underflow | "
-        "O rel. rounding error | O amax / rms | attn_rowsum z |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "O rel. rounding error | O amax / rms | O log2(rms * scale) | attn_rowsum z |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         lines.append(

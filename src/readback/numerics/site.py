@@ -8,7 +8,7 @@ and owned by ``readback.numerics.state.Numerics``.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
 
@@ -152,15 +152,23 @@ def check_scales(sites: Mapping[str, Site], step: int) -> None:
         )
 
 
-def rounding_figures(x: torch.Tensor, q: QTensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(rel_err, amax_to_rms)`` of one rounding, in FP64 over the whole tensor: how far ``q``
-    is from ``x`` (``|x - q| / |x|``, Frobenius) and how far ``x``'s largest element stands
-    above its typical one (``max|x| / rms(x)``, the ratio that sets how much of ``x`` an
-    amax-derived scale pushes into subnormals). The one definition of both, for the training
-    log (``readback.ops.mechanism``) and the bias meter (``readback.bias.output_rounding``)."""
+class RoundingFigures(NamedTuple):
+    """How coarsely one rounding ``q`` holds ``x``, in FP64 over the whole tensor (tensors)."""
+
+    rel_err: torch.Tensor  # |x - q| / |x| (Frobenius)
+    amax_to_rms: torch.Tensor  # max|x| / rms(x): how far the largest element stands above the typical one
+    log2_rms_scaled: torch.Tensor  # log2(rms(x) * scale): where a typical element lands on the format's grid
+
+
+def rounding_figures(x: torch.Tensor, q: QTensor) -> RoundingFigures:
+    """The one definition of :class:`RoundingFigures`, for the training log
+    (``readback.ops.mechanism``) and the bias meter (``readback.bias.output_rounding``).
+    ``log2_rms_scaled`` below the format's smallest normal exponent (E4M3: -6) means most of
+    ``x`` is held as subnormals or zero, whatever margin, recipe or amax history set the scale."""
     xd = x.detach().double()
+    rms = xd.pow(2).mean().sqrt()
     rel_err = (xd - q.dequantize(torch.float64)).norm() / xd.norm().clamp_min(1e-300)
-    return rel_err, xd.abs().max() / xd.pow(2).mean().sqrt()
+    return RoundingFigures(rel_err, xd.abs().max() / rms, torch.log2(rms * q.scale.double()))
 
 
 def underflow_counts(x: torch.Tensor, q: QTensor) -> tuple[torch.Tensor, torch.Tensor]:

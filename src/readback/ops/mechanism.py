@@ -34,13 +34,14 @@ def observe_logits(numerics: Numerics, name: str, scores: torch.Tensor, probs: t
 
 
 def observe_output_rounding(numerics: Numerics, name: str, out: torch.Tensor, out_q: QTensor) -> None:
-    """``|O - O8| / |O|`` and ``max|O| / rms(O)`` of this forward (the bias meter's figures,
-    ``readback.numerics.site.rounding_figures``); O's underflow is its site's ``fp8_underflow``."""
+    """``attn_out_{rel_err,amax_to_rms,log2_rms_scaled}`` of this forward: how coarsely O8 holds O
+    (``readback.numerics.site.RoundingFigures``, the bias meter's figures); O's underflow is its
+    site's ``fp8_underflow``."""
     if out_q.fmt is None:  # rounding off: O8 is O
         return
-    rel_err, amax_to_rms = rounding_figures(out, out_q)
-    numerics.observe(f"attn_out_rel_err/{name}", rel_err)
-    numerics.observe(f"attn_out_amax_to_rms/{name}", amax_to_rms)
+    figures = rounding_figures(out, out_q)
+    for stat in figures._fields:
+        numerics.observe(f"attn_out_{stat}/{name}", getattr(figures, stat))
 
 
 class DTermCosine:

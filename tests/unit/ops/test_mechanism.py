@@ -34,11 +34,14 @@ def test_rounding_figures_by_hand():
     to 1 (3 mantissa bits): the error is 0.03125 of a vector whose norm and rms are known."""
     x = torch.tensor([1.0, 1.03125, 0.001953125, 0.0])
     q = quantize(x, E4M3, torch.tensor(1.0))
-    rel_err, amax_to_rms = rounding_figures(x, q)
+    rel_err, amax_to_rms, log2_rms_scaled = rounding_figures(x, q)
     norm = math.sqrt(1 + 1.03125**2 + 0.001953125**2)
     assert float(rel_err) == pytest.approx(0.03125 / norm, rel=1e-12)
     assert float(amax_to_rms) == pytest.approx(1.03125 / (norm / 2), rel=1e-12)
-    assert float(rounding_figures(x, QTensor(x, torch.tensor(1.0), None))[0]) == 0.0
+    assert float(log2_rms_scaled) == pytest.approx(math.log2(norm / 2), rel=1e-12)
+    scaled = rounding_figures(x, quantize(x, E4M3, torch.tensor(2.0**-7)))  # rms lands 7 binades lower
+    assert float(scaled.log2_rms_scaled) == pytest.approx(math.log2(norm / 2) - 7, rel=1e-12)
+    assert float(rounding_figures(x, QTensor(x, torch.tensor(1.0), None)).rel_err) == 0.0
 
 
 def test_dterm_cosine_is_minus_one_for_a_one_signed_d_and_small_for_a_signless_one():
@@ -124,9 +127,10 @@ def test_a_logged_fog_step_records_them_and_the_analysis_plots_them(tmp_path):
         model(idx, idx)
     again = model.numerics.pop_observations()
     o = dict(tape)["layers.0.attn.core"]
-    rel_err, amax_to_rms = rounding_figures(o["out"], o["output"])
-    assert again["attn_out_rel_err/mean/layers.0.attn.core"] == float(rel_err) > 0
-    assert again["attn_out_amax_to_rms/mean/layers.0.attn.core"] == float(amax_to_rms) > 1
+    figures = rounding_figures(o["out"], o["output"])
+    assert again["attn_out_rel_err/mean/layers.0.attn.core"] == float(figures.rel_err) > 0
+    assert again["attn_out_amax_to_rms/mean/layers.0.attn.core"] == float(figures.amax_to_rms) > 1
+    assert again["attn_out_log2_rms_scaled/mean/layers.0.attn.core"] == float(figures.log2_rms_scaled)
     records = [
         {"step": s, "tokens": s, "loss": 1.0, **stats, "fp8_underflow/layers.0.attn.core.output": 0.5} for s in (1, 2)
     ]
