@@ -89,27 +89,35 @@ MECHANISM = (
     ("fp8_underflow/", "O underflow fraction"),
     ("attn_out_rel_err/mean/", "|O - O8| / |O|"),
     ("attn_out_amax_to_rms/mean/", "max|O| / rms(O)"),
+    ("attn_out_log2_rms_scaled/mean/", "log2(rms(O) * scale)"),
 )
+COLUMNS = 4  # a layer's panels take two rows of the grid
+E4M3_MIN_NORMAL_EXPONENT = -6  # below it on the grid, most of O8 is subnormal
 
 
 def plot_mechanism(
     runs: Runs, *, x: str = "tokens", band: str | None = "minmax", path: str | os.PathLike | None = None
 ) -> Figure:
-    """Per attention layer (two rows of three each): max logit, attention entropy, the cosine
-    between dQ's D-term component and the mean attended key, the fraction of O that FP8 flushes
-    to zero or subnormals, O8's relative rounding error and O's amax-to-rms ratio; last panel:
+    """Per attention layer (two rows of four): max logit, attention entropy, the cosine between
+    dQ's D-term component and the mean attended key, the fraction of O that FP8 flushes to zero
+    or subnormals, O8's relative rounding error, O's amax-to-rms ratio and where O's rms lands on
+    O8's grid (dashed: E4M3's smallest normal; the D read's bias appears below it); last panel:
     O's kurtosis. A divergence driven by the D-term shows as the cosine leaving 0 with one sign
     while the logits grow."""
     layers = layer_sites(runs, "attn_logit/max/", "*")
-    per_layer = len(MECHANISM)
-    fig, axes = panel_grid(per_layer * len(layers) + 1, 3, w=4.2, h=3.0)
+    per_layer = -(-len(MECHANISM) // COLUMNS) * COLUMNS
+    fig, axes = panel_grid(per_layer * len(layers) + 1, COLUMNS, w=4.2, h=3.0)
     cmap = colors(runs)
     for row, layer in enumerate(layers):
+        for ax in axes[per_layer * row + len(MECHANISM) : per_layer * (row + 1)]:
+            ax.set_visible(False)  # the rest of the layer's last row
         for col, (prefix, title) in enumerate(MECHANISM):
             ax = axes[per_layer * row + col]
             key = f"{prefix}{layer}.output" if prefix == "fp8_underflow/" else f"{prefix}{layer}"
             if not draw_curves(ax, runs, key, x=x, band=band, cmap=cmap):
                 empty_panel(ax, f"no {key} records")
+            elif prefix.startswith("attn_out_log2_rms_scaled"):
+                ax.axhline(E4M3_MIN_NORMAL_EXPONENT, color="k", ls="--", lw=0.8)
             ax.set_title(f"{title} / {short_layer(layer)}", fontsize=9)
             ax.grid(alpha=0.3)
     ax = axes[per_layer * len(layers)]

@@ -138,4 +138,7 @@ def test_a_logged_fog_step_records_them_and_the_analysis_plots_them(tmp_path):
         [{"run_id": "r", "config": {"experiment": "reuse_rounded", "seed": 0}, "summary": None, "records": records}]
     )
     fig = plot_mechanism(runs, x="step", path=tmp_path / "mechanism.png")
-    assert len(fig.axes) >= 9 and (tmp_path / "mechanism.png").stat().st_size > 0
+    shown = [ax for ax in fig.axes if ax.get_visible()]
+    assert len(shown) == 2 * 7 + 1 and (tmp_path / "mechanism.png").stat().st_size > 0  # 7 panels a layer, kurtosis
+    grid = next(ax for ax in shown if ax.get_title().startswith("log2(rms(O) * scale)"))
+    assert any(list(line.get_ydata()) == [-6, -6] for line in grid.get_lines())  # E4M3's smallest normal
