@@ -6,7 +6,8 @@ Finds every run under ``SWEEP_DIR`` that the bias meter measured (``RUN/<measure
 takes its shape from ``RUN/.hydra/config.yaml`` (head dim ``model.d_model / model.n_heads``,
 ``model.seq_len``) and writes ``shapes.md``, ``shapes.json`` and ``shapes.png``: per shape and
 attention layer, the read's bias in that layer's QKV gradient (``sqrt(debiased bias²)``, the
-projection, the bias and its floor, over |G|), O's rounding in the meter's forwards (underflow,
+debiased squared bias itself, which a null's seeds average to about 0, the projection, the bias
+and its floor, over |G|), O's rounding in the meter's forwards (underflow,
 ``|O - O8| / |O|``, ``max|O| / rms(O)``) and the training's last ``attn_rowsum/z``.
 
 Seeds are pooled: each figure is the mean over the shape's seeds, its SE the between-seed one
@@ -28,7 +29,18 @@ from omegaconf import OmegaConf
 from readback.bias.attribution import D_READ
 from readback.bias.report import write_json
 
-STATS = ("share", "projection", "bias", "floor", "underflow", "rel_err", "amax_to_rms", "log2_rms_scaled", "rowsum_z")
+STATS = (
+    "share",
+    "debiased_sq",
+    "projection",
+    "bias",
+    "floor",
+    "underflow",
+    "rel_err",
+    "amax_to_rms",
+    "log2_rms_scaled",
+    "rowsum_z",
+)
 
 
 def measured_runs(sweep: Path, measured: str = "bias/width") -> list[Path]:
@@ -50,6 +62,8 @@ def run_point(run: Path, measured: str = "bias/width", read: str = D_READ) -> di
         layers[layer] = {
             "share": math.sqrt(max(sq, 0.0)) if not math.isnan(sq) else math.nan,
             "share_se": sq_se / (2 * math.sqrt(sq)) if sq > 0 else math.nan,  # delta method
+            "debiased_sq": sq,  # unclipped: a null's seeds average to about 0, with a fair SE
+            "debiased_sq_se": sq_se,
             **{k: _number(s[k]) for k in ("projection", "projection_se", "bias", "bias_se", "floor")},
             **{k: _number(o.get(k)) for k in ("underflow", "rel_err", "amax_to_rms", "log2_rms_scaled")},
             "rowsum_z": rowsum.get(f"{layer}.core", math.nan),
@@ -116,9 +130,9 @@ def to_markdown(rows: list[dict], points: list[dict], read: str = D_READ) -> str
         f"`{read.removeprefix('contrib.')}` in each layer's QKV gradient, over |G|; meter policy "
         f"{first['policy']}, {first['batches']} batches, site margins {margins}. Mean over seeds ± SE.",
         "",
-        "| head dim | T | layer | seeds | sqrt(debiased²) | projection | bias | floor | O underflow | "
+        "| head dim | T | layer | seeds | sqrt(debiased²) | debiased² | projection | bias | floor | O underflow | "
         "O rel. rounding error | O amax / rms | O log2(rms * scale) | attn_rowsum z |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         lines.append(

@@ -67,6 +67,8 @@ def test_seeds_pool_with_the_between_seed_se_and_one_seed_keeps_the_meters(sweep
     assert [(r["head_dim"], r["seq_len"], r["seeds"]) for r in rows] == [(16, 128, [0, 1]), (128, 512, [0])]
     two, one = rows
     assert two["share"] == pytest.approx(0.05) and two["share_se"] == pytest.approx(0.01)  # 0.04, 0.06
+    assert two["debiased_sq"] == pytest.approx(0.0026) and two["debiased_sq_se"] == pytest.approx(0.001)
+    assert one["debiased_sq"] == -0.001 and one["share"] == 0.0  # the square unclipped, its root clipped
     assert two["rel_err"] == pytest.approx(0.7) and two["rel_err_se"] == pytest.approx(0.5)
     assert two["rowsum_z"] == -5.0
     assert one["projection_se"] == 0.002 and math.isnan(one["rel_err_se"])
