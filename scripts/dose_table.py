@@ -1,7 +1,8 @@
 """The dose-response of one checkpoint as a Markdown table, from ``python -m readback.bias
 --sweep-margin``'s ``dose.json``: per margin K, the D read's and fresh_reround's contribution to
 one group's gradient bias (bias with its floor, projection and debiased squared norm with their
-SEs) and O's underflow fraction and relative rounding error per attention layer.
+SEs) and O's underflow fraction and relative rounding error per attention layer (and, where the
+meter recorded it, where O's rms lands on O8's grid, ``log2(rms(O) * scale)``).
 
     python scripts/dose_table.py docs/results/d_term/dose_stress14/dose.json [--group layers.1.attn.qkv]
 """
@@ -21,6 +22,9 @@ def dose_table(dose: dict, group: str) -> str:
     for label in READS:
         head += [f"{label}: bias (floor)", f"{label}: projection", f"{label}: debiased bias²"]
     head += [f"O underflow ({', '.join(layers)})", f"O rel. rounding error ({', '.join(layers)})"]
+    on_grid = all("log2_rms_scaled" in o for o in dose["points"][0]["o_rounding"].values())  # newer meters
+    if on_grid:
+        head += [f"log2(rms(O) * scale) ({', '.join(layers)})"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for point in dose["points"]:
         row = [str(point["margin"])]
@@ -34,6 +38,8 @@ def dose_table(dose: dict, group: str) -> str:
         o = point["o_rounding"]
         row += [" / ".join(f"{o[layer]['underflow']:.3f}" for layer in layers)]
         row += [" / ".join(f"{o[layer]['rel_err']:.3f}" for layer in layers)]
+        if on_grid:
+            row += [" / ".join(f"{o[layer]['log2_rms_scaled']:+.2f}" for layer in layers)]
         lines.append("| " + " | ".join(row) + " |")
     return "\n".join(lines)
 
