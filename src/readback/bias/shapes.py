@@ -150,8 +150,12 @@ def plot(rows: list[dict], path: str | Path | None = None):
 
     layers = list(dict.fromkeys(r["layer"] for r in rows))
     lengths = sorted({r["seq_len"] for r in rows})
-    panels = (("share", "sqrt(debiased bias²) / |G| (dotted: floor)"), ("projection", "projection on -G / |G|²"))
-    panels += (("rel_err", "|O - O8| / |O| (dashed: underflow)"), ("amax_to_rms", "max|O| / rms(O)"))
+    panels = [
+        ("share", "sqrt(debiased bias²) / |G| (dotted: floor)"),
+        ("projection", "projection on -G / |G|²"),
+        ("rel_err", "|O - O8| / |O| (dashed: underflow)"),
+        ("amax_to_rms", "max|O| / rms(O)"),
+    ]
     fig = Figure(figsize=(4.4 * len(panels), 3.2 * len(layers)), layout="constrained")
     axes = fig.subplots(len(layers), len(panels), squeeze=False)
     for layer, row_axes in zip(layers, axes):
