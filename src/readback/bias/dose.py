@@ -77,7 +77,7 @@ def plot_dose(dose: dict, path: str | Path | None = None):
     for (group, layer), (norm_ax, projection_ax, squared_ax, o_ax) in zip(rows, axes):
 
         def series(read: str, stat: str, group: str = group) -> list[float]:
-            return [_number(point["stats"][read][group][stat]) for point in dose["points"]]
+            return [json_number(point["stats"][read][group][stat]) for point in dose["points"]]
 
         for i, read in enumerate(reads):
             colour = COLOURS.get(read, f"C{2 + i % 8}")
@@ -98,8 +98,8 @@ def plot_dose(dose: dict, path: str | Path | None = None):
         norm_ax.set_ylabel(group)
         for layer_name in [layer] if layer else list(dose["points"][0]["o_rounding"]):
             o = [point["o_rounding"].get(layer_name, {}) for point in dose["points"]]
-            o_ax.plot(margins, [_number(x.get("underflow")) for x in o], "s-", label=f"{layer_name} underflow")
-            o_ax.plot(margins, [_number(x.get("rel_err")) for x in o], "^--", label=f"{layer_name} rel. error")
+            o_ax.plot(margins, [json_number(x.get("underflow")) for x in o], "s-", label=f"{layer_name} underflow")
+            o_ax.plot(margins, [json_number(x.get("rel_err")) for x in o], "^--", label=f"{layer_name} rel. error")
         o_ax.set_yscale("log")
         o_ax.legend(fontsize=6)
     for ax, title in zip(
@@ -122,7 +122,7 @@ def plot_dose(dose: dict, path: str | Path | None = None):
     return fig
 
 
-def _number(value: float | None) -> float:
+def json_number(value: float | None) -> float:
     """A JSON null (a statistic the batches did not allow) as NaN, which a plot leaves out."""
     return math.nan if value is None else float(value)
 

@@ -27,6 +27,7 @@ from pathlib import Path
 from omegaconf import OmegaConf
 
 from readback.bias.attribution import D_READ
+from readback.bias.dose import json_number
 from readback.bias.report import write_json
 
 STATS = (
@@ -58,14 +59,14 @@ def run_point(run: Path, measured: str = "bias/width", read: str = D_READ) -> di
     layers = {}
     for layer, o in bias["o_rounding"].items():
         s = bias["stats"][read][f"{layer}.qkv"]
-        sq, sq_se = _number(s["debiased_sq"]), _number(s["debiased_sq_se"])  # (an SE needs 4 batches)
+        sq, sq_se = json_number(s["debiased_sq"]), json_number(s["debiased_sq_se"])  # (an SE needs 4 batches)
         layers[layer] = {
             "share": math.sqrt(max(sq, 0.0)) if not math.isnan(sq) else math.nan,
             "share_se": sq_se / (2 * math.sqrt(sq)) if sq > 0 else math.nan,  # delta method
             "debiased_sq": sq,  # unclipped: a null's seeds average to about 0, with a fair SE
             "debiased_sq_se": sq_se,
-            **{k: _number(s[k]) for k in ("projection", "projection_se", "bias", "bias_se", "floor")},
-            **{k: _number(o.get(k)) for k in ("underflow", "rel_err", "amax_to_rms", "log2_rms_scaled")},
+            **{k: json_number(s[k]) for k in ("projection", "projection_se", "bias", "bias_se", "floor")},
+            **{k: json_number(o.get(k)) for k in ("underflow", "rel_err", "amax_to_rms", "log2_rms_scaled")},
             "rowsum_z": rowsum.get(f"{layer}.core", math.nan),
         }
     return {
@@ -78,10 +79,6 @@ def run_point(run: Path, measured: str = "bias/width", read: str = D_READ) -> di
         "site_margin": bias.get("site_margin", {}),
         "layers": layers,
     }
-
-
-def _number(value: float | None) -> float:
-    return math.nan if value is None else float(value)
 
 
 def _last_rowsum_z(metrics: Path) -> dict[str, float]:
