@@ -8,7 +8,8 @@ takes its shape from ``RUN/.hydra/config.yaml`` (head dim ``model.d_model / mode
 attention layer, the read's bias in that layer's QKV gradient (``sqrt(debiased bias²)``, the
 debiased squared bias itself, which a null's seeds average to about 0, the projection, the bias
 and its floor, over |G|), O's rounding in the meter's forwards (underflow,
-``|O - O8| / |O|``, ``max|O| / rms(O)``) and the training's last ``attn_rowsum/z``.
+``|O - O8| / |O|``, ``max|O| / rms(O)``) and the training's last ``attn_rowsum/z``; then the length contrasts,
+each length's debiased squared bias minus the shortest length's at the same head dim and layer.
 
 Seeds are pooled: each figure is the mean over the shape's seeds, its SE the between-seed one
 (``sd / sqrt(n)``: it holds the meter's noise and the spread of the trained states), or the
@@ -113,6 +114,49 @@ def pool(points: list[dict]) -> list[dict]:
     return rows
 
 
+def length_contrasts(rows: list[dict]) -> list[dict]:
+    """Per layer, each longer T against the shortest T: at every head dim measured at both, the
+    difference of the pooled debiased squared bias (longer minus shorter, SEs added in
+    quadrature) and the ratio of ``sqrt(debiased²)``; then ``head_dim`` ``"all"``, the mean
+    difference over those head dims, whose SE is the root of the summed squares over their count."""
+    cell = {(r["layer"], r["head_dim"], r["seq_len"]): r for r in rows}
+    contrasts = []
+    for layer in dict.fromkeys(r["layer"] for r in rows):
+        lengths = sorted({t for (lay, _, t) in cell if lay == layer})
+        for seq_len in lengths[1:]:
+            pairs = [
+                (cell[(layer, d, lengths[0])], cell[(layer, d, seq_len)])
+                for d in sorted({d for (lay, d, _) in cell if lay == layer})
+                if (layer, d, lengths[0]) in cell and (layer, d, seq_len) in cell
+            ]
+            mine = [
+                {
+                    "layer": layer,
+                    "head_dim": short["head_dim"],
+                    "seq_len": seq_len,
+                    "against": lengths[0],
+                    "difference": long["debiased_sq"] - short["debiased_sq"],
+                    "difference_se": math.hypot(long["debiased_sq_se"], short["debiased_sq_se"]),
+                    "share_ratio": long["share"] / short["share"] if short["share"] > 0 else math.nan,
+                }
+                for short, long in pairs
+            ]
+            if len(mine) > 1:
+                mine.append(
+                    {
+                        **mine[0],
+                        "head_dim": "all",
+                        "difference": sum(c["difference"] for c in mine) / len(mine),
+                        "difference_se": math.sqrt(sum(c["difference_se"] ** 2 for c in mine)) / len(mine),
+                        "share_ratio": math.nan,
+                    }
+                )
+            contrasts += mine
+    for c in contrasts:
+        c["z"] = c["difference"] / c["difference_se"] if c["difference_se"] > 0 else math.nan
+    return contrasts
+
+
 def _pm(row: dict, stat: str, digits: int = 3) -> str:
     value, se = row[stat], row.get(f"{stat}_se", math.nan)
     if math.isnan(value):
@@ -137,6 +181,22 @@ def to_markdown(rows: list[dict], points: list[dict], read: str = D_READ) -> str
             + " | ".join(_pm(r, s, 4 if s == "underflow" else 3) for s in STATS)
             + " |"
         )
+    contrasts = length_contrasts(rows)
+    if contrasts:
+        lines += [
+            "",
+            "Length: the debiased squared bias at each T minus the shortest T's, same head dim and layer "
+            "(SEs in quadrature; `all`: the mean over head dims), and the ratio of sqrt(debiased²).",
+            "",
+            "| layer | head dim | T | against T | difference of debiased² | z | ratio of sqrt(debiased²) |",
+            "|---|---|---|---|---|---|---|",
+        ]
+        for c in contrasts:
+            ratio = "" if math.isnan(c["share_ratio"]) else f"{c['share_ratio']:.2g}"
+            lines.append(
+                f"| {c['layer']} | {c['head_dim']} | {c['seq_len']} | {c['against']} | "
+                f"{_pm(c, 'difference', 2)} | {c['z']:+.1f} | {ratio} |"
+            )
     return "\n".join(lines) + "\n"
 
 
@@ -197,7 +257,10 @@ def main(argv: list[str] | None = None) -> int:
     points = [run_point(run, args.measured, args.read) for run in runs]
     rows = pool(points)
     args.out.mkdir(parents=True, exist_ok=True)
-    write_json(args.out / "shapes.json", {"read": args.read, "rows": rows, "runs": points})
+    write_json(
+        args.out / "shapes.json",
+        {"read": args.read, "rows": rows, "length_contrasts": length_contrasts(rows), "runs": points},
+    )
     text = to_markdown(rows, points, args.read)
     (args.out / "shapes.md").write_text(text)
     plot(rows, args.out / "shapes.png")

@@ -8,45 +8,15 @@ import math
 
 import pytest
 
-from readback.bias.attribution import D_READ
-from readback.bias.shapes import main, measured_runs, pool, run_point
-
-
-def _run(root, name, *, heads, seq_len, seed, debiased, z):
-    run = root / name
-    (run / ".hydra").mkdir(parents=True)
-    (run / ".hydra" / "config.yaml").write_text(
-        f"seed: {seed}\nmodel:\n  d_model: 128\n  n_heads: {heads}\n  seq_len: {seq_len}\n"
-    )
-    stats = {
-        "debiased_sq": debiased,
-        "debiased_sq_se": 0.0004,
-        "projection": 0.01 * seed,
-        "projection_se": 0.002,
-        "bias": 0.1,
-        "bias_se": 0.03,
-        "floor": 0.03,
-    }
-    bias = {
-        "policy": "reuse_rounded",
-        "batches": 16,
-        "site_margin": {"attn.core.output": 14},
-        "o_rounding": {"layers.0.attn": {"underflow": 0.99, "rel_err": 0.2 + seed, "amax_to_rms": 8.0}},
-        "stats": {D_READ: {"layers.0.attn.qkv": stats}},
-    }
-    (run / "bias" / "width").mkdir(parents=True)
-    (run / "bias" / "width" / "bias.json").write_text(json.dumps(bias))
-    records = [{"step": 20, "attn_rowsum/z/layers.0.attn.core": 1.0}, {"step": 40}]
-    records.append({"step": 60, "attn_rowsum/z/layers.0.attn.core": z})
-    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
-    return run
+from meter_records import measured_run
+from readback.bias.shapes import length_contrasts, main, measured_runs, pool, run_point
 
 
 @pytest.fixture
 def sweep(tmp_path):
-    _run(tmp_path / "T128", "a", heads=8, seq_len=128, seed=0, debiased=0.0016, z=-4.0)
-    _run(tmp_path / "T128", "b", heads=8, seq_len=128, seed=1, debiased=0.0036, z=-6.0)
-    _run(tmp_path / "T512", "c", heads=1, seq_len=512, seed=0, debiased=-0.001, z=-2.0)
+    measured_run(tmp_path / "T128", "a", heads=8, seq_len=128, seed=0, debiased=0.0016, z=-4.0)
+    measured_run(tmp_path / "T128", "b", heads=8, seq_len=128, seed=1, debiased=0.0036, z=-6.0)
+    measured_run(tmp_path / "T512", "c", heads=1, seq_len=512, seed=0, debiased=-0.001, z=-2.0)
     (tmp_path / "T512" / "unmeasured" / "bias").mkdir(parents=True)
     return tmp_path
 
@@ -84,3 +54,20 @@ def test_the_command_writes_its_files_and_refuses_an_empty_sweep(sweep, tmp_path
     with pytest.raises(SystemExit) as stop:
         main([str(sweep / "T512" / "unmeasured"), "--out", str(out)])
     assert stop.value.code == 2 and "no run under" in capsys.readouterr().err
+
+
+def test_each_longer_length_is_contrasted_with_the_shortest_at_the_same_head_dim(sweep):
+    measured_run(sweep / "T512", "d", heads=8, seq_len=512, seed=0, debiased=0.0004, z=-1.0)
+    measured_run(sweep / "T128", "e", heads=1, seq_len=128, seed=0, debiased=0.0025, z=-1.0)
+    rows = pool([run_point(r) for r in measured_runs(sweep)])
+    by_dim = {c["head_dim"]: c for c in length_contrasts(rows)}
+    assert set(by_dim) == {16, 128, "all"} and {c["against"] for c in by_dim.values()} == {128}
+    sixteen, one_head, both = by_dim[16], by_dim[128], by_dim["all"]
+    assert sixteen["difference"] == pytest.approx(0.0004 - 0.0026)  # one seed at T 512, two at T 128
+    assert sixteen["difference_se"] == pytest.approx(math.hypot(0.0004, 0.001))
+    assert sixteen["share_ratio"] == pytest.approx(0.02 / 0.05)
+    assert one_head["difference"] == pytest.approx(-0.001 - 0.0025) and one_head["share_ratio"] == 0.0
+    assert both["difference"] == pytest.approx((sixteen["difference"] + one_head["difference"]) / 2)
+    assert both["difference_se"] == pytest.approx(math.hypot(sixteen["difference_se"], one_head["difference_se"]) / 2)
+    assert both["z"] == pytest.approx(both["difference"] / both["difference_se"])
+    assert length_contrasts([r for r in rows if r["seq_len"] == 128]) == []  # one length: nothing to contrast
