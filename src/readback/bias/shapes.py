@@ -118,7 +118,9 @@ def length_contrasts(rows: list[dict]) -> list[dict]:
     """Per layer, each longer T against the shortest T: at every head dim measured at both, the
     difference of the pooled debiased squared bias (longer minus shorter, SEs added in
     quadrature) and the ratio of ``sqrt(debiased²)``; then ``head_dim`` ``"all"``, the mean
-    difference over those head dims, whose SE is the root of the summed squares over their count."""
+    difference over those head dims, whose SE is the root of the summed squares over their count.
+    ``dof``: Welch-Satterthwaite's degrees of freedom for ``z`` (NaN where a shape has one seed,
+    whose SE is the meter's and leaves out the spread between trained states)."""
     cell = {(r["layer"], r["head_dim"], r["seq_len"]): r for r in rows}
     contrasts = []
     for layer in dict.fromkeys(r["layer"] for r in rows):
@@ -138,6 +140,7 @@ def length_contrasts(rows: list[dict]) -> list[dict]:
                     "difference": long["debiased_sq"] - short["debiased_sq"],
                     "difference_se": math.hypot(long["debiased_sq_se"], short["debiased_sq_se"]),
                     "share_ratio": long["share"] / short["share"] if short["share"] > 0 else math.nan,
+                    "dof": _welch_dof([short, long]),
                 }
                 for short, long in pairs
             ]
@@ -149,12 +152,22 @@ def length_contrasts(rows: list[dict]) -> list[dict]:
                         "difference": sum(c["difference"] for c in mine) / len(mine),
                         "difference_se": math.sqrt(sum(c["difference_se"] ** 2 for c in mine)) / len(mine),
                         "share_ratio": math.nan,
+                        "dof": _welch_dof([row for pair in pairs for row in pair]),
                     }
                 )
             contrasts += mine
     for c in contrasts:
         c["z"] = c["difference"] / c["difference_se"] if c["difference_se"] > 0 else math.nan
     return contrasts
+
+
+def _welch_dof(rows: list[dict], stat: str = "debiased_sq") -> float:
+    """Welch-Satterthwaite degrees of freedom of a sum of the rows' means (each SE between seeds)."""
+    if any(len(r["seeds"]) < 2 for r in rows):
+        return math.nan
+    variances = [(r[f"{stat}_se"] ** 2, len(r["seeds"]) - 1) for r in rows]
+    denominator = sum(v * v / n for v, n in variances)
+    return sum(v for v, _ in variances) ** 2 / denominator if denominator > 0 else math.nan
 
 
 def _pm(row: dict, stat: str, digits: int = 3) -> str:
@@ -186,16 +199,17 @@ def to_markdown(rows: list[dict], points: list[dict], read: str = D_READ) -> str
         lines += [
             "",
             "Length: the debiased squared bias at each T minus the shortest T's, same head dim and layer "
-            "(SEs in quadrature; `all`: the mean over head dims), and the ratio of sqrt(debiased²).",
+            "(SEs in quadrature; `all`: the mean over head dims; dof: Welch's, for z as a t statistic), "
+            "and the ratio of sqrt(debiased²).",
             "",
-            "| layer | head dim | T | against T | difference of debiased² | z | ratio of sqrt(debiased²) |",
-            "|---|---|---|---|---|---|---|",
+            "| layer | head dim | T | against T | difference of debiased² | z | dof | ratio of sqrt(debiased²) |",
+            "|---|---|---|---|---|---|---|---|",
         ]
         for c in contrasts:
             ratio = "" if math.isnan(c["share_ratio"]) else f"{c['share_ratio']:.2g}"
             lines.append(
                 f"| {c['layer']} | {c['head_dim']} | {c['seq_len']} | {c['against']} | "
-                f"{_pm(c, 'difference', 2)} | {c['z']:+.1f} | {ratio} |"
+                f"{_pm(c, 'difference', 2)} | {c['z']:+.1f} | {c['dof']:.1f} | {ratio} |"
             )
     return "\n".join(lines) + "\n"
 

@@ -70,4 +70,16 @@ def test_each_longer_length_is_contrasted_with_the_shortest_at_the_same_head_dim
     assert both["difference"] == pytest.approx((sixteen["difference"] + one_head["difference"]) / 2)
     assert both["difference_se"] == pytest.approx(math.hypot(sixteen["difference_se"], one_head["difference_se"]) / 2)
     assert both["z"] == pytest.approx(both["difference"] / both["difference_se"])
+    assert math.isnan(sixteen["dof"])  # one seed at T 512: no between-seed SE to count
     assert length_contrasts([r for r in rows if r["seq_len"] == 128]) == []  # one length: nothing to contrast
+
+
+def test_welch_degrees_of_freedom_count_each_arms_seeds(sweep):
+    for name, seed, debiased in (("d", 0, 0.0004), ("f", 1, 0.0010), ("g", 2, 0.0016)):
+        measured_run(sweep / "T512", name, heads=8, seq_len=512, seed=seed, debiased=debiased, z=-1.0)
+    rows = pool([run_point(r) for r in measured_runs(sweep)])
+    short, long = (r for r in rows if r["head_dim"] == 16)
+    a, b = short["debiased_sq_se"] ** 2, long["debiased_sq_se"] ** 2  # 2 seeds and 3 seeds
+    contrast = next(c for c in length_contrasts(rows) if c["head_dim"] == 16)
+    assert contrast["dof"] == pytest.approx((a + b) ** 2 / (a * a / 1 + b * b / 2))
+    assert 1.0 < contrast["dof"] < 3.0
