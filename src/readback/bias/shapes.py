@@ -30,6 +30,7 @@ from omegaconf import OmegaConf
 from readback.bias.attribution import D_READ
 from readback.bias.dose import json_number
 from readback.bias.report import write_json
+from readback.numerics.formats import E4M3
 
 STATS = (
     "share",
@@ -216,7 +217,8 @@ def to_markdown(rows: list[dict], points: list[dict], read: str = D_READ) -> str
 
 def plot(rows: list[dict], path: str | Path | None = None):
     """One row of panels per attention layer, against head dim (one line per T): the read's
-    sqrt(debiased²) and floor, its projection, O's relative rounding error and underflow."""
+    sqrt(debiased²) and floor, its projection, O's relative rounding error and underflow, its
+    amax-to-rms ratio and where its rms lands on O8's grid (dashed: E4M3's smallest normal)."""
     from matplotlib.figure import Figure
 
     layers = list(dict.fromkeys(r["layer"] for r in rows))
@@ -226,6 +228,7 @@ def plot(rows: list[dict], path: str | Path | None = None):
         ("projection", "projection on -G / |G|²"),
         ("rel_err", "|O - O8| / |O| (dashed: underflow)"),
         ("amax_to_rms", "max|O| / rms(O)"),
+        ("log2_rms_scaled", "log2(rms(O) * scale)"),
     ]
     fig = Figure(figsize=(4.4 * len(panels), 3.2 * len(layers)), layout="constrained")
     axes = fig.subplots(len(layers), len(panels), squeeze=False)
@@ -248,6 +251,8 @@ def plot(rows: list[dict], path: str | Path | None = None):
                 extra = {"share": "floor", "rel_err": "underflow"}.get(stat)
                 if extra:
                     ax.plot(dims, [r[extra] for r in mine], ":" if stat == "share" else "--", color=f"C{c}")
+                if stat == "log2_rms_scaled":
+                    ax.axhline(E4M3.min_exponent, color="k", ls="--", lw=0.8)
                 ax.set_xscale("log", base=2)
                 ax.set_title(f"{layer}: {title}", fontsize=9)
                 ax.set_xlabel("head dim")
