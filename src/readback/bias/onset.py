@@ -63,6 +63,16 @@ def _cell(row: dict | None) -> str:
     return text + ("" if math.isnan(where) else f" ({where:+.1f})")
 
 
+def _seeds(by_margin: dict[int, dict]) -> str:
+    """The seeds pooled, with the margins each set of seeds was measured at where they differ."""
+    margins_of: dict[str, list[str]] = {}
+    for k, row in by_margin.items():
+        margins_of.setdefault(",".join(map(str, row["seeds"])), []).append(str(k))
+    if len(margins_of) == 1:
+        return next(iter(margins_of))
+    return "; ".join(f"{seeds} (K {','.join(ks)})" for seeds, ks in margins_of.items())
+
+
 def to_markdown(rows: list[dict], read: str = D_READ) -> str:
     margins = sorted({k for r in rows for k in r["by_margin"]})
     lines = [
@@ -74,10 +84,9 @@ def to_markdown(rows: list[dict], read: str = D_READ) -> str:
         "|---|---|---|---|" + "---|" * len(margins),
     ]
     for r in rows:
-        seeds = sorted({s for m in r["by_margin"].values() for s in m["seeds"]})
         cells = [_cell(r["by_margin"].get(k)) for k in margins]
         lines.append(
-            f"| {r['head_dim']} | {r['seq_len']} | {r['layer']} | {','.join(map(str, seeds))} | "
+            f"| {r['head_dim']} | {r['seq_len']} | {r['layer']} | {_seeds(r['by_margin'])} | "
             + " | ".join(cells)
             + " |"
         )

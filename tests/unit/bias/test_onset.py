@@ -49,6 +49,9 @@ def test_the_command_writes_the_table_and_refuses_a_sweep_with_nothing_measured(
     assert "| K 10 | K 12 | K 14 |" in table
     assert "| 16 | 128 | layers.0.attn | 0,1 | +1.0 ± 1.0 (-6.0) | +5.0 ± 1.0 (-8.0) | +81.0 ± 1.0 (-8.0) |" in table
     assert "| 128 | 512 | layers.0.attn | 0 |  |  | +10.0 ± 4.0 (-8.0) |" in table
+    measured_run(sweep / "T128", "h8s2", heads=8, seq_len=128, seed=2, debiased=0.0081, z=-3.0)  # no dose
+    assert main([str(sweep), "--out", str(out)]) == 0
+    assert "| 16 | 128 | layers.0.attn | 0,1 (K 10,12); 0,1,2 (K 14) |" in (out / "onset.md").read_text()
     assert json.loads((out / "onset.json").read_text())["rows"][0]["by_margin"]["12"]["seeds"] == [0, 1]
     assert (out / "onset.png").stat().st_size > 0
     with pytest.raises(SystemExit) as stop:
