@@ -8,9 +8,9 @@ Every run folder under ``SWEEP_DIR`` with a ``bias.json`` in a folder matching o
 its meter applied at ``attn.core.output``, its figures those of :func:`readback.bias.shapes.run_point`.
 Writes ``onset.md`` (per shape and attention layer, one column per K: the read's debiased squared
 bias in the layer's QKV gradient x 1e4 ± SE, with ``log2(rms(O) * scale)`` beside it),
-``onset.json`` and ``onset.png`` (the debiased squared bias against ``log2(rms(O) * scale)``, one
-line per shape, E4M3's smallest normal drawn). Seeds pool as in ``shapes``: the between-seed SE,
-or the meter's own for one seed.
+``onset.json`` and ``onset.png`` (the debiased squared bias against ``log2(rms(O) * scale)``, a
+panel per layer and head dim, a line per T, E4M3's smallest normal drawn). Seeds pool as in
+``shapes``: the between-seed SE, or the meter's own for one seed.
 """
 
 from __future__ import annotations
@@ -94,36 +94,38 @@ def to_markdown(rows: list[dict], read: str = D_READ) -> str:
 
 
 def plot(rows: list[dict], path: str | Path | None = None):
-    """One panel per attention layer: the debiased squared bias ± SE against log2(rms(O) * scale),
-    a colour per head dim and a line style per T; the dashed line is E4M3's smallest normal."""
+    """A row of panels per attention layer, a panel per head dim: the debiased squared bias ± SE
+    against log2(rms(O) * scale), a line per T, so that lengths compare at the same place on the
+    grid; the dashed line is E4M3's smallest normal."""
     from matplotlib.figure import Figure
 
     layers = list(dict.fromkeys(r["layer"] for r in rows))
     dims = sorted({r["head_dim"] for r in rows})
     lengths = sorted({r["seq_len"] for r in rows})
-    styles = ["o-", "s--", "^:", "d-."]
-    fig = Figure(figsize=(5.5 * len(layers), 4.2), layout="constrained")
-    axes = fig.subplots(1, len(layers), squeeze=False)[0]
-    for ax, layer in zip(axes, layers):
-        for r in (r for r in rows if r["layer"] == layer):
-            points = [r["by_margin"][k] for k in sorted(r["by_margin"])]
-            ax.errorbar(
-                [p["log2_rms_scaled"] for p in points],
-                [p["debiased_sq"] for p in points],
-                [0.0 if math.isnan(p["debiased_sq_se"]) else p["debiased_sq_se"] for p in points],
-                fmt=styles[lengths.index(r["seq_len"]) % len(styles)],
-                color=f"C{dims.index(r['head_dim'])}",
-                capsize=2,
-                label=f"head dim {r['head_dim']}, T {r['seq_len']}",
-            )
-        ax.axvline(E4M3.min_exponent, color="k", ls="--", lw=0.8)
-        ax.axhline(0.0, color="k", lw=0.5)
-        ax.set_yscale("symlog", linthresh=1e-4)
-        ax.invert_xaxis()  # coarser rounding to the right
-        ax.set_xlabel("log2(rms(O) * scale): where O's rms lands on O8's grid")
-        ax.set_title(f"{layer}: debiased bias² / |G|² in its QKV gradient", fontsize=9)
-        ax.grid(alpha=0.3)
-    axes[0].legend(fontsize=7)
+    fig = Figure(figsize=(4.2 * len(dims), 3.4 * len(layers)), layout="constrained")
+    axes = fig.subplots(len(layers), len(dims), squeeze=False, sharey="row")
+    for r in rows:
+        ax = axes[layers.index(r["layer"])][dims.index(r["head_dim"])]
+        points = [r["by_margin"][k] for k in sorted(r["by_margin"])]
+        ax.errorbar(
+            [p["log2_rms_scaled"] for p in points],
+            [p["debiased_sq"] for p in points],
+            [0.0 if math.isnan(p["debiased_sq_se"]) else p["debiased_sq_se"] for p in points],
+            fmt="o-",
+            color=f"C{lengths.index(r['seq_len'])}",
+            capsize=2,
+            label=f"T {r['seq_len']}",
+        )
+    for layer, row_axes in zip(layers, axes):
+        for head_dim, ax in zip(dims, row_axes):
+            ax.axvline(E4M3.min_exponent, color="k", ls="--", lw=0.8)
+            ax.axhline(0.0, color="k", lw=0.5)
+            ax.set_yscale("symlog", linthresh=1e-4)
+            ax.set_xlim(-3.5, -10)  # coarser rounding to the right
+            ax.set_xlabel("log2(rms(O) * scale)")
+            ax.set_title(f"{layer}, head dim {head_dim}: debiased bias² / |G|²", fontsize=9)
+            ax.grid(alpha=0.3)
+            ax.legend(fontsize=7)
     if path is not None:
         fig.savefig(path, dpi=100)
     return fig
