@@ -1,6 +1,6 @@
 """The reuse D read's bias against the model's shape: head dimension and sequence length.
 
-``python -m readback.bias.shapes SWEEP_DIR --out DIR [--measured bias/width] [--read READ]``
+``python -m readback.bias.shapes SWEEP_DIR --out DIR [--measured bias/width] [--read READ] [--seeds 2,3]``
 
 Finds every run under ``SWEEP_DIR`` that the bias meter measured (``RUN/<measured>/bias.json``),
 takes its shape from ``RUN/.hydra/config.yaml`` (head dim ``model.d_model / model.n_heads``,
@@ -263,17 +263,28 @@ def plot(rows: list[dict], path: str | Path | None = None):
     return fig
 
 
+def seed_list(text: str) -> list[int]:
+    """``--seeds 2,3``: a comma-separated list of integers."""
+    return [int(seed) for seed in text.split(",")]
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m readback.bias.shapes", description=__doc__.split("\n\n")[1])
     parser.add_argument("sweep", type=Path)
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--measured", default="bias/width", help="where in each run the meter wrote (bias/width)")
     parser.add_argument("--read", default=D_READ, help=f"the contribution to tabulate ({D_READ})")
+    parser.add_argument(
+        "--seeds", type=seed_list, help="only these seeds, e.g. 2,3 (a test on runs made after a trend was seen)"
+    )
     args = parser.parse_args(argv)
     runs = measured_runs(args.sweep, args.measured)
-    if not runs:
-        parser.exit(2, f"{parser.prog}: error: no run under {args.sweep} has {args.measured}/bias.json\n")
     points = [run_point(run, args.measured, args.read) for run in runs]
+    if args.seeds:
+        points = [p for p in points if p["seed"] in args.seeds]
+    if not points:
+        seeds_text = f" of seeds {','.join(map(str, args.seeds))}" if args.seeds else ""
+        parser.exit(2, f"{parser.prog}: error: no run{seeds_text} under {args.sweep} has {args.measured}/bias.json\n")
     rows = pool(points)
     args.out.mkdir(parents=True, exist_ok=True)
     write_json(

@@ -54,6 +54,11 @@ def test_the_command_writes_its_files_and_refuses_an_empty_sweep(sweep, tmp_path
     with pytest.raises(SystemExit) as stop:
         main([str(sweep / "T512" / "unmeasured"), "--out", str(out)])
     assert stop.value.code == 2 and "no run under" in capsys.readouterr().err
+    assert main([str(sweep), "--out", str(out), "--seeds", "1"]) == 0
+    assert [r["seed"] for r in json.loads((out / "shapes.json").read_text())["runs"]] == [1]
+    with pytest.raises(SystemExit) as stop:
+        main([str(sweep), "--out", str(out), "--seeds", "7"])
+    assert stop.value.code == 2 and "no run of seeds 7 under" in capsys.readouterr().err
 
 
 def test_each_longer_length_is_contrasted_with_the_shortest_at_the_same_head_dim(sweep):
