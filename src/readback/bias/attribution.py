@@ -23,7 +23,7 @@ import math
 import sys
 from pathlib import Path
 
-from readback.bias.report import write_json
+from readback.bias.report import write_table
 
 D_READ = "contrib.exact_read.attention.D"
 TENTH = 0.1
@@ -168,11 +168,7 @@ def main(argv: list[str] | None = None) -> int:
             parser.exit(2, f"{parser.prog}: error: {item!r} is not LABEL=BIAS_JSON of an existing file\n")
         measured[label] = json.loads(Path(path).read_text())
     table = attribution(measured, args.groups.split(","), args.reference, tuple(args.contributions.split(",")))
-    args.out.mkdir(parents=True, exist_ok=True)
-    write_json(args.out / "attribution.json", table)
-    (args.out / "attribution.md").write_text(to_markdown(table, args.reference))
-    plot(table, args.out / "attribution.png")
-    print(to_markdown(table, args.reference))
+    write_table(args.out, "attribution", table, to_markdown(table, args.reference), lambda path: plot(table, path))
     return 0
 
 

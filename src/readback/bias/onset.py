@@ -21,7 +21,7 @@ import sys
 from pathlib import Path
 
 from readback.bias.attribution import D_READ
-from readback.bias.report import write_json
+from readback.bias.report import write_table
 from readback.bias.shapes import pool, run_point
 from readback.numerics.formats import E4M3
 
@@ -146,12 +146,8 @@ def main(argv: list[str] | None = None) -> int:
     rows = onset_rows(args.sweep, args.measured, args.read)
     if not rows:
         parser.exit(2, f"{parser.prog}: error: no run under {args.sweep} has {' or '.join(args.measured)}/bias.json\n")
-    args.out.mkdir(parents=True, exist_ok=True)
-    write_json(args.out / "onset.json", {"read": args.read, "measured": args.measured, "rows": rows})
-    text = to_markdown(rows, args.read)
-    (args.out / "onset.md").write_text(text)
-    plot(rows, args.out / "onset.png")
-    print(text)
+    tree = {"read": args.read, "measured": args.measured, "rows": rows}
+    write_table(args.out, "onset", tree, to_markdown(rows, args.read), lambda path: plot(rows, path))
     return 0
 
 

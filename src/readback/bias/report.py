@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Callable
 from pathlib import Path
 
 from readback.bias.meter import BiasResult
@@ -93,6 +94,16 @@ def _finite(tree):
 def write_json(path: Path, tree: dict) -> None:
     """``tree`` as standard JSON at ``path`` (NaN as null)."""
     path.write_text(json.dumps(_finite(tree), indent=1, allow_nan=False) + "\n")
+
+
+def write_table(out: Path, stem: str, tree: dict, text: str, draw: Callable[[Path], object]) -> None:
+    """A table over many measurements: ``<stem>.json`` (``tree``), ``<stem>.md`` (``text``, also
+    printed) and ``<stem>.png`` (``draw(path)``) in ``out``."""
+    out.mkdir(parents=True, exist_ok=True)
+    write_json(out / f"{stem}.json", tree)
+    (out / f"{stem}.md").write_text(text)
+    draw(out / f"{stem}.png")
+    print(text)
 
 
 def write(result: BiasResult, out: str | Path) -> dict[str, Path]:

@@ -29,7 +29,7 @@ from omegaconf import OmegaConf
 
 from readback.bias.attribution import D_READ
 from readback.bias.dose import json_number
-from readback.bias.report import write_json
+from readback.bias.report import write_table
 from readback.numerics.formats import E4M3
 
 STATS = (
@@ -286,15 +286,8 @@ def main(argv: list[str] | None = None) -> int:
         seeds_text = f" of seeds {','.join(map(str, args.seeds))}" if args.seeds else ""
         parser.exit(2, f"{parser.prog}: error: no run{seeds_text} under {args.sweep} has {args.measured}/bias.json\n")
     rows = pool(points)
-    args.out.mkdir(parents=True, exist_ok=True)
-    write_json(
-        args.out / "shapes.json",
-        {"read": args.read, "rows": rows, "length_contrasts": length_contrasts(rows), "runs": points},
-    )
-    text = to_markdown(rows, points, args.read)
-    (args.out / "shapes.md").write_text(text)
-    plot(rows, args.out / "shapes.png")
-    print(text)
+    tree = {"read": args.read, "rows": rows, "length_contrasts": length_contrasts(rows), "runs": points}
+    write_table(args.out, "shapes", tree, to_markdown(rows, points, args.read), lambda path: plot(rows, path))
     return 0
 
 
