@@ -16,6 +16,7 @@ panel per layer and head dim, a line per T, E4M3's smallest normal drawn). Seeds
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import sys
 from pathlib import Path
@@ -39,8 +40,8 @@ def measurements(sweep: Path, globs: list[str]) -> dict[int, list[tuple[Path, st
             run = bias.parents[depth]
             measured = bias.parent.relative_to(run).as_posix()
             if (run / ".hydra" / "config.yaml").is_file():
-                point = run_point(run, measured)
-                found.setdefault(int(point["site_margin"][PATTERN]), []).append((run, measured))
+                margin = json.loads(bias.read_text()).get("site_margin", {}).get(PATTERN, 0)
+                found.setdefault(int(margin), []).append((run, measured))
     return dict(sorted(found.items()))
 
 
@@ -103,7 +104,8 @@ def plot(rows: list[dict], path: str | Path | None = None):
     dims = sorted({r["head_dim"] for r in rows})
     lengths = sorted({r["seq_len"] for r in rows})
     fig = Figure(figsize=(4.2 * len(dims), 3.4 * len(layers)), layout="constrained")
-    axes = fig.subplots(len(layers), len(dims), squeeze=False, sharey="row")
+    axes = fig.subplots(len(layers), len(dims), squeeze=False, sharex="all", sharey="row")
+    axes[0][0].invert_xaxis()  # shared: coarser rounding to the right in every panel
     for r in rows:
         ax = axes[layers.index(r["layer"])][dims.index(r["head_dim"])]
         points = [r["by_margin"][k] for k in sorted(r["by_margin"])]
@@ -121,7 +123,6 @@ def plot(rows: list[dict], path: str | Path | None = None):
             ax.axvline(E4M3.min_exponent, color="k", ls="--", lw=0.8)
             ax.axhline(0.0, color="k", lw=0.5)
             ax.set_yscale("symlog", linthresh=1e-4)
-            ax.set_xlim(-3.5, -10)  # coarser rounding to the right
             ax.set_xlabel("log2(rms(O) * scale)")
             ax.set_title(f"{layer}, head dim {head_dim}: debiased bias² / |G|²", fontsize=9)
             ax.grid(alpha=0.3)
