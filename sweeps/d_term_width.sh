@@ -5,8 +5,8 @@
 # tokens for every shape: the micro-batch is 2,048 / T) under reuse_rounded at O's scale stress
 # 2^-14, seeds 0 and 1; then the bias meter on each final checkpoint (16 validation batches), and
 # the onset: the same checkpoint measured with O's margin replaced by K = 10 to 13 (8 batches a K).
-# The fixed settings are conf/sweep/d_term_width.yaml. 24 trainings, 24 measurements and 24 onset doses: several
-# hours on 2 cores (a measurement at T 1024 costs about 11 training steps a batch).
+# The fixed settings are conf/sweep/d_term_width.yaml. 24 trainings, 24 measurements and 24 onset
+# doses: several hours on 2 cores (a measurement at T 1024 costs about 11 training steps a batch).
 #
 #   sweeps/d_term_width.sh [OVERRIDES...]        e.g. trainer.steps=200
 #   HEADS="8 1" LENGTHS=128 STRESS=12 SEEDS=0 BATCHES=16 DOSE=10,11,12,13 sweeps/d_term_width.sh
