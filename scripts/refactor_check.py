@@ -10,6 +10,10 @@ or a key is gone.
 
     python scripts/refactor_check.py --base 63eb0bb            # head: the working tree
     python scripts/refactor_check.py --base A --head B --cases reuse_rounded,resumed
+
+``--overrides`` adds settings to every case on both sides (e.g. ``precision.bf16_layers=[]``);
+``--head-overrides`` to the head's runs only, for a key the base does not know (e.g. the head's
+``precision.bf16_gemm=native``, to show that the old behaviour is still there under a new default).
 """
 
 from __future__ import annotations
@@ -94,9 +98,10 @@ def _env(tree: Path, case: Case) -> dict[str, str]:
     return env
 
 
-def run_case(tree: Path, case: Case, run_dir: Path) -> str:
-    """Train ``case`` with the code in ``tree`` into ``run_dir``; returns the logs."""
-    args = [*RUN, *case.overrides, f"hydra.run.dir={run_dir}"]
+def run_case(tree: Path, case: Case, run_dir: Path, extra: tuple[str, ...] = ()) -> str:
+    """Train ``case`` with the code in ``tree`` into ``run_dir``, ``extra`` overrides added;
+    returns the logs."""
+    args = [*RUN, *case.overrides, *extra, f"hydra.run.dir={run_dir}"]
     python = [sys.executable]
     if case.launch == "gloo":
         python += ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
@@ -160,17 +165,20 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--head", help="the commit after it (default: the working tree)")
     parser.add_argument("--cases", help="comma-separated case names (default: all)", default="")
     parser.add_argument("--keep", type=Path, help="keep the runs here (default: a temporary folder)")
+    parser.add_argument("--overrides", nargs="*", default=[], help="added to every run on both sides")
+    parser.add_argument("--head-overrides", nargs="*", default=[], help="added to the head's runs only")
     args = parser.parse_args(argv)
     chosen = [c for c in CASES if not args.cases or c.name in args.cases.split(",")]
     work = args.keep or Path(tempfile.mkdtemp(prefix="refactor_check_"))
     trees = {"base": export(args.base, work / "base_tree")}
     trees["head"] = export(args.head, work / "head_tree") if args.head else REPO
+    extra = {"base": tuple(args.overrides), "head": (*args.overrides, *args.head_overrides)}
     failed = 0
     for case in chosen:
         seen = {}
         for side, tree in trees.items():
             run_dir = work / side / case.name
-            seen[side] = results(run_dir, run_case(tree, case, run_dir))
+            seen[side] = results(run_dir, run_case(tree, case, run_dir, extra[side]))
         found = differences(seen["base"], seen["head"])
         added = [line for line in found if line.endswith("only in head")]  # new keys: a feature, not a change
         changed = [line for line in found if line not in added]

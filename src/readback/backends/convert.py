@@ -34,6 +34,7 @@ from readback.backends.converted import ConvertParts, SDPARouter, eps_of
 from readback.backends.precision import build_numerics
 from readback.errors import ConfigError, choose, require, some_of
 from readback.numerics import DelayedScaling
+from readback.numerics.gemm import BF16_GEMMS
 from readback.numerics.spec import ATTENTION_BWD, PRECISIONS
 from readback.ops import Numerics, numerics_for
 from readback.policy import POLICIES
@@ -46,7 +47,8 @@ TE_CONV1D = "Conv1D's weight is (in, out): te.Linear would need a transposed cop
 
 def _recipe_defaults() -> dict[str, Any]:
     """convert's ``precision`` defaults: those of readback's recipe (``DelayedScaling()``, which
-    are Transformer Engine's and the ``precision`` group's), rounding to nearest, no BF16 sites."""
+    are Transformer Engine's and the ``precision`` group's), rounding to nearest, no BF16 sites,
+    BF16 GEMMs as FP32 GEMMs of BF16 values."""
     d = DelayedScaling()
     return {
         "recipe": "delayed",
@@ -59,6 +61,7 @@ def _recipe_defaults() -> dict[str, Any]:
         "rounding": "nearest",
         "bf16_layers": [],
         "accumulation": "native",
+        "bf16_gemm": BF16_GEMMS[0],
     }
 
 

@@ -18,6 +18,7 @@ from readback.backends.te_recipe import RECIPES
 from readback.errors import ConfigError, require
 from readback.fields import Checked, integer, items, one_of
 from readback.numerics import AMAX_COMPUTE_ALGOS, ROUNDINGS, CurrentScaling, DelayedScaling, Format, FP8Format
+from readback.numerics.gemm import BF16_GEMMS
 from readback.numerics.spec import ACCUMULATIONS, ATTENTION_BWD, PRECISIONS, resolve_accumulation
 from readback.ops import Numerics, numerics_for
 from readback.policy import POLICIES
@@ -27,6 +28,7 @@ from readback.policy import POLICIES
 class Precision(Checked):
     KEY = "precision"
     name: str = one_of(PRECISIONS[:2])  # "off" is for reference computations, not runs
+    bf16_gemm: str = one_of(BF16_GEMMS)
 
 
 @dataclass
@@ -101,7 +103,11 @@ def build_numerics(precision: Precision, policy: Policy, attention: Attention, s
     p = fp8_settings(precision)
     if p is None:
         return numerics_for(
-            precision=precision.name, policy=policy.name, attention_bwd=attention.bwd_precision, seed=seed
+            precision=precision.name,
+            policy=policy.name,
+            attention_bwd=attention.bwd_precision,
+            seed=seed,
+            bf16_gemm=precision.bf16_gemm,
         )
     fprop, dgrad, wgrad = p.override_linear_precision  # three, checked by the schema
     fmt, override = Format.parse(p.fp8_format), (fprop, dgrad, wgrad)
@@ -128,4 +134,5 @@ def build_numerics(precision: Precision, policy: Policy, attention: Attention, s
         site_margin=dict(p.site_margin or {}),
         accumulation=p.accumulation,
         accumulation_gemms=dict(p.accumulation_gemms or {}),
+        bf16_gemm=p.bf16_gemm,
     )

@@ -6,7 +6,7 @@ exact in FP32), the accumulator is multiplied by both inverse scales in FP32, an
 rounded once, to BF16. On FP8 GPUs ``torch._scaled_mm`` runs it as a real FP8 GEMM; on the CPU
 the emulation is an FP32 GEMM of the decoded codes (``_scaled_mm`` runs there too, only slower),
 or, with ``accumulation`` ``fast`` or ``split``, Hopper's tensor-core accumulation bit for bit
-(``readback.numerics.accumulation``).
+(``readback.numerics.accumulation``). BF16 GEMMs are ``bf16_mm``'s.
 """
 
 from __future__ import annotations
@@ -36,11 +36,34 @@ def use_scaled_mm(a: QTensor, b: QTensor) -> bool:
     return not both_e5m2 and all(n % 16 == 0 for n in (*a.data.shape, *b.data.shape))
 
 
-def fp8_mm(a: QTensor, b: QTensor, accumulation: str = "ieee") -> torch.Tensor:
+# precision.bf16_gemm: how a BF16 GEMM runs off CUDA (``bf16_mm``); the first is the default
+BF16_GEMMS = ("fp32", "native")
+
+
+def bf16_mm(a: torch.Tensor, b: torch.Tensor, kernel: str) -> torch.Tensor:
+    """``a @ b`` of the operands' BF16 values as a tensor core computes it: exact products, FP32
+    sums, the output rounded once to BF16; returned in FP32.
+
+    ``kernel`` ``fp32`` runs it as an FP32 GEMM of the BF16 values (a BF16 x BF16 product is
+    exact in FP32), at FP32 speed on any CPU; ``native`` as torch's BF16 GEMM, about 20x slower
+    than FP32 on a CPU without BF16 instructions. The two differ only in the order of the FP32
+    sums, where a sum falls on either side of a BF16 rounding boundary; neither is a GPU's order
+    (tensor cores align blocks of products and truncate; cuBLAS may split K). CUDA runs its own
+    BF16 kernel whatever ``kernel`` says.
+    """
+    if kernel not in BF16_GEMMS:
+        raise ValueError(f"bf16_gemm={kernel!r}; valid: {BF16_GEMMS}")
+    a, b = a.to(torch.bfloat16), b.to(torch.bfloat16)
+    if kernel == "native" or a.device.type == "cuda":
+        return torch.matmul(a, b).float()
+    return torch.matmul(a.float(), b.float()).to(torch.bfloat16).float()
+
+
+def fp8_mm(a: QTensor, b: QTensor, accumulation: str = "ieee", bf16_gemm: str = BF16_GEMMS[0]) -> torch.Tensor:
     """``a @ b`` of two quantized tensors in real units, rounded once to BF16, returned in FP32.
 
     Batched operands (``..., m, k``) are allowed. BF16 operands (the no-FP8 baseline and BF16
-    sites) take torch's BF16 GEMM, which accumulates in FP32 and rounds once; BF16 is never
+    sites) take ``bf16_mm`` with kernel ``bf16_gemm``; BF16 is never
     scaled, so nothing is applied afterwards. ``accumulation`` (``accumulation.MODES``) says how
     FP8 products are added: ``ieee`` in FP32 (on CUDA too: an FP32 GEMM of the decoded values),
     ``fast`` or ``split`` as Hopper's tensor cores do (the real kernel where it runs, with
@@ -59,7 +82,7 @@ def fp8_mm(a: QTensor, b: QTensor, accumulation: str = "ieee") -> torch.Tensor:
         )
         return out.float()
     if a.data.dtype == b.data.dtype == torch.bfloat16:  # unscaled (round_bf16): no scale to apply
-        return torch.matmul(a.data, b.data).float()
+        return bf16_mm(a.data, b.data, bf16_gemm)
     clamps = _min_exponents(a, b)
     if accumulation != "ieee" and clamps is not None:
         acc = accumulate(a.data, b.data, accumulation, clamps)
@@ -117,19 +140,26 @@ _DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32, "fp64": torch.float64}
 
 
 def matmul(
-    a: QTensor | torch.Tensor, b: QTensor | torch.Tensor, precision: str, accumulation: str = "native"
+    a: QTensor | torch.Tensor,
+    b: QTensor | torch.Tensor,
+    precision: str,
+    accumulation: str = "native",
+    bf16_gemm: str = BF16_GEMMS[0],
 ) -> torch.Tensor:
     """``a @ b`` in one of ``GEMM_PRECISIONS``; the result is FP32.
 
     ``fp8`` multiplies quantized operands (``QTensor``; FP8, or BF16 in the no-FP8 baseline),
     accumulating as ``accumulation`` says (``fp8_mm``; ``native``: ``native_accumulation``);
     the others multiply the operands' real values in that dtype (``fp64``: rounding switched off,
-    for gradcheck and the FP64 reference). The result is FP32, or FP64 for ``fp64``.
+    for gradcheck and the FP64 reference). The result is FP32, or FP64 for ``fp64``. Every BF16
+    GEMM runs as ``bf16_mm`` with kernel ``bf16_gemm`` (``BF16_GEMMS``).
     """
     if precision == "fp8":
         if not (isinstance(a, QTensor) and isinstance(b, QTensor)):
             raise TypeError("matmul(precision='fp8') multiplies QTensors")
-        return fp8_mm(a, b, native_accumulation(a, b) if accumulation == "native" else accumulation)
+        return fp8_mm(a, b, native_accumulation(a, b) if accumulation == "native" else accumulation, bf16_gemm)
     dtype = _DTYPES[precision]
-    values = [t.dequantize(dtype) if isinstance(t, QTensor) else t.to(dtype) for t in (a, b)]
-    return torch.matmul(*values).to(torch.promote_types(dtype, torch.float32))
+    x, y = (t.dequantize(dtype) if isinstance(t, QTensor) else t.to(dtype) for t in (a, b))
+    if precision == "bf16":
+        return bf16_mm(x, y, bf16_gemm)
+    return torch.matmul(x, y).to(torch.promote_types(dtype, torch.float32))

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field, replace
 from types import MappingProxyType
 
 from readback.numerics.accumulation import MODES as ACCUMULATION_MODES
-from readback.numerics.gemm import GEMM_PRECISIONS
+from readback.numerics.gemm import BF16_GEMMS, GEMM_PRECISIONS
 from readback.numerics.rounding import ROUNDINGS
 from readback.numerics.scaling import CurrentScaling, DelayedScaling
 
@@ -67,7 +67,8 @@ class NumericsSpec:
     under FP8 (the study's LM head). ``site_margin``: ``((site pattern, k), ...)``, an extra margin
     at the FP8 sites a pattern matches, dividing their scale by ``2**k`` wherever it is used.
     ``accumulation``: how the FP8 GEMMs of a linear's ``(fprop, dgrad, wgrad)`` add their products
-    (``resolve_accumulation``; ``native`` is each device's own, resolved by ``gemm.matmul``)."""
+    (``resolve_accumulation``; ``native`` is each device's own, resolved by ``gemm.matmul``).
+    ``bf16_gemm``: the kernel of every BF16 GEMM off CUDA (``gemm.bf16_mm``: ``fp32`` or ``native``)."""
 
     precision: str
     recipe: DelayedScaling | CurrentScaling | None
@@ -78,6 +79,7 @@ class NumericsSpec:
     bf16_sites: tuple[str, ...] = ()
     site_margin: tuple[tuple[str, int], ...] = field(default=())
     accumulation: tuple[str, str, str] = ("native", "native", "native")
+    bf16_gemm: str = BF16_GEMMS[0]
 
     def __post_init__(self) -> None:
         if self.precision not in PRECISIONS:
@@ -87,6 +89,7 @@ class NumericsSpec:
         for key, value, valid in (
             ("attention_bwd", self.attention_bwd, GEMM_PRECISIONS),
             ("rounding", self.rounding, ROUNDINGS),
+            ("bf16_gemm", self.bf16_gemm, BF16_GEMMS),
         ):
             if value not in valid:
                 raise ValueError(f"{key}={value!r}; valid: {list(valid)}")
@@ -113,6 +116,7 @@ class NumericsSpec:
             self.bf16_sites,
             self.site_margin,
             self.accumulation,
+            self.bf16_gemm,
         )
 
     def read(self, op: str, gradient: str) -> str:
@@ -129,6 +133,11 @@ class NumericsSpec:
     def linear_accumulation(self, gemm: str) -> str:
         """How a linear's ``fprop``, ``dgrad`` or ``wgrad`` FP8 GEMM accumulates (``gemm.matmul``)."""
         return self.accumulation[GEMMS.index(gemm)]
+
+    def linear_gemm(self, gemm: str) -> tuple[str, str, str]:
+        """``gemm.matmul``'s ``(precision, accumulation, bf16_gemm)`` for a linear's ``fprop``,
+        ``dgrad`` or ``wgrad``."""
+        return self.linear_precision(gemm), self.linear_accumulation(gemm), self.bf16_gemm
 
     def is_bf16_site(self, name: str) -> bool:
         """Whether site ``name`` rounds to BF16 (the one rule: a BF16 run, or a ``bf16_sites`` prefix)."""

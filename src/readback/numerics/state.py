@@ -59,6 +59,7 @@ class Numerics:
     policy = property(lambda self: self._spec.policy)
     attention_bwd = property(lambda self: self._spec.attention_bwd)
     rounding = property(lambda self: self._spec.rounding)
+    bf16_gemm = property(lambda self: self._spec.bf16_gemm)
     tape = property(lambda self: self._tape)
     watched = property(lambda self: self._watched)
     mechanism = property(lambda self: self._mechanism)
@@ -73,6 +74,10 @@ class Numerics:
     def linear_accumulation(self, gemm: str) -> str:
         """How a linear's ``fprop``, ``dgrad`` or ``wgrad`` FP8 GEMM accumulates."""
         return self._spec.linear_accumulation(gemm)
+
+    def linear_gemm(self, gemm: str) -> tuple[str, str, str]:
+        """``matmul``'s ``(precision, accumulation, bf16_gemm)`` for a linear's ``fprop``, ``dgrad`` or ``wgrad``."""
+        return self._spec.linear_gemm(gemm)
 
     @contextlib.contextmanager
     def using(self, spec: NumericsSpec) -> Iterator[None]:

@@ -8,6 +8,7 @@ Import the functions from their modules: ``readback.ops.linear.linear``,
 from typing import Any
 
 from readback.numerics import CurrentScaling, DelayedScaling
+from readback.numerics.gemm import BF16_GEMMS
 from readback.numerics.site import Site
 from readback.numerics.spec import ATTENTION_BWD, PRECISIONS, NumericsSpec, resolve_accumulation
 from readback.numerics.state import Numerics
@@ -33,6 +34,7 @@ def numerics_spec(
     site_margin: dict[str, int] | None = None,
     accumulation: str = "native",
     accumulation_gemms: dict[str, str] | None = None,
+    bf16_gemm: str = BF16_GEMMS[0],
 ) -> NumericsSpec:
     """The spec of a run: ``policy``'s reads resolved from the ops' tables, the choices made
     concrete (an FP8 run without a recipe gets ``DelayedScaling()``; a BF16 run's FP8 attention
@@ -59,6 +61,7 @@ def numerics_spec(
         bf16_sites=bf16_sites,
         site_margin=tuple((site_margin or {}).items()),
         accumulation=resolve_accumulation(accumulation, accumulation_gemms),
+        bf16_gemm=bf16_gemm,
     )
 
 

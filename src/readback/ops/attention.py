@@ -80,12 +80,12 @@ class _Attention(torch.autograd.Function):
         kq, vq = _expand_groups(k_groups, heads), _expand_groups(v_groups, heads)
         gemm = "fp64" if numerics.precision == "off" else "fp8"
 
-        scores = _scores(qq, kq, softmax_scale, gemm)
+        scores = _scores(qq, kq, softmax_scale, gemm, numerics.bf16_gemm)
         probs = _softmax(scores, 0, dtype)
         if numerics.mechanism:
             mechanism.observe_logits(numerics, name, scores, probs)
         pq = numerics.site(f"{name}.probs").quantize(probs, rounding)
-        out = matmul(pq, vq, gemm)  # (B, H, T, hd)
+        out = matmul(pq, vq, gemm, bf16_gemm=numerics.bf16_gemm)  # (B, H, T, hd)
         out = out.transpose(1, 2).reshape(batch, seq, heads * dim)
         oq = numerics.site(f"{name}.output").quantize(out, rounding)
         if numerics.mechanism:
@@ -137,7 +137,11 @@ class _Attention(torch.autograd.Function):
             d_out_operand = d_out
 
         kq, vq = _expand_groups(saved["k_for_dq"], heads), _expand_groups(saved["v_for_dp"], heads)
-        d_v = matmul(saved["p_for_dv"].mT, d_out_operand, precision)
+
+        def mm(a: torch.Tensor | QTensor, b: torch.Tensor | QTensor) -> torch.Tensor:
+            return matmul(a, b, precision, bf16_gemm=numerics.bf16_gemm)
+
+        d_v = mm(saved["p_for_dv"].mT, d_out_operand)
         # every row block reads these (O(T hd) each): decoded once, not once per block
         q_for_dk = decoded(saved["q_for_dk"])
         kq, vq = decoded(kq), decoded(vq)
@@ -150,13 +154,13 @@ class _Attention(torch.autograd.Function):
             accumulates the block's share of the mechanism's D-term cosine."""
             if saved["p_for_ds"] is None:
                 probs = _softmax(
-                    _scores(q_for_dk.map(lambda d: d[:, :, rows]), kq, fctx.scale, fctx.gemm),
+                    _scores(q_for_dk.map(lambda d: d[:, :, rows]), kq, fctx.scale, fctx.gemm, numerics.bf16_gemm),
                     rows.start,
                     dtype,
                 )
             else:
                 probs = _value(saved["p_for_ds"].map(lambda d: d[:, :, rows]), dtype)
-            d_p = matmul(_rows(d_out_operand, rows), vq.mT, precision)
+            d_p = mm(_rows(d_out_operand, rows), vq.mT)
             read = d_out[:, :, rows] * o_read[:, :, rows] if o_read is not None else probs * d_p
             row_term = read.sum(-1, keepdim=True)
             if d_term is not None:
@@ -191,8 +195,8 @@ class _Attention(torch.autograd.Function):
             operand if site is None or d_s_scale is None else QTensor(operand.view(site.fmt.dtype), d_s_scale, site.fmt)
         )
 
-        d_q = matmul(d_s_operand, kq, precision) * fctx.scale
-        d_k = matmul(d_s_operand.mT, q_for_dk, precision) * fctx.scale
+        d_q = mm(d_s_operand, kq) * fctx.scale
+        d_k = mm(d_s_operand.mT, q_for_dk) * fctx.scale
         groups = saved["k_for_dq"].data.shape[1]
         d_k = d_k.reshape(batch, groups, heads // groups, seq, dim).sum(2)
         d_v = d_v.reshape(batch, groups, heads // groups, seq, dim).sum(2)
@@ -202,9 +206,9 @@ class _Attention(torch.autograd.Function):
 _DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32, "fp64": torch.float64}
 
 
-def _scores(q: QTensor, k: QTensor, softmax_scale: float, gemm: str) -> torch.Tensor:
+def _scores(q: QTensor, k: QTensor, softmax_scale: float, gemm: str, bf16_gemm: str) -> torch.Tensor:
     """``S = c Q8 K8^T`` of the given query rows."""
-    return matmul(q, k.mT, gemm) * softmax_scale
+    return matmul(q, k.mT, gemm, bf16_gemm=bf16_gemm) * softmax_scale
 
 
 def _softmax(scores: torch.Tensor, first_row: int, dtype: torch.dtype) -> torch.Tensor:

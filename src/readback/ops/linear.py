@@ -47,7 +47,7 @@ class _Linear(torch.autograd.Function):
             else (numerics.site(f"{name}.input").quantize(_rows(x), rounding))
         )
         wq = numerics.site(f"{name}.weight").quantize(weight, rounding)
-        y = matmul(xq, wq.mT, numerics.linear_precision("fprop"), numerics.linear_accumulation("fprop"))
+        y = matmul(xq, wq.mT, *numerics.linear_gemm("fprop"))
         numerics.record(name, input=xq, weight=wq, output=y)
 
         # An input (or its rounded copy, passed in) is saved in its own shape, not as a 2-D view:
@@ -74,13 +74,13 @@ class _Linear(torch.autograd.Function):
         dx = dw = None
         if fctx.needs_input_grad[0]:
             dy_operand = dy if dyq is None or dgrad != "fp8" else dyq
-            dx = matmul(dy_operand, saved["w_for_dgrad"], dgrad, numerics.linear_accumulation("dgrad"))
+            dx = matmul(dy_operand, saved["w_for_dgrad"], *numerics.linear_gemm("dgrad"))
             dx = dx.reshape(fctx.x_shape)
         if fctx.needs_input_grad[1]:
             x = saved["x_for_wgrad"]
             x = x.map(_rows) if isinstance(x, QTensor) else _rows(x)
             dy_operand = dy if dyq is None or wgrad != "fp8" else dyq
-            dw = matmul(dy_operand.mT, x, wgrad, numerics.linear_accumulation("wgrad"))
+            dw = matmul(dy_operand.mT, x, *numerics.linear_gemm("wgrad"))
         return dx, dw, None, None, None, None, None
 
 

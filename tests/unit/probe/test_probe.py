@@ -55,6 +55,18 @@ def test_the_forward_gemms_accumulation_is_part_of_the_executed_forward():
     assert stats["grad_error/rel_err/layers.0.attn.qkv.weight"] < 1e-5
 
 
+@pytest.mark.parametrize("kernel", ["fp32", "native"])
+def test_the_bf16_gemm_kernel_is_part_of_the_executed_forward(kernel):
+    """The LM head's BF16 GEMM, whichever kernel runs it, is what the reference replays (its
+    output is pinned): the error stays round-off."""
+    model, x, y = _trained_model(
+        "+experiment=no_saved_copy", "policy=exact", *FP32_BACKWARD, f"precision.bf16_gemm={kernel}"
+    )
+    stats = toys.probe(every=1).measure(model, x, y)
+    assert stats["grad_error/rel_err/total"] < 1e-5
+    assert stats["grad_error/rel_err/embedding"] < 1e-5
+
+
 def test_reuse_rounded_error_is_orders_larger_and_starts_at_attention():
     exact = toys.probe(every=1).measure(*_trained_model("+experiment=no_saved_copy", "policy=exact", *FP32_BACKWARD))
     model, x, y = _trained_model("+experiment=reuse_rounded", *FP32_BACKWARD)

@@ -19,3 +19,20 @@ def test_differences_name_every_changed_missing_and_added_key():
 
 def test_wall_clock_measurements_and_the_run_folder_are_not_compared():
     assert {"tokens_per_s", "wall_time_s", "run_dir"} <= UNCOMPARED and "loss" not in UNCOMPARED
+
+
+def test_extra_overrides_reach_the_run_command(tmp_path, monkeypatch):
+    import subprocess
+
+    import refactor_check
+
+    commands = []
+
+    def fake_run(cmd, **kwargs):
+        commands.append(cmd)
+        return subprocess.CompletedProcess(cmd, 0, "", "")
+
+    monkeypatch.setattr(refactor_check.subprocess, "run", fake_run)
+    case = refactor_check.Case("plain", ("+experiment=reuse_rounded",))
+    refactor_check.run_case(tmp_path, case, tmp_path / "run", ("precision.bf16_gemm=native",))
+    assert commands[0][-2:] == ["precision.bf16_gemm=native", f"hydra.run.dir={tmp_path / 'run'}"]
