@@ -16,6 +16,7 @@ import functools
 import torch
 
 from readback.numerics.accumulation import MODES, accumulate, epilogue
+from readback.numerics.formats import BF16
 from readback.numerics.rounding import QTensor, decode
 
 
@@ -41,8 +42,8 @@ BF16_GEMMS = ("fp32", "native")
 
 
 def bf16_mm(a: torch.Tensor, b: torch.Tensor, kernel: str) -> torch.Tensor:
-    """``a @ b`` of the operands' BF16 values as a tensor core computes it: exact products, FP32
-    sums, the output rounded once to BF16; returned in FP32.
+    """``a @ b`` of operands that hold BF16 values (as BF16, or as FP32: ``decoded``) as a tensor
+    core computes it: exact products, FP32 sums, the output rounded once to BF16; returned in FP32.
 
     ``kernel`` ``fp32`` runs it as an FP32 GEMM of the BF16 values (a BF16 x BF16 product is
     exact in FP32), at FP32 speed on any CPU; ``native`` as torch's BF16 GEMM, about 20x slower
@@ -53,9 +54,8 @@ def bf16_mm(a: torch.Tensor, b: torch.Tensor, kernel: str) -> torch.Tensor:
     """
     if kernel not in BF16_GEMMS:
         raise ValueError(f"bf16_gemm={kernel!r}; valid: {BF16_GEMMS}")
-    a, b = a.to(torch.bfloat16), b.to(torch.bfloat16)
     if kernel == "native" or a.device.type == "cuda":
-        return torch.matmul(a, b).float()
+        return torch.matmul(a.to(torch.bfloat16), b.to(torch.bfloat16)).float()
     return torch.matmul(a.float(), b.float()).to(torch.bfloat16).float()
 
 
@@ -81,7 +81,7 @@ def fp8_mm(a: QTensor, b: QTensor, accumulation: str = "ieee", bf16_gemm: str = 
             use_fast_accum=accumulation == "fast",
         )
         return out.float()
-    if a.data.dtype == b.data.dtype == torch.bfloat16:  # unscaled (round_bf16): no scale to apply
+    if a.fmt is BF16 and b.fmt is BF16:  # unscaled (round_bf16): no scale to apply
         return bf16_mm(a.data, b.data, bf16_gemm)
     clamps = _min_exponents(a, b)
     if accumulation != "ieee" and clamps is not None:
@@ -125,12 +125,14 @@ def native_accumulation(a: QTensor, b: QTensor) -> str:
     return "split" if use_scaled_mm(a, b) else "ieee"
 
 
-def decoded(q: QTensor) -> QTensor:
+def decoded(q: QTensor, bf16_gemm: str = BF16_GEMMS[0]) -> QTensor:
     """``q`` with its codes decoded to their FP32 values, for an operand that enters several
     emulated GEMMs (a gradient's dgrad and wgrad, attention's row blocks): each GEMM would
     decode it again. The values, and so every product, are the same. Unchanged where the GEMM
-    runs the real FP8 kernel, which takes the codes."""
-    if q.data.dtype not in (torch.float8_e4m3fn, torch.float8_e5m2) or q.data.device.type == "cuda":
+    takes the codes themselves: on CUDA, and BF16 under ``bf16_gemm`` ``native``."""
+    if q.data.device.type == "cuda" or (q.fmt is BF16 and bf16_gemm == "native"):
+        return q
+    if q.data.dtype not in (torch.float8_e4m3fn, torch.float8_e5m2, torch.bfloat16):
         return q
     return q.map(lambda data: decode(data, torch.float32))
 
@@ -159,7 +161,15 @@ def matmul(
             raise TypeError("matmul(precision='fp8') multiplies QTensors")
         return fp8_mm(a, b, native_accumulation(a, b) if accumulation == "native" else accumulation, bf16_gemm)
     dtype = _DTYPES[precision]
-    x, y = (t.dequantize(dtype) if isinstance(t, QTensor) else t.to(dtype) for t in (a, b))
     if precision == "bf16":
-        return bf16_mm(x, y, bf16_gemm)
+        return bf16_mm(_bf16_values(a), _bf16_values(b), bf16_gemm)
+    x, y = (t.dequantize(dtype) if isinstance(t, QTensor) else t.to(dtype) for t in (a, b))
     return torch.matmul(x, y).to(torch.promote_types(dtype, torch.float32))
+
+
+def _bf16_values(t: QTensor | torch.Tensor) -> torch.Tensor:
+    """``t``'s values rounded to BF16; a BF16 ``QTensor``'s data holds them already (as BF16, or
+    as FP32 once ``decoded``)."""
+    if isinstance(t, QTensor):
+        return t.data if t.fmt is BF16 else t.dequantize(torch.bfloat16)
+    return t.to(torch.bfloat16)

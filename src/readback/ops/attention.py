@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from readback.numerics import QTensor, abs_max, decoded, matmul, pinned
+from readback.numerics import BF16, QTensor, abs_max, decoded, matmul, pinned
 from readback.numerics.spec import frozen_reads
 from readback.ops import mechanism
 from readback.ops.saved import load, save
@@ -191,9 +191,12 @@ class _Attention(torch.autograd.Function):
         numerics.observe(f"attn_rowsum/{name}", torch.cat(rowsums, -1))
         if d_term is not None:
             d_term.observe(numerics, name)
-        d_s_operand = (
-            operand if site is None or d_s_scale is None else QTensor(operand.view(site.fmt.dtype), d_s_scale, site.fmt)
-        )
+        # dQ's and dK's GEMMs both read dS: its codes (FP8, or BF16 values) decoded once
+        d_s_operand: torch.Tensor | QTensor = operand
+        if site is not None and d_s_scale is not None:
+            d_s_operand = decoded(QTensor(operand.view(site.fmt.dtype), d_s_scale, site.fmt))
+        elif precision == "bf16":
+            d_s_operand = decoded(QTensor(operand, torch.ones((), device=operand.device), BF16), numerics.bf16_gemm)
 
         d_q = mm(d_s_operand, kq) * fctx.scale
         d_k = mm(d_s_operand.mT, q_for_dk) * fctx.scale

@@ -70,7 +70,7 @@ class _Linear(torch.autograd.Function):
         dgrad, wgrad = numerics.linear_precision("dgrad"), numerics.linear_precision("wgrad")
         dy = dy.reshape(-1, dy.shape[-1]).to(numerics.dtype)
         dyq = numerics.site(f"{fctx.name}.grad_output", "bwd").quantize(dy) if "fp8" in (dgrad, wgrad) else None
-        dyq = decoded(dyq) if dyq is not None and dgrad == wgrad == "fp8" else dyq  # two GEMMs read it
+        dyq = decoded(dyq, numerics.bf16_gemm) if dyq is not None and dgrad == wgrad == "fp8" else dyq  # two GEMMs
         dx = dw = None
         if fctx.needs_input_grad[0]:
             dy_operand = dy if dyq is None or dgrad != "fp8" else dyq

@@ -576,8 +576,10 @@ def test_decoded_operands_give_the_same_product(batch):
     assert da.data.dtype == torch.float32 and torch.equal(da.data, decode(qa.data, torch.float32))
     assert torch.equal(fp8_mm(da, db), fp8_mm(qa, qb))
     assert torch.equal(fp8_mm(da.map(lambda d: d[..., 5:29, :]), db), fp8_mm(qa.map(lambda d: d[..., 5:29, :]), qb))
-    bf16 = round_bf16(torch.randn(4, 4))
-    assert decoded(bf16) is bf16
+    bf16 = round_bf16(torch.randn(4, 4))  # BF16 values decoded to FP32 for the FP32 GEMM kernel only
+    assert decoded(bf16).data.dtype == torch.float32 and torch.equal(decoded(bf16).data, bf16.data.float())
+    assert torch.equal(fp8_mm(decoded(bf16), decoded(bf16)), fp8_mm(bf16, bf16))
+    assert decoded(bf16, "native") is bf16
 
 
 def _scaled_mm(qa, qb) -> torch.Tensor:

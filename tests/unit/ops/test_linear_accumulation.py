@@ -51,9 +51,9 @@ def run_linear(accumulation: str, monkeypatch) -> tuple[list[str], torch.Tensor,
     calls: list[str] = []
     fp8_mm = gemm.fp8_mm
 
-    def recording(a, b, accumulation="ieee"):
+    def recording(a, b, accumulation="ieee", bf16_gemm="fp32"):
         calls.append(accumulation)
-        return fp8_mm(a, b, accumulation)
+        return fp8_mm(a, b, accumulation, bf16_gemm)
 
     monkeypatch.setattr(gemm, "fp8_mm", recording)
     g = torch.Generator().manual_seed(0)
