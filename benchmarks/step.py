@@ -1,7 +1,13 @@
-"""Training-step speed and memory on the CPU: readback BF16, each FP8 policy, and a plain GPT.
+"""Training-step speed and memory on the CPU: every experiment of readback, and a plain GPT.
 
     python benchmarks/step.py                       # tiny and small, 1 and 2 threads
     python benchmarks/step.py --sizes small --threads 1 --rounds 9
+    python benchmarks/step.py --overrides precision.bf16_gemm=native   # readback's variants changed
+
+It first prints the CPU's model, its vector extensions that torch's kernels can use (AVX2,
+AVX512, AVX512-BF16, AMX) and the level torch dispatches to: figures from different CPUs are not
+comparable (a CPU without BF16 instructions runs torch's BF16 GEMM about 20x slower than FP32).
+Each table gives every variant's GFLOP/s as a fraction of the plain GPT's in FP32 (``/ fp32``).
 
 A step is forward + backward (+ ``numerics.end_step()`` for readback), gradients cleared after.
 The variants run interleaved, one step each per round, so a busy machine slows them alike; the
@@ -15,7 +21,8 @@ runs it in one process: the step's taped backward is the probe's repeat 0, and t
 the reference (plain autograd over the replayed forward) and the comparison. ``--compile`` adds
 each variant's ``torch.compile`` twin (``<variant>+compile``, readback's through
 ``readback.ops.compiled``, after one eager step that creates the sites); its compilation is
-done in the warm-up, outside the timed rounds. Memory is each
+done in the warm-up, outside the timed rounds. The timed variants share one process with the
+trainer's malloc settings (``readback.train.launch.keep_freed_memory``). Memory is each
 variant's peak RSS over a few steps, measured in its own process, as its rise over the RSS
 after building the model: once with glibc's default malloc (whose heap keeps freed blocks, so
 the figure includes fragmentation) and once with ``MALLOC_MMAP_THRESHOLD_=65536`` (large
@@ -34,6 +41,7 @@ import subprocess
 import sys
 import time
 from contextlib import nullcontext
+from pathlib import Path
 
 import torch
 import torch.nn as nn
@@ -44,15 +52,30 @@ from readback.backends import build_model
 from readback.config import CONF_DIR, typed
 from readback.ops.compiled import compiled
 from readback.probe import GradientProbe, train_taped
+from readback.train.identity import cpu_model
+from readback.train.launch import keep_freed_memory
 
 VOCAB = 2048
-READBACK = {
-    "bf16": "bf16_baseline",
-    "reuse_rounded": "reuse_rounded",
-    "fresh_reround": "fresh_reround",
-    "no_saved_copy": "no_saved_copy",
-}
+READBACK = ("bf16_baseline", "reuse_rounded", "fresh_reround", "no_saved_copy", "reuse_rounded_bf16_bwd")
 PLAIN = ("plain_fp32", "plain_bf16")
+PEER = "plain_fp32"  # what every variant's GFLOP/s is a fraction of
+# the settings that keep torch, oneDNN (its BF16 GEMM) and MKL (its FP32 GEMM) below the CPU's own ISA
+ISA_LIMITS = ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA", "MKL_ENABLE_INSTRUCTIONS")
+ISA_FLAGS = {"avx2": "AVX2", "avx512f": "AVX512", "avx512_bf16": "AVX512-BF16", "amx_bf16": "AMX-BF16"}
+
+
+def cpu_description(cpuinfo: str = "/proc/cpuinfo") -> str:
+    """``<model>, <the vector extensions torch can use>, torch dispatches <level>``."""
+    flags: set[str] = set()
+    if os.path.exists(cpuinfo):
+        with open(cpuinfo) as f:
+            flags = next((set(line.split(":", 1)[1].split()) for line in f if line.startswith("flags")), set())
+    isa = [name for flag, name in ISA_FLAGS.items() if flag in flags] or ["none of AVX2, AVX512, AVX512-BF16, AMX"]
+    limits = [f"{key}={os.environ[key]}" for key in ISA_LIMITS if key in os.environ]
+    dispatch = f"torch {torch.__version__} dispatches {torch.backends.cpu.get_cpu_capability()}"
+    return f"{cpu_model(Path(cpuinfo))}, {' '.join(isa)}; {dispatch}" + (
+        f" (limited by {' '.join(limits)})" if limits else ""
+    )
 
 
 class PlainBlock(nn.Module):
@@ -95,14 +118,14 @@ class PlainGPT(nn.Module):
 COMPILED = "+compile"
 
 
-def build(variant: str, size: str, batch: int):
-    """``(step function, FOG for the FLOP formula)`` of one variant, on fixed random tokens."""
+def build(variant: str, size: str, batch: int, overrides: tuple[str, ...] = ()):
+    """``(step function, FOG for the FLOP formula)`` of one variant, on fixed random tokens;
+    ``overrides`` change readback's configuration."""
     variant, compile_it = variant.removesuffix(COMPILED), variant.endswith(COMPILED)
-    experiment = READBACK.get(variant, "reuse_rounded")
+    experiment = variant if variant in READBACK else "reuse_rounded"
     with initialize_config_dir(str(CONF_DIR), version_base="1.3"):
-        cfg = typed(
-            compose("train", overrides=[f"model={size}", f"+experiment={experiment}", f"model.vocab_size={VOCAB}"])
-        )
+        settings = [f"model={size}", f"+experiment={experiment}", f"model.vocab_size={VOCAB}", *overrides]
+        cfg = typed(compose("train", overrides=settings))
     torch.manual_seed(0)
     fog = build_model(cfg)
     x = torch.randint(0, VOCAB, (batch, cfg.model.seq_len))
@@ -136,9 +159,9 @@ def build(variant: str, size: str, batch: int):
     return step, fog
 
 
-def peak_memory(variant: str, size: str, batch: int, steps: int = 3) -> dict:
+def peak_memory(variant: str, size: str, batch: int, overrides: tuple[str, ...] = (), steps: int = 3) -> dict:
     """Peak RSS (MiB) of ``steps`` steps in this process, and its rise over the RSS after building."""
-    step, _ = build(variant, size, batch)
+    step, _ = build(variant, size, batch, overrides)
     with open("/proc/self/statm") as f:
         built = int(f.read().split()[1]) * resource.getpagesize() / 2**20
     for _ in range(steps):
@@ -147,9 +170,12 @@ def peak_memory(variant: str, size: str, batch: int, steps: int = 3) -> dict:
     return {"peak_mib": peak, "rise_mib": peak - built}
 
 
-def time_table(size: str, threads: int, batch: int, rounds: int, variants: list[str]) -> dict:
+def time_table(
+    size: str, threads: int, batch: int, rounds: int, variants: list[str], overrides: tuple[str, ...] = ()
+) -> dict:
     torch.set_num_threads(threads)
-    built = {v: build(v, size, batch) for v in variants}
+    keep_freed_memory()
+    built = {v: build(v, size, batch, overrides) for v in variants}
     fog = next(iter(built.values()))[1]
     tokens = batch * fog.cfg.seq_len
     flops = fog.flops_per_token() * tokens
@@ -174,23 +200,19 @@ def time_table(size: str, threads: int, batch: int, rounds: int, variants: list[
 
 
 def print_table(size: str, threads: int, batch: int, rounds: int, rows: dict, memory: dict) -> None:
-    print(f"\n{size}, batch {batch}, {threads} thread(s), {rounds} interleaved rounds, torch {torch.__version__}")
+    print(f"\n{size}, batch {batch}, {threads} thread(s), {rounds} interleaved rounds")
     print(
-        f"  {'variant':<23}{'median ms':>10}{'min':>9}{'max':>9}{'tok/s':>9}{'GFLOP/s':>9}"
-        f"{'x bf16':>8}{'rise MiB':>10}{'live MiB':>10}"
+        f"  {'variant':<29}{'median ms':>10}{'min':>9}{'max':>9}{'tok/s':>9}{'GFLOP/s':>9}"
+        f"{'/ fp32':>8}{'rise MiB':>10}{'live MiB':>10}"
     )
+    peer = rows[PEER]["gflops"] if PEER in rows else float("nan")
     for v, r in rows.items():
         mem = memory.get(v, {})
         print(
-            f"  {v:<23}{r['median_ms']:10.1f}{r['min_ms']:9.1f}{r['max_ms']:9.1f}{r['tokens_per_s']:9.0f}"
-            f"{r['gflops']:9.2f}{r['median_ms'] / rows['bf16']['median_ms']:8.2f}"
+            f"  {v:<29}{r['median_ms']:10.1f}{r['min_ms']:9.1f}{r['max_ms']:9.1f}{r['tokens_per_s']:9.0f}"
+            f"{r['gflops']:9.2f}{r['gflops'] / peer:8.2f}"
             f"{mem.get('rise_mib', float('nan')):10.0f}{mem.get('live_rise_mib', float('nan')):10.0f}"
         )
-    bf16 = rows["bf16"]["gflops"]
-    print(
-        "  readback bf16 / plain GFLOP/s: "
-        + ", ".join(f"{p} {bf16 / rows[p]['gflops']:.2f}" for p in PLAIN if p in rows)
-    )
     for v in rows:
         if v.endswith(COMPILED) and v.removesuffix(COMPILED) in rows:
             eager = rows[v.removesuffix(COMPILED)]["median_ms"]
@@ -207,6 +229,7 @@ def main() -> None:
     parser.add_argument("--batch", type=int, nargs="+", default=[8, 4], help="micro-batch per size")
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--variants", nargs="+", default=[*READBACK, *PLAIN, "probe"])
+    parser.add_argument("--overrides", nargs="*", default=[], help="config overrides of readback's variants")
     parser.add_argument("--compile", action="store_true", help="also time each variant compiled (not the probe)")
     parser.add_argument("--no-memory", action="store_true", help="skip the peak-RSS processes")
     parser.add_argument("--memory-of", nargs=3, metavar=("VARIANT", "SIZE", "BATCH"), help=argparse.SUPPRESS)
@@ -214,11 +237,14 @@ def main() -> None:
     args = parser.parse_args()
     if args.memory_of:
         torch.set_num_threads(1)
-        print(json.dumps(peak_memory(args.memory_of[0], args.memory_of[1], int(args.memory_of[2]))))
+        variant, size, batch = args.memory_of
+        print(json.dumps(peak_memory(variant, size, int(batch), tuple(args.overrides))))
         return
     if args.compile:
         args.variants += [v + COMPILED for v in args.variants if v != "probe"]
-    results = {}
+    cpu = cpu_description()
+    print(f"CPU: {cpu}" + (f"; readback with {' '.join(args.overrides)}" if args.overrides else ""))
+    results: dict = {"cpu": cpu, "overrides": args.overrides}
     for size, batch in zip(args.sizes, args.batch * len(args.sizes)):
         memory = {}
         if not args.no_memory:
@@ -226,7 +252,7 @@ def main() -> None:
                 memory[v] = {}
                 for prefix, malloc in (("", {}), ("live_", {"MALLOC_MMAP_THRESHOLD_": "65536"})):
                     out = subprocess.run(
-                        [sys.executable, __file__, "--memory-of", v, size, str(batch)],
+                        [sys.executable, __file__, "--memory-of", v, size, str(batch), "--overrides", *args.overrides],
                         check=True,
                         capture_output=True,
                         text=True,
@@ -234,7 +260,7 @@ def main() -> None:
                     ).stdout
                     memory[v].update({prefix + k: n for k, n in json.loads(out.splitlines()[-1]).items()})
         for threads in args.threads:
-            rows = time_table(size, threads, batch, args.rounds, args.variants)
+            rows = time_table(size, threads, batch, args.rounds, args.variants, tuple(args.overrides))
             print_table(size, threads, batch, args.rounds, rows, memory)
             results[f"{size}/{threads}"] = {"rows": rows, "memory": memory}
     if args.json:

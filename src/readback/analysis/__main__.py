@@ -1,5 +1,5 @@
 """``python -m readback.analysis SWEEP_DIR [SWEEP_DIR ...] | --wandb ENTITY/PROJECT [--out DIR] [--html]
-[--control EXP] [--metric KEY ...] [--page PATH] [--x tokens|step]``
+[--control EXP] [--pair-axis KEY=BASE] [--metric KEY ...] [--page PATH] [--x tokens|step]``
 
 Loads every run under the sweep directories (or of a wandb project), groups them by
 experiment and every override that varies except the seed, and writes to ``DIR`` (default
@@ -8,6 +8,8 @@ experiment and every override that varies except the seed, and writes to ``DIR``
 paired gap at every evaluation), ``runs.csv``, ``report.md`` and, with
 ``--html``, the self-contained ``report.html``. Prints the keys it grouped by and the final-loss
 table, with paired-seed differences from ``--control`` (default ``no_saved_copy`` when loaded).
+``--pair-axis KEY=BASE`` also compares, seed by seed, each group whose override ``KEY`` is not
+``BASE`` with its twin at ``BASE`` (mean, SE, 90 % t interval: ``paired_axis.md`` and ``.csv``).
 Exit code 2, with one line on stderr, when a directory is missing or holds no runs.
 """
 
@@ -43,12 +45,21 @@ def main(argv: list[str] | None = None) -> int:
         metavar="KEY",
         help="a logged key or glob (fp8_saturation/*, grad_norm): its last value per group and its curves; repeatable",
     )
+    parser.add_argument(
+        "--pair-axis",
+        default=None,
+        metavar="KEY=BASE",
+        help="compare each group with its twin whose override KEY is BASE, by seed pairs (paired_axis.md)",
+    )
     parser.add_argument("--html", action="store_true", help="also write the self-contained report.html")
     parser.add_argument("--page", default=None, help="write the Markdown page here instead of DIR/report.md")
     parser.add_argument("--title", default=None, help="title of the pages (default: the sweep names)")
     args = parser.parse_args(argv)
     if bool(args.sweep_dirs) == bool(args.wandb):
         print("error: give SWEEP_DIRs or --wandb ENTITY/PROJECT (one of the two)", file=sys.stderr)
+        return 2
+    if args.pair_axis is not None and "=" not in args.pair_axis:
+        print(f"error: --pair-axis {args.pair_axis!r}: give KEY=BASE, e.g. precision.bf16_gemm=native", file=sys.stderr)
         return 2
 
     os.environ.setdefault("MPLBACKEND", "Agg")
@@ -61,6 +72,8 @@ def main(argv: list[str] | None = None) -> int:
         metric_table,
         paired_table,
     )
+    from readback.analysis.paired import axis_table
+    from readback.analysis.render import cell_text, markdown_table
     from readback.analysis.report import this_command, write_report
 
     for d in args.sweep_dirs:
@@ -111,6 +124,14 @@ def main(argv: list[str] | None = None) -> int:
     print(format_final_loss_table(final_loss_table(runs), paired=paired))
     for pattern in args.metric:
         print(format_metric_table(metric_table(runs, pattern)))
+    if args.pair_axis:
+        key, base = args.pair_axis.split("=", 1)
+        table = axis_table(runs, key, base)
+        table.to_csv(out / "paired_axis.csv", index=False)
+        cells = [[cell_text(v) for v in row] for row in table.itertuples(index=False)]
+        text = markdown_table(list(table.columns), cells)
+        (out / "paired_axis.md").write_text(text + "\n")
+        print(text)
     print(f"{len(runs)} runs; wrote {', '.join(sorted(p.name for p in paths.values()))} to {out}")
     return 0
 

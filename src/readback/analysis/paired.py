@@ -137,3 +137,74 @@ def paired_curve(runs: Runs, control: str, key: str = "val_loss") -> pd.DataFram
                     }
                 )
     return pd.DataFrame(rows, columns=columns)
+
+
+#: Columns of :func:`axis_table`.
+AXIS_COLUMNS = ("group", "base", "metric", "n_pairs", "paired_mean", "paired_se", "level", "low", "high")
+
+
+def axis_table(
+    runs: Runs, axis: str, base: str, metrics: tuple[str, ...] = PAIRED_METRICS, level: float = 0.90
+) -> pd.DataFrame:
+    """Each group whose setting ``axis`` (an override key) is not ``base`` against the group that
+    differs from it only there, seed by seed (e.g. ``precision.bf16_gemm=fp32`` against
+    ``=native`` within each experiment): the paired difference's mean, SE and its two-sided
+    Student-t interval at ``level`` (``low``, ``high``; NaN below 2 pairs)."""
+    s, groups = runs.summary, runs.groups
+    rows: list[dict[str, Any]] = []
+    for group in groups:
+        tags = group_settings(group).split(", ")
+        value = next((t.split("=", 1)[1] for t in tags if t.startswith(f"{axis}=")), None)
+        if value is None or value == base:
+            continue
+        rest = ", ".join(f"{axis}={base}" if t.startswith(f"{axis}=") else t for t in tags)
+        other = f"{group_experiment(group)} [{rest}]"
+        if other not in groups:
+            continue
+        for metric in metrics:
+            a, b = _values(s, group, metric), _values(s, other, metric)
+            seeds = sorted(set(a.index) & set(b.index))
+            mean, se = _mean_se((a[seeds] - b[seeds]).to_numpy(dtype=float))
+            half = t_quantile(level, len(seeds) - 1) * se if len(seeds) > 1 else math.nan
+            rows.append(
+                {
+                    "group": group,
+                    "base": other,
+                    "metric": metric,
+                    "n_pairs": len(seeds),
+                    "paired_mean": mean,
+                    "paired_se": se,
+                    "level": level,
+                    "low": mean - half,
+                    "high": mean + half,
+                }
+            )
+    return pd.DataFrame(rows, columns=list(AXIS_COLUMNS))
+
+
+def t_quantile(level: float, df: int) -> float:
+    """``t`` with ``P(|T| < t) = level`` for Student's t with ``df`` (an integer >= 1) degrees of
+    freedom: the closed form of ``P(|T| < t)`` (Abramowitz and Stegun 26.7.3-4), inverted by bisection."""
+    if df < 1 or not 0 < level < 1:
+        raise ValueError(f"t_quantile needs df >= 1 and 0 < level < 1, not df={df}, level={level}")
+
+    def inside(t: float) -> float:
+        theta = math.atan(t / math.sqrt(df))
+        s, c2 = math.sin(theta), math.cos(theta) ** 2
+        if df % 2:  # 2/pi (theta + sin(theta) (cos + 2/3 cos^3 + ... + cos^(df-2)))
+            term, total = math.cos(theta), 0.0
+            for k in range(1, (df - 1) // 2 + 1):
+                total += term
+                term *= 2 * k / (2 * k + 1) * c2
+            return 2 / math.pi * (theta + s * total)
+        term, total = 1.0, 0.0  # sin(theta) (1 + 1/2 cos^2 + 1*3/(2*4) cos^4 + ... + cos^(df-2))
+        for k in range(1, df // 2 + 1):
+            total += term
+            term *= (2 * k - 1) / (2 * k) * c2
+        return s * total
+
+    low, high = 0.0, 1e7
+    for _ in range(200):
+        mid = (low + high) / 2
+        low, high = (mid, high) if inside(mid) < level else (low, mid)
+    return (low + high) / 2

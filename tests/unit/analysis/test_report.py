@@ -12,7 +12,7 @@ import yaml
 
 from readback.analysis import final_loss_table, format_final_loss_table, load_runs, paired_table, runs_from_records
 from readback.analysis.__main__ import main as cli_main
-from readback.analysis.paired import paired_curve
+from readback.analysis.paired import axis_table, paired_curve, t_quantile
 from readback.analysis.plots import plot_paired_gap
 from sweeps import EXPERIMENTS, config, records, summary, write_run
 
@@ -58,6 +58,32 @@ def test_groups_split_on_every_varying_override_but_the_seed(lr_sweep):
         sum(FINAL[("reuse_rounded", "0.03", s)] for s in SEED_OFFSET) / 3
     )
     assert (t["n"] == 3).all()
+
+
+def test_an_axis_is_compared_within_each_experiment_by_seed_pairs(lr_sweep, tmp_path, capsys):
+    """``--pair-axis``: each lr 0.03 group against its own experiment's lr 0.001 group, seed by
+    seed, with the 90 % Student-t interval (2 degrees of freedom: t = 2.920)."""
+    table = axis_table(load_runs(lr_sweep), "trainer.optim.lr", "0.001").set_index(["group", "metric"])
+    assert (
+        sorted(g for g, _ in table.index)
+        == ["no_saved_copy [trainer.optim.lr=0.03]"] * 2 + ["reuse_rounded [trainer.optim.lr=0.03]"] * 2
+    )
+    row = table.loc[("reuse_rounded [trainer.optim.lr=0.03]", "final_loss")]
+    assert row["base"] == "reuse_rounded [trainer.optim.lr=0.001]" and row["n_pairs"] == 3
+    d = [FINAL[("reuse_rounded", "0.03", s)] - FINAL[("reuse_rounded", "0.001", s)] for s in SEED_OFFSET]
+    mean = sum(d) / 3
+    se = math.sqrt(sum((x - mean) ** 2 for x in d) / 2 / 3)
+    assert row["paired_mean"] == pytest.approx(mean) and row["paired_se"] == pytest.approx(se)
+    assert (row["low"], row["high"]) == pytest.approx((mean - 2.920 * se, mean + 2.920 * se), abs=1e-3 * se)
+    assert cli_main([str(lr_sweep), "--out", str(tmp_path / "out"), "--pair-axis", "trainer.optim.lr=0.001"]) == 0
+    assert "reuse_rounded [trainer.optim.lr=0.001]" in (tmp_path / "out" / "paired_axis.md").read_text()
+    assert cli_main([str(lr_sweep), "--pair-axis", "trainer.optim.lr"]) == 2
+    assert "KEY=BASE" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("level, df, t", [(0.90, 1, 6.314), (0.90, 2, 2.920), (0.95, 15, 2.131), (0.99, 30, 2.750)])
+def test_t_quantile_matches_the_tables(level, df, t):
+    assert t_quantile(level, df) == pytest.approx(t, abs=5e-4)
 
 
 def test_paired_differences_against_the_control(lr_sweep):

@@ -1,0 +1,31 @@
+"""benchmarks/step.py runs (a smoke test: one round of two variants) and says what it ran on."""
+
+from __future__ import annotations
+
+import sys
+
+import step
+from readback.train.launch import keep_freed_memory
+
+
+def test_one_round_prints_the_cpu_and_every_variant_against_the_fp32_peer(monkeypatch, capsys):
+    argv = ["step.py", "--sizes", "tiny", "--threads", "1", "--rounds", "1", "--no-memory"]
+    monkeypatch.setattr(sys, "argv", [*argv, "--variants", "bf16_baseline", "plain_fp32"])
+    step.main()
+    out = capsys.readouterr().out
+    assert out.startswith("CPU: ") and "dispatches" in out
+    rows = {line.split()[0]: line.split() for line in out.splitlines() if line.startswith("  ")}
+    assert {"bf16_baseline", "plain_fp32"} <= set(rows)
+    assert rows["plain_fp32"][6] == "1.00"  # the peer against itself; the header's 7th column is "/ fp32"
+
+
+def test_the_cpu_description_names_the_isa_and_its_limits(tmp_path, monkeypatch):
+    cpuinfo = tmp_path / "cpuinfo"
+    cpuinfo.write_text("model name\t: Some CPU\nflags\t\t: fpu sse avx avx2 fma\n")
+    monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "AVX2")
+    text = step.cpu_description(str(cpuinfo))
+    assert text.startswith("Some CPU, AVX2;") and text.endswith("(limited by ONEDNN_MAX_CPU_ISA=AVX2)")
+
+
+def test_glibc_keeps_freed_memory():
+    assert keep_freed_memory()  # both mallopt settings accepted (this runs on glibc)
