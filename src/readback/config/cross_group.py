@@ -75,7 +75,7 @@ def _check_site_margin(cfg: Config, p: Fp8Precision) -> None:
     """Every pattern matches some site of the model; margins >= 0; emulated backend only; at no
     site do the margins add up to one that rounds even the amax to zero in the site's format."""
     from readback.model.fog import rounding_sites
-    from readback.numerics.state import site_kinds, site_matches
+    from readback.numerics.site import require_site_pattern
 
     if p.site_margin is None:
         return
@@ -92,14 +92,8 @@ def _check_site_margin(cfg: Config, p: Fp8Precision) -> None:
         "null with backend=te (Transformer Engine has one margin per recipe)",
     )
     sites = rounding_sites(cfg.model.n_layers)
-    kinds = site_kinds(sites)
     for pattern, margin in p.site_margin.items():
-        require(
-            any(site_matches(s, pattern) for s in sites),
-            "precision.site_margin",
-            pattern,
-            "site patterns (globs) matching " + ", ".join(kinds),
-        )
+        require_site_pattern("precision.site_margin", pattern, sites)
         require(
             isinstance(margin, int) and not isinstance(margin, bool) and margin >= 0,
             f"precision.site_margin.{pattern}",
@@ -113,8 +107,8 @@ def _check_margin_sums(p: Fp8Precision, sites: list[str]) -> None:
     """``precision.margin`` plus the site margins matching a site, against the bound of the
     site's format (``FP8Format.zero_margin``); the largest margin there is the one refused."""
     from readback.model.fog import is_gradient_site
+    from readback.numerics.site import site_matches
     from readback.numerics.spec import in_bf16_layers
-    from readback.numerics.state import site_matches
 
     fmt = Format.parse(p.fp8_format)
     for site in sites:

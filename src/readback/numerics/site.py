@@ -7,12 +7,14 @@ and owned by ``readback.numerics.state.Numerics``.
 
 from __future__ import annotations
 
+import fnmatch
+import re
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
 
-from readback.errors import NumericsError
+from readback.errors import NumericsError, require
 from readback.numerics import (
     BF16,
     CurrentScalingState,
@@ -191,3 +193,23 @@ def _count_saturated(x: torch.Tensor, amax: torch.Tensor, scale: torch.Tensor, f
     if x.device.type == "cpu" and not torch.compiler.is_compiling() and bool(amax * scale <= fmt.max):
         return 0
     return (x.detach().abs() * scale > fmt.max).sum()
+
+
+def site_matches(name: str, pattern: str) -> bool:
+    """A site pattern is a glob over the site name, matching whole trailing components too:
+    ``attn.core.output`` matches ``layers.3.attn.core.output``."""
+    return fnmatch.fnmatchcase(name, pattern) or fnmatch.fnmatchcase(name, f"*.{pattern}")
+
+
+def site_kinds(sites: list[str]) -> list[str]:
+    """The kinds of ``sites``, each once: names without their layer (``layers.3.attn.core.output``
+    -> ``attn.core.output``), the words a refused site pattern is answered with."""
+    return list(dict.fromkeys(re.sub(r"^layers\.\d+\.", "", s) for s in sites))
+
+
+def require_site_pattern(
+    key: str, pattern: str, sites: list[str], valid: str = "site patterns (globs) matching"
+) -> None:
+    """``ConfigError`` naming ``key`` unless ``pattern`` matches one of ``sites``; the refusal
+    lists the kinds of those sites after ``valid`` (every option taking a site pattern answers so)."""
+    require(any(site_matches(s, pattern) for s in sites), key, pattern, f"{valid} " + ", ".join(site_kinds(sites)))

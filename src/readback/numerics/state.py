@@ -10,8 +10,6 @@ with the ops' read rules resolved.
 from __future__ import annotations
 
 import contextlib
-import fnmatch
-import re
 from collections.abc import Iterator
 from typing import Any
 
@@ -24,7 +22,7 @@ from readback.numerics import (
     QTensor,
 )
 from readback.numerics.observations import Observations
-from readback.numerics.site import ScalingState, Site, UnitScale, check_scales
+from readback.numerics.site import ScalingState, Site, UnitScale, check_scales, site_matches
 from readback.numerics.spec import NumericsSpec
 from readback.numerics.streams import RandomStreams
 
@@ -295,15 +293,3 @@ class Numerics:
             for counter, value in zip((site.underflowed, site.nonzero), saved.get("underflow", (0, 0))):
                 counter.fill_(value)
         self.observations.load_state_dict(state)
-
-
-def site_matches(name: str, pattern: str) -> bool:
-    """A site pattern is a glob over the site name, matching whole trailing components too:
-    ``attn.core.output`` matches ``layers.3.attn.core.output``."""
-    return fnmatch.fnmatchcase(name, pattern) or fnmatch.fnmatchcase(name, f"*.{pattern}")
-
-
-def site_kinds(sites: list[str]) -> list[str]:
-    """The kinds of ``sites``, each once: names without their layer (``layers.3.attn.core.output``
-    -> ``attn.core.output``), the words a refused site pattern is answered with."""
-    return list(dict.fromkeys(re.sub(r"^layers\.\d+\.", "", s) for s in sites))
