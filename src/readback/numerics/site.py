@@ -81,6 +81,14 @@ class Site:
         )
 
     @property
+    def history_amax(self) -> torch.Tensor | None:
+        """The amax the site's delayed scale is computed from (``DelayedScalingState.history_amax``);
+        None without a history (current scaling, BF16, rounding off) or before its first entry."""
+        if not isinstance(self.state, DelayedScalingState) or self.state.steps == 0:
+            return None
+        return self.state.history_amax()
+
+    @property
     def reads_amax_first(self) -> bool:
         """Whether the scale depends on the tensor being rounded (current scaling): a tensor
         rounded block by block then needs its whole amax before the first block."""
@@ -160,17 +168,23 @@ class RoundingFigures(NamedTuple):
     rel_err: torch.Tensor  # |x - q| / |x| (Frobenius)
     amax_to_rms: torch.Tensor  # max|x| / rms(x): how far the largest element stands above the typical one
     log2_rms_scaled: torch.Tensor  # log2(rms(x) * scale): where a typical element lands on the format's grid
+    # history amax / rms(x): the amax the delayed scale came from, over x's rms (None without a history)
+    history_amax_to_rms: torch.Tensor | None = None
 
 
-def rounding_figures(x: torch.Tensor, q: QTensor) -> RoundingFigures:
+def rounding_figures(x: torch.Tensor, q: QTensor, history_amax: torch.Tensor | None = None) -> RoundingFigures:
     """The one definition of :class:`RoundingFigures`, for the training log
     (``readback.ops.mechanism``) and the bias meter (``readback.bias.output_rounding``).
     ``log2_rms_scaled`` below the format's smallest normal exponent (E4M3: -6) means most of
-    ``x`` is held as subnormals or zero, whatever margin, recipe or amax history set the scale."""
+    ``x`` is held as subnormals or zero, whatever margin, recipe or amax history set the scale.
+    ``history_amax`` (the site's ``Site.history_amax``) gives ``history_amax_to_rms``: within a
+    step ``amax_to_rms`` is at most sqrt(numel), but an amax held in the history from an earlier
+    step (a spike) can stand far higher above this step's rms, and lower the scale with it."""
     xd = x.detach().double()
     rms = xd.pow(2).mean().sqrt()
     rel_err = (xd - q.dequantize(torch.float64)).norm() / xd.norm().clamp_min(1e-300)
-    return RoundingFigures(rel_err, xd.abs().max() / rms, torch.log2(rms * q.scale.double()))
+    held = None if history_amax is None else history_amax.double() / rms
+    return RoundingFigures(rel_err, xd.abs().max() / rms, torch.log2(rms * q.scale.double()), held)
 
 
 def underflow_counts(x: torch.Tensor, q: QTensor) -> tuple[torch.Tensor, torch.Tensor]:
