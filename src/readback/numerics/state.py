@@ -253,7 +253,8 @@ class Numerics:
         return self.observations.pop()
 
     def end_step(self) -> None:
-        """After the optimizer step: update every scaling state, start the next step's streams.
+        """After the optimizer step: update every scaling state (an ``amax_spike`` due at this
+        step first), start the next step's streams.
 
         With several processes the step's amaxes are first reduced (max) over all of them, as
         Transformer Engine does, so every rank keeps the same scales as one process would.
@@ -264,6 +265,8 @@ class Numerics:
             torch.distributed.all_reduce(amaxes, op=torch.distributed.ReduceOp.MAX)
             for state, amax in zip(delayed, amaxes):
                 state.pending_amax.copy_(amax)
+        if self._spec.amax_spike is not None:  # into the step's amax, before it is written
+            self._spec.amax_spike.inject(self.sites, self.step)
         for site in self.sites.values():
             site.state.end_step()
         self.step += 1
