@@ -206,6 +206,41 @@ CASES = [
         "E5M2 site layers.0.mlp.up.grad_output (here precision.margin=3 + site margins 30 = 33)",
     ),
     (
+        "amax_spike_current",
+        ["precision.recipe=current", "precision.amax_spike={{site:attn.core.output,step:1,k:4}}"],
+        {},
+        "precision.amax_spike={'site': 'attn.core.output', 'step': 1, 'k': 4} is not valid; valid: null under "
+        "precision.recipe=current (only delayed scaling keeps an amax history to hold a spike)",
+    ),
+    (
+        "amax_spike_bf16",
+        ["precision=bf16", "precision.amax_spike={{site:attn.core.output,step:1,k:4}}"],
+        {},
+        "precision.amax_spike='{site:attn.core.output,step:1,k:4}' is not a key of precision=bf16; it is one of "
+        "precision=fp8",
+    ),
+    (
+        "amax_spike_unknown",
+        ["precision.amax_spike={{site:attn.kore.output,step:1,k:4}}"],
+        {},
+        "precision.amax_spike.site='attn.kore.output' is not valid; valid: site patterns (globs) matching "
+        "attn.qkv.input",
+    ),
+    (
+        "amax_spike_bf16_site",
+        ["precision.amax_spike={{site:lm_head.input,step:1,k:4}}"],
+        {},
+        "precision.amax_spike.site='lm_head.input' is not valid; valid: site patterns (globs) matching FP8 sites",
+    ),
+    (
+        "amax_spike_step",
+        ["precision.amax_spike={{site:attn.core.output,step:2,k:4}}"],
+        {},
+        "precision.amax_spike.step=2 is not valid; valid: an integer in [1, 1]: a spike at step t lowers the scale "
+        "from step t + 1 on, and trainer.steps=2",
+    ),
+    ("amax_spike_k", ["precision.amax_spike={{site:attn.core.output,step:1,k:0}}"], {}, "amax_spike.k=0 is not valid"),
+    (
         "empty_files",
         ["data=shakespeare", "data.files=[]"],
         {},

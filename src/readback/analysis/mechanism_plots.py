@@ -89,6 +89,7 @@ MECHANISM = (
     ("fp8_underflow/", "O underflow fraction"),
     ("attn_out_rel_err/mean/", "|O - O8| / |O|"),
     ("attn_out_amax_to_rms/mean/", "max|O| / rms(O)"),
+    ("attn_out_history_amax_to_rms/mean/", "history amax / rms(O)"),
     ("attn_out_log2_rms_scaled/mean/", "log2(rms(O) * scale)"),
 )
 COLUMNS = 4  # a layer's panels take two rows of the grid
@@ -100,8 +101,9 @@ def plot_mechanism(
 ) -> Figure:
     """Per attention layer (two rows of four): max logit, attention entropy, the cosine between
     dQ's D-term component and the mean attended key, the fraction of O that FP8 flushes to zero
-    or subnormals, O8's relative rounding error, O's amax-to-rms ratio and where O's rms lands on
-    O8's grid (dashed: E4M3's smallest normal; the D read's bias appears below it); last panel:
+    or subnormals, O8's relative rounding error, O's amax-to-rms ratio, the amax-to-rms ratio of
+    the amax history the delayed scale came from (a held spike shows here) and where O's rms
+    lands on O8's grid (dashed: E4M3's smallest normal; the D read's bias appears below it); last panel:
     O's kurtosis. A divergence driven by the D-term shows as the cosine leaving 0 with one sign
     while the logits grow."""
     layers = layer_sites(runs, "attn_logit/max/", "*")

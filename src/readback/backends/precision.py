@@ -9,6 +9,7 @@ It sits with the backends because the recipes it names are Transformer Engine's
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -20,6 +21,7 @@ from readback.fields import Checked, integer, items, one_of
 from readback.numerics import AMAX_COMPUTE_ALGOS, ROUNDINGS, CurrentScaling, DelayedScaling, Format, FP8Format
 from readback.numerics.gemm import BF16_GEMMS
 from readback.numerics.spec import ACCUMULATIONS, ATTENTION_BWD, PRECISIONS, resolve_accumulation
+from readback.numerics.spike import AmaxSpike
 from readback.ops import Numerics, numerics_for
 from readback.policy import POLICIES
 
@@ -45,6 +47,7 @@ class Fp8Precision(Precision):
     site_margin: Any = None  # {site pattern: k} (untyped: Hydra replaces the whole mapping); see bf16_layers
     accumulation: str = one_of(ACCUMULATIONS)
     accumulation_gemms: Any = None  # {fprop | dgrad | wgrad: fast | split | ieee}, over accumulation's
+    amax_spike: Any = None  # {site: pattern, step: t, k: k} (untyped, as site_margin); see amax_spike_of
 
     def check(self) -> None:
         fmt = Format.parse(self.fp8_format)
@@ -57,6 +60,7 @@ class Fp8Precision(Precision):
             f"an integer in [0, {strictest.zero_margin - 1}] for the {strictest} sites ({sites}): "
             + underflow_words(strictest),
         )
+        amax_spike_of(self.amax_spike)
         try:
             resolve_accumulation(self.accumulation, dict(self.accumulation_gemms or {}))
         except (ValueError, TypeError):
@@ -65,6 +69,21 @@ class Fp8Precision(Precision):
                 self.accumulation_gemms,
                 "null or a mapping {fprop | dgrad | wgrad: fast | split | ieee}, e.g. {dgrad: fast}",
             ) from None
+
+
+def amax_spike_of(value: Any) -> AmaxSpike | None:
+    """``precision.amax_spike`` as the spec's ``AmaxSpike`` (None for null), its shape and ranges
+    checked; the rules against the model and the run are ``config.cross_group``'s."""
+    if value is None:
+        return None
+    shape = "null or {site: PATTERN, step: STEP, k: K}, e.g. {site: attn.core.output, step: 1000, k: 12}"
+    require(isinstance(value, Mapping) and set(value) == {"site", "step", "k"}, "precision.amax_spike", value, shape)
+    require(isinstance(value["site"], str), "precision.amax_spike.site", value["site"], "a site pattern (a glob)")
+    for key in ("step", "k"):
+        number = value[key]
+        valid = isinstance(number, int) and not isinstance(number, bool) and number >= 1
+        require(valid, f"precision.amax_spike.{key}", number, "an integer >= 1")
+    return AmaxSpike(value["site"], value["step"], value["k"])
 
 
 def underflow_words(fmt: FP8Format) -> str:
@@ -135,4 +154,5 @@ def build_numerics(precision: Precision, policy: Policy, attention: Attention, s
         accumulation=p.accumulation,
         accumulation_gemms=dict(p.accumulation_gemms or {}),
         bf16_gemm=p.bf16_gemm,
+        amax_spike=amax_spike_of(p.amax_spike),
     )

@@ -96,17 +96,12 @@ def load_run(path: Path, site_margin: dict[str, int] | None = None, accumulation
 def check_margins(site_margin: dict[str, int], cfg, sites: list[str]) -> None:
     """The config's rules for ``precision.site_margin`` (margins >= 0, checked by
     :func:`parse_margin`), against the sites the run rounded at."""
-    from readback.numerics.state import site_kinds, site_matches
+    from readback.numerics.site import require_site_pattern
 
     fp8 = cfg.precision.name == "fp8" and cfg.backend.name == "emulated"
     require(fp8, "--site-margin", site_margin, "none: it needs precision=fp8 with backend=emulated")
     for pattern in site_margin:
-        require(
-            any(site_matches(s, pattern) for s in sites),
-            "--site-margin",
-            pattern,
-            "site patterns (globs) matching " + ", ".join(site_kinds(sites)),
-        )
+        require_site_pattern("--site-margin", pattern, sites)
 
 
 def parse_margin(text: str) -> tuple[str, list[int]]:

@@ -10,6 +10,8 @@ Per attention layer (keyed by the attention module, ``layers.<i>.attn``; its sit
 * ``amax_to_rms``: ``max|O| / rms(O)`` (over the whole batch), the mean over batches;
 * ``log2_rms_scaled``: ``log2(rms(O) * scale)``, where O's typical element lands on the format's
   grid (below its smallest normal exponent, E4M3's -6, most of O8 is subnormal), the mean over batches;
+* ``history_amax_to_rms``: the amax O8's delayed scale is computed from (the amax history's)
+  over ``rms(O)``, the mean over batches (delayed scaling only: absent under current scaling);
 * ``log2_scale``: the mean over batches of log2 of O8's scale (constant under delayed scaling);
 * ``margin``: the site margin that scale was divided by (``2**margin``).
 
@@ -39,20 +41,22 @@ class OutputRounding:
             o8 = record.get("output")
             if "out" not in record or not isinstance(o8, QTensor) or o8.data.dtype not in EXPONENT_BITS:
                 continue  # not the attention op's record (O before and after rounding), or not FP8
-            o = record["out"]
+            o, site = record["out"], numerics.site(f"{op}.output")
             underflowed, nonzero = underflow_counts(o, o8)
-            figures = rounding_figures(o, o8)
+            figures = rounding_figures(o, o8, site.history_amax)
             sums = self.sums[op.removesuffix(SUFFIX)]
             sums["batches"] += 1
             sums["underflowed"] += int(underflowed)
             sums["nonzero"] += int(nonzero)
-            for stat in figures._fields:
-                sums[stat] += getattr(figures, stat).item()
+            for stat, value in figures._asdict().items():
+                if value is not None:
+                    sums[stat] += value.item()
             sums["log2_scale"] += math.log2(float(o8.scale))
-            sums["margin"] = numerics.site(f"{op}.output").margin
+            sums["margin"] = site.margin
 
     def summary(self) -> dict[str, dict[str, float]]:
-        """``{attention module: {underflow, rel_err, amax_to_rms, log2_rms_scaled, log2_scale, margin}}``."""
+        """``{attention module: {underflow, rel_err, amax_to_rms, log2_rms_scaled, log2_scale, margin}}``,
+        and ``history_amax_to_rms`` under delayed scaling."""
         out = {}
         for layer, s in self.sums.items():
             n = s["batches"]
@@ -64,4 +68,6 @@ class OutputRounding:
                 "log2_scale": s["log2_scale"] / n,
                 "margin": int(s["margin"]),
             }
+            if "history_amax_to_rms" in s:
+                out[layer]["history_amax_to_rms"] = s["history_amax_to_rms"] / n
         return out

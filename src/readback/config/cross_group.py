@@ -6,7 +6,7 @@ its own ranges.
 
 from __future__ import annotations
 
-from readback.backends.precision import Fp8Precision, underflow_words
+from readback.backends.precision import Fp8Precision, amax_spike_of, underflow_words
 from readback.backends.te_recipe import RECIPES
 from readback.errors import ConfigError, require
 from readback.numerics import Format
@@ -54,6 +54,11 @@ def _check_fp8(cfg: Config, p: Fp8Precision) -> None:
             [r for r in RECIPES if r not in TE_ONLY_RECIPES] + ["mxfp8 with backend=te"],
         )
     _check_site_margin(cfg, p)
+    _check_amax_spike(cfg, p)
+    if p.site_margin is not None or p.amax_spike is not None:
+        from readback.model.fog import rounding_sites
+
+        _check_margin_sums(p, rounding_sites(m.n_layers))
     require(
         cfg.backend.name == "emulated" or (p.accumulation == "native" and not p.accumulation_gemms),
         "precision.accumulation",
@@ -72,10 +77,10 @@ def _check_fp8(cfg: Config, p: Fp8Precision) -> None:
 
 
 def _check_site_margin(cfg: Config, p: Fp8Precision) -> None:
-    """Every pattern matches some site of the model; margins >= 0; emulated backend only; at no
-    site do the margins add up to one that rounds even the amax to zero in the site's format."""
+    """Every pattern matches some site of the model; margins >= 0; emulated backend only (what
+    the margins add up to at each site: :func:`_check_margin_sums`)."""
     from readback.model.fog import rounding_sites
-    from readback.numerics.state import site_kinds, site_matches
+    from readback.numerics.site import require_site_pattern
 
     if p.site_margin is None:
         return
@@ -92,43 +97,85 @@ def _check_site_margin(cfg: Config, p: Fp8Precision) -> None:
         "null with backend=te (Transformer Engine has one margin per recipe)",
     )
     sites = rounding_sites(cfg.model.n_layers)
-    kinds = site_kinds(sites)
     for pattern, margin in p.site_margin.items():
-        require(
-            any(site_matches(s, pattern) for s in sites),
-            "precision.site_margin",
-            pattern,
-            "site patterns (globs) matching " + ", ".join(kinds),
-        )
+        require_site_pattern("precision.site_margin", pattern, sites)
         require(
             isinstance(margin, int) and not isinstance(margin, bool) and margin >= 0,
             f"precision.site_margin.{pattern}",
             margin,
             "an integer >= 0",
         )
-    _check_margin_sums(p, sites)
+
+
+def _check_amax_spike(cfg: Config, p: Fp8Precision) -> None:
+    """An amax spike needs an amax history to hold it (delayed scaling, readback's own sites), a
+    step after which the run still trains, and a pattern that matches FP8 sites of the model (BF16
+    sites it also matches are left alone, as by ``precision.site_margin``)."""
+    from readback.model.fog import rounding_sites
+    from readback.numerics.site import require_site_pattern
+    from readback.numerics.spec import in_bf16_layers
+
+    spike = amax_spike_of(p.amax_spike)  # its shape: checked with the group
+    if spike is None:
+        return
+    value = dict(p.amax_spike)
+    require(
+        p.recipe == "delayed",
+        "precision.amax_spike",
+        value,
+        f"null under precision.recipe={p.recipe} (only delayed scaling keeps an amax history to hold a spike)",
+    )
+    require(
+        cfg.backend.name == "emulated",
+        "precision.amax_spike",
+        value,
+        "null with backend=te (Transformer Engine keeps its own amax history)",
+    )
+    steps = cfg.trainer.steps
+    require(
+        spike.step < steps,
+        "precision.amax_spike.step",
+        spike.step,
+        f"an integer in [1, {steps - 1}]: a spike at step t lowers the scale from step t + 1 on, "
+        f"and trainer.steps={steps}",
+    )
+    sites = rounding_sites(cfg.model.n_layers)
+    require_site_pattern("precision.amax_spike.site", spike.site, sites)
+    fp8_sites = [s for s in sites if not in_bf16_layers(s, p.bf16_layers)]
+    require_site_pattern(
+        "precision.amax_spike.site",
+        spike.site,
+        fp8_sites,
+        "site patterns (globs) matching FP8 sites (those in precision.bf16_layers have no amax history):",
+    )
 
 
 def _check_margin_sums(p: Fp8Precision, sites: list[str]) -> None:
-    """``precision.margin`` plus the site margins matching a site, against the bound of the
-    site's format (``FP8Format.zero_margin``); the largest margin there is the one refused."""
+    """``precision.margin`` plus the site margins matching a site, and an amax spike's ``k``
+    there (for ``amax_history_len`` steps it lowers the scale as a margin of ``k`` would), against
+    the bound of the site's format (``FP8Format.zero_margin``); the largest of them is refused."""
     from readback.model.fog import is_gradient_site
+    from readback.numerics.site import site_matches
     from readback.numerics.spec import in_bf16_layers
-    from readback.numerics.state import site_matches
 
-    fmt = Format.parse(p.fp8_format)
+    fmt, spike = Format.parse(p.fp8_format), amax_spike_of(p.amax_spike)
     for site in sites:
         if in_bf16_layers(site, p.bf16_layers):
             continue  # BF16 sites are unscaled: no margin applies
         site_fmt = fmt.bwd if is_gradient_site(site) else fmt.fwd
-        matched = {pattern: k for pattern, k in p.site_margin.items() if site_matches(site, pattern)}
+        margins = {pattern: k for pattern, k in (p.site_margin or {}).items() if site_matches(site, pattern)}
+        spiked = spike.k if spike is not None and site_matches(site, spike.site) else 0
+        matched = {f"precision.site_margin.{pattern}": k for pattern, k in margins.items()}
+        matched |= {"precision.amax_spike.k": spiked} if spiked else {}
         total = p.margin + sum(matched.values())
         if matched and total >= site_fmt.zero_margin:
-            pattern = max(matched, key=matched.__getitem__)
-            parts = " + ".join(str(k) for k in matched.values())
+            key = max(matched, key=matched.__getitem__)
+            parts = f"precision.margin={p.margin}"
+            parts += f" + site margins {' + '.join(str(k) for k in margins.values())}" if margins else ""
+            parts += f" + amax_spike.k {spiked}" if spiked else ""
             raise ConfigError(
-                f"precision.site_margin.{pattern}",
-                matched[pattern],
+                key,
+                matched[key],
                 f"margins adding up to at most {site_fmt.zero_margin - 1} at the {site_fmt} site {site} (here "
-                f"precision.margin={p.margin} + site margins {parts} = {total}): " + underflow_words(site_fmt),
+                f"{parts} = {total}): " + underflow_words(site_fmt),
             )

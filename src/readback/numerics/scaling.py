@@ -89,7 +89,10 @@ class DelayedScalingState:
 
     Within a step every quantization uses the same scale and the step's amax is the max over
     them; ``end_step`` writes that amax into the history and, every ``interval`` steps,
-    recomputes the scale from the history.
+    recomputes the scale from the history. A step here is one optimizer step (``Numerics.end_step``
+    runs once after it), all its micro-batches' amaxes in one entry: the history holds
+    ``amax_history_len`` optimizer steps, where Transformer Engine writes one entry per forward
+    (micro-batch), so with ``accum`` micro-batches a TE history of ``L`` spans ``L / accum`` steps.
     """
 
     def __init__(self, recipe: DelayedScaling, fmt: FP8Format):
@@ -116,11 +119,14 @@ class DelayedScalingState:
         self.steps += 1
         self.pending_amax.zero_()
         if self.steps % self.recipe.interval == 0:
-            if self.recipe.amax_compute_algo == "max":
-                amax = self.history.max()
-            else:
-                amax = self.history[(self.steps - 1) % len(self.history)]
-            self.scale.copy_(compute_scale(amax, self.fmt, self.recipe.margin, self.scale))
+            self.scale.copy_(compute_scale(self.history_amax(), self.fmt, self.recipe.margin, self.scale))
+
+    def history_amax(self) -> torch.Tensor:
+        """The amax the scale is computed from: the history's max (``max``) or its newest entry
+        (``most_recent``). With ``interval`` 1 it is the amax behind the scale in use."""
+        if self.recipe.amax_compute_algo == "max":
+            return self.history.max()
+        return self.history[(self.steps - 1) % len(self.history)]
 
     def state_dict(self) -> dict[str, Any]:
         return {"history": self.history.clone(), "scale": self.scale.clone(), "steps": self.steps}

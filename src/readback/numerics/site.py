@@ -7,12 +7,14 @@ and owned by ``readback.numerics.state.Numerics``.
 
 from __future__ import annotations
 
+import fnmatch
+import re
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
 
-from readback.errors import NumericsError
+from readback.errors import NumericsError, require
 from readback.numerics import (
     BF16,
     CurrentScalingState,
@@ -77,6 +79,14 @@ class Site:
         self.saturated, self.underflowed, self.nonzero, self.unusable = (
             torch.zeros((), dtype=torch.int64) for _ in range(4)
         )
+
+    @property
+    def history_amax(self) -> torch.Tensor | None:
+        """The amax the site's delayed scale is computed from (``DelayedScalingState.history_amax``);
+        None without a history (current scaling, BF16, rounding off) or before its first entry."""
+        if not isinstance(self.state, DelayedScalingState) or self.state.steps == 0:
+            return None
+        return self.state.history_amax()
 
     @property
     def reads_amax_first(self) -> bool:
@@ -158,17 +168,23 @@ class RoundingFigures(NamedTuple):
     rel_err: torch.Tensor  # |x - q| / |x| (Frobenius)
     amax_to_rms: torch.Tensor  # max|x| / rms(x): how far the largest element stands above the typical one
     log2_rms_scaled: torch.Tensor  # log2(rms(x) * scale): where a typical element lands on the format's grid
+    # history amax / rms(x): the amax the delayed scale came from, over x's rms (None without a history)
+    history_amax_to_rms: torch.Tensor | None = None
 
 
-def rounding_figures(x: torch.Tensor, q: QTensor) -> RoundingFigures:
+def rounding_figures(x: torch.Tensor, q: QTensor, history_amax: torch.Tensor | None = None) -> RoundingFigures:
     """The one definition of :class:`RoundingFigures`, for the training log
     (``readback.ops.mechanism``) and the bias meter (``readback.bias.output_rounding``).
     ``log2_rms_scaled`` below the format's smallest normal exponent (E4M3: -6) means most of
-    ``x`` is held as subnormals or zero, whatever margin, recipe or amax history set the scale."""
+    ``x`` is held as subnormals or zero, whatever margin, recipe or amax history set the scale.
+    ``history_amax`` (the site's ``Site.history_amax``) gives ``history_amax_to_rms``: within a
+    step ``amax_to_rms`` is at most sqrt(numel), but an amax held in the history from an earlier
+    step (a spike) can stand far higher above this step's rms, and lower the scale with it."""
     xd = x.detach().double()
     rms = xd.pow(2).mean().sqrt()
     rel_err = (xd - q.dequantize(torch.float64)).norm() / xd.norm().clamp_min(1e-300)
-    return RoundingFigures(rel_err, xd.abs().max() / rms, torch.log2(rms * q.scale.double()))
+    held = None if history_amax is None else history_amax.double() / rms
+    return RoundingFigures(rel_err, xd.abs().max() / rms, torch.log2(rms * q.scale.double()), held)
 
 
 def underflow_counts(x: torch.Tensor, q: QTensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -191,3 +207,23 @@ def _count_saturated(x: torch.Tensor, amax: torch.Tensor, scale: torch.Tensor, f
     if x.device.type == "cpu" and not torch.compiler.is_compiling() and bool(amax * scale <= fmt.max):
         return 0
     return (x.detach().abs() * scale > fmt.max).sum()
+
+
+def site_matches(name: str, pattern: str) -> bool:
+    """A site pattern is a glob over the site name, matching whole trailing components too:
+    ``attn.core.output`` matches ``layers.3.attn.core.output``."""
+    return fnmatch.fnmatchcase(name, pattern) or fnmatch.fnmatchcase(name, f"*.{pattern}")
+
+
+def site_kinds(sites: list[str]) -> list[str]:
+    """The kinds of ``sites``, each once: names without their layer (``layers.3.attn.core.output``
+    -> ``attn.core.output``), the words a refused site pattern is answered with."""
+    return list(dict.fromkeys(re.sub(r"^layers\.\d+\.", "", s) for s in sites))
+
+
+def require_site_pattern(
+    key: str, pattern: str, sites: list[str], valid: str = "site patterns (globs) matching"
+) -> None:
+    """``ConfigError`` naming ``key`` unless ``pattern`` matches one of ``sites``; the refusal
+    lists the kinds of those sites after ``valid`` (every option taking a site pattern answers so)."""
+    require(any(site_matches(s, pattern) for s in sites), key, pattern, f"{valid} " + ", ".join(site_kinds(sites)))

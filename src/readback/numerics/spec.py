@@ -16,6 +16,7 @@ from readback.numerics.accumulation import MODES as ACCUMULATION_MODES
 from readback.numerics.gemm import BF16_GEMMS, GEMM_PRECISIONS
 from readback.numerics.rounding import ROUNDINGS
 from readback.numerics.scaling import CurrentScaling, DelayedScaling
+from readback.numerics.spike import AmaxSpike
 
 PRECISIONS = ("fp8", "bf16", "off")
 ATTENTION_BWD = GEMM_PRECISIONS[:3]  # what a run may choose: fp8, bf16, fp32 (fp64 is the "off" spec's)
@@ -68,7 +69,9 @@ class NumericsSpec:
     at the FP8 sites a pattern matches, dividing their scale by ``2**k`` wherever it is used.
     ``accumulation``: how the FP8 GEMMs of a linear's ``(fprop, dgrad, wgrad)`` add their products
     (``resolve_accumulation``; ``native`` is each device's own, resolved by ``gemm.matmul``).
-    ``bf16_gemm``: the kernel of every BF16 GEMM off CUDA (``gemm.bf16_mm``: ``fp32`` or ``native``)."""
+    ``bf16_gemm``: the kernel of every BF16 GEMM off CUDA (``gemm.bf16_mm``: ``fp32`` or ``native``).
+    ``amax_spike``: an amax multiplied by ``2**k`` at one step at the sites a pattern matches
+    (``readback.numerics.spike``; delayed scaling only), or None."""
 
     precision: str
     recipe: DelayedScaling | CurrentScaling | None
@@ -80,12 +83,15 @@ class NumericsSpec:
     site_margin: tuple[tuple[str, int], ...] = field(default=())
     accumulation: tuple[str, str, str] = ("native", "native", "native")
     bf16_gemm: str = BF16_GEMMS[0]
+    amax_spike: AmaxSpike | None = None
 
     def __post_init__(self) -> None:
         if self.precision not in PRECISIONS:
             raise ValueError(f"precision={self.precision!r}; valid: {list(PRECISIONS)}")
         if self.precision == "fp8" and self.recipe is None:
             raise ValueError("an fp8 spec needs a recipe")
+        if self.amax_spike is not None and not isinstance(self.recipe, DelayedScaling):
+            raise ValueError("an amax spike needs delayed scaling: only an amax history holds it")
         for key, value, valid in (
             ("attention_bwd", self.attention_bwd, GEMM_PRECISIONS),
             ("rounding", self.rounding, ROUNDINGS),
@@ -117,6 +123,7 @@ class NumericsSpec:
             self.site_margin,
             self.accumulation,
             self.bf16_gemm,
+            self.amax_spike,
         )
 
     def read(self, op: str, gradient: str) -> str:

@@ -10,8 +10,6 @@ with the ops' read rules resolved.
 from __future__ import annotations
 
 import contextlib
-import fnmatch
-import re
 from collections.abc import Iterator
 from typing import Any
 
@@ -24,7 +22,7 @@ from readback.numerics import (
     QTensor,
 )
 from readback.numerics.observations import Observations
-from readback.numerics.site import ScalingState, Site, UnitScale, check_scales
+from readback.numerics.site import ScalingState, Site, UnitScale, check_scales, site_matches
 from readback.numerics.spec import NumericsSpec
 from readback.numerics.streams import RandomStreams
 
@@ -255,7 +253,8 @@ class Numerics:
         return self.observations.pop()
 
     def end_step(self) -> None:
-        """After the optimizer step: update every scaling state, start the next step's streams.
+        """After the optimizer step: update every scaling state (an ``amax_spike`` due at this
+        step first), start the next step's streams.
 
         With several processes the step's amaxes are first reduced (max) over all of them, as
         Transformer Engine does, so every rank keeps the same scales as one process would.
@@ -266,6 +265,8 @@ class Numerics:
             torch.distributed.all_reduce(amaxes, op=torch.distributed.ReduceOp.MAX)
             for state, amax in zip(delayed, amaxes):
                 state.pending_amax.copy_(amax)
+        if self._spec.amax_spike is not None:  # into the step's amax, before it is written
+            self._spec.amax_spike.inject(self.sites, self.step)
         for site in self.sites.values():
             site.state.end_step()
         self.step += 1
@@ -295,15 +296,3 @@ class Numerics:
             for counter, value in zip((site.underflowed, site.nonzero), saved.get("underflow", (0, 0))):
                 counter.fill_(value)
         self.observations.load_state_dict(state)
-
-
-def site_matches(name: str, pattern: str) -> bool:
-    """A site pattern is a glob over the site name, matching whole trailing components too:
-    ``attn.core.output`` matches ``layers.3.attn.core.output``."""
-    return fnmatch.fnmatchcase(name, pattern) or fnmatch.fnmatchcase(name, f"*.{pattern}")
-
-
-def site_kinds(sites: list[str]) -> list[str]:
-    """The kinds of ``sites``, each once: names without their layer (``layers.3.attn.core.output``
-    -> ``attn.core.output``), the words a refused site pattern is answered with."""
-    return list(dict.fromkeys(re.sub(r"^layers\.\d+\.", "", s) for s in sites))

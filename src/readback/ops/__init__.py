@@ -11,6 +11,7 @@ from readback.numerics import CurrentScaling, DelayedScaling
 from readback.numerics.gemm import BF16_GEMMS
 from readback.numerics.site import Site
 from readback.numerics.spec import ATTENTION_BWD, PRECISIONS, NumericsSpec, resolve_accumulation
+from readback.numerics.spike import AmaxSpike
 from readback.numerics.state import Numerics
 from readback.ops import activation, attention, linear, norm
 from readback.policy import POLICIES
@@ -35,6 +36,7 @@ def numerics_spec(
     accumulation: str = "native",
     accumulation_gemms: dict[str, str] | None = None,
     bf16_gemm: str = BF16_GEMMS[0],
+    amax_spike: AmaxSpike | None = None,
 ) -> NumericsSpec:
     """The spec of a run: ``policy``'s reads resolved from the ops' tables, the choices made
     concrete (an FP8 run without a recipe gets ``DelayedScaling()``; a BF16 run's FP8 attention
@@ -62,6 +64,7 @@ def numerics_spec(
         site_margin=tuple((site_margin or {}).items()),
         accumulation=resolve_accumulation(accumulation, accumulation_gemms),
         bf16_gemm=bf16_gemm,
+        amax_spike=amax_spike,
     )
 
 

@@ -34,14 +34,15 @@ def observe_logits(numerics: Numerics, name: str, scores: torch.Tensor, probs: t
 
 
 def observe_output_rounding(numerics: Numerics, name: str, out: torch.Tensor, out_q: QTensor) -> None:
-    """``attn_out_{rel_err,amax_to_rms,log2_rms_scaled}`` of this forward: how coarsely O8 holds O
-    (``readback.numerics.site.RoundingFigures``, the bias meter's figures); O's underflow is its
-    site's ``fp8_underflow``."""
+    """``attn_out_{rel_err,amax_to_rms,log2_rms_scaled,history_amax_to_rms}`` of this forward: how
+    coarsely O8 holds O (``readback.numerics.site.RoundingFigures``, the bias meter's figures; the
+    last only under delayed scaling); O's underflow is its site's ``fp8_underflow``."""
     if out_q.fmt is None:  # rounding off: O8 is O
         return
-    figures = rounding_figures(out, out_q)
-    for stat in figures._fields:
-        numerics.observe(f"attn_out_{stat}/{name}", getattr(figures, stat))
+    figures = rounding_figures(out, out_q, numerics.site(f"{name}.output").history_amax)
+    for stat, value in figures._asdict().items():
+        if value is not None:
+            numerics.observe(f"attn_out_{stat}/{name}", value)
 
 
 class DTermCosine:

@@ -5,6 +5,7 @@ and it leaves the run as it was."""
 from __future__ import annotations
 
 import copy
+import math
 
 import pytest
 import torch
@@ -102,6 +103,24 @@ def test_o_rounding_is_read_in_the_meters_own_forward_and_the_counters_stay(tiny
     for layer in o:
         assert calm[layer]["underflow"] < o[layer]["underflow"] and calm[layer]["rel_err"] < o[layer]["rel_err"]
         assert calm[layer]["margin"] == 0
+
+
+def test_o_rounding_gives_the_history_amax_under_delayed_scaling(tiny_cfg):
+    """The meter's ``history_amax_to_rms`` is the training log's figure (one definition): the amax
+    O8's delayed scale came from, over O's rms; at margin 0 it places O on the grid as
+    ``log2_rms_scaled`` does. Current scaling has no history, and no such figure."""
+    torch.manual_seed(0)
+    model = build_model(tiny_cfg("policy=reuse_rounded"))  # delayed scaling, margin 0
+    (x, y), *_ = batches = _batches(1)
+    taped_backward(model, x, y)
+    model.numerics.end_step()  # a history entry: the scale comes from it
+    measured = measure_bias(model, batches).o_rounding
+    assert set(measured) == {"layers.0.attn", "layers.1.attn"}
+    for o in measured.values():
+        assert o["history_amax_to_rms"] > 1
+        assert o["log2_rms_scaled"] == pytest.approx(math.log2(448) - math.log2(o["history_amax_to_rms"]), abs=1e-6)
+    current = measure_bias(_model(tiny_cfg, "policy=reuse_rounded"), batches).o_rounding
+    assert all("history_amax_to_rms" not in o for o in current.values())
 
 
 def test_the_new_statistics_reach_training_and_the_json(tiny_cfg):

@@ -34,7 +34,8 @@ def test_rounding_figures_by_hand():
     to 1 (3 mantissa bits): the error is 0.03125 of a vector whose norm and rms are known."""
     x = torch.tensor([1.0, 1.03125, 0.001953125, 0.0])
     q = quantize(x, E4M3, torch.tensor(1.0))
-    rel_err, amax_to_rms, log2_rms_scaled = rounding_figures(x, q)
+    rel_err, amax_to_rms, log2_rms_scaled, history_amax_to_rms = rounding_figures(x, q)
+    assert history_amax_to_rms is None  # no history given
     norm = math.sqrt(1 + 1.03125**2 + 0.001953125**2)
     assert float(rel_err) == pytest.approx(0.03125 / norm, rel=1e-12)
     assert float(amax_to_rms) == pytest.approx(1.03125 / (norm / 2), rel=1e-12)
@@ -42,6 +43,8 @@ def test_rounding_figures_by_hand():
     scaled = rounding_figures(x, quantize(x, E4M3, torch.tensor(2.0**-7)))  # rms lands 7 binades lower
     assert float(scaled.log2_rms_scaled) == pytest.approx(math.log2(norm / 2) - 7, rel=1e-12)
     assert float(rounding_figures(x, QTensor(x, torch.tensor(1.0), None)).rel_err) == 0.0
+    held = rounding_figures(x, q, history_amax=torch.tensor(2.0**10))  # a spike held in the history
+    assert float(held.history_amax_to_rms) == pytest.approx(2.0**10 / (norm / 2), rel=1e-12)
 
 
 def test_dterm_cosine_is_minus_one_for_a_one_signed_d_and_small_for_a_signless_one():
@@ -131,14 +134,33 @@ def test_a_logged_fog_step_records_them_and_the_analysis_plots_them(tmp_path):
     assert again["attn_out_rel_err/mean/layers.0.attn.core"] == float(figures.rel_err) > 0
     assert again["attn_out_amax_to_rms/mean/layers.0.attn.core"] == float(figures.amax_to_rms) > 1
     assert again["attn_out_log2_rms_scaled/mean/layers.0.attn.core"] == float(figures.log2_rms_scaled)
+    assert "attn_out_history_amax_to_rms/mean/layers.0.attn.core" not in again  # no history entry yet: scale 1
+    # after a step the scale comes from the amax history: its ratio to O's rms sets where O lands
+    model.numerics.end_step()
+    with model.numerics.measuring(), model.numerics.taping() as tape:
+        model(idx, idx)
+    held = model.numerics.pop_observations()
+    o = dict(tape)["layers.0.attn.core"]
+    history_amax = model.numerics.site("layers.0.attn.core.output").history_amax
+    figures = rounding_figures(o["out"], o["output"], history_amax)
+    ratio = held["attn_out_history_amax_to_rms/mean/layers.0.attn.core"]
+    assert ratio == float(figures.history_amax_to_rms) > 1
+    # scale = 448 / history amax (margin 0): log2(rms * scale) = log2(448) - log2(history amax / rms)
+    assert held["attn_out_log2_rms_scaled/mean/layers.0.attn.core"] == pytest.approx(
+        math.log2(E4M3.max) - math.log2(ratio),
+        abs=1e-6,  # the scale is an FP32 number
+    )
     records = [
-        {"step": s, "tokens": s, "loss": 1.0, **stats, "fp8_underflow/layers.0.attn.core.output": 0.5} for s in (1, 2)
+        {"step": s, "tokens": s, "loss": 1.0, **stats, **held, "fp8_underflow/layers.0.attn.core.output": 0.5}
+        for s in (1, 2)
     ]
     runs = runs_from_records(
         [{"run_id": "r", "config": {"experiment": "reuse_rounded", "seed": 0}, "summary": None, "records": records}]
     )
     fig = plot_mechanism(runs, x="step", path=tmp_path / "mechanism.png")
     shown = [ax for ax in fig.axes if ax.get_visible()]
-    assert len(shown) == 2 * 7 + 1 and (tmp_path / "mechanism.png").stat().st_size > 0  # 7 panels a layer, kurtosis
+    assert len(shown) == 2 * 8 + 1 and (tmp_path / "mechanism.png").stat().st_size > 0  # 8 panels a layer, kurtosis
+    history = next(ax for ax in shown if ax.get_title().startswith("history amax / rms(O)"))
+    assert history.get_lines()  # drawn, not an empty panel
     grid = next(ax for ax in shown if ax.get_title().startswith("log2(rms(O) * scale)"))
     assert any(list(line.get_ydata()) == [-6, -6] for line in grid.get_lines())  # E4M3's smallest normal
