@@ -106,8 +106,11 @@ DECODED_BLOCK = 1 << 20  # FP32 elements (4 MiB) of decoded operands per block o
 
 
 def _decoded_product(a: torch.Tensor, b: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """FP32 GEMM of the codes' values (exact products, FP32 sums), scaled, rounded once to BF16."""
-    return accumulate(a, b, "ieee").mul_(scale).to(torch.bfloat16).float()
+    """FP32 GEMM of the codes' values (exact products, FP32 sums), scaled, rounded once to BF16.
+    The scaling writes BF16: the product is computed in FP32 and rounded as it is stored (the
+    bits of scaling in FP32 and then casting), a pass less over the output."""
+    acc = accumulate(a, b, "ieee")
+    return torch.mul(acc, scale, out=torch.empty(acc.shape, dtype=torch.bfloat16, device=acc.device)).float()
 
 
 def _min_exponents(a: QTensor, b: QTensor) -> tuple[int, int] | None:

@@ -568,6 +568,16 @@ def test_fp8_mm_equals_float64_product_within_bf16(shape, seed, fmt_b):
     assert ((got.double() - want).abs() <= bound).all()
 
 
+@given(shape=_SHAPES, seed=st.integers(0, 2**16), fmt_b=st.sampled_from(FORMATS))
+def test_fp8_mm_scales_in_fp32_then_rounds_once(shape, seed, fmt_b):
+    """The scaled product written straight to BF16 has the bits of scaling in FP32 and casting."""
+    batch, m, k, n = shape
+    qa, qb = _operands(seed, (*batch, m, k), (*batch, k, n), E4M3, fmt_b)
+    acc = decode(qa.data, torch.float32) @ decode(qb.data, torch.float32)
+    two_steps = (acc * (qa.scale_inv * qb.scale_inv)).to(torch.bfloat16).float()
+    assert torch.equal(fp8_mm(qa, qb), two_steps)
+
+
 @pytest.mark.parametrize("batch", [(), (3,)], ids=["plain", "batched"])
 def test_decoded_operands_give_the_same_product(batch):
     """An operand decoded once (``decoded``) multiplies to the same bits as its FP8 codes."""
