@@ -9,6 +9,7 @@ takes as repeat 0: the step, K reference replays and K - 1 executed passes.
 """
 
 import argparse
+import dataclasses
 import functools
 
 import torch
@@ -20,14 +21,14 @@ from readback.probe import GradientProbe, train_taped
 from timing import median_ms
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="tiny")
     parser.add_argument("--experiment", default="reuse_rounded")
     parser.add_argument("--repeats", type=int, nargs="+", default=[1, 4])
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--batch", type=int, default=8)
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
 
     with initialize_config_dir(str(CONF_DIR), version_base="1.3"):
         cfg = typed(
@@ -50,7 +51,7 @@ def main() -> None:
     )
     print(f"  plain step (forward + backward)   {plain:9.1f} ms   1.00x")
     for k in args.repeats:
-        probe = GradientProbe(every=1, repeats=k)
+        probe = GradientProbe(dataclasses.replace(cfg.probe, every=1, repeats=k))
 
         def probed_step(probe=probe):
             probe.measure(model, x, y, train_taped(model, x, y)[1])
