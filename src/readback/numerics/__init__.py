@@ -1,6 +1,8 @@
-"""FP8 numerics: formats, scaling, rounding, the emulated GEMM (Transformer Engine's terms), and the
-run's rounding state: its frozen spec (``spec``), its sites (``site``, ``state``) and random streams."""
+"""FP8 numerics: formats, scaling, rounding, block-scaled quantisers (``blockscale``: MXFP8 and
+Float8BlockScaling), the emulated GEMM (Transformer Engine's terms), and the run's rounding state:
+its frozen spec (``spec``), its sites (``site``, ``state``) and random streams."""
 
+from readback.numerics.blockscale import BlockQTensor, Float8BlockQuantizer, MXFP8Quantizer
 from readback.numerics.formats import BF16, E4M3, E5M2, Format, FP8Format
 from readback.numerics.gemm import GEMM_PRECISIONS, decoded, fp8_mm, matmul
 from readback.numerics.rounding import ROUNDINGS, QTensor, pinned, quantize, round_bf16, round_stochastic
@@ -21,12 +23,15 @@ __all__ = [
     "E5M2",
     "GEMM_PRECISIONS",
     "ROUNDINGS",
+    "BlockQTensor",
     "CurrentScaling",
     "CurrentScalingState",
     "DelayedScaling",
     "DelayedScalingState",
     "FP8Format",
+    "Float8BlockQuantizer",
     "Format",
+    "MXFP8Quantizer",
     "QTensor",
     "abs_max",
     "compute_scale",
