@@ -7,7 +7,9 @@ next to its backward, and its backward looks its reads up there; this module nam
 
 from __future__ import annotations
 
-READ_MODES = ("rounded", "original", "fresh", "none")
+# "rebuilt": a value the backward recomputes from other reads than the forward's (attention's P,
+# rebuilt from the original Q, K with the FP8 forward's log-sum-exp: ops.attention.BWD_READS)
+READ_MODES = ("rounded", "original", "fresh", "none", "rebuilt")
 
 POLICIES = {
     "reuse_rounded": "attention D-term reads the FP8 output O8 saved for the projection's wgrad "

@@ -26,9 +26,12 @@ CONFIG_AXES: dict[str, str] = {
     "rounding": "precision.rounding",
     "policy": "policy.name",
     "bwd_precision": "attention.bwd_precision",
+    "bwd_reads": "attention.bwd_reads",
 }
+#: An axis's value in a run saved before its key existed (the behaviour the run had).
+AXIS_DEFAULTS: dict[str, str] = {"bwd_reads": "forward"}
 #: Axes that split an experiment into several groups when they vary within it.
-GROUP_AXES = ("model", "precision", "rounding", "policy", "bwd_precision")
+GROUP_AXES = ("model", "precision", "rounding", "policy", "bwd_precision", "bwd_reads")
 
 
 def setting(override: Mapping[str, str], cfg: Mapping[str, Any], key: str) -> str:

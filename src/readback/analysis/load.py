@@ -10,7 +10,8 @@ sweep directory it was found under, prefixed with that sweep directory's name wh
 loaded; the wandb run path for wandb runs). Columns:
 
 * ``experiment``, ``seed``, ``model``, ``precision``, ``rounding`` (``precision.rounding``),
-  ``policy``, ``bwd_precision`` (``attention.bwd_precision``): from the run's config;
+  ``policy``, ``bwd_precision`` (``attention.bwd_precision``), ``bwd_reads``
+  (``attention.bwd_reads``; ``forward`` for a run saved before the key): from the run's config;
 * ``group``: what curves and tables aggregate over seeds: the experiment, followed by
   ``[key=value, ...]`` for every override and study axis (but the seed) that takes more than
   one value among the loaded runs of that experiment (:mod:`readback.analysis.groups`; the keys

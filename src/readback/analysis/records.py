@@ -12,7 +12,7 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from readback.analysis.groups import CONFIG_AXES, assign_groups
+from readback.analysis.groups import AXIS_DEFAULTS, CONFIG_AXES, assign_groups
 from readback.analysis.load import METRIC_COLUMNS, SUMMARY_COLUMNS, Runs, empty_metrics
 from readback.overrides import config_value, override_map
 
@@ -104,6 +104,8 @@ def _one_run(e: Mapping[str, Any], keys: Sequence[str] | None) -> tuple[dict[str
     row: dict[str, Any] = {"run": run_id}
     for col, dotted in CONFIG_AXES.items():
         row[col] = config_value(cfg, dotted)
+        if row[col] is None and cfg:
+            row[col] = AXIS_DEFAULTS.get(col)
     if row["experiment"] is None and summary is not None:
         row["experiment"] = summary.get("experiment")
     if row["seed"] is None:  # the sweep's subdir: <experiment>/<overrides with seed=N> (or seed<N>)

@@ -27,6 +27,9 @@ from readback.audit.harness import (
     value,
     xielu_slope,
 )
+from readback.audit.harness import (
+    expand_groups as expand,
+)
 from readback.numerics import CurrentScaling, QTensor, quantize
 from readback.numerics.streams import RandomStreams
 from readback.ops import Numerics, numerics_for
@@ -40,8 +43,10 @@ F32 = torch.float32
 RECIPE = CurrentScaling(override_linear_precision=(False, True, True))
 
 
-def audit_numerics(policy: str, seed: int, rounding: str = "nearest") -> Numerics:
-    return numerics_for("fp8", RECIPE, policy, attention_bwd="fp32", rounding=rounding, seed=seed)
+def audit_numerics(policy: str, seed: int, rounding: str = "nearest", bwd_reads: str = "forward") -> Numerics:
+    return numerics_for(
+        "fp8", RECIPE, policy, attention_bwd="fp32", rounding=rounding, seed=seed, attention_bwd_reads=bwd_reads
+    )
 
 
 def taped_backprop(numerics: Numerics, forward, inputs: dict[str, torch.Tensor], upstream: torch.Tensor):
@@ -157,17 +162,21 @@ def rb_rms_norm(setup: Setup, policy: str) -> list[Row]:
     ]
 
 
-def rb_attention(setup: Setup, policy: str, rounding: str = "nearest") -> list[Row]:
+def rb_attention(setup: Setup, policy: str, rounding: str = "nearest", bwd_reads: str = "forward") -> list[Row]:
     """attention feeding its output projection with ``x_q``. dV reads P; ``dS`` (the P of the
     softmax backward) and the D-term (the O of ``rowsum(dO * O)``, or nothing) are read out of
     (dQ, dK) together, over every pair of candidates (the rows share their rel. error); the
     projection's wgrad reads O. ``rounding="stochastic"`` rounds the forward stochastically too:
-    then ``rounded`` and ``fresh`` are two draws of one distribution, from different streams."""
+    then ``rounded`` and ``fresh`` are two draws of one distribution, from different streams.
+    ``bwd_reads="te"`` (the backward's flavour) adds the candidates it reads: P ``rebuilt`` from
+    the original Q, K with the forward's LSE, and the original V, K, Q of dP, dQ, dK, which are
+    then read out of (dQ, dK) too."""
     g = setup.generator("readback.attention")
     b, h, grp, t, d, c = setup.batch, setup.heads, setup.groups, setup.seq, setup.width, setup.softmax_scale
     q, k, v, w_proj, upstream = setup.attention_inputs(g).values()
-    numerics = audit_numerics(policy, setup.seed, rounding)
+    numerics = audit_numerics(policy, setup.seed, rounding, bwd_reads)
     op = "readback.attention" if rounding == "nearest" else f"readback.attention ({rounding} fwd)"
+    op = op if bwd_reads == "forward" else f"{op} (bwd_reads={bwd_reads})"
 
     def forward(q, k, v, w_proj):
         o, oq = attention_op.attention(q, k, v, numerics, "attn", c)
@@ -182,9 +191,13 @@ def rb_attention(setup: Setup, policy: str, rounding: str = "nearest") -> list[R
 
     ref = backprop(replay, {"q": q, "k": k, "v": v, "w_proj": w_proj}, upstream, F64)
 
-    qh, kh, vh = value(rec["q"]), value(rec["k"]), value(rec["v"])  # K, V recorded expanded to H heads
+    # the Q, K, V each GEMM could read; K, V recorded expanded to H heads
+    qs, ks, vs = ({"rounded": value(rec[n])} for n in ("q", "k", "v"))
     probs = causal_softmax(rec["scores"])  # the op's FP32 P, recomputed the way the forward did
     ps = readings(numerics, "attn.probs", probs, rec["probs"])
+    if bwd_reads == "te":
+        qs["original"], ks["original"], vs["original"] = value(q), expand(value(k), h), expand(value(v), h)
+        ps["rebuilt"] = rebuilt_probs(qs["original"], ks["original"], rec["scores"], c)
     os: dict[str, torch.Tensor | None] = {
         m: heads(o, b, t, h) for m, o in readings(numerics, "attn.output", rec["out"], rec["output"]).items()
     }
@@ -192,13 +205,21 @@ def rb_attention(setup: Setup, policy: str, rounding: str = "nearest") -> list[R
     d_out = heads(value(got["o"]), b, t, h)
     d_proj = value(upstream).reshape(-1, d)
     o_flat = {m: o.transpose(1, 2).reshape(-1, d) for m, o in os.items() if o is not None}
-    joint = {
-        (mp, mo): cat(*attention_grads(p, d_out, qh, kh, vh, o, c, grp)) for mp, p in ps.items() for mo, o in os.items()
+    joint: dict[tuple[str, ...], torch.Tensor] = {
+        (mp, mo, mv, mk, mq): cat(*attention_grads(p, d_out, qv, kv, vv, o, c, grp))
+        for mp, p in ps.items()
+        for mo, o in os.items()
+        for mv, vv in vs.items()
+        for mk, kv in ks.items()
+        for mq, qv in qs.items()
     }
-    common: dict[str, Any] = dict(policy=policy, declared=attention_op.READS[policy], tol=setup.tol)
+    read_out: tuple[str, ...] = ("dS", "D", "dP", "dQ", "dK")
+    if bwd_reads == "forward":  # one candidate each for V, K, Q: read out of nothing
+        joint, read_out = {key[:2]: grads for key, grads in joint.items()}, read_out[:2]
+    common: dict[str, Any] = dict(policy=policy, declared=numerics.spec.reads["attention"], tol=setup.tol)
     return [
         *audit(op, "dV", got["v"], ref["v"], {m: group_sum(p.mT @ d_out, grp) for m, p in ps.items()}, **common),
-        *audit(op, ("dS", "D"), cat(got["q"], got["k"]), cat(ref["q"], ref["k"]), joint, **common),
+        *audit(op, read_out, cat(got["q"], got["k"]), cat(ref["q"], ref["k"]), joint, **common),
         *audit(
             f"{op} -> linear(x_q)",
             "wgrad",
@@ -210,6 +231,13 @@ def rb_attention(setup: Setup, policy: str, rounding: str = "nearest") -> list[R
             tol=setup.tol,
         ),
     ]
+
+
+def rebuilt_probs(q: torch.Tensor, k: torch.Tensor, forward_scores: torch.Tensor, c: float) -> torch.Tensor:
+    """``exp(c Q K^T - LSE)`` (float64), LSE the log-sum-exp of the forward's causal scores."""
+    mask = torch.ones(q.shape[-2], q.shape[-2], dtype=torch.bool).triu(1)
+    lse = torch.logsumexp(value(forward_scores).masked_fill(mask, float("-inf")), -1, keepdim=True)
+    return torch.exp((c * q @ k.mT).masked_fill(mask, float("-inf")) - lse)
 
 
 def rb_xielu(setup: Setup, policy: str) -> list[Row]:
@@ -248,6 +276,10 @@ AUDITS = {
     "readback.attention": _per_policy(rb_attention),
     "readback.attention (stochastic fwd)": _per_policy(
         rb_attention, ("reuse_rounded", "fresh_reround"), rounding="stochastic"
+    ),
+    # what TE's BF16 backward reads (exact takes no flavour)
+    "readback.attention (bwd_reads=te)": _per_policy(
+        rb_attention, tuple(p for p in POLICIES if p != "exact"), bwd_reads="te"
     ),
     "readback.xielu": _per_policy(rb_xielu),
 }

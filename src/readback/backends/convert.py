@@ -146,7 +146,9 @@ def _numerics(precision, policy: str, attention_bwd: str, seed: int) -> Numerics
         ) from None
     settings = OmegaConf.to_object(node)  # ranges and choices
     assert isinstance(settings, Precision)
-    return build_numerics(settings, Policy(name=policy), Attention(bwd_precision=attention_bwd), seed)
+    return build_numerics(
+        settings, Policy(name=policy), Attention(bwd_precision=attention_bwd, bwd_reads="forward"), seed
+    )
 
 
 def _matches(name: str, patterns: Iterable[str]) -> str | None:

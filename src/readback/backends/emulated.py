@@ -7,7 +7,7 @@ from collections.abc import Mapping
 from readback.backends.precision import fp8_settings
 from readback.backends.settings import ModelSettings
 from readback.numerics.spec import GEMMS, in_bf16_layers, resolve_accumulation
-from readback.ops.attention import READS as ATTENTION_READS
+from readback.ops import read_rules
 
 # attention gradient -> the forward tensor it reads (dO is every gradient's other operand)
 READ_OPERANDS = {"D": "O", "dQ": "K", "dK": "Q", "dV": "P", "dP": "V", "dS": "P"}
@@ -16,12 +16,14 @@ _READ_LABELS = {
     "original": "original {}",
     "fresh": "a fresh rounding of {}",
     "none": "no {}: D = rowsum(P * dP)",
+    "rebuilt": "{} rebuilt from the original Q, K with the FP8 forward's LSE",
 }
 
 
-def attention_reads(policy: str) -> dict[str, str]:
-    """``{"attention_core.<gradient>": what it reads}`` of readback's attention op under ``policy``."""
-    reads = ATTENTION_READS[policy]
+def attention_reads(policy: str, bwd_reads: str = "forward") -> dict[str, str]:
+    """``{"attention_core.<gradient>": what it reads}`` of readback's attention op under ``policy``
+    and the backward's flavour ``bwd_reads``."""
+    reads = read_rules(policy, bwd_reads)["attention"]
     return {f"attention_core.{g}": _READ_LABELS[reads[g]].format(x) for g, x in READ_OPERANDS.items()}
 
 
@@ -39,7 +41,7 @@ def site_implementations(cfg: ModelSettings) -> dict[str, str]:
         "qk_norm": "readback.ops.norm (frozen gain)",
         "activation": "readback.ops.activation.xielu",
         "lm_head": f"readback.ops.linear{tied}" + (" in BF16" if head_bf16 else ""),
-        **attention_reads(cfg.policy.name),
+        **attention_reads(cfg.policy.name, cfg.attention.bwd_reads),
         **({} if p is None else accumulations(p.accumulation, p.accumulation_gemms)),
     }
 

@@ -143,5 +143,5 @@ def site_implementations(cfg: ModelSettings) -> dict[str, str]:
         "attention_core": "readback.ops.attention (routed SDPA)",
         "embedding": "torch.nn.Embedding",
         "left_in_high_precision": filtered,
-        **attention_reads(cfg.policy.name),
+        **attention_reads(cfg.policy.name, cfg.attention.bwd_reads),
     }

@@ -20,7 +20,7 @@ from readback.errors import ConfigError, require
 from readback.fields import Checked, integer, items, one_of
 from readback.numerics import AMAX_COMPUTE_ALGOS, ROUNDINGS, CurrentScaling, DelayedScaling, Format, FP8Format
 from readback.numerics.gemm import BF16_GEMMS
-from readback.numerics.spec import ACCUMULATIONS, ATTENTION_BWD, PRECISIONS, resolve_accumulation
+from readback.numerics.spec import ACCUMULATIONS, ATTENTION_BWD, ATTENTION_BWD_READS, PRECISIONS, resolve_accumulation
 from readback.numerics.spike import AmaxSpike
 from readback.ops import Numerics, numerics_for
 from readback.policy import POLICIES
@@ -105,6 +105,22 @@ class Policy(Checked):
 class Attention(Checked):
     KEY = "attention"
     bwd_precision: str = one_of(ATTENTION_BWD)
+    bwd_reads: str = one_of(
+        ATTENTION_BWD_READS
+    )  # ops.attention.BWD_READS; the rules with other groups: check_bwd_reads
+
+    def check_bwd_reads(self, precision: Precision, policy: Policy) -> None:
+        """Refuse a flavour that cannot mean what it says: ``te`` reads what TE's BF16 backward
+        reads after an FP8 forward, so it needs both, and ``exact`` reads the forward's operands."""
+        if self.bwd_reads == "forward":
+            return
+        why = (
+            (self.bwd_precision != "bf16", f"with bwd_precision={self.bwd_precision}: te is a BF16 backward's reads"),
+            (precision.name != "fp8", "with precision=bf16: without FP8 the originals are what the forward multiplied"),
+            (policy.name == "exact", "with policy=exact, which reads what the forward multiplied"),
+        )
+        reason = next((text for bad, text in why if bad), None)
+        require(reason is None, self.key("bwd_reads"), self.bwd_reads, f"forward ({reason})")
 
 
 def fp8_settings(p: Precision) -> Fp8Precision | None:
@@ -127,6 +143,7 @@ def build_numerics(precision: Precision, policy: Policy, attention: Attention, s
             attention_bwd=attention.bwd_precision,
             seed=seed,
             bf16_gemm=precision.bf16_gemm,
+            attention_bwd_reads=attention.bwd_reads,
         )
     fprop, dgrad, wgrad = p.override_linear_precision  # three, checked by the schema
     fmt, override = Format.parse(p.fp8_format), (fprop, dgrad, wgrad)
@@ -155,4 +172,5 @@ def build_numerics(precision: Precision, policy: Policy, attention: Attention, s
         accumulation_gemms=dict(p.accumulation_gemms or {}),
         bf16_gemm=p.bf16_gemm,
         amax_spike=amax_spike_of(p.amax_spike),
+        attention_bwd_reads=attention.bwd_reads,
     )

@@ -9,10 +9,14 @@ The study's axes map onto TE where TE has a switch for them:
 
 * ``reuse_rounded`` (D-term reads O8): ``DelayedScaling(fp8_dpa=True)``; TE's FP8 attention
   saves ``out_fp8`` for its backward. ``NVTE_FP8_DPA_BWD=1`` (FP8 backward) or ``0`` (BF16
-  backward reading the dequantised O8 and the original BF16 Q, K, V): ``reuse_rounded_bf16_bwd``.
+  backward reading the dequantised O8 for D, the original BF16 Q, K, V and dO, and P rebuilt from
+  Q, K with the FP8 forward's softmax statistics): ``reuse_rounded_bf16_bwd``, whose
+  ``attention.bwd_reads=te`` makes readback's op read the same (a BF16 backward that reads the
+  forward's Q8, K8, V8, ``bwd_reads=forward``, has no TE switch: readback's core runs it).
   Under current scaling, ``NVTE_DPA_FP8CS_O_in_F16=0`` with the FP8 backward.
 * ``original`` (D-term reads the high-precision O): ``Float8CurrentScaling(fp8_dpa=True)``; its
-  FP8 backward reads the F16 O with ``NVTE_DPA_FP8CS_O_in_F16=1``, its BF16 backward always does.
+  FP8 backward reads the F16 O with ``NVTE_DPA_FP8CS_O_in_F16=1``, its BF16 backward (with
+  ``attention.bwd_reads=te``, the original Q, K, V) always does.
 * ``fresh_reround``, ``no_saved_copy``, ``exact``: no TE switch. The attention core is readback's
   op, and so is the output projection, which takes the core's O8 as is (the very copy the
   D-term policy is about); every other GEMM and norm stays TE.
@@ -87,7 +91,7 @@ def te_plan(cfg: ModelSettings, te_version: str | None = INSTALLED, hardware: Ha
     cannot run on this GPU as configured, instead of failing inside TE."""
     version, hw, vt, where = resolve_target(te_version, hardware)
 
-    p, policy, bwd = cfg.precision, cfg.policy.name, cfg.attention.bwd_precision
+    p, policy, bwd, bwd_reads = cfg.precision, cfg.policy.name, cfg.attention.bwd_precision, cfg.attention.bwd_reads
     te_backend = cfg.backend if isinstance(cfg.backend, TeBackend) else None
     core_choice = choose("backend.attention_core", te_backend.attention_core if te_backend else "auto", ATTENTION_CORES)
     fp8_mha = te_backend.fp8_mha if te_backend else False
@@ -97,7 +101,7 @@ def te_plan(cfg: ModelSettings, te_version: str | None = INSTALLED, hardware: Ha
     fp8 = p8 is not None
     recipe_key = p8.recipe if p8 is not None else None
 
-    attention = None if core_choice == "readback" else _te_attention(fp8, recipe_key, policy, bwd)
+    attention = None if core_choice == "readback" else _te_attention(fp8, recipe_key, policy, bwd, bwd_reads)
     if attention is not None and recipe_key is not None:  # fp8
         _check_fp8_attention(cfg, recipe_key, vt, hw, where)
     if fp8_mha and (attention is None or not fp8):
@@ -115,7 +119,9 @@ def te_plan(cfg: ModelSettings, te_version: str | None = INSTALLED, hardware: Ha
             f"DotProductAttention.forward(fp8_output=True), which {where} lacks: it needs >= 2.8)",
         )
     env, attention_label, attention_reads = (
-        attention if attention is not None else ({}, "readback.ops.attention", readback_attention_reads(policy))
+        attention
+        if attention is not None
+        else ({}, "readback.ops.attention", readback_attention_reads(policy, bwd_reads))
     )
     if attention is not None:
         env = {**env, **PINNED_BACKEND}
@@ -193,15 +199,18 @@ def _linear_label(policy: str, fp8: bool) -> str:
     return "te.Linear (backward reads the forward's W8 and X8: save_original_input=False, backward_override=None)"
 
 
-def _te_attention(fp8: bool, recipe: str | None, policy: str, bwd: str):
+def _te_attention(fp8: bool, recipe: str | None, policy: str, bwd: str, bwd_reads: str):
     """``(env, label, reads)`` when a Transformer Engine switch reproduces the policy's D-term
     read, else ``None`` (readback's core runs). What TE saves for its backward is pytorch/
     attention/dot_product_attention/backends.py ``FusedAttnFunc.forward`` (v2.8; the same in 2.20):
     FP8 backward: Q8, K8, V8 and O8, or the F16 O under current scaling with O_in_F16=1; BF16
     backward (``NVTE_FP8_DPA_BWD=0``): the original BF16 Q, K, V and, as O, the dequantised O8
-    under delayed scaling, the F16 O under current scaling whatever O_in_F16 says."""
+    under delayed scaling, the F16 O under current scaling whatever O_in_F16 says; so only
+    ``attention.bwd_reads=te`` maps an FP8 forward's BF16 backward onto TE."""
     if bwd not in ("fp8", "bf16"):
         return None  # TE's attention backward is FP8 or BF16
+    if fp8 and bwd == "bf16" and bwd_reads != "te":
+        return None  # a BF16 backward reading Q8, K8, V8: no TE switch
     if not fp8:
         # BF16 kernels compute D = rowsum(dO * O) from the BF16 O the projection multiplied.
         if policy not in ("exact", "reuse_rounded"):

@@ -21,6 +21,10 @@ MODEL = ("model=fog_390m",)  # head dim 128, sequence 4096
 ROWS = [
     ("`reuse_rounded`", ("+experiment=reuse_rounded",)),
     ("`reuse_rounded_bf16_bwd`", ("+experiment=reuse_rounded_bf16_bwd",)),
+    (
+        "`reuse_rounded_bf16_bwd attention.bwd_reads=forward`",
+        ("+experiment=reuse_rounded_bf16_bwd", "attention.bwd_reads=forward"),
+    ),
     ("`reuse_rounded backend.fp8_mha=true`", ("+experiment=reuse_rounded", "backend.fp8_mha=true")),
     ("`fresh_reround`", ("+experiment=fresh_reround",)),
     ("`no_saved_copy`", ("+experiment=no_saved_copy",)),
@@ -30,8 +34,14 @@ ROWS = [
         ("+experiment=reuse_rounded", "policy=original", "precision.recipe=current"),
     ),
     (
-        "`policy=original precision.recipe=current attention.bwd_precision=bf16`",
-        ("+experiment=reuse_rounded", "policy=original", "precision.recipe=current", "attention.bwd_precision=bf16"),
+        "`policy=original precision.recipe=current attention.bwd_precision=bf16 attention.bwd_reads=te`",
+        (
+            "+experiment=reuse_rounded",
+            "policy=original",
+            "precision.recipe=current",
+            "attention.bwd_precision=bf16",
+            "attention.bwd_reads=te",
+        ),
     ),
     ("`reuse_rounded precision.recipe=current`", ("+experiment=reuse_rounded", "precision.recipe=current")),
     (

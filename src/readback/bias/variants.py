@@ -27,10 +27,12 @@ class Variant:
 
 
 def variants(numerics) -> list[Variant]:
-    """Every policy; every read where the configured policy differs from ``exact``, switched to
-    exact alone; each op's backward roundings (E5M2 of dO, dS, dY and the BF16 GEMM outputs)
-    switched off alone; each backward GEMM kind of the linears that accumulates like a tensor
-    core (``fast``, ``split``) switched to IEEE FP32 alone; and everything exact at once (the
+    """Every policy (in the run's attention-backward flavour); every read where the configured
+    backward differs from ``exact``, switched to exact alone (under ``attention.bwd_reads=te``,
+    D, dQ, dK, dP, dV and dS each: O8, the original K, Q, V and the rebuilt P one at a time);
+    each op's backward roundings (E5M2 of dO, dS, dY and the BF16 GEMM outputs) switched off
+    alone; each backward GEMM kind of the linears that accumulates like a tensor core (``fast``,
+    ``split``) switched to IEEE FP32 alone; and everything exact at once (the
     meter's own zero). The forward GEMMs' accumulation is part of the executed forward, so no
     variant switches it (the reference replays its outputs)."""
     out = [Variant(p, f"backward under policy {p}", policy=p) for p in POLICIES]
@@ -90,8 +92,8 @@ def spec_of(variant: Variant, spec: NumericsSpec) -> NumericsSpec:
     """The spec ``variant``'s backward runs under, made from the run's ``spec`` (a new one: no
     table of the ops or of the policies changes)."""
     policy = variant.policy or spec.policy
-    if variant.policy:
-        spec = spec.with_reads(policy, read_rules(policy))
+    if variant.policy:  # in the run's attention-backward flavour (``te``: TE's BF16 backward's reads)
+        spec = spec.with_reads(policy, read_rules(policy, spec.attention_bwd_reads))
     if variant.reads:
         unknown = [(op, g) for op, grads in variant.reads.items() for g in grads if g not in spec.reads.get(op, {})]
         if unknown:

@@ -32,6 +32,7 @@ def check_between_groups(cfg: Config) -> None:
         m.vocab_size,
         f"null (the data's) or an integer >= data.vocab_size={cfg.data.vocab_size}",
     )
+    cfg.attention.check_bwd_reads(cfg.precision, cfg.policy)
     if isinstance(cfg.precision, Fp8Precision):
         _check_fp8(cfg, cfg.precision)
 

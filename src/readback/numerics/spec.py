@@ -20,6 +20,9 @@ from readback.numerics.spike import AmaxSpike
 
 PRECISIONS = ("fp8", "bf16", "off")
 ATTENTION_BWD = GEMM_PRECISIONS[:3]  # what a run may choose: fp8, bf16, fp32 (fp64 is the "off" spec's)
+# attention.bwd_reads: which operands the attention backward reads besides the policy's D read;
+# ops.attention.BWD_READS says what each reads ("te": Transformer Engine's BF16 backward's).
+ATTENTION_BWD_READS = ("forward", "te")
 GEMMS = ("fprop", "dgrad", "wgrad")
 # precision.accumulation: each device's own (native), IEEE FP32 everywhere, or Hopper's recipe,
 # which Transformer Engine and torch._scaled_mm's defaults give: fast fprop, split dgrad and wgrad.
@@ -71,7 +74,10 @@ class NumericsSpec:
     (``resolve_accumulation``; ``native`` is each device's own, resolved by ``gemm.matmul``).
     ``bf16_gemm``: the kernel of every BF16 GEMM off CUDA (``gemm.bf16_mm``: ``fp32`` or ``native``).
     ``amax_spike``: an amax multiplied by ``2**k`` at one step at the sites a pattern matches
-    (``readback.numerics.spike``; delayed scaling only), or None."""
+    (``readback.numerics.spike``; delayed scaling only), or None. ``attention_bwd_reads``: the
+    attention backward's flavour (``ATTENTION_BWD_READS``), already laid into ``reads``; kept so
+    that a backward under another policy (a bias-meter variant) reads in the same flavour. A
+    flavour other than ``forward`` reads operands that are no FP8 codes: no FP8 backward."""
 
     precision: str
     recipe: DelayedScaling | CurrentScaling | None
@@ -84,6 +90,7 @@ class NumericsSpec:
     accumulation: tuple[str, str, str] = ("native", "native", "native")
     bf16_gemm: str = BF16_GEMMS[0]
     amax_spike: AmaxSpike | None = None
+    attention_bwd_reads: str = ATTENTION_BWD_READS[0]
 
     def __post_init__(self) -> None:
         if self.precision not in PRECISIONS:
@@ -92,10 +99,13 @@ class NumericsSpec:
             raise ValueError("an fp8 spec needs a recipe")
         if self.amax_spike is not None and not isinstance(self.recipe, DelayedScaling):
             raise ValueError("an amax spike needs delayed scaling: only an amax history holds it")
+        if self.attention_bwd_reads != "forward" and self.attention_bwd == "fp8":
+            raise ValueError(f"attention_bwd_reads={self.attention_bwd_reads!r} needs a bf16, fp32 or fp64 backward")
         for key, value, valid in (
             ("attention_bwd", self.attention_bwd, GEMM_PRECISIONS),
             ("rounding", self.rounding, ROUNDINGS),
             ("bf16_gemm", self.bf16_gemm, BF16_GEMMS),
+            ("attention_bwd_reads", self.attention_bwd_reads, ATTENTION_BWD_READS),
         ):
             if value not in valid:
                 raise ValueError(f"{key}={value!r}; valid: {list(valid)}")
@@ -124,6 +134,7 @@ class NumericsSpec:
             self.accumulation,
             self.bf16_gemm,
             self.amax_spike,
+            self.attention_bwd_reads,
         )
 
     def read(self, op: str, gradient: str) -> str:

@@ -10,7 +10,7 @@ from typing import Any
 from readback.numerics import CurrentScaling, DelayedScaling
 from readback.numerics.gemm import BF16_GEMMS
 from readback.numerics.site import Site
-from readback.numerics.spec import ATTENTION_BWD, PRECISIONS, NumericsSpec, resolve_accumulation
+from readback.numerics.spec import ATTENTION_BWD, ATTENTION_BWD_READS, PRECISIONS, NumericsSpec, resolve_accumulation
 from readback.numerics.spike import AmaxSpike
 from readback.numerics.state import Numerics
 from readback.ops import activation, attention, linear, norm
@@ -20,9 +20,14 @@ from readback.policy import POLICIES
 OPS = {"linear": linear, "rms_norm": norm, "attention": attention, "xielu": activation}
 
 
-def read_rules(policy: str) -> dict[str, dict[str, str]]:
-    """``{op: {gradient: read mode}}`` of every op under ``policy``."""
-    return {name: dict(op.READS[policy]) for name, op in OPS.items()}
+def read_rules(policy: str, attention_bwd_reads: str = "forward") -> dict[str, dict[str, str]]:
+    """``{op: {gradient: read mode}}`` of every op under ``policy``, with the attention backward's
+    flavour (``attention.BWD_READS``) laid over attention's row. ``exact`` takes no flavour: it
+    is every gradient reading what its forward used, whatever the backward reads otherwise."""
+    rules = {name: dict(op.READS[policy]) for name, op in OPS.items()}
+    if policy != "exact":
+        rules["attention"] |= attention.BWD_READS[attention_bwd_reads]
+    return rules
 
 
 def numerics_spec(
@@ -37,15 +42,18 @@ def numerics_spec(
     accumulation_gemms: dict[str, str] | None = None,
     bf16_gemm: str = BF16_GEMMS[0],
     amax_spike: AmaxSpike | None = None,
+    attention_bwd_reads: str = ATTENTION_BWD_READS[0],
 ) -> NumericsSpec:
     """The spec of a run: ``policy``'s reads resolved from the ops' tables, the choices made
     concrete (an FP8 run without a recipe gets ``DelayedScaling()``; a BF16 run's FP8 attention
     backward runs in BF16, an ``off`` run's in FP64; only FP8 rounds stochastically; the linears'
-    accumulation, ``spec.resolve_accumulation``, applies to FP8 GEMMs only)."""
+    accumulation, ``spec.resolve_accumulation``, applies to FP8 GEMMs only; ``attention_bwd_reads``
+    lays the attention backward's flavour over the policy's reads)."""
     for key, value, valid in (
         ("precision", precision, PRECISIONS),
         ("policy", policy, POLICIES),
         ("attention_bwd", attention_bwd, ATTENTION_BWD),
+        ("attention_bwd_reads", attention_bwd_reads, ATTENTION_BWD_READS),
     ):
         if value not in valid:
             raise ValueError(f"{key}={value!r}; valid: {list(valid)}")
@@ -53,7 +61,7 @@ def numerics_spec(
         precision=precision,
         recipe=DelayedScaling() if precision == "fp8" and recipe is None else recipe,
         policy=policy,
-        reads=read_rules(policy),
+        reads=read_rules(policy, attention_bwd_reads),
         attention_bwd={
             "fp8": attention_bwd,
             "bf16": "bf16" if attention_bwd == "fp8" else attention_bwd,
@@ -65,6 +73,7 @@ def numerics_spec(
         accumulation=resolve_accumulation(accumulation, accumulation_gemms),
         bf16_gemm=bf16_gemm,
         amax_spike=amax_spike,
+        attention_bwd_reads=attention_bwd_reads,
     )
 
 
@@ -75,6 +84,7 @@ def numerics_for(*args: Any, seed: int = 0, **kwargs: Any) -> Numerics:
 
 __all__ = [
     "ATTENTION_BWD",
+    "ATTENTION_BWD_READS",
     "OPS",
     "PRECISIONS",
     "Numerics",

@@ -13,10 +13,26 @@ The exact gradient of the executed forward has ``D = rowsum(P * dP)``: every row
 ``rowsum(dS)`` is therefore a direct measure of a D-term error; its mean and z-score over the
 rows of a step are collected as ``numerics.observe("attn_rowsum/<name>", ...)``.
 
+Which value each gradient reads is ``READS[policy]`` with the backward's flavour
+(``attention.bwd_reads``) laid over it, ``BWD_READS``. Flavour ``te`` is Transformer Engine's BF16
+backward under delayed scaling (``NVTE_FP8_DPA_BWD=0``): D from the dequantised O8, dQ, dK, dP
+from the original K, Q, V, and dV, dS from ``P = exp(c Q K^T - LSE)`` rebuilt from the original
+Q, K with the FP8 forward's log-sum-exp (of ``S = c Q8 K8^T``), so P's rows need not sum to one.
+Under a BF16 backward it holds every value it reads in BF16, rounded to nearest even as a cast
+does (the original Q, K, V, dO; O8 dequantised into BF16), as TE holds its BF16 tensors; it
+rounds the emulation's FP32 activations once, where TE rounds each of its BF16 ops' outputs.
+
+The reference (the probe's, ``replay``) is the gradient of the forward actually executed: the
+FP8 forward with every rounding pinned; its D is "exact D", ``rowsum(P * dP)`` with the
+forward's own P. Flavour ``te`` departs from it in several reads at once (D from O8; P rebuilt
+from Q, K with the FP8 LSE; the original Q, K, V in the GEMMs): the bias meter's variants
+``exact_read.attention.<gradient>`` switch each back alone.
+
 Memory: no FP32 T x T matrix is saved. The backward recomputes P block by block of
 ``ROW_BLOCK`` query rows from the saved Q8 and K8 (the same GEMM and softmax, so the same bits)
 and keeps dS only as the GEMM operand it becomes (FP8 under ``attention_bwd`` fp8, BF16 under
-bf16), so its FP32 working set is a few ``ROW_BLOCK x T`` blocks for all heads.
+bf16), so its FP32 working set is a few ``ROW_BLOCK x T`` blocks for all heads; a dV that reads a
+recomputed P keeps that P as its GEMM operand too.
 """
 
 from __future__ import annotations
@@ -26,7 +42,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from readback.numerics import BF16, QTensor, abs_max, decoded, matmul, pinned
-from readback.numerics.spec import frozen_reads
+from readback.numerics.spec import ATTENTION_BWD_READS, frozen_reads
+from readback.ops import attention_parts as parts
 from readback.ops import mechanism
 from readback.ops.saved import load, save
 
@@ -51,14 +68,36 @@ READS = frozen_reads(
         "exact": {**_CORRECT, "D": "none"},
     }
 )
+# The backward's flavour (attention.bwd_reads), laid over the policy's row (``ops.read_rules``;
+# D stays the policy's, and ``exact`` takes no flavour): ``forward`` reads the operands the FP8
+# forward multiplied; ``te`` what TE's BF16 backward (NVTE_FP8_DPA_BWD=0) reads: the original
+# K, Q, V, and P "rebuilt" as exp(c Q K^T - LSE) from them with the FP8 forward's LSE.
+BWD_READS = frozen_reads(
+    {
+        "forward": {},
+        "te": {"dQ": "original", "dK": "original", "dP": "original", "dV": "rebuilt", "dS": "rebuilt"},
+    }
+)
+assert tuple(BWD_READS) == ATTENTION_BWD_READS
+# What each (gradient, read mode) needs saved: the forward's rounded Q8, K8, V8, P8 (``q8``, ...),
+# the originals (``q``, ``k``, ``v``), the FP8 forward's LSE, its O before rounding (``out``);
+# O8 is always saved. A P read ``original`` or ``rebuilt`` is recomputed from what it lists.
+_NEEDS: dict[str, dict[str, tuple[str, ...]]] = {
+    "dK": {"rounded": ("q8",), "original": ("q",)},
+    "dQ": {"rounded": ("k8",), "original": ("k",)},
+    "dP": {"rounded": ("v8",), "original": ("v",)},
+    "dV": {"rounded": ("p8",), "original": ("q8", "k8"), "rebuilt": ("q", "k", "lse")},
+    "dS": {"rounded": ("p8",), "original": ("q8", "k8"), "rebuilt": ("q", "k", "lse")},
+    "D": {"rounded": (), "original": ("out",), "fresh": ("out",), "none": ()},
+}
+_SAVED = ("q8", "k8", "v8", "p8", "q", "k", "v", "lse", "out")
+_OPERAND = {"dK": "q", "dQ": "k", "dP": "v"}  # gradient -> the forward operand its GEMM reads
 
 
-def _expand_groups(q: QTensor, heads: int) -> QTensor:
-    """K or V of G groups, repeated for the H query heads that share them."""
-    batch, groups, seq, dim = q.data.shape
-    return q.map(
-        lambda d: d[:, :, None].expand(batch, groups, heads // groups, seq, dim).reshape(batch, heads, seq, dim)
-    )
+def _operand_name(reads: Any, gradient: str) -> str:
+    """The saved name of the Q, K or V that ``gradient``'s GEMM reads (``q8`` or ``q``, ...)."""
+    x = _OPERAND[gradient]
+    return {"rounded": f"{x}8", "original": x}[reads[gradient]]
 
 
 class _Attention(torch.autograd.Function):
@@ -77,44 +116,46 @@ class _Attention(torch.autograd.Function):
         qq = numerics.site(f"{name}.q").quantize(q, rounding)
         k_groups = numerics.site(f"{name}.k").quantize(k, rounding)
         v_groups = numerics.site(f"{name}.v").quantize(v, rounding)
-        kq, vq = _expand_groups(k_groups, heads), _expand_groups(v_groups, heads)
+        kq, vq = parts.expand_groups(k_groups, heads), parts.expand_groups(v_groups, heads)
         gemm = "fp64" if numerics.precision == "off" else "fp8"
 
-        scores = _scores(qq, kq, softmax_scale, gemm, numerics.bf16_gemm)
-        probs = _softmax(scores, 0, dtype)
+        s = parts.scores(qq, kq, softmax_scale, gemm, numerics.bf16_gemm)
+        probs = parts.softmax(s, 0, dtype)
         if numerics.mechanism:
-            mechanism.observe_logits(numerics, name, scores, probs)
+            mechanism.observe_logits(numerics, name, s, probs)
         pq = numerics.site(f"{name}.probs").quantize(probs, rounding)
         out = matmul(pq, vq, gemm, bf16_gemm=numerics.bf16_gemm)  # (B, H, T, hd)
         out = out.transpose(1, 2).reshape(batch, seq, heads * dim)
         oq = numerics.site(f"{name}.output").quantize(out, rounding)
         if numerics.mechanism:
             mechanism.observe_output_rounding(numerics, name, out, oq)
-        numerics.record(name, q=qq, k=kq, v=vq, scores=scores, probs=pq, out=out, output=oq)
+        numerics.record(name, q=qq, k=kq, v=vq, scores=s, probs=pq, out=out, output=oq)
 
         reads = numerics.spec.reads["attention"]
         fctx.numerics, fctx.name, fctx.scale, fctx.gemm = numerics, name, softmax_scale, gemm
-        fctx.mechanism = numerics.mechanism
-        saved = {
-            "q_for_dk": {"rounded": qq}[reads["dK"]],
-            "k_for_dq": {"rounded": k_groups}[reads["dQ"]],
-            "v_for_dp": {"rounded": v_groups}[reads["dP"]],
-            "p_for_dv": {"rounded": pq}[reads["dV"]],
-            # dS reads the original P: recomputed in the backward from Q8 and K8 (saved for dK and dQ)
-            "p_for_ds": {"original": None, "rounded": pq}[reads["dS"]],
-            "out": out if reads["D"] in ("original", "fresh") else None,
-        }
+        fctx.mechanism, fctx.shape, fctx.groups = numerics.mechanism, (batch, heads, seq, dim), k.shape[1]
+        need = {n for gradient, mode in reads.items() for n in _NEEDS[gradient][mode]}
+        held_dtype = parts.held(numerics)
+        values: dict[str, torch.Tensor | QTensor] = {"q8": qq, "k8": k_groups, "v8": v_groups, "p8": pq, "out": out}
+        values |= {n: t.detach().to(held_dtype) for n, t in (("q", q), ("k", k), ("v", v)) if n in need}
+        if "lse" in need:
+            values["lse"] = parts.log_sum_exp(s)
+        saved = {n: values[n] if n in need else None for n in _SAVED}
         # O8's data is also an output; a compiled graph cannot save an output as is, so it saves a copy.
         save(fctx, oq=oq.map(torch.clone) if torch.compiler.is_compiling() else oq, **saved)
         # output_fp8 is the O8 copy shared with the projection (which does not count it again).
         numerics.account(
             "attention",
-            q=saved["q_for_dk"],
-            k=saved["k_for_dq"],
-            v=saved["v_for_dp"],
-            probs_fp8=saved["p_for_dv"],
+            q=saved["q8"],
+            k=saved["k8"],
+            v=saved["v8"],
+            probs_fp8=saved["p8"],
             output_fp8=oq,
             out=saved["out"],
+            q_original=saved["q"],
+            k_original=saved["k"],
+            v_original=saved["v"],
+            lse=saved["lse"],
         )
         scale = oq.scale.clone()  # not the site's own scale tensor: an output must not alias state
         fctx.mark_non_differentiable(oq.data, scale)
@@ -124,43 +165,61 @@ class _Attention(torch.autograd.Function):
     def backward(fctx: Any, d_out: torch.Tensor, _data: Any, _scale: Any) -> tuple[torch.Tensor | None, ...]:
         numerics, name, saved = fctx.numerics, fctx.name, load(fctx)
         precision, dtype = numerics.attention_bwd, numerics.dtype
-        batch, heads, seq, dim = saved["q_for_dk"].data.shape
+        reads = numerics.spec.reads["attention"]
+        batch, heads, seq, dim = fctx.shape
 
         def as_heads(t: torch.Tensor) -> torch.Tensor:
             return t.reshape(batch, seq, heads, dim).transpose(1, 2)
 
-        d_out = as_heads(d_out.to(dtype))
+        d_out = as_heads(d_out.to(parts.held(numerics)).to(dtype))
         if precision == "fp8":
             dq8 = numerics.site(f"{name}.grad_output", "bwd").quantize(d_out)
             d_out_operand, d_out = dq8, dq8.dequantize(dtype)
         else:
             d_out_operand = d_out
 
-        kq, vq = _expand_groups(saved["k_for_dq"], heads), _expand_groups(saved["v_for_dp"], heads)
-
         def mm(a: torch.Tensor | QTensor, b: torch.Tensor | QTensor) -> torch.Tensor:
             return matmul(a, b, precision, bf16_gemm=numerics.bf16_gemm)
 
-        d_v = mm(saved["p_for_dv"].mT, d_out_operand)
+        d_v = mm(saved["p8"].mT, d_out_operand) if reads["dV"] == "rounded" else None
         # every row block reads these (O(T hd) each): decoded once, not once per block
-        q_for_dk = decoded(saved["q_for_dk"])
-        kq, vq = decoded(kq), decoded(vq)
+        operands: dict[str, Any] = {}
+
+        def operand(n: str) -> Any:
+            """Saved Q, K or V ``n`` (K, V expanded to the H heads), decoded once."""
+            if n not in operands:
+                t = saved[n] if n[0] == "q" else parts.expand_groups(saved[n], heads)
+                operands[n] = decoded(t) if isinstance(t, QTensor) else t
+            return operands[n]
+
+        q_for_dk = operand(_operand_name(reads, "dK"))
+        kq, vq = operand(_operand_name(reads, "dQ")), operand(_operand_name(reads, "dP"))
         if isinstance(d_out_operand, QTensor):
             d_out_operand = decoded(d_out_operand)
-        o_read = _o_read(numerics, name, saved)
+        o_read = parts.d_term_o(numerics, name, saved, fctx.shape)
 
-        def d_scores(rows: slice, d_term: mechanism.DTermCosine | None = None) -> torch.Tensor:
-            """dS = P (dP - D) of query rows ``rows``, all heads, in ``dtype``; ``d_term``
-            accumulates the block's share of the mechanism's D-term cosine."""
-            if saved["p_for_ds"] is None:
-                probs = _softmax(
-                    _scores(q_for_dk.map(lambda d: d[:, :, rows]), kq, fctx.scale, fctx.gemm, numerics.bf16_gemm),
-                    rows.start,
-                    dtype,
+        def probs_of(mode: str, rows: slice) -> torch.Tensor:
+            """P of query rows ``rows`` as read ``mode``, in ``dtype``."""
+            if mode == "rounded":
+                return parts.value(parts.rows_of(saved["p8"], rows), dtype)
+            if mode == "original":  # the forward's own P: its GEMM and softmax again, the same bits
+                s = parts.scores(
+                    parts.rows_of(operand("q8"), rows), operand("k8"), fctx.scale, fctx.gemm, numerics.bf16_gemm
                 )
-            else:
-                probs = _value(saved["p_for_ds"].map(lambda d: d[:, :, rows]), dtype)
-            d_p = mm(_rows(d_out_operand, rows), vq.mT)
+                return parts.softmax(s, rows.start, dtype)
+            lse, q_rows = saved["lse"][:, :, rows], parts.rows_of(operand("q"), rows)
+            return parts.rebuilt(q_rows, operand("k"), lse, fctx.scale, rows.start, precision).to(dtype)
+
+        def d_scores(
+            rows: slice, d_term: mechanism.DTermCosine | None = None, p_dv: torch.Tensor | None = None
+        ) -> torch.Tensor:
+            """dS = P (dP - D) of query rows ``rows``, all heads, in ``dtype``; ``d_term``
+            accumulates the block's share of the mechanism's D-term cosine; ``p_dv`` takes
+            the rows of the P that dV reads, when dV reads a recomputed one."""
+            probs = probs_of(reads["dS"], rows)
+            if p_dv is not None:
+                p_dv[:, :, rows] = probs if reads["dV"] == reads["dS"] else probs_of(reads["dV"], rows)
+            d_p = mm(parts.rows_of(d_out_operand, rows), vq.mT)
             read = d_out[:, :, rows] * o_read[:, :, rows] if o_read is not None else probs * d_p
             row_term = read.sum(-1, keepdim=True)
             if d_term is not None:
@@ -174,78 +233,40 @@ class _Attention(torch.autograd.Function):
             torch.stack([abs_max(d_scores(rows)) for rows in blocks]).amax() if site and site.reads_amax_first else None
         )
         # FP8 codes are written as bytes (the compiler cannot blend FP8 tensors into a slice)
-        operand = torch.empty(
-            batch, heads, seq, seq, dtype=torch.uint8 if site else _DTYPES[precision], device=d_out.device
-        )
+        operand_dtype = torch.uint8 if site else parts.DTYPES[precision]
+        d_s_codes = torch.empty(batch, heads, seq, seq, dtype=operand_dtype, device=d_out.device)
+        p_dv = torch.zeros_like(d_s_codes, dtype=parts.DTYPES[precision]) if d_v is None else None
         rowsums: list[torch.Tensor] = []
         d_s_scale: torch.Tensor | None = None
-        d_term = mechanism.DTermCosine(_value(kq, dtype)) if fctx.mechanism else None
+        d_term = mechanism.DTermCosine(parts.value(kq, dtype)) if fctx.mechanism else None
         for rows in blocks:
-            d_s = d_scores(rows, d_term)
+            d_s = d_scores(rows, d_term, p_dv)
             rowsums.append(d_s.sum(-1))
             if site is None:
-                operand[:, :, rows] = d_s
+                d_s_codes[:, :, rows] = d_s
             else:
                 d_s_q = site.quantize(d_s, amax=amax)
-                operand[:, :, rows], d_s_scale = d_s_q.data.view(torch.uint8), d_s_q.scale
+                d_s_codes[:, :, rows], d_s_scale = d_s_q.data.view(torch.uint8), d_s_q.scale
         numerics.observe(f"attn_rowsum/{name}", torch.cat(rowsums, -1))
         if d_term is not None:
             d_term.observe(numerics, name)
+        if p_dv is not None:
+            d_v = mm(p_dv.mT, d_out_operand)
         # dQ's and dK's GEMMs both read dS: its codes (FP8, or BF16 values) decoded once
-        d_s_operand: torch.Tensor | QTensor = operand
+        d_s_operand: torch.Tensor | QTensor = d_s_codes
         if site is not None and d_s_scale is not None:
-            d_s_operand = decoded(QTensor(operand.view(site.fmt.dtype), d_s_scale, site.fmt))
+            d_s_operand = decoded(QTensor(d_s_codes.view(site.fmt.dtype), d_s_scale, site.fmt))
         elif precision == "bf16":
-            d_s_operand = decoded(QTensor(operand, torch.ones((), device=operand.device), BF16), numerics.bf16_gemm)
+            ones = torch.ones((), device=d_s_codes.device)
+            d_s_operand = decoded(QTensor(d_s_codes, ones, BF16), numerics.bf16_gemm)
 
         d_q = mm(d_s_operand, kq) * fctx.scale
         d_k = mm(d_s_operand.mT, q_for_dk) * fctx.scale
-        groups = saved["k_for_dq"].data.shape[1]
+        groups = fctx.groups
         d_k = d_k.reshape(batch, groups, heads // groups, seq, dim).sum(2)
+        assert d_v is not None
         d_v = d_v.reshape(batch, groups, heads // groups, seq, dim).sum(2)
         return d_q, d_k, d_v, None, None, None
-
-
-_DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32, "fp64": torch.float64}
-
-
-def _scores(q: QTensor, k: QTensor, softmax_scale: float, gemm: str, bf16_gemm: str) -> torch.Tensor:
-    """``S = c Q8 K8^T`` of the given query rows."""
-    return matmul(q, k.mT, gemm, bf16_gemm=bf16_gemm) * softmax_scale
-
-
-def _softmax(scores: torch.Tensor, first_row: int, dtype: torch.dtype) -> torch.Tensor:
-    """Causal softmax of score rows ``first_row ...`` (query ``i`` sees keys ``<= i``)."""
-    rows, seq = scores.shape[-2:]
-    query = torch.arange(first_row, first_row + rows, device=scores.device)[:, None]
-    causal = torch.arange(seq, device=scores.device)[None, :] > query
-    return torch.softmax(scores.masked_fill(causal, float("-inf")), dim=-1).to(dtype)
-
-
-def _rows(t: torch.Tensor | QTensor, rows: slice) -> torch.Tensor | QTensor:
-    return t.map(lambda d: d[:, :, rows]) if isinstance(t, QTensor) else t[:, :, rows]
-
-
-def _value(t: torch.Tensor | QTensor, dtype: torch.dtype) -> torch.Tensor:
-    return t.dequantize(dtype) if isinstance(t, QTensor) else t.to(dtype)
-
-
-def _o_read(numerics: Numerics, name: str, saved: dict[str, Any]) -> torch.Tensor | None:
-    """The O that the D-term reads under the policy, in (B, H, T, hd); None for ``rowsum(P*dP)``."""
-    mode = numerics.read("attention", "D")
-    batch, heads, seq, dim = saved["q_for_dk"].data.shape
-    dtype, oq = numerics.dtype, saved["oq"]
-    if mode == "none":
-        return None
-    o: torch.Tensor
-    if mode == "rounded":
-        o = oq.dequantize(dtype)
-    elif mode == "original":
-        o = saved["out"]
-    else:  # fresh: same scale and format as the forward's O8, an independent random stream
-        site = numerics.site(f"{name}.output")
-        o = site.quantize(saved["out"], "stochastic", scale=oq.scale, stream="fresh").dequantize(dtype)
-    return o.reshape(batch, seq, heads, dim).transpose(1, 2)
 
 
 def replay(

@@ -75,6 +75,29 @@ def test_attention_d_term_per_policy(audited, op):
         assert find(rows, f"{op} -> linear(x_q)", "wgrad", policy).reads == "rounded"
 
 
+@pytest.mark.parametrize("policy", [p for p in POLICIES if p != "exact"])
+def test_te_bwd_reads_rows(audited, policy):
+    """TE's BF16 backward's reads, told apart from the forward's operands: P rebuilt for dV and
+    dS, the original V, K, Q for dP, dQ, dK, D the policy's; the reference wants the forward's."""
+    rows, _ = audited
+    op = "readback.attention (bwd_reads=te)"
+    d_read = {"reuse_rounded": "rounded", "fresh_reround": "fresh", "no_saved_copy": "none", "original": "original"}
+    wants = {
+        "dV": "rebuilt",
+        "dS": "rebuilt",
+        "D": d_read[policy],
+        "dP": "original",
+        "dQ": "original",
+        "dK": "original",
+    }
+    for gradient, mode in wants.items():
+        row = find(rows, op, gradient, policy)
+        assert (row.reads, row.declared) == (mode, mode), row
+        assert row.separation > 100 * TOL, row
+    assert [find(rows, op, g, policy).expected for g in ("dV", "dP", "dQ", "dK")] == ["rounded"] * 4
+    assert find(rows, op, "dS", policy).expected == "original"
+
+
 def test_reuse_rounded_d_term_differs(audited):
     rows, _ = audited
     row = find(rows, "readback.attention", "D", "reuse_rounded")

@@ -99,10 +99,18 @@ READS = [
         "rounded K8",
     ),
     (
-        ("+experiment=reuse_rounded", "policy=original", "precision.recipe=current", "attention.bwd_precision=bf16"),
+        (
+            "+experiment=reuse_rounded",
+            "policy=original",
+            "precision.recipe=current",
+            "attention.bwd_precision=bf16",
+            "attention.bwd_reads=te",
+        ),
         "original O (F16)",
         "original K (BF16)",
     ),
+    # a BF16 backward that reads the forward's Q8, K8, V8 is no TE switch: readback's core runs it
+    (("+experiment=reuse_rounded_bf16_bwd", "attention.bwd_reads=forward"), "rounded O", "rounded K"),
     (("+experiment=fresh_reround",), "a fresh rounding of O", "rounded K"),
     (("+experiment=no_saved_copy",), "no O: D = rowsum(P * dP)", "rounded K"),
 ]
@@ -119,13 +127,11 @@ def test_plan_records_what_each_attention_gradient_reads(overrides, d_read, dq_r
 def test_bf16_backward_under_current_scaling_reads_the_f16_o_so_reuse_rounded_has_no_te_switch():
     """NVTE_FP8_DPA_BWD=0 saves the F16 O under current scaling whatever NVTE_DPA_FP8CS_O_in_F16
     says: TE cannot run reuse_rounded there, and original needs no O_in_F16 switch."""
-    cfg = config("reuse_rounded", "precision.recipe=current", "attention.bwd_precision=bf16", *HD128)
-    assert te_plan(cfg, TE2, B200).attention_core == "readback"
-    plan = te_plan(
-        config("reuse_rounded", "policy=original", "precision.recipe=current", "attention.bwd_precision=bf16", *HD128),
-        TE2,
-        B200,
-    )
+    for reads in ("forward", "te"):
+        bf16_bwd = ("precision.recipe=current", "attention.bwd_precision=bf16", f"attention.bwd_reads={reads}")
+        assert te_plan(config("reuse_rounded", *bf16_bwd, *HD128), TE2, B200).attention_core == "readback"
+    bf16_bwd = ("policy=original", "precision.recipe=current", "attention.bwd_precision=bf16")
+    plan = te_plan(config("reuse_rounded", *bf16_bwd, "attention.bwd_reads=te", *HD128), TE2, B200)
     assert plan.env == {"NVTE_FP8_DPA_BWD": "0", **PINNED} and plan.attention_core == "te"
 
 

@@ -1,0 +1,98 @@
+"""The attention core's pieces, shared by its forward and backward (``ops.attention``, whose
+tables say which value each gradient reads): the scores GEMM, the causal softmax, its
+log-sum-exp, the P rebuilt from them, the O a D read takes, the dtype the backward holds its
+reads in, and operands that are a ``QTensor`` (a rounded copy) or a plain tensor (an original)."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, TypeVar
+
+import torch
+
+from readback.numerics import QTensor, matmul
+
+if TYPE_CHECKING:
+    from readback.numerics.state import Numerics
+
+DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32, "fp64": torch.float64}
+Operand = TypeVar("Operand", torch.Tensor, QTensor)  # a rounded copy, or an original
+
+
+def expand_groups(t: Operand, heads: int) -> Operand:
+    """K or V of G groups, repeated for the H query heads that share them."""
+    batch, groups, seq, dim = t.shape if isinstance(t, torch.Tensor) else t.data.shape
+
+    def expand(d: torch.Tensor) -> torch.Tensor:
+        return d[:, :, None].expand(batch, groups, heads // groups, seq, dim).reshape(batch, heads, seq, dim)
+
+    return t.map(expand) if isinstance(t, QTensor) else expand(t)
+
+
+def scores(q: QTensor, k: QTensor, softmax_scale: float, gemm: str, bf16_gemm: str) -> torch.Tensor:
+    """``S = c Q8 K8^T`` of the given query rows."""
+    return matmul(q, k.mT, gemm, bf16_gemm=bf16_gemm) * softmax_scale
+
+
+def causal(s: torch.Tensor, first_row: int) -> torch.Tensor:
+    """Score rows ``first_row ...`` with the keys each query may not see (``> i``) set to -inf."""
+    rows, seq = s.shape[-2:]
+    query = torch.arange(first_row, first_row + rows, device=s.device)[:, None]
+    return s.masked_fill(torch.arange(seq, device=s.device)[None, :] > query, float("-inf"))
+
+
+def softmax(s: torch.Tensor, first_row: int, dtype: torch.dtype) -> torch.Tensor:
+    """Causal softmax of score rows ``first_row ...`` (query ``i`` sees keys ``<= i``)."""
+    return torch.softmax(causal(s, first_row), dim=-1).to(dtype)
+
+
+def log_sum_exp(s: torch.Tensor) -> torch.Tensor:
+    """The softmax statistics a fused kernel keeps for its backward: ``LSE = log sum_j exp(S_ij)``
+    per causal row (B, H, T), in the scores' precision."""
+    return torch.logsumexp(causal(s, 0), dim=-1)
+
+
+def rebuilt(
+    q: torch.Tensor, k: torch.Tensor, lse: torch.Tensor, softmax_scale: float, first_row: int, precision: str
+) -> torch.Tensor:
+    """``P = exp(c Q K^T - LSE)`` of query rows ``first_row ...``: a backward's P recomputed from
+    the Q, K it holds with the statistics ``lse`` of the forward's own scores. When the forward
+    multiplied other values (Q8, K8), its rows do not sum to one. A BF16 backward keeps S in its
+    FP32 accumulator (BF16 operands, FP32 sums, no rounding of S), as a fused kernel does."""
+    s = matmul(q, k.mT, "fp32" if precision == "bf16" else precision) * softmax_scale
+    return torch.exp(causal(s, first_row) - lse[..., None])
+
+
+def rows_of(t: Operand, rows: slice) -> Operand:
+    """Query rows ``rows`` of a (B, H, T, ...) operand."""
+    return t.map(lambda d: d[:, :, rows]) if isinstance(t, QTensor) else t[:, :, rows]
+
+
+def value(t: torch.Tensor | QTensor, dtype: torch.dtype) -> torch.Tensor:
+    """``t``'s real values in ``dtype``."""
+    return t.dequantize(dtype) if isinstance(t, QTensor) else t.to(dtype)
+
+
+def held(numerics: Numerics) -> torch.dtype:
+    """The dtype the backward holds its non-FP8 reads in: BF16 under flavour ``te`` in a BF16
+    backward (as TE holds them), else the run's (FP32; FP64 without rounding)."""
+    bf16 = numerics.spec.attention_bwd_reads == "te" and numerics.attention_bwd == "bf16"
+    return torch.bfloat16 if bf16 else numerics.dtype
+
+
+def d_term_o(numerics: Numerics, name: str, saved: dict[str, Any], shape: tuple[int, ...]) -> torch.Tensor | None:
+    """The O that the D-term reads under the policy, in (B, H, T, hd), held as ``held`` says;
+    None for ``rowsum(P*dP)``."""
+    mode = numerics.read("attention", "D")
+    batch, heads, seq, dim = shape
+    dtype, oq = numerics.dtype, saved["oq"]
+    if mode == "none":
+        return None
+    o: torch.Tensor
+    if mode == "rounded":
+        o = oq.dequantize(dtype)
+    elif mode == "original":
+        o = saved["out"]
+    else:  # fresh: same scale and format as the forward's O8, an independent random stream
+        site = numerics.site(f"{name}.output")
+        o = site.quantize(saved["out"], "stochastic", scale=oq.scale, stream="fresh").dequantize(dtype)
+    return o.to(held(numerics)).to(dtype).reshape(batch, seq, heads, dim).transpose(1, 2)
