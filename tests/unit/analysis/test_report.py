@@ -60,6 +60,13 @@ def test_groups_split_on_every_varying_override_but_the_seed(lr_sweep):
     assert (t["n"] == 3).all()
 
 
+def _paired(group: tuple[str, str], base: tuple[str, str]) -> tuple[float, float]:
+    """Mean and SE over the seeds of FINAL[group] - FINAL[base], by hand."""
+    d = [FINAL[(*group, s)] - FINAL[(*base, s)] for s in SEED_OFFSET]
+    mean = sum(d) / len(d)
+    return mean, math.sqrt(sum((x - mean) ** 2 for x in d) / (len(d) - 1) / len(d))
+
+
 def test_an_axis_is_compared_within_each_experiment_by_seed_pairs(lr_sweep, tmp_path, capsys):
     """``--pair-axis``: each lr 0.03 group against its own experiment's lr 0.001 group, seed by
     seed, with the 90 % Student-t interval (2 degrees of freedom: t = 2.920)."""
@@ -70,9 +77,7 @@ def test_an_axis_is_compared_within_each_experiment_by_seed_pairs(lr_sweep, tmp_
     )
     row = table.loc[("reuse_rounded [trainer.optim.lr=0.03]", "final_loss")]
     assert row["base"] == "reuse_rounded [trainer.optim.lr=0.001]" and row["n_pairs"] == 3
-    d = [FINAL[("reuse_rounded", "0.03", s)] - FINAL[("reuse_rounded", "0.001", s)] for s in SEED_OFFSET]
-    mean = sum(d) / 3
-    se = math.sqrt(sum((x - mean) ** 2 for x in d) / 2 / 3)
+    mean, se = _paired(("reuse_rounded", "0.03"), ("reuse_rounded", "0.001"))
     assert row["paired_mean"] == pytest.approx(mean) and row["paired_se"] == pytest.approx(se)
     assert (row["low"], row["high"]) == pytest.approx((mean - 2.920 * se, mean + 2.920 * se), abs=1e-3 * se)
     assert cli_main([str(lr_sweep), "--out", str(tmp_path / "out"), "--pair-axis", "trainer.optim.lr=0.001"]) == 0
@@ -91,9 +96,7 @@ def test_paired_differences_against_the_control(lr_sweep):
     p = paired_table(runs, "no_saved_copy").set_index(["group", "metric"])
     row = p.loc[("reuse_rounded [trainer.optim.lr=0.001]", "final_loss")]
     assert row["control"] == "no_saved_copy [trainer.optim.lr=0.001]" and row["n_pairs"] == 3
-    d = [FINAL[("reuse_rounded", "0.001", s)] - FINAL[("no_saved_copy", "0.001", s)] for s in SEED_OFFSET]
-    mean = sum(d) / 3
-    se = math.sqrt(sum((x - mean) ** 2 for x in d) / 2 / 3)
+    mean, se = _paired(("reuse_rounded", "0.001"), ("no_saved_copy", "0.001"))
     assert row["paired_mean"] == pytest.approx(mean) and row["paired_se"] == pytest.approx(se)
     a = [FINAL[("reuse_rounded", "0.001", s)] for s in SEED_OFFSET]
     b = [FINAL[("no_saved_copy", "0.001", s)] for s in SEED_OFFSET]
