@@ -26,23 +26,16 @@ def _decode_table(fp8_dtype: torch.dtype, dtype: torch.dtype) -> torch.Tensor:
     return torch.arange(256, dtype=torch.uint8).view(fp8_dtype).to(dtype)
 
 
-def decode(data: torch.Tensor, dtype: torch.dtype, multiplier: torch.Tensor | None = None) -> torch.Tensor:
-    """``data.to(dtype)``, times ``multiplier`` (a scalar, in ``dtype``) if given, bit for bit;
-    FP8 on the CPU goes through a 256-entry table (multiplied first: each entry's product is the
-    one every element with that code would get), several times faster than torch's cast and a
-    pass less. The layout of a (transposed) contiguous tensor is kept. A compiled graph takes
-    the cast, which the compiler fuses with its neighbours."""
+def decode(data: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``data.to(dtype)``, bit for bit; FP8 on the CPU goes through a 256-entry table, several
+    times faster than torch's cast. The layout of a (transposed) contiguous tensor is kept.
+    A compiled graph takes the cast, which the compiler fuses with its neighbours."""
     if data.dtype not in _FP8_DTYPES or data.device.type != "cpu" or torch.compiler.is_compiling():
-        values = data.to(dtype)
-        return values if multiplier is None else values * multiplier
+        return data.to(dtype)
     if not data.is_contiguous():
-        if data.dim() >= 2 and data.mT.is_contiguous():
-            return decode(data.mT, dtype, multiplier).mT
-        return data.to(dtype) if multiplier is None else data.to(dtype) * multiplier
-    table = _decode_table(data.dtype, dtype)
-    table = table if multiplier is None else table * multiplier
+        return decode(data.mT, dtype).mT if data.dim() >= 2 and data.mT.is_contiguous() else data.to(dtype)
     codes = data.view(torch.uint8).reshape(-1).int()
-    return table.index_select(0, codes).view(data.shape)
+    return _decode_table(data.dtype, dtype).index_select(0, codes).view(data.shape)
 
 
 @dataclass(frozen=True)
@@ -64,7 +57,7 @@ class QTensor:
         exact = torch.float64 if dtype == torch.float64 else torch.float32
         if self.fmt is BF16:
             return self.data.to(dtype)
-        return decode(self.data, exact, self.scale_inv.to(exact)).to(dtype)
+        return (decode(self.data, exact) * self.scale_inv.to(exact)).to(dtype)
 
     @property
     def mT(self) -> QTensor:
