@@ -57,6 +57,7 @@ def _precision_settings(numerics: Numerics) -> Fp8Precision | None:
         rounding=numerics.rounding,
         bf16_layers=[],
         accumulation="native",
+        bf16_gemm=numerics.spec.bf16_gemm,
     )
 
 
