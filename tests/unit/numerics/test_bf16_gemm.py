@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from readback.numerics import QTensor, fp8_mm, matmul, round_bf16
+from readback.numerics import fp8_mm, matmul, round_bf16
 from readback.numerics.gemm import BF16_GEMMS, bf16_mm
 from readback.ops import numerics_spec
 from toys import config
@@ -75,7 +75,6 @@ def test_every_bf16_gemm_takes_the_chosen_kernel(monkeypatch):
         matmul(torch.randn(4, 8), torch.randn(8, 3), "bf16", bf16_gemm=kernel)
         matmul(qa, qb, "fp8", bf16_gemm=kernel)
     assert seen == [k for k in BF16_GEMMS for _ in range(3)]
-    assert isinstance(qa, QTensor)
 
 
 def test_an_unknown_kernel_is_refused():
