@@ -40,6 +40,7 @@ CKPT_EVERY = 2  # job 0 is preempted once its first checkpoint exists
 EXPERIMENTS = ("reuse_rounded", "no_saved_copy")
 TASKS = 2  # ranks per job
 SWEEP_TIMEOUT_S = 150
+CREDENTIAL_REVOKE_S = 2.5  # a requeued job starts this long after it was killed
 
 
 def _launcher(*overrides: str) -> dict:
@@ -157,12 +158,15 @@ def _preempt_after_first_checkpoint(sweep: Path, run_dir: Path, env: dict, event
     # submitit's own preemption test: USR2 to the job's tasks (Slurm's --signal before the limit)
     subprocess.run(["scancel", "--signal=USR2", job_id], env=env, check=True, timeout=20)
     events["signalled"] = job_id
-    # Slurm holds a requeued job back for ~2 minutes (BeginTime); release it as soon as it waits.
+    # Slurm holds a requeued job back for ~2 minutes (BeginTime); release it soon after it waits.
+    # Not at once: slurmd revokes the killed run's credential with one-second resolution, and
+    # kills a relaunch whose new credential dates from that same second ("Job credential revoked").
     while time.monotonic() < deadline and not events["stop"].is_set():
         state = subprocess.run(
             ["scontrol", "-o", "show", "job", job_id], env=env, capture_output=True, text=True, timeout=20
         ).stdout
         if "JobState=PENDING" in state and "Restarts=0" not in state:
+            time.sleep(CREDENTIAL_REVOKE_S)
             _scontrol(env, "update", f"JobId={job_id}", "StartTime=now")
             events["released"] = True
             return
