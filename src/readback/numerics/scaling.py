@@ -25,7 +25,10 @@ def abs_max(x: torch.Tensor) -> torch.Tensor:
 def compute_scale(
     amax: torch.Tensor, fmt: FP8Format, margin: int = 0, previous: torch.Tensor | float = 1.0
 ) -> torch.Tensor:
-    """``(fmt.max / amax) / 2**margin``.
+    """``(fmt.max * 2**-margin) / amax``, one correctly rounded FP32 division as Transformer
+    Engine's scale update computes it (``scaled_max / amax``). A Python number over a tensor would
+    not do: torch evaluates it as a reciprocal times the number, two roundings, one ulp off for
+    about a quarter of amaxes.
 
     Where that is not a usable scale (amax zero or non-finite, or a scale that overflows fp32)
     the ``previous`` scale is kept, as Transformer Engine does: an all-zero tensor or one NaN must
@@ -33,7 +36,7 @@ def compute_scale(
     """
     amax = torch.as_tensor(amax, dtype=torch.float32)
     previous = torch.as_tensor(previous, dtype=torch.float32, device=amax.device)
-    scale = (fmt.max / amax) / 2.0**margin
+    scale = amax.new_tensor(fmt.max * 2.0**-margin) / amax
     usable = (amax > 0) & torch.isfinite(amax) & torch.isfinite(scale)
     return torch.where(usable, scale, previous)
 
