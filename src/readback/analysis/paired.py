@@ -75,7 +75,7 @@ def paired_table(runs: Runs, control: str, metrics: tuple[str, ...] = PAIRED_MET
             a, b = _values(s, group, metric), _values(s, ctrl, metric)
             seeds = sorted(set(a.index) & set(b.index))
             d = (a[seeds] - b[seeds]).to_numpy(dtype=float)
-            pm, pse = _mean_se(d)
+            pm, pse = mean_se(d)
             um = float(a.mean() - b.mean()) if len(a) and len(b) else math.nan
             use = math.sqrt(a.var(ddof=1) / len(a) + b.var(ddof=1) / len(b)) if len(a) > 1 and len(b) > 1 else math.nan
             rows.append(
@@ -97,7 +97,7 @@ def paired_table(runs: Runs, control: str, metrics: tuple[str, ...] = PAIRED_MET
     return pd.DataFrame(rows, columns=list(PAIRED_COLUMNS))
 
 
-def _mean_se(d: np.ndarray) -> tuple[float, float]:
+def mean_se(d: np.ndarray) -> tuple[float, float]:
     if not len(d):
         return math.nan, math.nan
     return float(d.mean()), (float(d.std(ddof=1) / math.sqrt(len(d))) if len(d) > 1 else math.nan)
@@ -124,7 +124,7 @@ def paired_curve(runs: Runs, control: str, key: str = "val_loss") -> pd.DataFram
         for step in sorted(set(mine.index) & set(theirs.index)):
             d = (mine.loc[step] - theirs.loc[step]).dropna().to_numpy(dtype=float)
             if len(d):
-                mean, se = _mean_se(d)
+                mean, se = mean_se(d)
                 rows.append(
                     {
                         "group": group,
@@ -164,7 +164,7 @@ def axis_table(
         for metric in metrics:
             a, b = _values(s, group, metric), _values(s, other, metric)
             seeds = sorted(set(a.index) & set(b.index))
-            mean, se = _mean_se((a[seeds] - b[seeds]).to_numpy(dtype=float))
+            mean, se = mean_se((a[seeds] - b[seeds]).to_numpy(dtype=float))
             half = t_quantile(level, len(seeds) - 1) * se if len(seeds) > 1 else math.nan
             rows.append(
                 {
