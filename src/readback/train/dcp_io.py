@@ -17,7 +17,9 @@ from __future__ import annotations
 import io
 import pickle
 import warnings
+from collections.abc import Iterator
 from concurrent.futures import Future
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, NoReturn
 
@@ -183,6 +185,28 @@ def os_error_of(error: BaseException) -> OSError | None:
     return None
 
 
+class Unreadable(Exception):
+    """A checkpoint whose files DCP could not read (a shard of zeros, ...): its error in one line."""
+
+
+@contextmanager
+def _reading(path: Path) -> Iterator[None]:
+    """DCP wraps a failed read in a ``CheckpointException``, a ``BaseException`` that no
+    ``except Exception`` catches: raise its ``OSError`` (no sign of damage), a refusal
+    (:func:`refuse`), or :class:`Unreadable` instead."""
+    try:
+        yield
+    except CheckpointException as e:
+        if (os_error := os_error_of(e)) is not None:
+            raise os_error from e
+        errors = [error for error, _ in e.failures.values()]
+        for error in errors:
+            if isinstance(error, pickle.UnpicklingError) and "GLOBAL" in str(error):
+                refuse(path, error)
+        first = " ".join(str(errors[0]).split())[:200] if errors else "no error recorded"
+        raise Unreadable(f"{type(errors[0]).__name__ if errors else 'error'}: {first}") from e
+
+
 def load(state_dict: dict[str, Any], path: Path, *, distributed: bool) -> None:
     """Fill ``state_dict`` in place (every rank reads the shards it needs; ``Stateful`` values
     get theirs through ``load_state_dict``; a ``None`` value becomes its blob) from the
@@ -191,7 +215,8 @@ def load(state_dict: dict[str, Any], path: Path, *, distributed: bool) -> None:
     for key in [k for k, v in state_dict.items() if v is None]:
         state_dict[key] = torch.empty(index.state_dict_metadata[key].size, dtype=torch.uint8)
     planner = _SafeLoadPlanner()
-    dcp.load(state_dict, storage_reader=_SafeReader(str(path)), planner=planner, no_dist=not distributed)
+    with _reading(Path(path)):
+        dcp.load(state_dict, storage_reader=_SafeReader(str(path)), planner=planner, no_dist=not distributed)
     planner.raise_refused(Path(path))
 
 
@@ -201,6 +226,7 @@ def read(path: Path, keys: set[str] | None = None) -> dict[str, Any]:
     read_index(Path(path))
     planner = _SafeFullPlanner(keys=keys)
     state: dict[str, Any] = {}
-    _load_state_dict(state, storage_reader=_SafeReader(str(path)), planner=planner, no_dist=True)
+    with _reading(Path(path)):
+        _load_state_dict(state, storage_reader=_SafeReader(str(path)), planner=planner, no_dist=True)
     planner.raise_refused(Path(path))
     return state

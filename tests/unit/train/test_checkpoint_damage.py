@@ -83,6 +83,12 @@ def _overwrite(ckpt: Path) -> None:
     (ckpt / SHARD).write_bytes(bytes(data))
 
 
+def _zero(ckpt: Path) -> None:
+    """Every shard file zeros of its own size: nothing DCP's unpickler can read."""
+    for shard in ckpt.glob("*.distcp"):
+        shard.write_bytes(bytes(shard.stat().st_size))
+
+
 def _remove_index(ckpt: Path) -> None:
     (ckpt / dcp_io.INDEX).unlink()
 
@@ -105,6 +111,7 @@ def _empty(ckpt: Path) -> None:
 DAMAGE = {
     "shard truncated": (_truncate, "bytes, its index needs"),
     "shard overwritten": (_overwrite, "has CRC-32"),
+    "shards zeroed": (_zero, "has CRC-32"),
     "index missing": (_remove_index, "no index (.metadata)"),
     "index garbled": (_garble_index, "unreadable index"),
     "index cut short": (_cut_index, "unreadable index"),
@@ -135,6 +142,9 @@ def test_the_entry_points_look_ahead_checks_sizes_and_moves_nothing(crashed):
     assert resume_plan(crashed, cfg, quiet=True)[1]["step"] == 8  # checksums are the run's to read
     _truncate(_newest(crashed))
     assert resume_plan(crashed, cfg, quiet=True)[1]["step"] == 4
+    _zero(checkpoint_path(crashed / "checkpoints", 4))  # unreadable: skipped, not a traceback
+    with pytest.raises(ConfigError, match="none of the 2"):
+        resume_plan(crashed, cfg, quiet=True)
     assert [s for s, _ in list_checkpoints(crashed / "checkpoints")] == [4, 8]
 
 
