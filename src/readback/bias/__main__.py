@@ -36,11 +36,8 @@ import sys
 import time
 from pathlib import Path
 
-import torch
-
 from readback.errors import ConfigError, require
-
-DTYPES = {"fp64": torch.float64, "fp32": torch.float32}
+from readback.probe.settings import DTYPES
 
 
 def load_run(path: Path, site_margin: dict[str, int] | None = None, accumulation: dict | None = None):

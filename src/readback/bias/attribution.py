@@ -26,7 +26,6 @@ from pathlib import Path
 from readback.bias.report import write_table
 
 D_READ = "contrib.exact_read.attention.D"
-TENTH = 0.1
 
 
 def shares(stats: dict, reference: str, group: str) -> dict[str, dict[str, float]]:

@@ -4,7 +4,7 @@ its frozen spec (``spec``), its sites (``site``, ``state``) and random streams."
 
 from readback.numerics.blockscale import BlockQTensor, Float8BlockQuantizer, MXFP8Quantizer
 from readback.numerics.formats import BF16, E4M3, E5M2, Format, FP8Format
-from readback.numerics.gemm import GEMM_PRECISIONS, decoded, fp8_mm, matmul
+from readback.numerics.gemm import GEMM_PRECISIONS, PRECISION_DTYPES, decoded, fp8_mm, matmul
 from readback.numerics.rounding import ROUNDINGS, QTensor, pinned, quantize, round_bf16, round_stochastic
 from readback.numerics.scaling import (
     AMAX_COMPUTE_ALGOS,
@@ -22,6 +22,7 @@ __all__ = [
     "E4M3",
     "E5M2",
     "GEMM_PRECISIONS",
+    "PRECISION_DTYPES",
     "ROUNDINGS",
     "BlockQTensor",
     "CurrentScaling",

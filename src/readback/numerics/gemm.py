@@ -141,7 +141,7 @@ def decoded(q: QTensor, bf16_gemm: str = BF16_GEMMS[0]) -> QTensor:
 
 
 GEMM_PRECISIONS = ("fp8", "bf16", "fp32", "fp64")
-_DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32, "fp64": torch.float64}
+PRECISION_DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32, "fp64": torch.float64}
 
 
 def matmul(
@@ -163,7 +163,7 @@ def matmul(
         if not (isinstance(a, QTensor) and isinstance(b, QTensor)):
             raise TypeError("matmul(precision='fp8') multiplies QTensors")
         return fp8_mm(a, b, native_accumulation(a, b) if accumulation == "native" else accumulation, bf16_gemm)
-    dtype = _DTYPES[precision]
+    dtype = PRECISION_DTYPES[precision]
     if precision == "bf16":
         return bf16_mm(_bf16_values(a), _bf16_values(b), bf16_gemm)
     x, y = (t.dequantize(dtype) if isinstance(t, QTensor) else t.to(dtype) for t in (a, b))

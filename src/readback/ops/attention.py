@@ -41,7 +41,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from readback.numerics import BF16, QTensor, abs_max, decoded, matmul, pinned
+from readback.numerics import BF16, PRECISION_DTYPES, QTensor, abs_max, decoded, matmul, pinned
 from readback.numerics.spec import ATTENTION_BWD_READS, frozen_reads
 from readback.ops import attention_parts as parts
 from readback.ops import mechanism
@@ -233,9 +233,9 @@ class _Attention(torch.autograd.Function):
             torch.stack([abs_max(d_scores(rows)) for rows in blocks]).amax() if site and site.reads_amax_first else None
         )
         # FP8 codes are written as bytes (the compiler cannot blend FP8 tensors into a slice)
-        operand_dtype = torch.uint8 if site else parts.DTYPES[precision]
+        operand_dtype = torch.uint8 if site else PRECISION_DTYPES[precision]
         d_s_codes = torch.empty(batch, heads, seq, seq, dtype=operand_dtype, device=d_out.device)
-        p_dv = torch.zeros_like(d_s_codes, dtype=parts.DTYPES[precision]) if d_v is None else None
+        p_dv = torch.zeros_like(d_s_codes, dtype=PRECISION_DTYPES[precision]) if d_v is None else None
         rowsums: list[torch.Tensor] = []
         d_s_scale: torch.Tensor | None = None
         d_term = mechanism.DTermCosine(parts.value(kq, dtype)) if fctx.mechanism else None

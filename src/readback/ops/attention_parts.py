@@ -1,7 +1,7 @@
 """The attention core's pieces, shared by its forward and backward (``ops.attention``, whose
 tables say which value each gradient reads): the scores GEMM, the causal softmax, its
-log-sum-exp, the P rebuilt from them, the O a D read takes, the dtype the backward holds its
-reads in, and operands that are a ``QTensor`` (a rounded copy) or a plain tensor (an original)."""
+log-sum-exp, the P rebuilt from them, the O a D read takes, and operands that are a ``QTensor``
+(a rounded copy) or a plain tensor (an original)."""
 
 from __future__ import annotations
 
@@ -14,7 +14,6 @@ from readback.numerics import QTensor, matmul
 if TYPE_CHECKING:
     from readback.numerics.state import Numerics
 
-DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32, "fp64": torch.float64}
 Operand = TypeVar("Operand", torch.Tensor, QTensor)  # a rounded copy, or an original
 
 

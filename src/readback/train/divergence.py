@@ -35,7 +35,6 @@ class DivergenceDetector:
         self.streak_len = 0
         self.diverged_at_step: int | None = None
         self.reason: str | None = None
-        self.nonfinite_loss = False
         self.skipped: list[dict[str, Any]] = []
 
     @property
@@ -46,7 +45,6 @@ class DivergenceDetector:
         """Per-step check of the training loss; ``True`` when it is NaN/Inf (stop now)."""
         if math.isfinite(loss):
             return False
-        self.nonfinite_loss = True
         if self.diverged_at_step is None:
             self.diverged_at_step = step
         self.reason = f"non-finite loss ({loss}) at step {step}"
@@ -98,7 +96,6 @@ class DivergenceDetector:
             "streak_len": self.streak_len,
             "diverged_at_step": self.diverged_at_step,
             "reason": self.reason,
-            "nonfinite_loss": self.nonfinite_loss,
             "skipped": [dict(s) for s in self.skipped],
             "nonfinite_tensors": list(self.nonfinite_tensors),
         }
@@ -109,6 +106,5 @@ class DivergenceDetector:
         self.streak_len = int(state["streak_len"])
         self.diverged_at_step = state["diverged_at_step"]
         self.reason = state["reason"]
-        self.nonfinite_loss = bool(state["nonfinite_loss"])
         self.skipped = [dict(s) for s in state["skipped"]]
         self.nonfinite_tensors = list(state.get("nonfinite_tensors", []))

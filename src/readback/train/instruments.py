@@ -14,7 +14,7 @@ from typing import Any
 import torch
 
 from readback.probe import GradientProbe, train_taped
-from readback.probe.settings import Probe
+from readback.probe.settings import DTYPES, Probe
 
 
 class _Pending:
@@ -58,11 +58,12 @@ class TapedProbe(ProbeBeforeTraining):
 
 class TrainingBiasMeter(_Pending):
     """The bias meter (:mod:`readback.bias`) every ``probe.bias_every`` steps, over the first
-    ``probe.bias_batches`` validation batches, at this step's weights and scales."""
+    ``probe.bias_batches`` validation batches, at this step's weights and scales; its reference
+    replay in ``probe.dtype``, as the probe's."""
 
-    def __init__(self, every: int, batches: int) -> None:
+    def __init__(self, every: int, batches: int, dtype: torch.dtype) -> None:
         super().__init__()
-        self.every, self.batches = every, batches
+        self.every, self.batches, self.dtype = every, batches, dtype
 
     def due(self, step: int) -> bool:
         return self.every > 0 and step % self.every == 0
@@ -72,7 +73,7 @@ class TrainingBiasMeter(_Pending):
 
         device = next(model.parameters()).device
         batches = [(vx.to(device), vy.to(device)) for vx, vy in stream.val_batches(self.batches)]
-        self.pending = measure_bias(model, batches).metrics()
+        self.pending = measure_bias(model, batches, dtype=self.dtype).metrics()
 
 
 def instruments(settings: Probe, distributed: bool) -> list[ProbeBeforeTraining | TrainingBiasMeter]:
@@ -80,5 +81,5 @@ def instruments(settings: Probe, distributed: bool) -> list[ProbeBeforeTraining 
     probe = GradientProbe(settings)
     return [
         (ProbeBeforeTraining if distributed else TapedProbe)(probe),
-        TrainingBiasMeter(settings.bias_every, settings.bias_batches),
+        TrainingBiasMeter(settings.bias_every, settings.bias_batches, DTYPES[settings.dtype]),
     ]

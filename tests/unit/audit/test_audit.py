@@ -54,8 +54,17 @@ def test_sdpa_d_term_original_and_none_are_a_tie(audited):
     assert find(rows, "F.sdpa -> linear", "wgrad").reads == "rounded"
 
 
-@pytest.mark.parametrize("op", ["readback.attention", "readback.attention (stochastic fwd)"])
-def test_attention_d_term_per_policy(audited, op):
+ALL_POLICIES = ("reuse_rounded", "fresh_reround", "no_saved_copy", "original", "exact")
+
+
+@pytest.mark.parametrize(
+    ("op", "audited_policies"),
+    [
+        ("readback.attention", ALL_POLICIES),
+        ("readback.attention (stochastic fwd)", ("reuse_rounded", "fresh_reround")),  # audit/readback_ops.py AUDITS
+    ],
+)
+def test_attention_d_term_per_policy(audited, op, audited_policies):
     rows, _ = audited
     wants = {
         "reuse_rounded": "rounded",
@@ -64,7 +73,8 @@ def test_attention_d_term_per_policy(audited, op):
         "original": "original",
         "exact": "none",
     }
-    for policy in [p for p in wants if any(r.op == op and r.policy == p for r in rows)]:
+    assert sorted(r.policy for r in rows if r.op == op and r.gradient == "D") == sorted(audited_policies)
+    for policy in audited_policies:
         row = find(rows, op, "D", policy)
         assert row.reads == wants[policy], (policy, row)
         assert row.expected == "none"

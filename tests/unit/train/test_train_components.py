@@ -111,7 +111,7 @@ def test_clip_gradients_is_torchs_clip_and_names_nonfinite_grads():
 def test_divergence_nan_stops():
     d = detector(factor=2.0, patience=3)
     assert not d.check_loss(1, 3.0)
-    assert d.check_loss(2, math.nan) and d.diverged_at_step == 2 and d.nonfinite_loss
+    assert d.check_loss(2, math.nan) and d.diverged_at_step == 2 and d.reason.startswith("non-finite loss")
     assert detector().check_loss(7, math.inf)
 
 
