@@ -13,6 +13,16 @@ from typing import Any
 #: experiment (named separately), the sweep preset, and how a run resumes, reports and logs.
 NOT_A_SETTING = ("seed", "experiment", "sweep", "trainer.resume", "trainer.progress", "trainer.device")
 NOT_A_SETTING_PREFIX = ("logger", "hydra")
+#: The study's axes: name -> dotted config key. Each run's wandb tags and the analysis tables'
+#: columns (which split an experiment into groups when they vary) are these.
+STUDY_AXES = {
+    "model": "model.name",
+    "precision": "precision.name",
+    "rounding": "precision.rounding",
+    "policy": "policy.name",
+    "bwd_precision": "attention.bwd_precision",
+    "bwd_reads": "attention.bwd_reads",
+}
 
 
 def override_map(overrides: Sequence[str] | None) -> dict[str, str]:

@@ -45,6 +45,7 @@ def test_wandb_runs_of_a_2x2_sweep(real_sweep):
             "rounding=nearest",
             f"policy={experiment}",
             "bwd=fp8",
+            "bwd_reads=forward",
             f"sweep={sweep.name}",
             "ci",
         ]

@@ -15,23 +15,14 @@ from typing import Any
 
 import pandas as pd
 
-from readback.overrides import config_value, is_setting
+from readback.overrides import STUDY_AXES, config_value, is_setting
 
 #: Config axes read from each run (column name -> dotted config key).
-CONFIG_AXES: dict[str, str] = {
-    "experiment": "experiment",
-    "seed": "seed",
-    "model": "model.name",
-    "precision": "precision.name",
-    "rounding": "precision.rounding",
-    "policy": "policy.name",
-    "bwd_precision": "attention.bwd_precision",
-    "bwd_reads": "attention.bwd_reads",
-}
+CONFIG_AXES: dict[str, str] = {"experiment": "experiment", "seed": "seed", **STUDY_AXES}
 #: An axis's value in a run saved before its key existed (the behaviour the run had).
 AXIS_DEFAULTS: dict[str, str] = {"bwd_reads": "forward"}
 #: Axes that split an experiment into several groups when they vary within it.
-GROUP_AXES = ("model", "precision", "rounding", "policy", "bwd_precision", "bwd_reads")
+GROUP_AXES = tuple(STUDY_AXES)
 
 
 def setting(override: Mapping[str, str], cfg: Mapping[str, Any], key: str) -> str:

@@ -21,16 +21,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from readback.overrides import config_value, is_setting, override_map, swept_keys
+from readback.overrides import STUDY_AXES, config_value, is_setting, override_map, swept_keys
 
-#: The study's axes, as tags: tag name -> dotted config key.
-TAG_AXES = {
-    "model": "model.name",
-    "precision": "precision.name",
-    "rounding": "precision.rounding",
-    "policy": "policy.name",
-    "bwd": "attention.bwd_precision",
-}
+#: A study axis's tag where it is not the axis's name (``bwd=fp8``).
+TAG_NAMES = {"bwd_precision": "bwd"}
 _MAX_TAG = 64  # wandb rejects longer tags
 
 
@@ -149,7 +143,8 @@ def run_identity(
     swept = [f"{k}={values[k]}" for k in axes if k in values]
     label = " ".join([experiment, *swept])
     sweep = launch.get("sweep")
-    tags = [experiment] + [f"{tag}={v}" for tag, key in TAG_AXES.items() if (v := _dotted(config, key)) is not None]
+    study = {TAG_NAMES.get(axis, axis): _dotted(config, key) for axis, key in STUDY_AXES.items()}
+    tags = [experiment] + [f"{tag}={v}" for tag, v in study.items() if v is not None]
     tags += swept + ([f"sweep={sweep}"] if sweep else []) + [str(t) for t in user_tags or []]
     return RunIdentity(
         name=f"{label} s{seed}" if seed is not None else label,

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-import math
 from operator import itemgetter
 
 import pytest
