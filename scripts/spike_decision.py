@@ -29,7 +29,9 @@ CONTROL, REUSE, FRESH = "no_saved_copy", "reuse_rounded", "fresh_reround"
 PRIMARY_K = 12
 LAYERS = ("layers.0", "layers.1")
 BEFORE, INSIDE = (501, 999), (1001, 2000)  # falsifier 2's windows (step 1,000's spiked entry excluded)
+METER_STEPS = (500, 1500, 2500)  # before, inside and after the window
 METER_STEP, METER_GROUP, D_READ = 1500, "layers.1.attn.qkv", "contrib.exact_read.attention.D"
+FRESH_CONTRIB = "contrib.fresh_reround"  # fresh_reround's own departure, metered on the same checkpoints
 SUBNORMAL_BELOW = -6.0  # log2(rms(O) * scale) under E4M3's smallest normal, 2**-6
 SLOPE_STEPS = (2250, 2500, 2750, 3000)  # the evaluations in [2,100, 3,200]
 ONE_SIDED_T = t_quantile(0.90, len(SLOPE_STEPS) - 1)  # 5 % one-sided, 3 df: 2.353
@@ -57,7 +59,8 @@ def o_amax_history(sweep: Path, runs: pd.DataFrame) -> pd.DataFrame:
                     per_step[(layer, step)] = history[(step - 1) % len(history)]
         rows += [(run.experiment, spike_k(run.path), run.seed, layer, step, a) for (layer, step), a in per_step.items()]
     table = pd.DataFrame(rows, columns=["experiment", "k", "seed", "layer", "step", "amax"])
-    table.sort_values(["experiment", "k", "seed", "layer", "step"]).to_csv(cache, index=False)
+    if not (runs["status"] == "running").any():  # a running run's history is not its last word
+        table.sort_values(["experiment", "k", "seed", "layer", "step"]).to_csv(cache, index=False)
     return table
 
 
@@ -79,24 +82,41 @@ def ratchet(history: pd.DataFrame) -> dict:
     }
 
 
-def meter(sweep: Path, runs: pd.DataFrame, wide: pd.DataFrame) -> dict:
-    """Falsifier 3: the D read's debiased squared bias on layer 1's QKV gradient at step 1,500,
-    pooled over the reuse_rounded seeds (between-seed SE); void unless O is in subnormals."""
-    values, grid = {}, {}
-    for run in runs[(runs["experiment"] == REUSE)].itertuples():
-        bias = Path(run.path) / "bias" / f"step{METER_STEP}" / "bias.json"
+def d_read_bias(runs: pd.DataFrame, step: int, contribution: str = D_READ) -> dict[str, float]:
+    """The meter's debiased squared bias of ``contribution`` (default the D read) on layer 1's
+    QKV gradient at ``step``, per reuse_rounded seed (k 12) that has it."""
+    values = {}
+    for run in runs[runs["experiment"] == REUSE].itertuples():
+        bias = Path(run.path) / "bias" / f"step{step}" / "bias.json"
         if spike_k(run.path) == PRIMARY_K and bias.exists():
-            values[str(run.seed)] = json.loads(bias.read_text())["stats"][D_READ][METER_GROUP]["debiased_sq"]
+            values[str(run.seed)] = json.loads(bias.read_text())["stats"][contribution][METER_GROUP]["debiased_sq"]
+    return values
+
+
+def meter(runs: pd.DataFrame, wide: pd.DataFrame) -> dict:
+    """Falsifier 3: the D read's debiased squared bias on layer 1's QKV gradient at step 1,500,
+    pooled over the reuse_rounded seeds (between-seed SE); void unless O is in subnormals. The
+    same figure before and after the window is reported beside it (``by_step``)."""
+    values, grid = d_read_bias(runs, METER_STEP), {}
+    for run in runs[runs["experiment"] == REUSE].itertuples():
+        if str(run.seed) in values and spike_k(run.path) == PRIMARY_K:
             at = wide.loc[(run.run_id, METER_STEP)]
             grid[str(run.seed)] = {
                 layer: float(at[f"attn_out_log2_rms_scaled/mean/{layer}.attn.core"]) for layer in LAYERS
             }
+    by_step = {}
+    for step in METER_STEPS:
+        for label, contribution in (("D read", D_READ), ("fresh_reround", FRESH_CONTRIB)):
+            found = np.array(list(d_read_bias(runs, step, contribution).values()))
+            step_mean, step_se = mean_se(found)
+            by_step[f"{step} {label}"] = {"n": len(found), "mean": step_mean, "se": step_se}
     mean, se = mean_se(np.array(list(values.values())))
     in_subnormals = bool(grid) and all(g["layers.1"] < SUBNORMAL_BELOW for g in grid.values())
     return {
         "debiased_sq_per_seed": values,
         "mean": mean,
         "se": se,
+        "by_step": by_step,
         "z": mean / se if se > 0 else float("nan"),
         "log2_rms_scaled_at_step": grid,
         "o_in_subnormals": in_subnormals,
@@ -153,7 +173,7 @@ def decide(sweep: Path) -> dict:
         "runs": statuses,
         "diverged": {"falsified": any(s == "diverged" for s in statuses.values())},
         "ratchet": ratchet(o_amax_history(sweep, runs)),
-        "meter": meter(sweep, runs, wide),
+        "meter": meter(runs, wide),
         "slope": slope(loaded.curve("val_loss"), runs),
         "final_gaps": final_gaps(runs),
     }
@@ -171,7 +191,7 @@ def report(d: dict) -> str:
         f"| {'yes' if d['diverged']['falsified'] else 'no'} |",
         f"| 2. ratchet: median O amax, steps 1,001-2,000 over 501-999, >= 2 in >= 3 of 4 seeds | seeds at 2x per "
         f"layer: {r['seeds_at_2x_per_layer']} | {'yes' if r['falsified'] else 'no'} |",
-        f"| 3. no D-read bias at step 1,500 while O is in subnormals | debiased bias² {m['mean']:+.5f} ± {m['se']:.5f} "
+        f"| 3. no D-read bias at step 1,500 while O is in subnormals | debiased bias² {m['mean']:+.2e} ± {m['se']:.1e} "
         f"(z {m['z']:.1f}); O in subnormals: {m['o_in_subnormals']} | "
         f"{'void' if m['void'] else ('yes' if m['falsified'] else 'no')} |",
         f"| 4. the paired gap grows over 2,250-3,000 | slope {s['mean']:+.4f} ± {s['se']:.4f} nats per 1,000 steps, "
@@ -190,10 +210,13 @@ def report(d: dict) -> str:
         grid = m["log2_rms_scaled_at_step"].get(seed, dict.fromkeys(LAYERS, float("nan")))
         lines.append(
             f"| {seed} | {' / '.join(f'{ratio[layer]:.2f}' for layer in LAYERS)} "
-            f"| {m['debiased_sq_per_seed'].get(seed, float('nan')):+.5f} "
+            f"| {m['debiased_sq_per_seed'].get(seed, float('nan')):+.2e} "
             f"| {' / '.join(f'{grid[layer]:+.2f}' for layer in LAYERS)} "
             f"| {s['slope_per_seed'].get(seed, float('nan')):+.4f} |"
         )
+    lines += ["", "Debiased bias² on layer 1's QKV gradient (reuse_rounded checkpoints), mean ± SE over seeds:", ""]
+    lines += ["| step, contribution | seeds | mean ± SE |", "|---|---|---|"]
+    lines += [f"| {key} | {b['n']} | {b['mean']:+.2e} ± {b['se']:.1e} |" for key, b in m["by_step"].items()]
     lines += [
         "",
         "Final val_loss gaps to the control (paired by seed):",
