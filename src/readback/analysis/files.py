@@ -13,7 +13,7 @@ from typing import Any
 
 from readback.analysis.load import Runs, natural_key
 from readback.analysis.records import runs_from_records
-from readback.train.metrics import read_jsonl_counted
+from readback.jsonl import read_jsonl_counted
 
 log = logging.getLogger(__name__)
 

@@ -30,6 +30,7 @@ from omegaconf import OmegaConf
 from readback.bias.attribution import D_READ
 from readback.bias.dose import json_number
 from readback.bias.report import write_table
+from readback.jsonl import read_jsonl
 from readback.numerics.formats import E4M3
 
 STATS = (
@@ -86,11 +87,9 @@ def run_point(run: Path, measured: str = "bias/width", read: str = D_READ) -> di
 def _last_rowsum_z(metrics: Path) -> dict[str, float]:
     """``{attention op: z}`` from the last record of ``metrics`` that has ``attn_rowsum/z/...``."""
     last: dict[str, float] = {}
-    if metrics.is_file():
-        for line in metrics.read_text().splitlines():
-            record = json.loads(line)
-            found = {k.removeprefix("attn_rowsum/z/"): v for k, v in record.items() if k.startswith("attn_rowsum/z/")}
-            last = found or last
+    for record in read_jsonl(metrics):
+        found = {k.removeprefix("attn_rowsum/z/"): v for k, v in record.items() if k.startswith("attn_rowsum/z/")}
+        last = found or last
     return last
 
 

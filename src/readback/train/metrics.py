@@ -17,6 +17,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, TextIO
 
+from readback.jsonl import read_jsonl
 from readback.train.atomic_files import atomic_write_text
 from readback.train.identity import launch_context, run_identity
 from readback.train.settings import Logger
@@ -61,31 +62,6 @@ def json_safe(value: Any) -> Any:
     except (TypeError, ValueError):
         return str(value)
     return f if math.isfinite(f) else None
-
-
-def read_jsonl_counted(path: Path) -> tuple[list[dict[str, Any]], int]:
-    """The JSON objects of a ``.jsonl`` file and how many lines could not be read (a run killed
-    mid-write leaves a torn last line); no file: no records."""
-    records, bad = [], 0
-    try:
-        text = Path(path).read_text(encoding="utf-8", errors="replace")
-    except FileNotFoundError:
-        return [], 0
-    for line in filter(None, (raw.strip() for raw in text.splitlines())):
-        try:
-            obj = json.loads(line)
-        except json.JSONDecodeError:
-            obj = None
-        if isinstance(obj, dict):
-            records.append(obj)
-        else:
-            bad += 1
-    return records, bad
-
-
-def read_jsonl(path: Path) -> list[dict[str, Any]]:
-    """The records of a metrics file; a torn last line (crash mid-write) is ignored."""
-    return read_jsonl_counted(path)[0]
 
 
 class JsonlWriter:

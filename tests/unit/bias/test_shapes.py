@@ -9,7 +9,7 @@ import math
 import pytest
 
 from meter_records import measured_run
-from readback.bias.shapes import length_contrasts, main, measured_runs, pool, run_point
+from readback.bias.shapes import _last_rowsum_z, length_contrasts, main, measured_runs, pool, run_point
 
 
 @pytest.fixture
@@ -88,3 +88,13 @@ def test_welch_degrees_of_freedom_count_each_arms_seeds(sweep):
     contrast = next(c for c in length_contrasts(rows) if c["head_dim"] == 16)
     assert contrast["dof"] == pytest.approx((a + b) ** 2 / (a * a / 1 + b * b / 2))
     assert 1.0 < contrast["dof"] < 3.0
+
+
+def test_the_row_sum_z_is_the_last_records_and_a_torn_last_line_is_skipped(tmp_path):
+    """A run killed mid-write leaves half a line: the z of the last whole record stands."""
+    metrics = tmp_path / "metrics.jsonl"
+    records = [{"step": 10, "attn_rowsum/z/layers.0.attn.core": -1.0}, {"step": 20, "loss": 3.0}]
+    records.append({"step": 30, "attn_rowsum/z/layers.0.attn.core": -2.5})
+    metrics.write_text("".join(json.dumps(r) + "\n" for r in records) + '{"step": 40, "attn_rowsum/z/lay')
+    assert _last_rowsum_z(metrics) == {"layers.0.attn.core": -2.5}
+    assert _last_rowsum_z(tmp_path / "missing.jsonl") == {}
