@@ -507,3 +507,31 @@ def test_indivisible_global_batch_is_a_config_error(tmp_path, built):
     with pytest.raises(ConfigError, match=r"model.global_batch"):
         train(make_cfg(**{"trainer.micro_batch": 3}), tmp_path / "run")
     assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize(("name", "dtype"), [("fp32", torch.float32), ("fp64", torch.float64)])
+def test_the_training_bias_meter_replays_in_the_probes_dtype(monkeypatch, name, dtype):
+    import readback.bias
+    from readback.probe.settings import Probe
+    from readback.train.instruments import TrainingBiasMeter, instruments
+
+    seen = []
+
+    class _Result:
+        def metrics(self):
+            return {"grad_bias/x/total": 1.0}
+
+    def measure_bias(model, batches, dtype):
+        seen.append((len(batches), dtype))
+        return _Result()
+
+    class _Stream:
+        def val_batches(self, n):
+            return [(torch.zeros(1, 2, dtype=torch.long), torch.zeros(1, 2, dtype=torch.long))] * n
+
+    monkeypatch.setattr(readback.bias, "measure_bias", measure_bias)
+    settings = Probe(every=0, repeats=1, dtype=name, params=["*"], bias_every=5, bias_batches=3)
+    meter = next(i for i in instruments(settings, distributed=False) if isinstance(i, TrainingBiasMeter))
+    assert meter.due(10) and not meter.due(11)
+    meter.measure(nn.Linear(2, 2), None, None, _Stream())
+    assert seen == [(3, dtype)] and meter.pop() == {"grad_bias/x/total": 1.0}
