@@ -5,13 +5,14 @@
 # rebuilt with the FP8 forward's LSE) and no_saved_copy (the control), at O's stress 2^-14
 # (precision.site_margin={attn.core.output:14}), fresh seeds 100 to 115, on the +sweep=cpu_stress
 # preset (tiny FOG, embedded Shakespeare text, 2,000 steps of 16 x 128 tokens at LR 1e-2, the
-# same 8 validation batches every 250 steps, the bias meter every 500). Seed is the outer loop,
+# same 8 validation batches every 250 steps, the bias meter every 500, replaying in FP64 as in
+# parts 1 to 5 of the D-term page). Seed is the outer loop,
 # so the runs go seed by seed and a sweep stopped early holds whole seed triples;
 # trainer.resume=true continues a stopped run from its last checkpoint and skips finished ones.
 # 48 runs; about 4.6 core-hours at one thread each (from a timed 50-step run, scaled: see the
 # pre-registration). Run every seed on one code version and one CPU kind.
 #
-#   sweeps/bf16_bwd_fix.sh [OVERRIDES...]
+#   sweeps/bf16_bwd_fix.sh [OVERRIDES...]      (SEEDS=100,101 runs a subset, e.g. one stream a core)
 #
 # Runs land in multirun/bf16_bwd_fix/<experiment>/<precision.site_margin,seed>/; the tests:
 #   python -m readback.analysis multirun/bf16_bwd_fix --control no_saved_copy
@@ -22,9 +23,10 @@ PY=${PYTHON:-$(test -x .venv/bin/python && echo .venv/bin/python || echo python3
 
 exec "$PY" train.py --multirun \
     hydra.sweep.dir="${SWEEP_DIR:-multirun/bf16_bwd_fix}" \
-    seed="$(seq -s, 100 115)" \
+    seed="${SEEDS:-$(seq -s, 100 115)}" \
     +experiment=reuse_rounded,reuse_rounded_bf16_bwd,no_saved_copy \
     "precision.site_margin={attn.core.output:14}" \
     +sweep=cpu_stress \
+    probe.dtype=fp64 \
     trainer.resume=true trainer.progress=false \
     "$@"
