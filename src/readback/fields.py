@@ -3,7 +3,9 @@
 ``steps: int = integer(minimum=1)`` gives the type (OmegaConf enforces it while composing), the
 range (tested in ``__post_init__``, which ``OmegaConf.to_object`` runs) and the words the user
 reads when either is wrong. Defaults live in the YAML files, the user's view; a field here is
-``MISSING`` until a YAML file sets it.
+``MISSING`` until a YAML file sets it, unless a program other than ``train.py`` needs its default
+too (``readback.convert`` takes the ``precision`` group's): then the field holds it (``default``)
+and no YAML file repeats it.
 """
 
 from __future__ import annotations
@@ -26,12 +28,14 @@ class Valid:
     test: Callable[[Any], bool]
 
 
-def _field(valid: Valid) -> Any:
-    return dataclasses.field(default=MISSING, metadata={"valid": valid})
+def _field(valid: Valid, default: Any = MISSING) -> Any:
+    if isinstance(default, list):
+        return dataclasses.field(default_factory=lambda: list(default), metadata={"valid": valid})
+    return dataclasses.field(default=default, metadata={"valid": valid})
 
 
-def integer(minimum: int = 1) -> Any:
-    return _field(Valid(f"an integer >= {minimum}", lambda v: v >= minimum))
+def integer(minimum: int = 1, default: Any = MISSING) -> Any:
+    return _field(Valid(f"an integer >= {minimum}", lambda v: v >= minimum), default)
 
 
 def number(low: float, high: float = math.inf, *, low_open: bool = False, high_open: bool = False) -> Any:
@@ -53,14 +57,14 @@ def number(low: float, high: float = math.inf, *, low_open: bool = False, high_o
     return _field(Valid(text, test))
 
 
-def one_of(choices: Iterable[str]) -> Any:
+def one_of(choices: Iterable[str], default: Any = MISSING) -> Any:
     choices = tuple(choices)
-    return _field(Valid(", ".join(choices), lambda v: v in choices))
+    return _field(Valid(", ".join(choices), lambda v: v in choices), default)
 
 
-def items(text: str, test: Callable[[list[Any]], bool]) -> Any:
+def items(text: str, test: Callable[[list[Any]], bool], default: Any = MISSING) -> Any:
     """A list field with a test over the whole list (its length, its items' ranges)."""
-    return _field(Valid(text, test))
+    return _field(Valid(text, test), default)
 
 
 def valid_text(schema: type, name: str) -> str | None:

@@ -33,8 +33,7 @@ from omegaconf.errors import ValidationError
 from readback.backends.converted import ConvertParts, SDPARouter, eps_of
 from readback.backends.precision import build_numerics
 from readback.errors import ConfigError, choose, require, some_of
-from readback.numerics import DelayedScaling
-from readback.numerics.gemm import BF16_GEMMS
+from readback.numerics import MXFP8BlockScaling
 from readback.numerics.spec import ATTENTION_BWD, PRECISIONS
 from readback.ops import Numerics, numerics_for
 from readback.policy import POLICIES
@@ -43,26 +42,6 @@ FP8_ALIGNMENT = 16
 # transformers' Conv1D keeps its weight as (in, out); te.Linear holds (out, in) and would need a
 # transposed copy of it: a new Parameter and another state_dict layout.
 TE_CONV1D = "Conv1D's weight is (in, out): te.Linear would need a transposed copy of it (not the same Parameter)"
-
-
-def _recipe_defaults() -> dict[str, Any]:
-    """convert's ``precision`` defaults: those of readback's recipe (``DelayedScaling()``, which
-    are Transformer Engine's and the ``precision`` group's), rounding to nearest, no BF16 sites,
-    BF16 GEMMs as FP32 GEMMs of BF16 values."""
-    d = DelayedScaling()
-    return {
-        "recipe": "delayed",
-        "fp8_format": d.fp8_format.name,
-        "margin": d.margin,
-        "interval": d.interval,
-        "amax_history_len": d.amax_history_len,
-        "amax_compute_algo": d.amax_compute_algo,
-        "override_linear_precision": list(d.override_linear_precision),
-        "rounding": "nearest",
-        "bf16_layers": [],
-        "accumulation": "native",
-        "bf16_gemm": BF16_GEMMS[0],
-    }
 
 
 @dataclass
@@ -135,9 +114,7 @@ def _numerics(precision, policy: str, attention_bwd: str, seed: int) -> Numerics
     keys = [f.name for f in dataclasses.fields(schema) if f.name != "name"]
     for key in precision:
         choose("precision", key, keys)
-    values = {"name": name, **{k: v for k, v in _recipe_defaults().items() if k in keys}, **precision}
-    if values.get("recipe") == "mxfp8":  # readback's ops scale per tensor; a converted model has no TE-only path
-        raise ConfigError("precision.recipe", "mxfp8", "delayed, current (convert scales per tensor)")
+    values = {"name": name, **precision}  # the schema holds the defaults
     try:
         node = OmegaConf.merge(OmegaConf.structured(schema), values)  # types
     except ValidationError as error:
@@ -232,6 +209,9 @@ def convert(
     filter = tuple(filter)
     _check_filter(model, filter)
     numerics = precision if isinstance(precision, Numerics) else _numerics(precision, policy, attention_bwd, seed)
+    if backend == "emulated" and isinstance(numerics.recipe, MXFP8BlockScaling):
+        per_tensor = 'delayed, current (readback\'s ops scale per tensor; mxfp8 with backend="te")'
+        raise ConfigError("precision.recipe", "mxfp8", per_tensor)
     report = ConvertReport(numerics)
     parts: ConvertParts | TEConverter
     if backend == "te":

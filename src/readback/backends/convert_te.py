@@ -16,27 +16,18 @@ import torch
 import torch.nn as nn
 
 from readback.backends.converted import eps_of
-from readback.backends.precision import Fp8Precision
 from readback.backends.te import _te as te_modules
 from readback.backends.te import check_available, fp8_autocast, make_recipe
 from readback.backends.te_facts import installed_te_version
 from readback.backends.te_recipe import te_recipe_plan
 from readback.errors import ConfigError
-from readback.numerics import DelayedScaling
 from readback.numerics.state import Numerics
 
 
 def te_recipe(numerics: Numerics) -> Any:
-    """TE's recipe object for readback's FP8 recipe (None without FP8), from the mapping a
+    """TE's recipe object for ``numerics``' recipe (None without FP8), from the mapping a
     ``backend=te`` run uses (``te_recipe.te_recipe_plan``): the same refusals, the same pins."""
-    return make_recipe(te_recipe_plan(_precision_settings(numerics)), installed_te_version())
-
-
-def _precision_settings(numerics: Numerics) -> Fp8Precision | None:
-    """The ``precision`` group's FP8 settings that ``numerics`` was built from (``None``: no FP8).
-    Under current scaling the delayed-only fields keep ``DelayedScaling``'s values, unread."""
-    r = numerics.recipe
-    if numerics.precision != "fp8" or r is None:  # FP8 Numerics always have a recipe
+    if numerics.precision != "fp8":
         return None
     if set(numerics.spec.accumulation) != {"native"}:
         raise ConfigError(
@@ -44,21 +35,7 @@ def _precision_settings(numerics: Numerics) -> Fp8Precision | None:
             numerics.spec.accumulation,
             "native with backend=te (Transformer Engine's GPU accumulates as it does)",
         )
-    delayed = r if isinstance(r, DelayedScaling) else DelayedScaling()
-    return Fp8Precision(
-        name="fp8",
-        recipe="delayed" if r is delayed else "current",
-        fp8_format=r.fp8_format.name,
-        margin=r.margin,
-        interval=delayed.interval,
-        amax_history_len=delayed.amax_history_len,
-        amax_compute_algo=delayed.amax_compute_algo,
-        override_linear_precision=list(r.override_linear_precision),
-        rounding=numerics.rounding,
-        bf16_layers=[],
-        accumulation="native",
-        bf16_gemm=numerics.spec.bf16_gemm,
-    )
+    return make_recipe(te_recipe_plan(numerics.recipe, numerics.rounding), installed_te_version())
 
 
 class TEConverter:

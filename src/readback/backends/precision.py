@@ -2,52 +2,79 @@
 ``readback.convert`` accepts them from Python (one set of types, ranges and error words for both);
 ``build_numerics``, a run's ``Numerics`` from its checked config.
 
-It sits with the backends because the recipes it names are Transformer Engine's
-(``backends.te_recipe.RECIPES``); ``readback.config`` registers it with the other groups.
+It sits with the backends because ``readback.convert`` checks its arguments with it;
+``readback.config`` registers it with the other groups.
 ``policy`` and ``attention``, the other groups ``build_numerics`` reads, live here too.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from omegaconf import MISSING
-
-from readback.backends.te_recipe import RECIPES
 from readback.errors import ConfigError, require
 from readback.fields import Checked, integer, items, one_of
-from readback.numerics import AMAX_COMPUTE_ALGOS, ROUNDINGS, CurrentScaling, DelayedScaling, Format, FP8Format
+from readback.numerics import AMAX_COMPUTE_ALGOS, RECIPES, ROUNDINGS, DelayedScaling, Format, FP8Format, ScalingRecipe
 from readback.numerics.gemm import BF16_GEMMS
 from readback.numerics.spec import ACCUMULATIONS, ATTENTION_BWD, ATTENTION_BWD_READS, PRECISIONS, resolve_accumulation
 from readback.numerics.spike import AmaxSpike
 from readback.ops import Numerics, numerics_for
 from readback.policy import POLICIES
 
+# The recipe fields' defaults: Transformer Engine's default recipe, as numerics.scaling declares it.
+TE_DEFAULT = DelayedScaling()
+
 
 @dataclass
 class Precision(Checked):
     KEY = "precision"
     name: str = one_of(PRECISIONS[:2])  # "off" is for reference computations, not runs
-    bf16_gemm: str = one_of(BF16_GEMMS)
+    # The BF16 GEMMs (bf16_layers, a BF16 attention backward) off CUDA: fp32 (an FP32 GEMM of the
+    # BF16 values, rounded once to BF16: FP32 speed on any CPU) | native (torch's BF16 GEMM).
+    bf16_gemm: str = one_of(BF16_GEMMS, default=BF16_GEMMS[0])
 
 
 @dataclass
 class Fp8Precision(Precision):
-    recipe: str = one_of(RECIPES)
-    fp8_format: str = one_of(f.name for f in Format)
-    margin: int = integer(minimum=0)
-    interval: int = integer()
-    amax_history_len: int = integer()
-    amax_compute_algo: str = one_of(AMAX_COMPUTE_ALGOS)
-    override_linear_precision: list[bool] = items("three booleans [fprop, dgrad, wgrad]", lambda v: len(v) == 3)
-    rounding: str = one_of(ROUNDINGS)
-    bf16_layers: list[str] = MISSING  # checked against the model's layers in config.cross_group
-    site_margin: Any = None  # {site pattern: k} (untyped: Hydra replaces the whole mapping); see bf16_layers
-    accumulation: str = one_of(ACCUMULATIONS)
-    accumulation_gemms: Any = None  # {fprop | dgrad | wgrad: fast | split | ieee}, over accumulation's
-    amax_spike: Any = None  # {site: pattern, step: t, k: k} (untyped, as site_margin); see amax_spike_of
+    """The FP8 settings, in Transformer Engine's recipe vocabulary. ``recipe`` names the recipe's
+    class (``numerics.RECIPES``) and the next six fields are its fields, with its defaults (one
+    ``fp8_format`` default for every recipe: TE's MXFP8 recipe alone defaults to E4M3);
+    ``scaling_recipe`` makes the one recipe object that the emulation and the TE mapping read."""
+
+    recipe: str = one_of(RECIPES, default=TE_DEFAULT.KEY)
+    fp8_format: str = one_of((f.name for f in Format), default=TE_DEFAULT.fp8_format.name)  # HYBRID: E4M3 fwd, E5M2 bwd
+    margin: int = integer(minimum=0, default=TE_DEFAULT.margin)
+    interval: int = integer(default=TE_DEFAULT.interval)  # delayed: recompute the scale every `interval` steps
+    amax_history_len: int = integer(default=TE_DEFAULT.amax_history_len)
+    amax_compute_algo: str = one_of(AMAX_COMPUTE_ALGOS, default=TE_DEFAULT.amax_compute_algo)
+    override_linear_precision: list[bool] = items(  # (fprop, dgrad, wgrad): true = high precision
+        "three booleans [fprop, dgrad, wgrad]", lambda v: len(v) == 3, list(TE_DEFAULT.override_linear_precision)
+    )
+    rounding: str = one_of(ROUNDINGS, default="nearest")  # the forward's roundings: nearest | stochastic
+    # Sites kept in BF16 (name prefixes), checked against the model's layers in config.cross_group.
+    bf16_layers: list[str] = dataclasses.field(default_factory=list)
+    # Extra margin per site pattern, e.g. {attn.core.output: 14}: scale / 2**k at matched sites
+    # (untyped: Hydra replaces the whole mapping).
+    site_margin: Any = None
+    # The linears' FP8 GEMMs: native (the device's own: IEEE FP32 on the CPU, torch._scaled_mm's
+    # split on CUDA) | ieee | hopper (an H100's tensor cores, bit for bit: fast fprop, split dgrad
+    # and wgrad); accumulation_gemms overrides it per GEMM, e.g. {dgrad: fast}: fast | split | ieee.
+    accumulation: str = one_of(ACCUMULATIONS, default="native")
+    accumulation_gemms: Any = None
+    # An injected amax spike, e.g. {site: attn.core.output, step: 1000, k: 12}: the amax of step
+    # 1000 at matched sites x 2**k as it enters the history (delayed only), so the scale of steps
+    # 1001 .. 1000 + amax_history_len is lowered by it (untyped, as site_margin; see amax_spike_of).
+    amax_spike: Any = None
+
+    def scaling_recipe(self) -> ScalingRecipe:
+        """The one recipe object of these settings: ``precision.recipe``'s class with the fields
+        it has (a delayed-only field under another recipe is not read)."""
+        cls = RECIPES[self.recipe]
+        names = {f.name for f in dataclasses.fields(cls)}
+        fields = {f.name: getattr(self, f.name) for f in dataclasses.fields(DelayedScaling)}
+        return cls(**{k: v for k, v in fields.items() if k in names})
 
     def check(self) -> None:
         fmt = Format.parse(self.fp8_format)
@@ -145,23 +172,9 @@ def build_numerics(precision: Precision, policy: Policy, attention: Attention, s
             bf16_gemm=precision.bf16_gemm,
             attention_bwd_reads=attention.bwd_reads,
         )
-    fprop, dgrad, wgrad = p.override_linear_precision  # three, checked by the schema
-    fmt, override = Format.parse(p.fp8_format), (fprop, dgrad, wgrad)
-    recipe: DelayedScaling | CurrentScaling = (
-        DelayedScaling(
-            margin=p.margin,
-            interval=p.interval,
-            fp8_format=fmt,
-            amax_history_len=p.amax_history_len,
-            amax_compute_algo=p.amax_compute_algo,
-            override_linear_precision=override,
-        )
-        if p.recipe == "delayed"
-        else CurrentScaling(margin=p.margin, fp8_format=fmt, override_linear_precision=override)
-    )
     return numerics_for(
         precision=p.name,
-        recipe=recipe,
+        recipe=p.scaling_recipe(),
         policy=policy.name,
         attention_bwd=attention.bwd_precision,
         rounding=p.rounding,

@@ -20,7 +20,6 @@ model's checkpoint carries it; ``model.numerics`` holds the state of the sites r
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import functools
 import importlib.util
 import os
@@ -32,7 +31,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from readback.backends.precision import build_numerics, fp8_settings
+from readback.backends.precision import build_numerics
 from readback.backends.settings import ModelSettings
 from readback.backends.te_plan import IMPORT_TIME_ENV, TEPlan, site_implementations, te_plan
 from readback.backends.te_recipe import RECIPES, TERecipe
@@ -241,13 +240,10 @@ class TEParts(Parts):
         return fp8_autocast(enabled=True, recipe=self.recipe, group=group)
 
 
-def _readback_numerics(cfg: ModelSettings, plan: TEPlan) -> Numerics:
-    """readback's Numerics for the sites its ops own; per-tensor current scaling under mxfp8."""
-    precision = cfg.precision
-    p8 = fp8_settings(precision)
-    if p8 is not None and plan.readback_recipe not in (None, p8.recipe):
-        precision = dataclasses.replace(p8, recipe=plan.readback_recipe)
-    return build_numerics(precision, cfg.policy, cfg.attention, cfg.seed)
+def readback_numerics(cfg: ModelSettings) -> Numerics:
+    """The run's Numerics, the recipe object TE's recipe is made from; readback's ops read it for
+    the sites they own (per tensor under MXFP8: ``numerics.MXFP8BlockScaling``)."""
+    return build_numerics(cfg.precision, cfg.policy, cfg.attention, cfg.seed)
 
 
 def build_te_model(cfg: ModelSettings, device: str | torch.device = "cuda") -> FOG:
@@ -257,6 +253,6 @@ def build_te_model(cfg: ModelSettings, device: str | torch.device = "cuda") -> F
     plan = te_plan(cfg)
     apply_te_env(plan.env)
     _te()
-    numerics = _readback_numerics(cfg, plan)
+    numerics = readback_numerics(cfg)
     with torch.device(device):
         return FOG(fog_config(cfg.model), numerics, TEParts(numerics, plan, torch.device(device)))

@@ -21,7 +21,7 @@ from readback.backends.te_facts import (
     installed_hardware,
     installed_te_version,
 )
-from readback.backends.te_plan import TEPlan, te_plan
+from readback.backends.te_plan import te_plan
 
 
 @dataclass(frozen=True)
@@ -55,12 +55,6 @@ def planning_target() -> Target:
     return Target(version or PLANNING_TE, PLANNING_GPU if assumed_gpu else hardware, version is None, assumed_gpu)
 
 
-def _recipe(plan: TEPlan) -> str:
-    if plan.recipe is None:
-        return "none (FP8 off)"
-    return f"{plan.recipe}({', '.join(f'{k}={v}' for k, v in plan.recipe_kwargs.items())})"
-
-
 def dry_run_plan(cfg: ModelSettings) -> tuple[list[str], dict[str, Any]]:
     """The lines a dry run prints for ``cfg``'s ``backend=te`` plan, and the plan as a record for
     its summary. Raises ``ConfigError`` (one line) for what the target cannot run."""
@@ -70,7 +64,7 @@ def dry_run_plan(cfg: ModelSettings) -> tuple[list[str], dict[str, Any]]:
     lines = [
         f"backend=te plan for {target.describe()}:",
         f"  {target.assumptions()}",
-        f"  TE recipe: {_recipe(plan)}",
+        f"  TE recipe: {plan.te_recipe.describe() if plan.te_recipe else 'none (FP8 off)'}",
         f"  TE environment: {env}",
         *(f"  {site}: {implementation}" for site, implementation in plan.sites.items()),
     ]

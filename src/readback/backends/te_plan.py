@@ -25,7 +25,7 @@ The study's axes map onto TE where TE has a switch for them:
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from readback.backends.emulated import accumulations as readback_accumulations
@@ -48,8 +48,8 @@ PINNED_BACKEND = {"NVTE_FUSED_ATTN": "1", "NVTE_FLASH_ATTN": "0"}
 
 @dataclass(frozen=True)
 class TEPlan:
-    """``recipe`` (a class of ``transformer_engine.common.recipe``) with ``recipe_kwargs``
-    (``fp8_format`` as a ``Format`` member's name), or ``None`` under ``precision=bf16``;
+    """``te_recipe``: the Transformer Engine recipe to make (``recipe``, a class of
+    ``transformer_engine.common.recipe``, with ``recipe_kwargs``), or ``None`` under ``precision=bf16``;
     ``env``: the variables to set before Transformer Engine is imported; ``attention_core``:
     ``te`` or ``readback``; ``fp8_output``: the core hands its FP8 O8 to the projection
     (``forward(fp8_output=True)``); ``sites``: which implementation ran each site and which
@@ -58,18 +58,20 @@ class TEPlan:
     te_version: str | None
     hardware: Hardware
     fp8: bool
-    recipe: str | None
-    recipe_kwargs: dict[str, Any]
+    te_recipe: TERecipe | None
     env: dict[str, str]
     attention_core: str
     sites: dict[str, str]
-    readback_recipe: str | None = None  # per-tensor recipe of the readback ops under this plan
-    bf16_layers: tuple[str, ...] = field(default=())  # site prefixes whose GEMMs run without FP8
-    fp8_output: bool = False
+    bf16_layers: tuple[str, ...]  # site prefixes whose GEMMs run without FP8
+    fp8_output: bool
 
     @property
-    def te_recipe(self) -> TERecipe | None:
-        return TERecipe(self.recipe, self.recipe_kwargs) if self.recipe is not None else None
+    def recipe(self) -> str | None:
+        return self.te_recipe.name if self.te_recipe is not None else None
+
+    @property
+    def recipe_kwargs(self) -> dict[str, Any]:
+        return self.te_recipe.kwargs if self.te_recipe is not None else {}
 
     @property
     def te_attention(self) -> bool:
@@ -97,7 +99,7 @@ def te_plan(cfg: ModelSettings, te_version: str | None = INSTALLED, hardware: Ha
     fp8_mha = te_backend.fp8_mha if te_backend else False
     require(isinstance(fp8_mha, bool), "backend.fp8_mha", fp8_mha, "true or false")
     p8 = fp8_settings(p)
-    recipe = te_recipe_plan(p8, version, hw)
+    recipe = te_recipe_plan(p8.scaling_recipe(), p8.rounding, version, hw) if p8 is not None else None
     fp8 = p8 is not None
     recipe_key = p8.recipe if p8 is not None else None
 
@@ -135,17 +137,14 @@ def te_plan(cfg: ModelSettings, te_version: str | None = INSTALLED, hardware: Ha
         sites |= readback_accumulations("hopper", None)
         if attention is not None:
             sites["attention_core.accumulation"] = "cuDNN's own (not modelled)"
-    readback_recipe = None if not fp8 else ("current" if recipe_key == "mxfp8" else recipe_key)
     return TEPlan(
         version,
         hw,
         fp8,
-        recipe.name if recipe is not None else None,
-        recipe.kwargs if recipe is not None else {},
+        recipe,
         env,
         "te" if attention is not None else "readback",
         sites,
-        readback_recipe,
         bf16_layers,
         fp8_mha,
     )

@@ -1,4 +1,4 @@
-"""The one mapping of readback's ``precision`` settings onto a Transformer Engine recipe, for
+"""The one mapping of readback's recipe object onto a Transformer Engine recipe, for
 ``backend=te`` (``readback.backends.te_plan``) and ``convert(backend="te")``
 (``readback.backends.convert_te``) alike, with its refusals: a setting this TE cannot run on this
 GPU is refused in one line, never dropped. Like the plan, it never imports Transformer Engine.
@@ -6,9 +6,8 @@ GPU is refused in one line, never dropped. Like the plan, it never imports Trans
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any
 
 from readback.backends.te_facts import (
     INTERVAL_REMOVED,
@@ -21,34 +20,13 @@ from readback.backends.te_facts import (
     mxfp8_refusal,
     version_tuple,
 )
-from readback.errors import ConfigError, choose, require
+from readback.errors import ConfigError, require
+from readback.numerics import DelayedScaling, MXFP8BlockScaling, ScalingRecipe
 
 # precision.recipe -> Transformer Engine recipe class. ``mxfp8`` exists only for backend=te.
 RECIPES = {"delayed": "DelayedScaling", "current": "Float8CurrentScaling", "mxfp8": "MXFP8BlockScaling"}
 MIN_TE = (1, 13)
 INSTALLED: Any = object()  # default: what this machine has
-
-
-class RecipeSettings(Protocol):
-    """The ``precision`` group's FP8 fields this mapping reads: ``backends.precision.Fp8Precision``
-    has them (it sits above this module, whose ``RECIPES`` it names)."""
-
-    @property
-    def recipe(self) -> str: ...
-    @property
-    def fp8_format(self) -> str: ...
-    @property
-    def margin(self) -> int: ...
-    @property
-    def interval(self) -> int: ...
-    @property
-    def amax_history_len(self) -> int: ...
-    @property
-    def amax_compute_algo(self) -> str: ...
-    @property
-    def override_linear_precision(self) -> Sequence[bool]: ...
-    @property
-    def rounding(self) -> str: ...
 
 
 def _te_name(version: str | None) -> str:
@@ -62,6 +40,12 @@ class TERecipe:
 
     name: str
     kwargs: dict[str, Any]
+
+    def describe(self, only_true: tuple[str, ...] | None = None) -> str:
+        """``Name(key=value, ...)``, the call that makes it; ``only_true``: just those of its
+        switches that are on (a table's short form)."""
+        kwargs = self.kwargs if only_true is None else {k: v for k, v in self.kwargs.items() if k in only_true and v}
+        return f"{self.name}({', '.join(f'{k}={v}' for k, v in kwargs.items())})"
 
     def for_attention(self, fp8_dpa: bool, fp8_mha: bool) -> TERecipe:
         """This recipe with TE's FP8 attention switches set (the per-tensor recipes have them)."""
@@ -83,22 +67,22 @@ def resolve_target(te_version: str | None, hardware: Hardware) -> tuple[str | No
 
 
 def te_recipe_plan(
-    precision: RecipeSettings | None, te_version: str | None = INSTALLED, hardware: Hardware = INSTALLED
+    recipe: ScalingRecipe | None, rounding: str, te_version: str | None = INSTALLED, hardware: Hardware = INSTALLED
 ) -> TERecipe | None:
-    """The one mapping of readback's FP8 ``precision`` settings onto a Transformer Engine recipe,
-    for ``backend=te`` and for ``convert(backend="te")`` alike (``None`` without FP8; TE's FP8
+    """The one mapping of readback's recipe object (``Fp8Precision.scaling_recipe``, a run's
+    ``Numerics.recipe``) with the forward's ``rounding`` onto a Transformer Engine recipe, for
+    ``backend=te`` and for ``convert(backend="te")`` alike (``None`` without FP8; TE's FP8
     attention off, see ``TERecipe.for_attention``). Raises ``ConfigError`` (one line) for a
     setting this TE cannot run on this GPU, never dropping it."""
-    if precision is None:
+    if recipe is None:
         return None
     _, hw, vt, where = resolve_target(te_version, hardware)
-    recipe_key = _check_fp8_recipe(precision, vt, hw, where)
-    return TERecipe(RECIPES[recipe_key], _recipe_kwargs(precision, recipe_key, vt))
+    _check_fp8_recipe(recipe, rounding, vt, hw, where)
+    return TERecipe(RECIPES[recipe.KEY], _recipe_kwargs(recipe, vt))
 
 
-def _check_fp8_recipe(p: RecipeSettings, vt, hw: Hardware, where: str) -> str:
-    recipe_key = choose("precision.recipe", p.recipe, RECIPES)
-    rounding = p.rounding
+def _check_fp8_recipe(recipe: ScalingRecipe, rounding: str, vt, hw: Hardware, where: str) -> None:
+    recipe_key = recipe.KEY
     require(
         rounding == "nearest",
         "precision.rounding",
@@ -106,7 +90,7 @@ def _check_fp8_recipe(p: RecipeSettings, vt, hw: Hardware, where: str) -> str:
         "nearest (backend=te: Transformer Engine rounds to nearest and no library rounds to FP8 "
         "stochastically; use backend=emulated for stochastic rounding)",
     )
-    _refuse_unsupported_fields(p, recipe_key, vt, where)
+    _refuse_unsupported_fields(recipe, vt, where)
     since = SINCE.get(RECIPES[recipe_key])
     if vt is not None and since is not None and vt[:2] < since:
         raise ConfigError(
@@ -118,14 +102,14 @@ def _check_fp8_recipe(p: RecipeSettings, vt, hw: Hardware, where: str) -> str:
     if reason:
         key, value = ("precision", "fp8") if recipe_key != "mxfp8" else ("precision.recipe", "mxfp8")
         raise ConfigError(key, value, f"{'bf16' if key == 'precision' else 'delayed, current'} ({where}: {reason})")
-    return recipe_key
 
 
-def _refuse_unsupported_fields(p: RecipeSettings, recipe_key: str, vt: tuple[int, int, int] | None, where: str) -> None:
+def _refuse_unsupported_fields(recipe: ScalingRecipe, vt: tuple[int, int, int] | None, where: str) -> None:
     """Fields of readback's recipe that this Transformer Engine does not have, when they are set
     to anything but their default: refused, never dropped."""
-    interval = p.interval
-    if recipe_key == "delayed" and interval != 1:
+    recipe_key = recipe.KEY
+    if isinstance(recipe, DelayedScaling) and recipe.interval != 1:
+        interval = recipe.interval
         state = (
             "has no DelayedScaling.interval"
             if vt is None or vt[:2] >= INTERVAL_REMOVED
@@ -134,7 +118,7 @@ def _refuse_unsupported_fields(p: RecipeSettings, recipe_key: str, vt: tuple[int
         raise ConfigError(
             "precision.interval", interval, f"1 ({where} {state}; use backend=emulated to study interval)"
         )
-    override = [bool(b) for b in p.override_linear_precision]
+    override = list(recipe.override_linear_precision)
     if any(override):
         removed = vt is None or vt[:2] >= OVERRIDE_LINEAR_PRECISION_REMOVED
         if recipe_key != "delayed" or removed:
@@ -150,33 +134,33 @@ def _refuse_unsupported_fields(p: RecipeSettings, recipe_key: str, vt: tuple[int
                 override,
                 f"[false, false, false] or [false, false, true] ({where} overrides only the wgrad GEMM)",
             )
-    if recipe_key == "current" and p.margin != 0:
+    if recipe_key == "current" and recipe.margin != 0:
         raise ConfigError(
             "precision.margin",
-            p.margin,
+            recipe.margin,
             f"0 ({where}: Float8CurrentScaling has no margin; use backend=emulated for a margin under current scaling)",
         )
 
 
-def _recipe_kwargs(p: RecipeSettings, recipe_key: str, vt) -> dict[str, Any]:
+def _recipe_kwargs(recipe: ScalingRecipe, vt) -> dict[str, Any]:
     """TE's FP8 attention is off here (``fp8_dpa``, ``fp8_mha``); ``TERecipe.for_attention`` sets it."""
-    fmt = str(p.fp8_format).upper()
-    if recipe_key == "delayed":
+    fmt = recipe.fp8_format.name
+    kwargs: dict[str, Any]
+    if isinstance(recipe, DelayedScaling):
         kwargs = dict(
-            margin=int(p.margin),
+            margin=recipe.margin,
             fp8_format=fmt,
-            amax_history_len=int(p.amax_history_len),
-            amax_compute_algo=str(p.amax_compute_algo),
+            amax_history_len=recipe.amax_history_len,
+            amax_compute_algo=recipe.amax_compute_algo,
             fp8_dpa=False,
             fp8_mha=False,
         )
-        override = tuple(bool(b) for b in p.override_linear_precision)
-        if any(override):  # only reached on TE 1.x, with (False, False, True)
-            kwargs["override_linear_precision"] = override
-    elif recipe_key == "current":
-        kwargs = dict(fp8_format=fmt, fp8_dpa=False, fp8_mha=False)
+        if any(recipe.override_linear_precision):  # only reached on TE 1.x, with (False, False, True)
+            kwargs["override_linear_precision"] = recipe.override_linear_precision
+    elif isinstance(recipe, MXFP8BlockScaling):
+        kwargs = dict(fp8_format=fmt, **({"margin": recipe.margin} if recipe.margin else {}))
     else:
-        kwargs = dict(fp8_format=fmt, **({"margin": int(p.margin)} if int(p.margin) else {}))
+        kwargs = dict(fp8_format=fmt, fp8_dpa=False, fp8_mha=False)
     if vt is not None and vt[:2] >= SINCE["backward_override"]:
         # The field's default is NVTE_BACKWARD_OVERRIDE read at import: pinned, so the
         # environment cannot change what te.Linear's backward reads.

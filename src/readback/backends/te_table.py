@@ -53,13 +53,6 @@ ROWS = [
 ]
 
 
-def _recipe(plan) -> str:
-    if plan.recipe is None:
-        return "none (FP8 off)"
-    flags = [f"{k}=True" for k in ("fp8_dpa", "fp8_mha") if plan.recipe_kwargs.get(k)]
-    return f"`{plan.recipe}({', '.join(flags)})`"
-
-
 def _switches(plan) -> str:
     env = [f"`{k}={v}`" for k, v in plan.env.items() if k not in PINNED_BACKEND]
     if set(PINNED_BACKEND.items()) <= set(plan.env.items()):
@@ -97,7 +90,7 @@ def render(compose: Callable[[list[str]], ModelSettings]) -> str:
         qkv = ", ".join(s[f"attention_core.{g}"] for g in ("dK", "dQ", "dP"))  # Q, K, V
         cells = [
             label,
-            _recipe(plan),
+            f"`{plan.te_recipe.describe(only_true=('fp8_dpa', 'fp8_mha'))}`" if plan.te_recipe else "none (FP8 off)",
             _switches(plan),
             core,
             s["attention_core.D"],

@@ -8,10 +8,13 @@ from readback.numerics.gemm import GEMM_PRECISIONS, PRECISION_DTYPES, decoded, f
 from readback.numerics.rounding import ROUNDINGS, QTensor, pinned, quantize, round_bf16, round_stochastic
 from readback.numerics.scaling import (
     AMAX_COMPUTE_ALGOS,
+    RECIPES,
     CurrentScaling,
     CurrentScalingState,
     DelayedScaling,
     DelayedScalingState,
+    MXFP8BlockScaling,
+    ScalingRecipe,
     abs_max,
     compute_scale,
 )
@@ -23,6 +26,7 @@ __all__ = [
     "E5M2",
     "GEMM_PRECISIONS",
     "PRECISION_DTYPES",
+    "RECIPES",
     "ROUNDINGS",
     "BlockQTensor",
     "CurrentScaling",
@@ -32,8 +36,10 @@ __all__ = [
     "FP8Format",
     "Float8BlockQuantizer",
     "Format",
+    "MXFP8BlockScaling",
     "MXFP8Quantizer",
     "QTensor",
+    "ScalingRecipe",
     "abs_max",
     "compute_scale",
     "decoded",

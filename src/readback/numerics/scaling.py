@@ -7,7 +7,7 @@ delayed scaling, its amax history) and is what a checkpoint saves.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 
@@ -42,49 +42,79 @@ def compute_scale(
 
 
 @dataclass(frozen=True)
-class DelayedScaling:
-    """Scale from the amax history of earlier steps (Transformer Engine's default recipe).
+class ScalingRecipe:
+    """What every recipe has, with Transformer Engine's names and defaults: ``margin``, the
+    format pair, and ``override_linear_precision`` = (fprop, dgrad, wgrad), True running that
+    GEMM in high precision (TE 1.x's field; the TE mapping refuses what its TE lacks).
 
-    ``interval`` keeps its Transformer Engine 1.x meaning: the scale is recomputed every
-    ``interval`` steps, while the history is updated every step.
-    ``override_linear_precision`` = (fprop, dgrad, wgrad); True runs that GEMM in high precision.
+    A recipe is the one object of a run's scaling, from the config (``precision.recipe`` names
+    its class in ``RECIPES``, the fields keep their names) to the emulated kernels and to TE's
+    recipe (``backends.te_recipe``); its defaults are declared here and nowhere else.
     """
 
+    KEY: ClassVar[str]
     margin: int = 0
-    interval: int = 1
     fp8_format: Format = Format.HYBRID
-    amax_history_len: int = 1024
-    amax_compute_algo: str = "max"
     override_linear_precision: tuple[bool, bool, bool] = (False, False, False)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "fp8_format", Format.parse(self.fp8_format))
         object.__setattr__(self, "override_linear_precision", tuple(bool(b) for b in self.override_linear_precision))
+        if len(self.override_linear_precision) != 3:
+            raise ValueError("override_linear_precision is (fprop, dgrad, wgrad): three booleans")
+
+    def new_state(self, fmt: FP8Format) -> DelayedScalingState | CurrentScalingState:
+        """One tensor's scaling state: scaled by its own amax when it is quantised, unless the
+        recipe keeps a history (``DelayedScaling``)."""
+        return CurrentScalingState(self, fmt)
+
+
+@dataclass(frozen=True)
+class DelayedScaling(ScalingRecipe):
+    """Scale from the amax history of earlier steps (Transformer Engine's default recipe).
+
+    ``interval`` keeps its Transformer Engine 1.x meaning: the scale is recomputed every
+    ``interval`` steps, while the history is updated every step.
+    """
+
+    KEY = "delayed"
+    interval: int = 1
+    amax_history_len: int = 1024
+    amax_compute_algo: str = "max"
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
         if self.amax_compute_algo not in AMAX_COMPUTE_ALGOS:
             raise ValueError(f"amax_compute_algo={self.amax_compute_algo!r}; valid: {list(AMAX_COMPUTE_ALGOS)}")
         if self.interval < 1 or self.amax_history_len < 1:
             raise ValueError("interval and amax_history_len must be >= 1")
-        if len(self.override_linear_precision) != 3:
-            raise ValueError("override_linear_precision is (fprop, dgrad, wgrad): three booleans")
 
     def new_state(self, fmt: FP8Format) -> DelayedScalingState:
         return DelayedScalingState(self, fmt)
 
 
 @dataclass(frozen=True)
-class CurrentScaling:
+class CurrentScaling(ScalingRecipe):
     """Scale from this tensor's own amax, computed when it is quantized."""
 
-    margin: int = 0
-    fp8_format: Format = Format.HYBRID
-    override_linear_precision: tuple[bool, bool, bool] = (False, False, False)
+    KEY = "current"
 
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "fp8_format", Format.parse(self.fp8_format))
-        object.__setattr__(self, "override_linear_precision", tuple(bool(b) for b in self.override_linear_precision))
 
-    def new_state(self, fmt: FP8Format) -> CurrentScalingState:
-        return CurrentScalingState(self, fmt)
+@dataclass(frozen=True)
+class MXFP8BlockScaling(ScalingRecipe):
+    """Transformer Engine's MXFP8 recipe: an E8M0 scale per 32 elements (``blockscale.MXFP8Quantizer``),
+    TE's linears only (``backend=te``; the config refuses it on the emulated backend).
+
+    readback's own ops do not scale by blocks: the sites they own in such a run (its attention
+    core) scale per tensor from their own amax, as ``CurrentScaling`` does (``new_state``).
+    """
+
+    KEY = "mxfp8"
+    fp8_format: Format = Format.E4M3  # TE's default here: E4M3 for the gradients too
+
+
+# precision.recipe -> the recipe's class
+RECIPES: dict[str, type[ScalingRecipe]] = {r.KEY: r for r in (DelayedScaling, CurrentScaling, MXFP8BlockScaling)}
 
 
 class DelayedScalingState:
@@ -148,7 +178,7 @@ class DelayedScalingState:
 class CurrentScalingState:
     """Scale of the tensor being quantized now; keeps the last scale as the fallback."""
 
-    def __init__(self, recipe: CurrentScaling, fmt: FP8Format):
+    def __init__(self, recipe: ScalingRecipe, fmt: FP8Format):
         self.recipe, self.fmt = recipe, fmt
         self.scale = torch.ones(())
 

@@ -15,7 +15,7 @@ from types import MappingProxyType
 from readback.numerics.accumulation import MODES as ACCUMULATION_MODES
 from readback.numerics.gemm import BF16_GEMMS, GEMM_PRECISIONS
 from readback.numerics.rounding import ROUNDINGS
-from readback.numerics.scaling import CurrentScaling, DelayedScaling
+from readback.numerics.scaling import DelayedScaling, ScalingRecipe
 from readback.numerics.spike import AmaxSpike
 
 PRECISIONS = ("fp8", "bf16", "off")
@@ -80,7 +80,7 @@ class NumericsSpec:
     flavour other than ``forward`` reads operands that are no FP8 codes: no FP8 backward."""
 
     precision: str
-    recipe: DelayedScaling | CurrentScaling | None
+    recipe: ScalingRecipe | None
     policy: str
     reads: Reads
     attention_bwd: str = "fp8"

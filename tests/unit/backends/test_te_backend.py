@@ -23,6 +23,7 @@ from readback.errors import ConfigError
 from readback.model import ActivationStats
 from readback.model.fog import AttentionCore
 from readback.model.fog import Linear as ReadbackLinear
+from readback.numerics import E4M3, CurrentScalingState, MXFP8BlockScaling
 from toys import REPO
 from toys import config as typed_config
 
@@ -201,9 +202,12 @@ def test_a_linear_read_rule_te_has_no_switch_for_is_refused(monkeypatch):
 
 
 def test_mxfp8_is_te_only_with_readback_attention_on_per_tensor_scaling():
-    plan = te_plan(config("reuse_rounded", "precision.recipe=mxfp8"), TE2, B200)
+    cfg = config("reuse_rounded", "precision.recipe=mxfp8")
+    plan = te_plan(cfg, TE2, B200)
     assert plan.recipe == "MXFP8BlockScaling" and plan.recipe_kwargs == dict(fp8_format="HYBRID")
-    assert plan.attention_core == "readback" and plan.readback_recipe == "current"
+    recipe = te_backend.readback_numerics(cfg).recipe  # the one recipe object, read by readback's sites too
+    assert plan.attention_core == "readback" and isinstance(recipe, MXFP8BlockScaling)
+    assert isinstance(recipe.new_state(E4M3), CurrentScalingState)  # readback's own ops scale per tensor
     with_margin = te_plan(config("reuse_rounded", "precision.recipe=mxfp8", "precision.margin=2"), TE2)
     assert with_margin.recipe_kwargs["margin"] == 2
 
@@ -491,7 +495,7 @@ def _stand_in_model(cfg):
     from readback.model import FOG, fog_config
 
     plan = te_plan(cfg, TE2)
-    numerics = te_backend._readback_numerics(cfg, plan)
+    numerics = te_backend.readback_numerics(cfg)
     torch.manual_seed(0)
     return FOG(fog_config(cfg.model), numerics, te_backend.TEParts(numerics, plan, "cpu"))
 

@@ -7,6 +7,7 @@ Runs without Transformer Engine: its recipe classes are stand-ins that record th
 
 from __future__ import annotations
 
+import dataclasses
 import types
 
 import pytest
@@ -16,6 +17,8 @@ from readback.backends import te as te_backend
 from readback.backends.precision import build_numerics
 from readback.backends.te_facts import Hardware
 from readback.errors import ConfigError
+from readback.numerics import DelayedScaling
+from toys import REPO
 from toys import config as compose
 
 H100 = Hardware((9, 0), (9, 13, 0))
@@ -71,18 +74,18 @@ def test_converted_model_gets_the_fog_runs_te_recipe(monkeypatch, overrides, ver
 
 
 def test_converted_recipe_pins_backward_override_from_te_2_15():
-    recipe = te_recipe.te_recipe_plan(compose("+experiment=fresh_reround").precision, "2.15.0", H100)
+    recipe = te_recipe.te_recipe_plan(DelayedScaling(), "nearest", "2.15.0", H100)
     assert recipe is not None and recipe.kwargs["backward_override"] is None
-    older = te_recipe.te_recipe_plan(compose("+experiment=fresh_reround").precision, "2.14.0", H100)
+    older = te_recipe.te_recipe_plan(DelayedScaling(), "nearest", "2.14.0", H100)
     assert older is not None and "backward_override" not in older.kwargs
 
 
 def test_mxfp8_recipe_is_block_scaling_where_the_gpu_has_it():
     precision = compose("+experiment=fresh_reround", "backend=te", "precision.recipe=mxfp8").precision
-    recipe = te_recipe.te_recipe_plan(precision, "2.8.0", B200)
+    recipe = te_recipe.te_recipe_plan(precision.scaling_recipe(), precision.rounding, "2.8.0", B200)
     assert recipe == te_recipe.TERecipe("MXFP8BlockScaling", {"fp8_format": "HYBRID"})
     with pytest.raises(ConfigError, match=r"^precision.recipe='mxfp8' is not valid"):
-        te_recipe.te_recipe_plan(precision, "2.8.0", H100)
+        te_recipe.te_recipe_plan(precision.scaling_recipe(), precision.rounding, "2.8.0", H100)
 
 
 def test_convert_refuses_block_scaling_instead_of_running_per_tensor_current_scaling():
@@ -92,3 +95,38 @@ def test_convert_refuses_block_scaling_instead_of_running_per_tensor_current_sca
 
     with pytest.raises(ConfigError, match=r"^precision.recipe='mxfp8' is not valid; valid: delayed, current"):
         convert(nn.Sequential(nn.Linear(16, 16)), precision={"recipe": "mxfp8"})
+
+
+@pytest.mark.parametrize("overrides", [("precision.recipe=mxfp8",), ("precision.recipe=mxfp8", "precision.margin=1")])
+def test_the_numerics_of_an_mxfp8_te_run_give_convert_the_same_block_scaling_recipe(monkeypatch, overrides):
+    """One recipe object from the config to the kernel: the ``Numerics`` that ``backend=te`` builds
+    under MXFP8 carries MXFP8, so ``convert(backend="te")`` given it makes TE's MXFP8 recipe too,
+    never the per-tensor stand-in that readback's own ops scale with."""
+    monkeypatch.setattr(te_backend, "_TE", (types.SimpleNamespace(), _recording_recipes()))
+    for module in (te_facts, te_recipe):
+        monkeypatch.setattr(module, "installed_te_version", lambda: "2.8.0")
+        monkeypatch.setattr(module, "installed_hardware", lambda: B200)
+    cfg = compose("+experiment=fresh_reround", "backend=te", *overrides)
+    plan = te_plan.te_plan(cfg, "2.8.0", B200)
+
+    fog = _built(lambda: te_backend.make_recipe(plan.te_recipe, "2.8.0"))
+    converted = _built(lambda: convert_te.te_recipe(te_backend.readback_numerics(cfg)))
+    assert fog[0] == "MXFP8BlockScaling" and converted == fog
+
+
+def test_the_recipe_defaults_are_declared_once_by_the_recipe_object():
+    """A run's config, ``convert`` and the recipe dataclass agree because only the dataclass
+    holds the defaults: the YAML file sets no recipe field and convert restates none."""
+    import torch.nn as nn
+    import yaml
+
+    from readback import convert
+    from readback.numerics import RECIPES, Format, MXFP8BlockScaling
+
+    assert compose().precision.scaling_recipe() == DelayedScaling()
+    assert convert(nn.Sequential(nn.Linear(16, 16)), "fp8").numerics.recipe == DelayedScaling()
+    recipe_fields = {f.name for cls in RECIPES.values() for f in dataclasses.fields(cls)} | {"recipe"}
+    for group in ("fp8", "bf16"):
+        keys = set(yaml.safe_load((REPO / "conf" / "precision" / f"{group}.yaml").read_text()))
+        assert not keys & recipe_fields and keys <= {"defaults", "name", "bf16_layers"}, keys
+    assert MXFP8BlockScaling().fp8_format is Format.E4M3  # TE's own default for this recipe
