@@ -114,14 +114,8 @@ def measure_bias(model, batches, which: list[Variant] | None = None, dtype=torch
                 gemm_k = gemm_k or gemm_sizes(tape)
                 reference = reference_gradients(model, params, tape, x, y, dtype)
             references.append(reference)
-            for v in which:
-                with numerics.isolated(salt), applied(numerics, v):
-                    v_loss, _ = _backward(model, params, x, y)
-                    if not torch.equal(v_loss, loss):
-                        raise RuntimeError(f"variant {v.name}: forward differs from the executed one")
-                    errors[v.name].append(
-                        {n: p.grad.double() - reference[n] for n, p in params.items() if n in reference}
-                    )
+            for name, error in variant_errors(model, params, (x, y), loss, reference, which, salt).items():
+                errors[name].append(error)
     finally:
         for n, p in params.items():
             p.grad = saved_grads[n]
@@ -143,6 +137,20 @@ def measure_bias(model, batches, which: list[Variant] | None = None, dtype=torch
         o_rounding=o_rounding.summary(),
         gemm_k=gemm_k,
     )
+
+
+def variant_errors(model, params, batch, loss, reference, which: list[Variant], salt: str) -> dict[str, dict]:
+    """``{variant: {parameter: g_variant - reference}}`` on one batch, each variant's backward
+    under the random streams of ``salt``; its forward must give the executed ``loss`` bit for bit
+    (the forward draws nothing at random unless the forward rounds stochastically)."""
+    out = {}
+    for v in which:
+        with model.numerics.isolated(salt), applied(model.numerics, v):
+            v_loss, _ = _backward(model, params, *batch)
+            if not torch.equal(v_loss, loss):
+                raise RuntimeError(f"variant {v.name}: forward differs from the executed one")
+            out[v.name] = {n: p.grad.double() - reference[n] for n, p in params.items() if n in reference}
+    return out
 
 
 def gemm_sizes(tape: list) -> dict[str, dict[str, int]]:
