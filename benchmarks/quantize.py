@@ -16,12 +16,12 @@ from readback.numerics import E4M3, quantize
 from timing import median_ms
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--size", type=int, default=4096, help="the tensor is size x size FP32")
     parser.add_argument("--repeats", type=int, default=10, help="timed runs per case (median reported)")
     parser.add_argument("--seed", type=int, default=0)
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
 
     x = torch.randn(args.size, args.size, generator=torch.Generator().manual_seed(args.seed))
     scale = torch.tensor(E4M3.max / 4.0)  # amax of a normal sample is about 4-5 sigma: some saturate

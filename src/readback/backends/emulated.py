@@ -8,9 +8,20 @@ from readback.backends.precision import fp8_settings
 from readback.backends.settings import ModelSettings
 from readback.numerics.spec import GEMMS, in_bf16_layers, resolve_accumulation
 from readback.ops import read_rules
+from readback.ops.attention import READ_OPERANDS
 
-# attention gradient -> the forward tensor it reads (dO is every gradient's other operand)
-READ_OPERANDS = {"D": "O", "dQ": "K", "dK": "Q", "dV": "P", "dP": "V", "dS": "P"}
+# FOG's sites, in model order, and readback's code that runs each; backend=te and model=hf name
+# theirs where they run something else.
+READBACK_SITES = {
+    "embedding": "torch.nn.functional.embedding",
+    "linear": "readback.ops.linear",
+    "attn_proj": "readback.ops.linear",
+    "attention_core": "readback.ops.attention",
+    "norm": "readback.ops.norm",
+    "qk_norm": "readback.ops.norm (frozen gain)",
+    "activation": "readback.ops.activation.xielu",
+    "lm_head": "readback.ops.linear",
+}
 _READ_LABELS = {
     "rounded": "rounded {}",
     "original": "original {}",
@@ -33,14 +44,8 @@ def site_implementations(cfg: ModelSettings) -> dict[str, str]:
     head_bf16 = p is None or in_bf16_layers("lm_head", p.bf16_layers)
     tied = " (tied embedding)" if cfg.model.tied else ""
     return {
-        "embedding": "torch.nn.functional.embedding",
-        "linear": "readback.ops.linear",
-        "attn_proj": "readback.ops.linear",
-        "attention_core": "readback.ops.attention",
-        "norm": "readback.ops.norm",
-        "qk_norm": "readback.ops.norm (frozen gain)",
-        "activation": "readback.ops.activation.xielu",
-        "lm_head": f"readback.ops.linear{tied}" + (" in BF16" if head_bf16 else ""),
+        **READBACK_SITES,
+        "lm_head": READBACK_SITES["lm_head"] + tied + (" in BF16" if head_bf16 else ""),
         **attention_reads(cfg.policy.name, cfg.attention.bwd_reads),
         **({} if p is None else accumulations(p.accumulation, p.accumulation_gemms)),
     }

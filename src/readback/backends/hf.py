@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from omegaconf import MISSING
 
 from readback.backends.convert import ConvertReport, convert
+from readback.backends.emulated import READBACK_SITES, attention_reads
 from readback.backends.precision import build_numerics
 from readback.backends.settings import ModelSettings
 from readback.errors import ConfigError
@@ -124,24 +125,20 @@ def build_hf_model(cfg: ModelSettings, device: str | torch.device = "cpu") -> HF
 
 def site_implementations(cfg: ModelSettings) -> dict[str, str]:
     """``{site: implementation}`` of a ``model=hf`` run, for the run's summary."""
-    from readback.backends.emulated import attention_reads
-
     m = hf_model(cfg)
-    filtered = ", ".join(m.filter)
     if cfg.backend.name == "te":
-        return {
-            "model": f"transformers {m.architecture}",
+        sites = {
             "linear": "transformer_engine.pytorch.Linear",
             "norm": "transformer_engine.pytorch.RMSNorm",
             "attention_core": "torch SDPA",
-            "left_in_high_precision": filtered,
         }
-    return {
-        "model": f"transformers {m.architecture}",
-        "linear": "readback.ops.linear",
-        "norm": "readback.ops.norm",
-        "attention_core": "readback.ops.attention (routed SDPA)",
-        "embedding": "torch.nn.Embedding",
-        "left_in_high_precision": filtered,
-        **attention_reads(cfg.policy.name, cfg.attention.bwd_reads),
-    }
+        reads: dict[str, str] = {}
+    else:
+        sites = {
+            "linear": READBACK_SITES["linear"],
+            "norm": READBACK_SITES["norm"],
+            "attention_core": READBACK_SITES["attention_core"] + " (routed SDPA)",
+            "embedding": "torch.nn.Embedding",
+        }
+        reads = attention_reads(cfg.policy.name, cfg.attention.bwd_reads)
+    return {"model": f"transformers {m.architecture}", **sites, "left_in_high_precision": ", ".join(m.filter), **reads}

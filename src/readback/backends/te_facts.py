@@ -157,16 +157,9 @@ def fp8_attention_refusal(
 
 
 def te_attention_reads(o_read: str, qkv: str) -> dict[str, str]:
-    """What TE's attention backward reads (backends.py ``FusedAttnFunc.forward``, v2.8 and 2.20):
-    O as given; Q, K, V rounded (``qkv="8"``, FP8 backward) or the original BF16 ones (BF16
-    backward); P recomputed by cuDNN from them and the saved softmax statistics."""
+    """What TE's attention backward reads of each forward value (backends.py
+    ``FusedAttnFunc.forward``, v2.8 and 2.20): O as given; Q, K, V rounded (``qkv="8"``, FP8
+    backward) or the original BF16 ones (BF16 backward); P recomputed by cuDNN from them and the
+    saved softmax statistics."""
     qkv_read = "rounded {}8" if qkv else "original {} (BF16)"
-    p_read = f"P recomputed from Q{qkv}, K{qkv} (cuDNN)"
-    return {
-        "attention_core.D": o_read,
-        "attention_core.dQ": qkv_read.format("K"),
-        "attention_core.dK": qkv_read.format("Q"),
-        "attention_core.dV": p_read,
-        "attention_core.dP": qkv_read.format("V"),
-        "attention_core.dS": p_read,
-    }
+    return {"O": o_read, **{x: qkv_read.format(x) for x in "QKV"}, "P": f"P recomputed from Q{qkv}, K{qkv} (cuDNN)"}

@@ -28,6 +28,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from readback.backends.emulated import READBACK_SITES
 from readback.backends.emulated import accumulations as readback_accumulations
 from readback.backends.emulated import attention_reads as readback_attention_reads
 from readback.backends.precision import fp8_settings
@@ -36,6 +37,7 @@ from readback.backends.te_facts import SINCE, Hardware, fp8_attention_refusal, t
 from readback.backends.te_recipe import INSTALLED, RECIPES, TERecipe, resolve_target, te_recipe_plan
 from readback.errors import ConfigError, choose, require
 from readback.numerics.spec import in_bf16_layers
+from readback.ops.attention import READ_OPERANDS
 from readback.ops.linear import READS as LINEAR_READS
 
 # Read by Transformer Engine when it is imported, not when attention runs (pytorch/attention/
@@ -123,7 +125,7 @@ def te_plan(cfg: ModelSettings, te_version: str | None = INSTALLED, hardware: Ha
     env, attention_label, attention_reads = (
         attention
         if attention is not None
-        else ({}, "readback.ops.attention", readback_attention_reads(policy, bwd_reads))
+        else ({}, READBACK_SITES["attention_core"], readback_attention_reads(policy, bwd_reads))
     )
     if attention is not None:
         env = {**env, **PINNED_BACKEND}
@@ -214,7 +216,11 @@ def _te_attention(fp8: bool, recipe: str | None, policy: str, bwd: str, bwd_read
         # BF16 kernels compute D = rowsum(dO * O) from the BF16 O the projection multiplied.
         if policy not in ("exact", "reuse_rounded"):
             return None
-        return {}, "te.DotProductAttention(bf16)", te_attention_reads("O (BF16, as the projection multiplied it)", "")
+        return (
+            {},
+            "te.DotProductAttention(bf16)",
+            _gradient_reads(te_attention_reads("O (BF16, as the projection multiplied it)", "")),
+        )
     dpa_bwd = "1" if bwd == "fp8" else "0"
     if recipe == "delayed" and policy == "reuse_rounded":
         o_read = "O8 (the core's output_fp8)" if bwd == "fp8" else "O8 dequantised to BF16"
@@ -228,12 +234,17 @@ def _te_attention(fp8: bool, recipe: str | None, policy: str, bwd: str, bwd_read
     else:
         return None
     label = f"te.DotProductAttention(fp8_dpa; {RECIPES[recipe]}; " + "; ".join(f"{k}={v}" for k, v in env.items()) + ")"
-    return env, label, te_attention_reads(o_read, "8" if bwd == "fp8" else "")
+    return env, label, _gradient_reads(te_attention_reads(o_read, "8" if bwd == "fp8" else ""))
+
+
+def _gradient_reads(reads: dict[str, str]) -> dict[str, str]:
+    """``{"attention_core.<gradient>": what it reads}`` from what TE reads of each forward value."""
+    return {f"attention_core.{g}": reads[x] for g, x in READ_OPERANDS.items()}
 
 
 def _projection_label(te_attention: bool, recipe_key: str | None, fp8_mha: bool) -> str:
     if not te_attention:
-        return "readback.ops.linear (multiplies the core's O8 as is)"
+        return READBACK_SITES["attn_proj"] + " (multiplies the core's O8 as is)"
     if fp8_mha:
         return "te.Linear (multiplies the core's O8: fp8_output=True)"
     if recipe_key == "delayed":
@@ -247,17 +258,16 @@ def _sites(
     tied = cfg.model.tied
     head_bf16 = _lm_head_bf16(fp8, bf16_layers)
     if tied:
-        lm_head = "torch BF16 matmul (tied embedding)" if head_bf16 else "readback.ops.linear (tied embedding)"
+        lm_head = "torch BF16 matmul (tied embedding)" if head_bf16 else READBACK_SITES["lm_head"] + " (tied embedding)"
     else:
         lm_head = "te.Linear (FP8 off)" if head_bf16 and fp8 else "te.Linear"
     return {
-        "embedding": "torch.nn.functional.embedding",
+        **READBACK_SITES,
         "linear": linear,
         "attn_proj": proj,
         "attention_core": attention_label,
         "norm": "te.RMSNorm",
         "qk_norm": "te.RMSNorm (frozen gain)",
-        "activation": "readback.ops.activation.xielu",
         "lm_head": lm_head,
     }
 

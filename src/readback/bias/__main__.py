@@ -47,7 +47,7 @@ def load_run(path: Path, site_margin: dict[str, int] | None = None, accumulation
     site the run rounded at); with ``accumulation`` (``{accumulation: NAME, accumulation_gemms:
     {...}}``) its accumulation keys replaced, checked as the config checks them."""
     from readback.backends import build_model
-    from readback.config import from_saved
+    from readback.config import check_site_margin, from_saved
     from readback.data import build_data
     from readback.train.checkpoint import (
         checkpoint_dir,
@@ -71,7 +71,7 @@ def load_run(path: Path, site_margin: dict[str, int] | None = None, accumulation
     cfg = from_saved(saved)
     replaced = dict(accumulation or {})
     if site_margin is not None:  # a new config whose margins replace the run's (a merge would add them)
-        check_margins(site_margin, cfg, list(numerics_state["sites"]))
+        check_site_margin(site_margin, cfg, list(numerics_state["sites"]), key="--site-margin")  # the run's sites
         replaced["site_margin"] = dict(site_margin)
     if replaced:
         cfg = from_saved({**saved, "precision": {**saved["precision"], **replaced}})
@@ -90,26 +90,18 @@ def load_run(path: Path, site_margin: dict[str, int] | None = None, accumulation
     return model, stream, int(state["step"]), run_dir
 
 
-def check_margins(site_margin: dict[str, int], cfg, sites: list[str]) -> None:
-    """The config's rules for ``precision.site_margin`` (margins >= 0, checked by
-    :func:`parse_margin`), against the sites the run rounded at."""
-    from readback.numerics.site import require_site_pattern
-
-    fp8 = cfg.precision.name == "fp8" and cfg.backend.name == "emulated"
-    require(fp8, "--site-margin", site_margin, "none: it needs precision=fp8 with backend=emulated")
-    for pattern in site_margin:
-        require_site_pattern("--site-margin", pattern, sites)
-
-
 def parse_margin(text: str) -> tuple[str, list[int]]:
-    """``PATTERN=K`` or ``PATTERN=K1,K2,...`` -> ``(PATTERN, [K, ...])``, every K >= 0."""
+    """``PATTERN=K`` or ``PATTERN=K1,K2,...`` -> ``(PATTERN, [K, ...])``, every K a site margin
+    (>= 0), refused before any checkpoint is read."""
+    from readback.config import require_margin
+
     pattern, _, values = text.rpartition("=")
     try:
         margins = [int(v) for v in values.split(",")]
     except ValueError:
         margins = []
     require(bool(pattern) and bool(margins), "--site-margin", text, "PATTERN=K, e.g. attn.core.output=12")
-    require(min(margins) >= 0, f"--site-margin {pattern}", min(margins), "an integer >= 0")
+    require_margin(f"--site-margin {pattern}", min(margins))
     return pattern, margins
 
 

@@ -3,6 +3,7 @@ dataclasses, each in the layer it configures, put in Hydra's store by :mod:`.sto
 (the rules between groups: :mod:`.cross_group`) and the entry point's one-line answer to a bad
 config (:mod:`.entry`). Importing this package registers the schema with Hydra."""
 
+from readback.config.cross_group import check_site_margin, require_margin
 from readback.config.entry import (
     PREEXISTING_RUN_DIRS,
     check_run_dir,
@@ -24,9 +25,11 @@ __all__ = [
     "PREEXISTING_RUN_DIRS",
     "Config",
     "check_run_dir",
+    "check_site_margin",
     "exit_on_bad_config",
     "from_saved",
     "print_error",
+    "require_margin",
     "restore_hydra_files",
     "typed",
     "validate",

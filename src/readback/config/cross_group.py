@@ -6,6 +6,8 @@ its own ranges.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 from readback.backends.precision import Fp8Precision, amax_spike_of, underflow_words
 from readback.backends.te_recipe import RECIPES
 from readback.errors import ConfigError, require
@@ -38,7 +40,7 @@ def check_between_groups(cfg: Config) -> None:
 
 
 def _check_fp8(cfg: Config, p: Fp8Precision) -> None:
-    from readback.model.fog import rounding_owners
+    from readback.model.fog import rounding_owners, rounding_sites
 
     m = cfg.model
     for key, value in (
@@ -54,12 +56,12 @@ def _check_fp8(cfg: Config, p: Fp8Precision) -> None:
             p.recipe,
             [r for r in RECIPES if r not in TE_ONLY_RECIPES] + ["mxfp8 with backend=te"],
         )
-    _check_site_margin(cfg, p)
-    _check_amax_spike(cfg, p)
+    sites = rounding_sites(m.n_layers)
+    if p.site_margin is not None:
+        check_site_margin(p.site_margin, cfg, sites)
+    _check_amax_spike(cfg, p, sites)
     if p.site_margin is not None or p.amax_spike is not None:
-        from readback.model.fog import rounding_sites
-
-        _check_margin_sums(p, rounding_sites(m.n_layers))
+        _check_margin_sums(p, sites)
     require(
         cfg.backend.name == "emulated" or (p.accumulation == "native" and not p.accumulation_gemms),
         "precision.accumulation",
@@ -77,42 +79,47 @@ def _check_fp8(cfg: Config, p: Fp8Precision) -> None:
         )
 
 
-def _check_site_margin(cfg: Config, p: Fp8Precision) -> None:
-    """Every pattern matches some site of the model; margins >= 0; emulated backend only (what
-    the margins add up to at each site: :func:`_check_margin_sums`)."""
-    from readback.model.fog import rounding_sites
+def check_site_margin(
+    site_margin: Mapping[str, object], cfg: Config, sites: list[str], key: str = "precision.site_margin"
+) -> None:
+    """The rules of site margins, ``precision.site_margin``'s and the bias meter's
+    ``--site-margin`` alike: a mapping of site patterns under precision=fp8 with backend=emulated,
+    each matching one of ``sites``, to margins >= 0 (what the margins add up to at each site:
+    :func:`_check_margin_sums`)."""
     from readback.numerics.site import require_site_pattern
 
-    if p.site_margin is None:
-        return
     require(
-        isinstance(p.site_margin, dict) and all(isinstance(k, str) for k in p.site_margin),
-        "precision.site_margin",
-        p.site_margin,
+        isinstance(site_margin, dict) and all(isinstance(k, str) for k in site_margin),
+        key,
+        site_margin,
         "a mapping {site pattern: margin}, e.g. {attn.core.output: 14}",
     )
     require(
+        isinstance(cfg.precision, Fp8Precision),
+        key,
+        dict(site_margin),
+        "null under precision=bf16 (no FP8 scale to divide)",
+    )
+    require(
         cfg.backend.name == "emulated",
-        "precision.site_margin",
-        dict(p.site_margin),
+        key,
+        dict(site_margin),
         "null with backend=te (Transformer Engine has one margin per recipe)",
     )
-    sites = rounding_sites(cfg.model.n_layers)
-    for pattern, margin in p.site_margin.items():
-        require_site_pattern("precision.site_margin", pattern, sites)
-        require(
-            isinstance(margin, int) and not isinstance(margin, bool) and margin >= 0,
-            f"precision.site_margin.{pattern}",
-            margin,
-            "an integer >= 0",
-        )
+    for pattern, margin in site_margin.items():
+        require_site_pattern(key, pattern, sites)
+        require_margin(f"{key}.{pattern}", margin)
 
 
-def _check_amax_spike(cfg: Config, p: Fp8Precision) -> None:
+def require_margin(key: str, margin: object) -> None:
+    """``ConfigError`` naming ``key`` unless ``margin`` is a site margin: an integer >= 0."""
+    require(isinstance(margin, int) and not isinstance(margin, bool) and margin >= 0, key, margin, "an integer >= 0")
+
+
+def _check_amax_spike(cfg: Config, p: Fp8Precision, sites: list[str]) -> None:
     """An amax spike needs an amax history to hold it (delayed scaling, readback's own sites), a
-    step after which the run still trains, and a pattern that matches FP8 sites of the model (BF16
-    sites it also matches are left alone, as by ``precision.site_margin``)."""
-    from readback.model.fog import rounding_sites
+    step after which the run still trains, and a pattern that matches FP8 ``sites`` of the model
+    (BF16 sites it also matches are left alone, as by ``precision.site_margin``)."""
     from readback.numerics.site import require_site_pattern
     from readback.numerics.spec import in_bf16_layers
 
@@ -140,7 +147,6 @@ def _check_amax_spike(cfg: Config, p: Fp8Precision) -> None:
         f"an integer in [1, {steps - 1}]: a spike at step t lowers the scale from step t + 1 on, "
         f"and trainer.steps={steps}",
     )
-    sites = rounding_sites(cfg.model.n_layers)
     require_site_pattern("precision.amax_spike.site", spike.site, sites)
     fp8_sites = [s for s in sites if not in_bf16_layers(s, p.bf16_layers)]
     require_site_pattern(

@@ -55,9 +55,11 @@ ROW_BLOCK = 64  # query rows per block of the backward
 # The sites an attention core named ``name`` rounds at (``{name}.q``, ...): its GEMMs' operands and O.
 SITES = ("q", "k", "v", "probs", "output", "grad_output", "grad_scores")
 GRADIENT_SITES = ("grad_output", "grad_scores")  # rounded in the recipe's backward format
-# gradient -> which value it reads:
+# gradient -> the forward value it reads (dO is every gradient's other operand):
 #   dV reads P (the PV GEMM's operand), dS reads P (the softmax's output), D reads O,
 #   dP = dO V^T reads V, dQ = c dS K reads K, dK = c dS^T Q reads Q (the QK^T and PV operands).
+READ_OPERANDS = {"D": "O", "dQ": "K", "dK": "Q", "dV": "P", "dP": "V", "dS": "P"}
+# which copy of it each gradient but D reads under every policy
 _CORRECT = {"dV": "rounded", "dS": "original", "dP": "rounded", "dQ": "rounded", "dK": "rounded"}
 READS = frozen_reads(
     {
@@ -91,12 +93,11 @@ _NEEDS: dict[str, dict[str, tuple[str, ...]]] = {
     "D": {"rounded": (), "original": ("out",), "fresh": ("out",), "none": ()},
 }
 _SAVED = ("q8", "k8", "v8", "p8", "q", "k", "v", "lse", "out")
-_OPERAND = {"dK": "q", "dQ": "k", "dP": "v"}  # gradient -> the forward operand its GEMM reads
 
 
 def _operand_name(reads: Any, gradient: str) -> str:
     """The saved name of the Q, K or V that ``gradient``'s GEMM reads (``q8`` or ``q``, ...)."""
-    x = _OPERAND[gradient]
+    x = READ_OPERANDS[gradient].lower()
     return {"rounded": f"{x}8", "original": x}[reads[gradient]]
 
 

@@ -34,7 +34,7 @@ class RunIdentity:
 
     name: str
     group: str
-    job_type: str = "train"
+    job_type: str
     tags: list[str] = field(default_factory=list)
     config: dict[str, Any] = field(default_factory=dict)
 
@@ -133,7 +133,7 @@ def run_identity(
     *,
     user_tags: list[str] | None = None,
     group: str | None = None,
-    job_type: str = "train",
+    job_type: str,
 ) -> RunIdentity:
     """Name, group and tags of a run from its config and :func:`launch_context`."""
     experiment = str(config.get("experiment") or "custom")

@@ -42,8 +42,6 @@ from typing import Any
 
 log = logging.getLogger(__name__)
 
-DEFAULT_SIGNALS = ("SIGTERM", "SIGUSR1", "SIGUSR2")
-
 
 class Preempted(BaseException):
     """The run stopped on a preemption signal after checkpointing ``step``.
@@ -103,7 +101,7 @@ class PreemptionGuard:
     (and ``requested`` stays ``None``).
     """
 
-    def __init__(self, signals: Iterable[Any] = DEFAULT_SIGNALS):
+    def __init__(self, signals: Iterable[Any]):
         self.signals = parse_signals(signals)
         self.requested: int | None = None
         self._previous: dict[int, Any] = {}

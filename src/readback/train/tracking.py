@@ -73,13 +73,13 @@ def _have_wandb_key() -> bool:
     return False
 
 
-def resolve_wandb_mode(mode: str | None) -> str:
+def resolve_wandb_mode(mode: str) -> str:
     """``online`` | ``offline`` | ``disabled``: ``WANDB_MODE``/``WANDB_DISABLED`` win, then the config;
     ``auto`` is online when an API key is configured, else offline."""
     if os.environ.get("WANDB_DISABLED", "").lower() in ("1", "true", "yes"):
         return "disabled"
     env = os.environ.get("WANDB_MODE", "").strip().lower()
-    chosen = env or (mode or "auto").lower()
+    chosen = env or mode.lower()
     if chosen == "dryrun":
         chosen = "offline"
     if chosen == "auto":
@@ -105,11 +105,11 @@ class WandbLogger:
         *,
         run_dir: Path,
         identity: RunIdentity,
-        project: str = "readback",
-        entity: str | None = None,
-        mode: str = "auto",
+        project: str,
+        entity: str | None,
+        mode: str,
+        init_timeout: float,
         run_id: str | None = None,
-        init_timeout: float = 60.0,
     ):
         self.run_id = run_id or new_wandb_run_id()
         self.mode = "noop"

@@ -24,7 +24,7 @@ def test_identity_from_overrides():
         "policy": {"name": "reuse_rounded"},
         "precision": {"name": "fp8", "rounding": "nearest"},
     }
-    ident = run_identity(cfg, launch, user_tags=["mine"])
+    ident = run_identity(cfg, launch, user_tags=["mine"], job_type="train")
     assert ident.name == "reuse_rounded trainer.optim.lr=0.03 s2"
     assert ident.group == "lr_study/reuse_rounded trainer.optim.lr=0.03"
     assert ident.job_type == "train"
@@ -39,8 +39,10 @@ def test_identity_from_overrides():
     ]
     assert ident.config["launch"] is not launch and ident.config["launch"]["overrides"] == launch["overrides"]
     assert swept_keys(["seed=range(3)", "a=1", "b=x,y", "+experiment=glob(*)"]) == ["seed", "b", "experiment"]
-    single = run_identity({"experiment": "custom", "seed": 0}, {"overrides": [], "sweep_overrides": []})
-    assert (single.name, single.group) == ("custom s0", "custom")
+    single = run_identity(
+        {"experiment": "custom", "seed": 0}, {"overrides": [], "sweep_overrides": []}, job_type="eval"
+    )
+    assert (single.name, single.group, single.job_type) == ("custom s0", "custom", "eval")
 
 
 def test_sync_refuses_a_directory_without_offline_runs(tmp_path, capsys):

@@ -34,8 +34,9 @@ from readback.train.identity import RunIdentity
 from readback.train.metrics import JsonlWriter, MetricsLogger, read_jsonl
 from readback.train.optim import build_optimizer, clip_gradients, nonfinite_grad_names, param_groups
 from readback.train.schedule import WSDSchedule
+from readback.train.settings import WandbLogger as WandbSettings
 from readback.train.tracking import WandbLogger, resolve_wandb_mode
-from toys import ToyModel, make_cfg, train
+from toys import ToyModel, config, make_cfg, train
 
 
 def detector(**settings) -> DivergenceDetector:
@@ -261,7 +262,22 @@ def test_jsonl_writer_and_resume_truncation(tmp_path):
     assert [r["step"] for r in read_jsonl(path)] == [2, 4, 6]
 
 
-TOY_RUN = RunIdentity(name="toy s0", group="toy", config={"a": 1})
+TOY_RUN = RunIdentity(name="toy s0", group="toy", job_type="train", config={"a": 1})
+
+
+def wandb_logger(run_dir: Path, mode: str, **kwargs) -> WandbLogger:
+    """The run wrapper as a run with ``logger=wandb`` (conf/logger/wandb.yaml) and ``mode`` builds it."""
+    settings = config().logger
+    assert isinstance(settings, WandbSettings)
+    return WandbLogger(
+        run_dir=run_dir,
+        identity=TOY_RUN,
+        project=settings.project,
+        entity=settings.entity,
+        mode=mode,
+        init_timeout=settings.init_timeout,
+        **kwargs,
+    )
 
 
 def test_wandb_mode_resolution(monkeypatch):
@@ -280,7 +296,7 @@ def test_wandb_mode_resolution(monkeypatch):
 
 def test_wandb_disabled_is_a_noop(tmp_path, monkeypatch):
     monkeypatch.delenv("WANDB_MODE", raising=False)
-    wb = WandbLogger(run_dir=tmp_path, identity=TOY_RUN, mode="disabled")
+    wb = wandb_logger(tmp_path, "disabled")
     assert wb.mode == "noop" and wb.run_id
     logger = MetricsLogger(JsonlWriter(tmp_path / "metrics.jsonl"), wb)
     logger.log({"step": 1, "loss": 2.0})
@@ -292,7 +308,7 @@ def test_wandb_disabled_is_a_noop(tmp_path, monkeypatch):
 def test_wandb_offline_writes_into_run_dir(tmp_path, monkeypatch):
     monkeypatch.delenv("WANDB_MODE", raising=False)
     monkeypatch.setenv("WANDB_SILENT", "true")
-    wb = WandbLogger(run_dir=tmp_path, identity=TOY_RUN, mode="offline", run_id="abc123xy")
+    wb = wandb_logger(tmp_path, "offline", run_id="abc123xy")
     assert wb.mode == "offline"
     logger = MetricsLogger(JsonlWriter(tmp_path / "metrics.jsonl"), wb)
     logger.log({"step": 1, "loss": 2.0})
@@ -313,7 +329,7 @@ def test_wandb_init_and_log_failures_never_raise(tmp_path, monkeypatch):
         raise RuntimeError("no network / bad key")
 
     monkeypatch.setattr(wandb, "init", broken_init)
-    wb = WandbLogger(run_dir=tmp_path, identity=TOY_RUN, mode="online")
+    wb = wandb_logger(tmp_path, "online")
     assert calls == ["online", "offline"] and wb.mode == "noop"
     wb.log({"loss": 1.0}, step=1)
     wb.finish()
@@ -328,7 +344,7 @@ def test_wandb_init_and_log_failures_never_raise(tmp_path, monkeypatch):
             raise OSError("still dead")
 
     monkeypatch.setattr(wandb, "init", lambda **kwargs: CrashingRun())
-    wb = WandbLogger(run_dir=tmp_path, identity=TOY_RUN, mode="offline")
+    wb = wandb_logger(tmp_path, "offline")
     logger = MetricsLogger(JsonlWriter(tmp_path / "m.jsonl"), wb)
     logger.log({"step": 1, "loss": 1.0})
     logger.log({"step": 2, "loss": 0.5})
