@@ -86,7 +86,8 @@ class Lines:
         rate = done / elapsed if elapsed > 0 else math.nan
         eta = (self.total - self.n) / rate if done and rate > 0 else math.nan
         share = f" ({100 * self.n / self.total:.0f}%)" if self.total else ""
-        parts = [f"{self.desc}: {self.n}/{self.total} {self.unit}s{share}"]
+        plural = self.unit + ("es" if self.unit.endswith(("ch", "sh", "s", "x")) else "s")  # batches, steps
+        parts = [f"{self.desc}: {self.n}/{self.total} {plural}{share}"]
         parts += [f"{k}={v}" for k, v in self.postfix.items()]
         parts += [f"elapsed {_clock(elapsed)}", f"ETA {_clock(eta)}"]
         return ", ".join(parts)
