@@ -39,7 +39,7 @@ from readback.errors import ConfigError
 from readback.model import ActivationStats
 from readback.ops.compiled import compiled
 from readback.probe import check_params
-from readback.train.checkpoint_manager import CheckpointManager, RNGState
+from readback.train.checkpoint import CheckpointManager, RNGState
 from readback.train.contract import Builders, check_model, with_vocabulary
 from readback.train.distributed import DistEnv, all_reduce_mean
 from readback.train.divergence import DivergenceDetector
