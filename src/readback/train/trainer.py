@@ -47,10 +47,9 @@ from readback.train.dry_run import check_memory
 from readback.train.instruments import TapedProbe, instruments
 from readback.train.metrics import build_metrics_logger
 from readback.train.metrics_processor import MetricsProcessor
-from readback.train.optim import build_optimizer, clip_gradients, nonfinite_grad_names
+from readback.train.optim import WSDSchedule, build_optimizer, build_scheduler, clip_gradients, nonfinite_grad_names
 from readback.train.parallel import apply_parallelism, no_gradient_sync, whole_parameters
 from readback.train.preemption import Preempted, PreemptionGuard
-from readback.train.schedule import WSDSchedule, build_scheduler
 from readback.train.settings import Config, plain_config
 from readback.train.summary import SummaryWriter, run_summary
 from readback.train.validator import Validator

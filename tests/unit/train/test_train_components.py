@@ -29,8 +29,7 @@ from readback.train.distributed import DistEnv
 from readback.train.divergence import DivergenceDetector
 from readback.train.identity import RunIdentity
 from readback.train.metrics import JsonlWriter, MetricsLogger, read_jsonl
-from readback.train.optim import build_optimizer, clip_gradients, nonfinite_grad_names, param_groups
-from readback.train.schedule import WSDSchedule
+from readback.train.optim import WSDSchedule, build_optimizer, clip_gradients, nonfinite_grad_names, param_groups
 from readback.train.tracking import WandbLogger, resolve_wandb_mode
 from toys import ToyModel, make_cfg, train
 
