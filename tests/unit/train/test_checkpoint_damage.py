@@ -31,7 +31,7 @@ from readback.train.distributed import DistEnv
 from readback.train.metrics import read_jsonl
 
 CURVE_KEYS = ("step", "loss", "lr", "tokens", "grad_norm", "val_loss")
-SHARD = "__0_0.distcp"
+SHARD, CHECKSUMS = "__0_0.distcp", "__0_checksums.json"
 RESUME = {"trainer.resume": True}
 
 
@@ -88,6 +88,10 @@ def _delete_shard(ckpt: Path) -> None:
     (ckpt / SHARD).unlink()
 
 
+def _delete_checksums(ckpt: Path) -> None:
+    (ckpt / CHECKSUMS).unlink()
+
+
 def _remove_index(ckpt: Path) -> None:
     (ckpt / checkpoint_io.INDEX).unlink()
 
@@ -112,6 +116,7 @@ DAMAGE = {
     "shard overwritten": (_overwrite, "has CRC-32"),
     "shards zeroed": (_zero, "has CRC-32"),
     "shard deleted": (_delete_shard, f"{SHARD} is 0 bytes, its index needs"),
+    "checksums deleted": (_delete_checksums, f"{SHARD} has no recorded checksum"),
     "index missing": (_remove_index, "no index (.metadata)"),
     "index garbled": (_garble_index, "unreadable index"),
     "index cut short": (_cut_index, "unreadable index"),
