@@ -23,7 +23,8 @@ import pandas as pd
 
 from readback.analysis.files import load_runs
 from readback.analysis.paired import mean_se, t_quantile
-from readback.train.checkpoint import list_checkpoints, load_checkpoint
+from readback.train.checkpoint import load_checkpoint
+from readback.train.checkpoint_dirs import list_checkpoints
 
 CONTROL, REUSE, FRESH = "no_saved_copy", "reuse_rounded", "fresh_reround"
 PRIMARY_K = 12

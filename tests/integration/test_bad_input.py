@@ -20,8 +20,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from readback.train import dcp_io
-from readback.train.checkpoint import list_checkpoints
+from readback.train import checkpoint_io
+from readback.train.checkpoint_dirs import list_checkpoints
 from toys import REPO, TWO_STEP_RUN
 
 # Small enough to train in seconds; cases override what they break.
@@ -333,14 +333,14 @@ def _tamper(run_dir: Path, how: str, marker: Path) -> None:
     """The newest checkpoint of ``run_dir`` with a pickled call inside, or an old format number,
     rewritten with its checksums (a crafted checkpoint is no damaged one: it must be refused)."""
     path = list_checkpoints(run_dir / "checkpoints")[-1][1]
-    state = dcp_io.read(path)
-    shared = dcp_io.unpack(state["shared"], path)
+    state = checkpoint_io.read(path)
+    shared = checkpoint_io.unpack(state["shared"], path)
     if how == "malicious":
         shared["progress"]["note"] = _Mkdir(marker)
     else:
         shared["format"] = 1
-    state["shared"] = dcp_io.pack(shared)
-    dcp_io.save(state, path, distributed=False)
+    state["shared"] = checkpoint_io.pack(shared)
+    checkpoint_io.save(state, path, distributed=False)
 
 
 def _snapshot(run_dir: Path) -> dict[str, str]:

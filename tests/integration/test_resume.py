@@ -22,7 +22,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from readback.train.checkpoint import list_checkpoints, load_checkpoint
+from readback.train.checkpoint import load_checkpoint
+from readback.train.checkpoint_dirs import list_checkpoints
 from readback.train.metrics import read_jsonl
 from toys import REPO, TOY_RUN
 
@@ -175,9 +176,9 @@ def test_sigterm_and_sigusr1_checkpoint_exit_and_resume_in_the_same_wandb_run(tm
 
 KILL_AT_SAVE = """
 import os, runpy, signal, sys
-from readback.train import checkpoint_manager
+from readback.train import checkpoint
 
-calls, commit = [0], checkpoint_manager.commit_checkpoint
+calls, commit = [0], checkpoint.commit_checkpoint
 
 def dying_commit(*args, **kwargs):  # the shards and the index are written, not yet renamed
     calls[0] += 1
@@ -185,7 +186,7 @@ def dying_commit(*args, **kwargs):  # the shards and the index are written, not 
         os.kill(os.getpid(), signal.SIGKILL)
     return commit(*args, **kwargs)
 
-checkpoint_manager.commit_checkpoint = dying_commit
+checkpoint.commit_checkpoint = dying_commit
 sys.argv = ["train.py"] + sys.argv[1:]
 runpy.run_path("train.py", run_name="__main__")
 """

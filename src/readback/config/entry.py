@@ -5,7 +5,7 @@ prints it as one line on stderr and exits with code 2, leaving no run directory 
 
 Before Hydra creates the run directory, :func:`exit_on_bad_config` also checks that the run
 directory can be written and, when it already holds a run, that the run can be resumed
-(:func:`readback.train.checkpoint.resume_plan`), so a bad resume leaves that directory as it was.
+(:func:`readback.train.checkpoint_dirs.resume_plan`), so a bad resume leaves that directory as it was.
 """
 
 from __future__ import annotations
@@ -154,7 +154,7 @@ def _check_run_dir_of(cfg: DictConfig, config: Config) -> None:
     if run_dir.is_dir() and any(run_dir.iterdir()):
         PREEXISTING_RUN_DIRS[str(run_dir.resolve())] = _hydra_files(run_dir)
         if not config.trainer.dry_run:
-            from readback.train.checkpoint import resume_plan
+            from readback.train.checkpoint_dirs import resume_plan
 
             resume_plan(run_dir, config, quiet=True)
 

@@ -3,19 +3,15 @@
 * :mod:`~readback.train.contract` -- what the trainer needs from a model and a data stream; the builders
 * :mod:`~readback.train.launch` -- ``run(cfg, run_dir)``: process group, determinism, preemption guard
 * :mod:`~readback.train.trainer` -- builds the components and runs the steps
-* :mod:`~readback.train.schedule` -- warmup-stable-decay LR with 1-sqrt cooldown (a ``LambdaLR``)
-* :mod:`~readback.train.optim` -- AdamW param groups, gradient norm/clip, non-finite check
-* :mod:`~readback.train.checkpoint_manager` -- checkpoint schema, resume decision, failed saves
-* :mod:`~readback.train.checkpoint` -- checkpoint directories, atomic commit, format check, pruning
-* :mod:`~readback.train.checkpoint_verify` -- a checkpoint's sizes and checksums checked; damaged ones moved aside
-* :mod:`~readback.train.shard_manifest` -- each rank's CRC-32 of the shard files it wrote
-* :mod:`~readback.train.dcp_io` -- DCP writing and reading, loading without running code
-* :mod:`~readback.train.atomic_files` -- files written all at once (temporary sibling, rename)
+* :mod:`~readback.train.optim` -- AdamW, its warmup-stable-decay LR, gradient norm/clip, non-finite check
+* :mod:`~readback.train.checkpoint` -- the checkpoint manager: schema, save, resume, failed saves
+* :mod:`~readback.train.checkpoint_dirs` -- commit, damage check, moving aside, pruning, the resume plan
+* :mod:`~readback.train.checkpoint_io` -- DCP files and their checksums, loading without running code, atomic files
 * :mod:`~readback.train.metrics_processor` -- loss/throughput windows, MFU, records, progress bar
 * :mod:`~readback.train.metrics` -- ``metrics.jsonl`` and a wandb wrapper that never stops a run
 * :mod:`~readback.train.validator` -- validation loss split over the ranks
 * :mod:`~readback.train.summary` -- ``summary.json``
-* :mod:`~readback.train.dry_run` -- the model's size without weights
+* :mod:`~readback.train.dry_run` -- the model's size and per-GPU memory without weights; the memory check
 * :mod:`~readback.train.divergence` -- NaN stop, loss blow-up marking, skipped updates
 * :mod:`~readback.train.distributed` -- torchrun/Slurm process groups (gloo on CPU, NCCL on CUDA)
 

@@ -1,289 +1,286 @@
-"""Checkpoint directories: ``run_dir/checkpoints/step_XXXXXXX/``, atomic commit, newest-readable
-resume, pruning. What a checkpoint holds is :mod:`checkpoint_manager`'s; how it is written and
-read (sharded, through ``torch.distributed.checkpoint``) :mod:`dcp_io`'s.
+"""The checkpoint component: what a checkpoint holds, saved every ``trainer.ckpt_every`` steps, and
+the run resumed from the newest intact one. Which directory that is, and what becomes of damaged
+ones, is :mod:`checkpoint_dirs`'s; how the files are written and read, :mod:`checkpoint_io`'s.
 
-Every rank writes its shards into ``.step_XXXXXXX.tmp/``; when all are written and the index too,
-rank 0 renames that directory onto its final name (:func:`commit_checkpoint`), so a crash at any
-moment leaves either the previous checkpoint set or the new one, never a partial directory under
-a checkpoint name. The temporary directory of a save that a ``SIGKILL`` interrupted is removed
-when the run resumes (:func:`remove_stale_temp_files`). Other files (``summary.json``,
-``metrics.jsonl``) are written to a temporary name and ``os.replace``-d (:mod:`atomic_files`).
+Schema (format :data:`~readback.train.checkpoint_dirs.CHECKPOINT_FORMAT`), one DCP directory per
+checkpoint, every rank writing its part::
 
-:func:`resume_plan` decides, from a run directory and a config, where a run starts: the newest
-intact and readable checkpoint (``trainer.resume=true``), step 0 (an empty run directory), or a
-``ConfigError`` (checkpoints that cannot be resumed, or would be overwritten). ``train.py`` asks it
-before Hydra touches the run directory, the trainer again when it starts. Each checkpoint it
-considers is verified first (:mod:`checkpoint_verify`: sizes against the index, checksums against
-what the ranks recorded); a damaged one is moved aside to ``step_XXXXXXX.damaged`` with a warning,
-and the next older one tried. Pruning (``keep_last``) counts intact checkpoints only.
+    model, optimizer    sharded tensors (FSDP2: each rank its shards; DDP: one copy, the
+                        writing spread over the ranks), keyed by parameter name
+    shared              a blob, written by rank 0: format, step, world_size, config,
+                        wandb_run_id and the components the same on every rank (schedule,
+                        divergence, progress)
+    rank<r>             a blob, written by rank r: data position, numerics (FP8 scaling
+                        states, random streams), RNG states
 
-Loading runs no code (:mod:`dcp_io`): a checkpoint that would need to unpickle anything but
-tensors and plain containers is refused with one line.
+DCP reshards model and optimizer on load to any world size; a rank that the checkpoint has no
+``rank<r>`` for takes rank 0's. The components are torch's ``Stateful`` (``state_dict``/
+``load_state_dict``): the manager knows their names, not their insides. Rank 0 decides whether
+and from where to resume and tells the others, so every rank raises the same ``ConfigError``.
+
+``trainer.ckpt_async``: the state is copied when the save starts and written by a background
+thread (``dcp.async_save``, over a process group of its own); the commit waits for the next save
+or the end of the run (:meth:`CheckpointManager.wait`).
+
+A save that a file system error stops (a full disk: ``ENOSPC``), at once or, asynchronous, at
+that wait, becomes one line (``ConfigError``): the step, the cause and the newest intact
+checkpoint, once rank 0 has removed the half-written temporary directory; the trainer then
+writes ``summary.json`` (``status: failed``) into the room that freed.
 """
 
 from __future__ import annotations
 
 import logging
-import os
-import re
+import random
 import shutil
 from collections.abc import Mapping
+from concurrent.futures import Future
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn, cast
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.checkpoint.state_dict import (
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
+from torch.distributed.checkpoint.stateful import Stateful
 
 from readback.errors import ConfigError
-from readback.train import checkpoint_verify, dcp_io
-from readback.train.atomic_files import fsync_dir
-from readback.train.checkpoint_verify import Damaged, has_all_bytes, move_aside, moved_aside
+from readback.train import checkpoint_io
+from readback.train.checkpoint_dirs import (
+    CHECKPOINT_FORMAT,
+    checkpoint_dir,
+    commit_checkpoint,
+    load_latest_checkpoint,
+    remove_stale_temp_files,
+    resume_plan,
+    temp_checkpoint_path,
+)
+from readback.train.distributed import DistEnv, barrier, broadcast_object
 from readback.train.settings import Config, plain_config
 
 log = logging.getLogger(__name__)
 
-CHECKPOINT_FORMAT = 3  # 3: a sharded DCP directory (2: one weights_only file of full state dicts)
-_NAME = re.compile(r"^step_(\d+)$")
-_LEGACY = "step_*.pt"  # format 2's single files
-_TEMP = re.compile(r"^\.(step_\d+\.tmp|(summary\.json|metrics\.jsonl)\..+\.tmp)$")  # interrupted writes
-# Keys a checkpoint can only be resumed under with the value it was trained with.
-ARCHITECTURE_KEYS = (
-    "model.n_layers",
-    "model.d_model",
-    "model.n_heads",
-    "model.n_kv_groups",
-    "model.ffn_dim",
-    "model.vocab_size",
-    "model.tied",
-    "precision.name",
-    "precision.amax_history_len",
-)
+
+class ModelState(Stateful):
+    """The model's state dict as this rank holds it (FSDP: its shards), loaded into any sharding."""
+
+    def __init__(self, model: nn.Module) -> None:
+        self.model = model
+
+    def state_dict(self) -> dict[str, Any]:
+        return get_model_state_dict(self.model)
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        set_model_state_dict(self.model, state)
 
 
-def checkpoint_dir(run_dir: Path) -> Path:
-    return Path(run_dir) / "checkpoints"
+class OptimizerState(Stateful):
+    """The optimizer's state, keyed by parameter name, as this rank holds it."""
+
+    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+        self.model, self.optimizer = model, optimizer
+
+    def state_dict(self) -> dict[str, Any]:
+        return get_optimizer_state_dict(self.model, self.optimizer)
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        set_optimizer_state_dict(self.model, self.optimizer, state)
 
 
-def checkpoint_path(ckpt_dir: Path, step: int) -> Path:
-    return Path(ckpt_dir) / f"step_{int(step):07d}"
+class RNGState(Stateful):
+    """This process's torch (CPU and CUDA), Python and NumPy RNG states as tensors, ints and
+    tuples (what ``weights_only`` loading accepts)."""
+
+    def state_dict(self) -> dict[str, Any]:
+        import numpy as np
+
+        name, keys, pos, has_gauss, gauss = cast("tuple[str, np.ndarray, int, int, float]", np.random.get_state())
+        state: dict[str, Any] = {
+            "torch": torch.get_rng_state(),
+            "python": random.getstate(),
+            "numpy": (name, torch.from_numpy(keys.astype(np.int64)), pos, has_gauss, gauss),
+        }
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            state["cuda"] = torch.cuda.get_rng_state_all()
+        return state
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        import numpy as np
+
+        torch.set_rng_state(state["torch"].cpu())
+        random.setstate(state["python"])
+        name, keys, pos, has_gauss, gauss = state["numpy"]
+        np.random.set_state((name, keys.numpy().astype(np.uint32), pos, has_gauss, gauss))
+        if "cuda" in state and torch.cuda.is_available():
+            torch.cuda.set_rng_state_all([s.cpu() for s in state["cuda"]])
 
 
-def temp_checkpoint_path(ckpt_dir: Path, step: int) -> Path:
-    """Where the ranks write the checkpoint of ``step`` before :func:`commit_checkpoint`."""
-    return Path(ckpt_dir) / f".step_{int(step):07d}.tmp"
+def to_cpu(obj: Any) -> Any:
+    if isinstance(obj, torch.Tensor):
+        return obj.detach().cpu()
+    if isinstance(obj, dict):
+        return {k: to_cpu(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(to_cpu(v) for v in obj)
+    return obj
 
 
-def is_checkpoint(path: Path) -> bool:
-    """Whether ``path`` is a complete checkpoint directory (its index written)."""
-    return (Path(path) / dcp_io.INDEX).is_file()
+class CheckpointManager:
+    """Saves and restores a run's model and optimizer and its ``shared`` and ``per_rank`` components."""
 
+    def __init__(
+        self,
+        run_dir: Path,
+        cfg: Config,
+        env: DistEnv,
+        *,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        shared: Mapping[str, Stateful],
+        per_rank: Mapping[str, Stateful],
+    ) -> None:
+        t = cfg.trainer
+        self.run_dir, self.cfg, self.env = Path(run_dir), cfg, env
+        self.dir = checkpoint_dir(run_dir)
+        self.every, self.keep_last, self.asynchronous = t.ckpt_every, t.keep_last, t.ckpt_async
+        self.tensors = {"model": ModelState(model), "optimizer": OptimizerState(model, optimizer)}
+        self.shared, self.per_rank = dict(shared), dict(per_rank)
+        self.last_path: str | None = None
+        self.pending: tuple[int, Future | None] | None = None  # the save not yet committed
+        # async saves talk over their own group: their collectives run beside the training's
+        self.group = dist.new_group(backend="gloo") if self.asynchronous and env.distributed else None
 
-def list_checkpoints(ckpt_dir: Path) -> list[tuple[int, Path]]:
-    """``(step, directory)`` of every committed checkpoint in ``ckpt_dir``, oldest first."""
-    ckpt_dir = Path(ckpt_dir)
-    if not ckpt_dir.is_dir():
-        return []
-    found = []
-    for p in ckpt_dir.iterdir():
-        m = _NAME.match(p.name)
-        if m and p.is_dir():
-            found.append((int(m.group(1)), p))
-    return sorted(found)
+    def due(self, step: int, last_step: int) -> bool:
+        return step % self.every == 0 or step == last_step
 
-
-def newest_intact(ckpt_dir: Path) -> Path | None:
-    """The newest checkpoint in ``ckpt_dir`` with all its bytes; nothing is moved."""
-    return next((p for _, p in reversed(list_checkpoints(ckpt_dir)) if has_all_bytes(p, move_damaged=False)), None)
-
-
-def prune_checkpoints(ckpt_dir: Path, keep_last: int | None) -> list[Path]:
-    """Delete all but the newest ``keep_last`` intact checkpoints (``None`` or ``<= 0`` keeps all).
-    A damaged one is moved aside, one that cannot be checked now kept; neither is counted."""
-    if keep_last is None or keep_last <= 0:
-        return []
-    intact = [p for _, p in reversed(list_checkpoints(ckpt_dir)) if has_all_bytes(p, move_damaged=True)]
-    removed = []
-    for p in intact[int(keep_last) :]:
+    def save(self, step: int, *, wandb_run_id: str | None) -> None:
+        """Write the checkpoint of ``step`` on every rank; committed at once, or with
+        ``trainer.ckpt_async`` by the next :meth:`wait` (the next save waits for this one)."""
+        self.wait()
+        env = self.env
+        state: dict[str, Any] = {
+            **self.tensors,
+            f"rank{env.rank}": checkpoint_io.pack(to_cpu({k: c.state_dict() for k, c in self.per_rank.items()})),
+        }
+        if env.is_main:
+            shared = {k: c.state_dict() for k, c in self.shared.items()}
+            meta: dict[str, Any] = {"format": CHECKPOINT_FORMAT, "step": step, "world_size": env.world_size}
+            meta |= {"config": plain_config(self.cfg), "wandb_run_id": wandb_run_id}
+            state["shared"] = checkpoint_io.pack(to_cpu({**meta, **shared}))
+        tmp = temp_checkpoint_path(self.dir, step)
         try:
-            shutil.rmtree(p)
-            removed.append(p)
-        except OSError as e:  # pragma: no cover - a concurrent delete
-            log.warning("could not remove old checkpoint %s: %s", p, e)
-    return removed
+            future = checkpoint_io.save(
+                state, tmp, distributed=env.distributed, process_group=self.group, asynchronous=self.asynchronous
+            )
+        except BaseException as e:  # DCP's CheckpointException is no Exception
+            self._failed(step, e)
+        self.pending = (step, future)
+        if not self.asynchronous:
+            self.wait()
 
+    def wait(self) -> None:
+        """Finish the save in flight: every rank's shards and the index written, rank 0 commits."""
+        if self.pending is None:
+            return
+        (step, future), self.pending = self.pending, None
+        try:
+            if future is not None:
+                future.result()
+            if self.env.is_main:
+                self.last_path = str(commit_checkpoint(self.dir, step, self.keep_last))
+        except BaseException as e:
+            self._failed(step, e)
+        barrier(self.env)
 
-def commit_checkpoint(ckpt_dir: Path, step: int, keep_last: int | None = None) -> Path:
-    """Rename the written checkpoint of ``step`` onto its final name, then prune to ``keep_last``.
-    Called by one process, after every rank's shards and the index are written."""
-    tmp, path = temp_checkpoint_path(ckpt_dir, step), checkpoint_path(ckpt_dir, step)
-    if not is_checkpoint(tmp):
-        raise FileNotFoundError(f"{tmp} holds no complete checkpoint (no {dcp_io.INDEX})")
-    if path.exists():  # one of the same step whose shared state did not load, which resume skipped
-        move_aside(path, f"its shared state did not load; step {step} was saved again")
-    os.rename(tmp, path)
-    fsync_dir(path.parent)
-    prune_checkpoints(ckpt_dir, keep_last)
-    return path
+    def _failed(self, step: int, error: BaseException) -> NoReturn:
+        """Re-raise ``error``, a failed save of ``step``; one with a file system error behind it
+        as one line, once rank 0 has removed what it wrote."""
+        cause = checkpoint_io.os_error_of(error)
+        if cause is None:
+            raise error
+        if self.env.is_main:
+            shutil.rmtree(temp_checkpoint_path(self.dir, step), ignore_errors=True)
+        try:
+            newest = load_latest_checkpoint(self.dir, quiet=True)  # nothing moved or logged
+        except (OSError, ConfigError):
+            newest = None
+        resume = f"{newest[0]}, which trainer.resume=true continues from" if newest else "none"
+        raise ConfigError(
+            "hydra.run.dir",
+            str(self.run_dir),
+            f"a directory the checkpoint of step {step} can be saved in: saving it failed "
+            f"({' '.join(str(cause).split())}); the newest intact checkpoint is {resume}",
+        ) from error
 
+    def resume(self) -> tuple[int, str | None]:
+        """Load the checkpoint :func:`resume_plan` picks into the components: ``(step, wandb id)``,
+        ``(0, None)`` for a fresh start. Also removes what interrupted writes left."""
+        env = self.env
+        decision: tuple[str, Any] | None = None
+        if env.is_main:
+            try:
+                found = resume_plan(self.run_dir, self.cfg)
+                decision = ("load", (str(found[0]), found[1]["world_size"])) if found else ("fresh", None)
+            except ConfigError as e:
+                decision = ("error", (e.key, e.value, e.valid))
+            for directory in (self.run_dir, self.dir):
+                for p in remove_stale_temp_files(directory):
+                    log.info("removed %s, left by an interrupted write", p)
+        decision = broadcast_object(decision, env)
+        if decision[0] == "error":
+            raise ConfigError(*decision[1])
+        if decision[0] == "fresh":
+            if env.is_main and self.cfg.trainer.resume:
+                log.info("trainer.resume=true but no checkpoint in %s; starting from step 0", self.dir)
+            return 0, None
+        path, saved_world = Path(decision[1][0]), decision[1][1]
+        try:
+            shared = self._load(path, saved_world)
+        except ConfigError:
+            raise
+        except Exception as e:
+            first = " ".join(str(e).split())[:300]
+            raise ConfigError(
+                "trainer.resume",
+                True,
+                f"a checkpoint this config can load; {path} does not "
+                f"({type(e).__name__}: {first}); resume it with the config "
+                f"it was trained with, or use a new hydra.run.dir",
+            ) from e
+        if env.is_main:
+            log.info("resumed from %s (step %d)", path, shared["step"])
+        return int(shared["step"]), shared["wandb_run_id"]
 
-def save_checkpoint(state: dict[str, Any], ckpt_dir: Path, step: int, keep_last: int | None = None) -> Path:
-    """Write ``state`` (a DCP state dict) from this process alone as the checkpoint of ``step``."""
-    dcp_io.save(state, temp_checkpoint_path(ckpt_dir, step), distributed=False)
-    return commit_checkpoint(ckpt_dir, step, keep_last)
-
-
-def remove_stale_temp_files(directory: Path) -> list[Path]:
-    """Delete what writes a crash interrupted (``.step_*.tmp/``, ``.summary.json.*.tmp``, ...)."""
-    directory = Path(directory)
-    removed = []
-    if directory.is_dir():
-        for p in directory.iterdir():
-            if _TEMP.match(p.name):
-                try:
-                    shutil.rmtree(p) if p.is_dir() else p.unlink()
-                    removed.append(p)
-                except OSError:  # pragma: no cover - a concurrent delete
-                    pass
-    return removed
-
-
-def read_shared(path: Path) -> dict[str, Any]:
-    """A checkpoint's shared state (format, step, world size, config, ...) without its tensors."""
-    state = dcp_io.unpack(dcp_io.read(path, keys={"shared"})["shared"], path)
-    if not isinstance(state, dict) or "step" not in state:
-        raise ValueError(f"{path} is not a readback checkpoint")
-    return state
+    def _load(self, path: Path, saved_world: int) -> dict[str, Any]:
+        env = self.env
+        if saved_world != env.world_size and env.is_main:
+            log.warning(
+                "resuming a %d-process checkpoint with %d processes: same global batch and data order, "
+                "but RNG and FP8 scaling states of missing ranks come from rank 0 (not bit-exact)",
+                saved_world,
+                env.world_size,
+            )
+        mine = f"rank{env.rank if env.rank < saved_world else 0}"
+        state: dict[str, Any] = {**self.tensors, "shared": None, mine: None}
+        checkpoint_io.load(state, path, distributed=env.distributed)
+        shared, own = checkpoint_io.unpack(state["shared"], path), checkpoint_io.unpack(state[mine], path)
+        for key, component in self.shared.items():
+            component.load_state_dict(shared[key])
+        for key, component in self.per_rank.items():
+            component.load_state_dict(own[key])
+        return shared
 
 
 def load_checkpoint(path: Path) -> dict[str, Any]:
-    """A whole checkpoint, unsharded, in this process: its shared state, ``model`` and
-    ``optimizer`` (full state dicts keyed by parameter name) and ``ranks`` (each rank's state).
-    Read without running code: a crafted checkpoint raises a one-line ``ConfigError``."""
-    state = dcp_io.read(path)
-    shared = dcp_io.unpack(state.pop("shared"), path)
-    ranks = [dcp_io.unpack(state.pop(f"rank{r}"), path) for r in range(shared["world_size"])]
+    """A whole checkpoint, unsharded, in this process (for programs that read a run): its shared
+    state, ``model`` and ``optimizer`` (full state dicts keyed by parameter name) and ``ranks``
+    (each rank's state). A crafted checkpoint raises a one-line ``ConfigError``, unread."""
+    state = checkpoint_io.read(path)
+    shared = checkpoint_io.unpack(state.pop("shared"), path)
+    ranks = [checkpoint_io.unpack(state.pop(f"rank{r}"), path) for r in range(shared["world_size"])]
     return {**shared, **state, "ranks": ranks}
-
-
-def load_latest_checkpoint(
-    ckpt_dir: Path, quiet: bool = False, *, move_damaged: bool = True
-) -> tuple[Path, dict[str, Any]] | None:
-    """The newest intact checkpoint whose shared state loads (:func:`read_shared`). A damaged one
-    (:func:`checkpoint_verify.verify`) is moved aside (``move_damaged``; else named in a warning)
-    and skipped, an unreadable one skipped with a warning. ``quiet``, the entry point's look
-    ahead (on every rank of a launch, before the run's log exists): sizes checked, not checksums
-    (the run's own resume reads those, once), nothing moved or logged. An I/O error that
-    outlasts the retries is raised (``OSError``): nothing is moved for it."""
-    for step, path in reversed(list_checkpoints(ckpt_dir)):
-        try:
-            checkpoint_verify.verify(path, checksums=not quiet)
-        except Damaged as e:
-            if quiet:
-                continue
-            if move_damaged:
-                move_aside(path, str(e))
-            else:
-                log.warning("skipping damaged checkpoint %s (step %d): %s", path, step, e)
-            continue
-        try:
-            return path, read_shared(path)
-        except ConfigError:  # refused as unsafe: never skipped for an older one
-            raise
-        except Exception as e:
-            if not quiet:
-                log.warning("skipping unreadable checkpoint %s (step %d): %s", path, step, e)
-    return None
-
-
-def config_mismatch(saved_config: Mapping[str, Any] | None, cfg: Config) -> tuple[str, Any, Any] | None:
-    """The first of :data:`ARCHITECTURE_KEYS` whose value in ``cfg`` differs from the one the
-    checkpoint was trained with: ``(key, now, saved)``, or ``None``. Keys unset on either side
-    (``model.vocab_size: null`` takes the data's) are not compared."""
-    if not isinstance(saved_config, Mapping):
-        return None
-    now_config = plain_config(cfg)
-    for key in ARCHITECTURE_KEYS:
-        now, was = _dotted(now_config, key), _dotted(saved_config, key)
-        if now is not None and was is not None and now != was:
-            return key, now, was
-    return None
-
-
-def _dotted(config: Mapping[str, Any], key: str) -> Any:
-    """``config``'s value at the dotted ``key``; ``None`` where a part is missing."""
-    value: Any = config
-    for part in key.split("."):
-        value = value.get(part) if isinstance(value, Mapping) else None
-    return value
-
-
-def resume_plan(run_dir: Path, cfg: Config, *, quiet: bool = False) -> tuple[Path, dict[str, Any]] | None:
-    """Where a run in ``run_dir`` starts: ``(path, shared state)`` of the checkpoint to resume
-    from, or ``None`` for step 0. Raises ``ConfigError`` when
-
-    * the run directory holds checkpoints but ``trainer.resume`` is false (they would be
-      overwritten) -- unless this is a requeued Slurm job, which resumes;
-    * ``trainer.resume`` is true and none of its checkpoints loads;
-    * the newest readable checkpoint has another format than :data:`CHECKPOINT_FORMAT`, or was
-      trained with another model (:func:`config_mismatch`).
-    """
-    from readback.train.preemption import requeued
-
-    ckpt_dir = checkpoint_dir(run_dir)
-    found = list_checkpoints(ckpt_dir)
-    legacy = sorted(ckpt_dir.glob(_LEGACY)) if ckpt_dir.is_dir() else []
-    if legacy and not found:
-        raise ConfigError(
-            "trainer.resume",
-            cfg.trainer.resume,
-            f"a checkpoint of format {CHECKPOINT_FORMAT}; {legacy[-1]} is a single file of format 2 "
-            f"(resume it with the readback that wrote it, or use a new hydra.run.dir)",
-        )
-    if not found and moved_aside(ckpt_dir):
-        raise ConfigError(
-            "trainer.resume",
-            cfg.trainer.resume,
-            f"a run directory with an intact checkpoint, or a new hydra.run.dir: {ckpt_dir} holds only "
-            f"damaged ones, moved aside ({', '.join(p.name for p in moved_aside(ckpt_dir))})",
-        )
-    if not found:
-        return None
-    resume = cfg.trainer.resume
-    if not resume and requeued():
-        log.warning(
-            "requeued job (SLURM_RESTART_COUNT=%s): resuming from %s", os.environ["SLURM_RESTART_COUNT"], ckpt_dir
-        )
-        resume = True
-    if not resume:
-        raise ConfigError(
-            "trainer.resume",
-            False,
-            f"true to continue the run in {run_dir} (it holds {len(found)} "
-            f"checkpoint(s), up to step {found[-1][0]}), or a new hydra.run.dir",
-        )
-    try:
-        latest = load_latest_checkpoint(ckpt_dir, quiet=quiet)
-    except OSError as e:
-        raise ConfigError(
-            "trainer.resume",
-            True,
-            f"a checkpoint that can be read; reading those in {ckpt_dir} failed, retried too ({e}); "
-            f"nothing was moved (an I/O error is no sign of damage): resume once the file system answers",
-        ) from e
-    if latest is None:
-        raise ConfigError(
-            "trainer.resume",
-            True,
-            f"a run directory with an intact, readable checkpoint: none of the "
-            f"{len(found)} in {ckpt_dir} is (remove them, and any step_*.damaged, to start afresh)",
-        )
-    path, state = latest
-    if state.get("format") != CHECKPOINT_FORMAT:
-        raise ConfigError(
-            "trainer.resume",
-            True,
-            f"a checkpoint of format {CHECKPOINT_FORMAT}; {path} has format "
-            f"{state.get('format')!r} (resume it with the readback that wrote it)",
-        )
-    mismatch = config_mismatch(state.get("config"), cfg)
-    if mismatch is not None:
-        key, now, was = mismatch
-        raise ConfigError(key, now, f"{was!r}, the value {path} was trained with (or a new hydra.run.dir)")
-    return path, state

@@ -7,6 +7,7 @@ from __future__ import annotations
 import logging
 import math
 import time
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -14,7 +15,8 @@ import torch
 from readback.progress import Off, Progress, progress
 from readback.train.contract import TrainableModel
 from readback.train.distributed import DistEnv
-from readback.train.metrics import MetricsLogger, peak_bf16_flops
+from readback.train.metrics import MetricsLogger, build_metrics_logger, peak_bf16_flops
+from readback.train.settings import Config, plain_config
 
 log = logging.getLogger(__name__)
 
@@ -59,6 +61,18 @@ class MetricsProcessor:
         self.pbar: Progress = Off()
         self.t_start = t_start
         self.peak_flops = peak_bf16_flops(torch.cuda.get_device_name(env.device)) if env.device.type == "cuda" else None
+
+    def open_logger(self, cfg: Config, run_dir: Path, *, resume_step: int, wandb_run_id: str | None) -> None:
+        """The rank's logger (:func:`~readback.train.metrics.build_metrics_logger`), its records
+        cut back to ``resume_step``."""
+        self.logger = build_metrics_logger(
+            cfg.logger,
+            run_dir,
+            is_main=self.env.is_main,
+            resume_step=resume_step,
+            config=plain_config(cfg),
+            wandb_run_id=wandb_run_id,
+        )
 
     def log_start(self, experiment: str, n_params: int | None, *, steps: int, accum: int) -> None:
         if self.env.is_main:

@@ -2,12 +2,14 @@
 of one run that ``readback.config.validate`` builds and every component reads its group from.
 
 ``readback.config`` composes it (Hydra's ``ConfigStore``) and checks the rules between groups
-(``readback.config.cross_group``) once each group has checked its own ranges.
+(``readback.config.cross_group``) once each group has checked its own ranges. A checkpoint
+resumes only under the model it was trained with (:data:`ARCHITECTURE_KEYS`).
 """
 
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -19,6 +21,7 @@ from readback.data.settings import Data
 from readback.errors import ConfigError
 from readback.fields import Checked, integer, items, number, one_of
 from readback.model.settings import Model
+from readback.overrides import config_value
 from readback.probe.settings import Probe
 
 DEVICES = ("auto", "cpu", "cuda")
@@ -26,6 +29,18 @@ PARALLEL = ("ddp", "fsdp")  # readback.train.parallel: DDP, or FSDP2's fully_sha
 NONFINITE_GRADS = ("stop", "skip")
 LOGGERS = ("none", "wandb")
 WANDB_MODES = ("auto", "online", "offline", "disabled")
+# Keys a checkpoint can only be resumed under with the value it was trained with (:func:`config_mismatch`).
+ARCHITECTURE_KEYS = (
+    "model.n_layers",
+    "model.d_model",
+    "model.n_heads",
+    "model.n_kv_groups",
+    "model.ffn_dim",
+    "model.vocab_size",
+    "model.tied",
+    "precision.name",
+    "precision.amax_history_len",
+)
 
 
 @dataclass
@@ -121,3 +136,17 @@ class Config(Checked):
 def plain_config(cfg: Config) -> dict[str, Any]:
     """``cfg`` as plain containers, for wandb and checkpoints."""
     return dataclasses.asdict(cfg)
+
+
+def config_mismatch(saved_config: Mapping[str, Any] | None, cfg: Config) -> tuple[str, Any, Any] | None:
+    """The first of :data:`ARCHITECTURE_KEYS` whose value in ``cfg`` differs from the one the
+    checkpoint was trained with: ``(key, now, saved)``, or ``None``. Keys unset on either side
+    (``model.vocab_size: null`` takes the data's) are not compared."""
+    if not isinstance(saved_config, Mapping):
+        return None
+    now_config = plain_config(cfg)
+    for key in ARCHITECTURE_KEYS:
+        now, was = config_value(now_config, key), config_value(saved_config, key)
+        if now is not None and was is not None and now != was:
+            return key, now, was
+    return None

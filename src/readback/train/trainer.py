@@ -39,19 +39,17 @@ from readback.errors import ConfigError
 from readback.model import ActivationStats
 from readback.ops.compiled import compiled
 from readback.probe import check_params
-from readback.train.checkpoint_manager import CheckpointManager, RNGState
+from readback.train.checkpoint import CheckpointManager, RNGState
 from readback.train.contract import Builders, check_model, with_vocabulary
 from readback.train.distributed import DistEnv, all_reduce_mean
 from readback.train.divergence import DivergenceDetector
 from readback.train.dry_run import check_memory
 from readback.train.instruments import TapedProbe, instruments
-from readback.train.metrics import build_metrics_logger
 from readback.train.metrics_processor import MetricsProcessor
-from readback.train.optim import build_optimizer, clip_gradients, nonfinite_grad_names
+from readback.train.optim import WSDSchedule, build_optimizer, build_scheduler, clip_gradients, nonfinite_grad_names
 from readback.train.parallel import apply_parallelism, no_gradient_sync, whole_parameters
 from readback.train.preemption import Preempted, PreemptionGuard
-from readback.train.schedule import WSDSchedule, build_scheduler
-from readback.train.settings import Config, plain_config
+from readback.train.settings import Config
 from readback.train.summary import SummaryWriter, run_summary
 from readback.train.validator import Validator
 
@@ -125,14 +123,7 @@ class Trainer:
             start, wandb_id = self.checkpoints.resume()
             self.step = start
             self.summary.clear()
-            self.metrics.logger = build_metrics_logger(
-                self.cfg.logger,
-                self.run_dir,
-                is_main=env.is_main,
-                resume_step=start,
-                config=plain_config(self.cfg),
-                wandb_run_id=wandb_id,
-            )
+            self.metrics.open_logger(self.cfg, self.run_dir, resume_step=start, wandb_run_id=wandb_id)
             self.metrics.log_start(self.experiment, self.n_params, steps=self.steps, accum=self.accum)
             status = self._loop(start)
             self.checkpoints.wait()  # an asynchronous save still in flight

@@ -2,9 +2,8 @@
 
 Each kind of damage to the newest checkpoint is found before it is used: the checkpoint is moved
 aside with one warning line and the run resumes from the newest intact one, on the uninterrupted
-run's curve. An I/O error moves nothing; pruning counts intact checkpoints only; a checkpoint
-without checksums (written before they existed) still loads. A save that a full disk stops is
-one line, ``summary.json`` says ``failed`` and why, no temporary directory is left, and the run
+run's curve. An I/O error moves nothing; pruning counts intact checkpoints only. A save that a
+full disk stops is one line, ``summary.json`` says ``failed`` and why, no temporary directory is left, and the run
 resumes from what is left on the uninterrupted curve.
 """
 
@@ -25,18 +24,14 @@ from torch.distributed.checkpoint.filesystem import FileSystem
 
 import toys
 from readback.errors import ConfigError
-from readback.train import checkpoint_verify, dcp_io, shard_manifest
-from readback.train.checkpoint import (
-    checkpoint_path,
-    list_checkpoints,
-    resume_plan,
-    save_checkpoint,
-)
-from readback.train.checkpoint_verify import Damaged, verify
+from readback.train import checkpoint_dirs, checkpoint_io
+from readback.train.checkpoint import CheckpointManager
+from readback.train.checkpoint_dirs import checkpoint_path, list_checkpoints, resume_plan, verify
+from readback.train.distributed import DistEnv
 from readback.train.metrics import read_jsonl
 
 CURVE_KEYS = ("step", "loss", "lr", "tokens", "grad_norm", "val_loss")
-SHARD, MANIFEST = "__0_0.distcp", "__0_checksums.json"
+SHARD, CHECKSUMS = "__0_0.distcp", "__0_checksums.json"
 RESUME = {"trainer.resume": True}
 
 
@@ -89,17 +84,25 @@ def _zero(ckpt: Path) -> None:
         shard.write_bytes(bytes(shard.stat().st_size))
 
 
+def _delete_shard(ckpt: Path) -> None:
+    (ckpt / SHARD).unlink()
+
+
+def _delete_checksums(ckpt: Path) -> None:
+    (ckpt / CHECKSUMS).unlink()
+
+
 def _remove_index(ckpt: Path) -> None:
-    (ckpt / dcp_io.INDEX).unlink()
+    (ckpt / checkpoint_io.INDEX).unlink()
 
 
 def _garble_index(ckpt: Path) -> None:
-    index = ckpt / dcp_io.INDEX
+    index = ckpt / checkpoint_io.INDEX
     index.write_bytes(b"garbage" + index.read_bytes()[7:])
 
 
 def _cut_index(ckpt: Path) -> None:
-    index = ckpt / dcp_io.INDEX
+    index = ckpt / checkpoint_io.INDEX
     index.write_bytes(index.read_bytes()[:100])
 
 
@@ -112,6 +115,8 @@ DAMAGE = {
     "shard truncated": (_truncate, "bytes, its index needs"),
     "shard overwritten": (_overwrite, "has CRC-32"),
     "shards zeroed": (_zero, "has CRC-32"),
+    "shard deleted": (_delete_shard, f"{SHARD} is 0 bytes, its index needs"),
+    "checksums deleted": (_delete_checksums, f"{SHARD} has no recorded checksum"),
     "index missing": (_remove_index, "no index (.metadata)"),
     "index garbled": (_garble_index, "unreadable index"),
     "index cut short": (_cut_index, "unreadable index"),
@@ -172,8 +177,8 @@ def _failing_open(monkeypatch, code: int, times: int | None) -> list[str]:
             raise OSError(code, os.strerror(code), str(path))
         return open(path, *args, **kwargs)
 
-    monkeypatch.setattr(shard_manifest, "open", flaky_open, raising=False)
-    monkeypatch.setattr(checkpoint_verify, "RETRY_DELAYS_S", (0.0, 0.0))
+    monkeypatch.setattr(checkpoint_io, "open", flaky_open, raising=False)
+    monkeypatch.setattr(checkpoint_dirs, "RETRY_DELAYS_S", (0.0, 0.0))
     return tries
 
 
@@ -192,30 +197,24 @@ def test_a_transient_io_error_is_retried_and_moves_nothing(crashed, monkeypatch,
     assert [s for s, _ in list_checkpoints(crashed / "checkpoints")] == [4, 8]  # both where they were
 
 
-def test_keep_last_counts_intact_checkpoints_only(tmp_path):
+def test_keep_last_counts_intact_checkpoints_only(tmp_path, built):
+    model = toys.ToyModel(8)
+    manager = CheckpointManager(
+        tmp_path,
+        toys.make_cfg(**{"trainer.keep_last": 2}),
+        DistEnv(),
+        model=model,
+        optimizer=torch.optim.AdamW(model.parameters()),
+        shared={},
+        per_rank={},
+    )
     for step in (4, 8):
-        save_checkpoint({"w": torch.full((4,), float(step))}, tmp_path, step, keep_last=2)
-    _truncate(checkpoint_path(tmp_path, 8))
-    save_checkpoint({"w": torch.ones(4)}, tmp_path, 12, keep_last=2)
-    assert [s for s, _ in list_checkpoints(tmp_path)] == [4, 12]  # 8 is damaged: 4 is one of the two kept
-    save_checkpoint({"w": torch.ones(4)}, tmp_path, 16, keep_last=2)
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["step_0000008.damaged", "step_0000012", "step_0000016"]
-
-
-def test_a_checkpoint_without_checksums_loads_as_before(crashed, runs):
-    for _, path in list_checkpoints(crashed / "checkpoints"):
-        (path / MANIFEST).unlink()
-    verify(_newest(crashed))
-    _overwrite(_newest(crashed))
-    verify(_newest(crashed))  # without checksums only the sizes can be checked
-    shutil.rmtree(_newest(crashed))
-    shutil.copytree(runs / "crashed" / "checkpoints" / "step_0000008", _newest(crashed))
-    (_newest(crashed) / MANIFEST).unlink()
-    summary = toys.train(toys.make_cfg(**RESUME), crashed)
-    assert summary["status"] == "completed" and _curve(crashed) == _curve(runs / "straight")
-    _truncate(_newest(crashed))
-    with pytest.raises(Damaged, match="its index needs"):  # the sizes are checked still
-        verify(_newest(crashed))
+        manager.save(step, wandb_run_id=None)
+    _truncate(checkpoint_path(manager.dir, 8))
+    manager.save(12, wandb_run_id=None)
+    assert [s for s, _ in list_checkpoints(manager.dir)] == [4, 12]  # 8 is damaged: 4 is one of the two kept
+    manager.save(16, wandb_run_id=None)
+    assert sorted(p.name for p in manager.dir.iterdir()) == ["step_0000008.damaged", "step_0000012", "step_0000016"]
 
 
 class _FillingStream:

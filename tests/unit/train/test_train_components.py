@@ -16,24 +16,20 @@ import torch
 from torch import nn
 
 from readback.errors import ConfigError
-from readback.train import dcp_io
-from readback.train.checkpoint import (
+from readback.train import checkpoint_io
+from readback.train.checkpoint import CheckpointManager, load_checkpoint
+from readback.train.checkpoint_dirs import (
     checkpoint_path,
     commit_checkpoint,
     list_checkpoints,
-    load_checkpoint,
-    load_latest_checkpoint,
-    remove_stale_temp_files,
-    save_checkpoint,
+    resume_plan,
     temp_checkpoint_path,
 )
-from readback.train.checkpoint_manager import CheckpointManager
 from readback.train.distributed import DistEnv
 from readback.train.divergence import DivergenceDetector
 from readback.train.identity import RunIdentity
 from readback.train.metrics import JsonlWriter, MetricsLogger, read_jsonl
-from readback.train.optim import build_optimizer, clip_gradients, nonfinite_grad_names, param_groups
-from readback.train.schedule import WSDSchedule
+from readback.train.optim import WSDSchedule, build_optimizer, clip_gradients, nonfinite_grad_names, param_groups
 from readback.train.settings import WandbLogger as WandbSettings
 from readback.train.tracking import WandbLogger, resolve_wandb_mode
 from toys import ToyModel, config, make_cfg, train
@@ -150,48 +146,53 @@ def test_divergence_state_roundtrip():
 
 
 # --------------------------------------------------------------------------- checkpoints
-def _state(step: int, w: torch.Tensor, **shared) -> dict:
-    """A DCP state dict as the checkpoint manager writes it (one rank)."""
-    return {
-        "model": {"w": w},
-        "shared": dcp_io.pack({"step": step, "world_size": 1, **shared}),
-        "rank0": dcp_io.pack({}),
-    }
+def _manager(
+    run_dir: Path, shared: dict | None = None, model: nn.Module | None = None, **settings
+) -> CheckpointManager:
+    """The checkpoint manager of a toy model in one process; ``settings``: config overrides."""
+    model = model or ToyModel(8)
+    optimizer = torch.optim.AdamW(model.parameters())
+    cfg = make_cfg(**settings)
+    return CheckpointManager(
+        run_dir, cfg, DistEnv(), model=model, optimizer=optimizer, shared=shared or {}, per_rank={}
+    )
 
 
-def test_atomic_checkpoint_survives_a_kill_after_the_shards(tmp_path, monkeypatch):
+def _resumed(run_dir: Path) -> tuple[int, str | None]:
+    return _manager(run_dir, **{"trainer.resume": True}).resume()
+
+
+def test_atomic_checkpoint_survives_a_kill_after_the_shards(tmp_path, built, monkeypatch):
     from torch.distributed.checkpoint import FileSystemWriter
     from torch.distributed.checkpoint.api import CheckpointException
 
-    save_checkpoint(_state(1, torch.ones(3)), tmp_path, 1)
+    manager = _manager(tmp_path)
+    manager.save(1, wandb_run_id=None)
 
     def killed(self, metadata, results):
-        raise OSError("killed after the shards, before the index")
+        raise RuntimeError("killed after the shards, before the index")
 
-    monkeypatch.setattr(FileSystemWriter, "finish", killed)
-    with pytest.raises(CheckpointException):  # DCP's wrapper of the OSError
-        save_checkpoint(_state(2, torch.zeros(3)), tmp_path, 2)
-    monkeypatch.undo()
-    assert [s for s, _ in list_checkpoints(tmp_path)] == [1]
-    torn = temp_checkpoint_path(tmp_path, 2)
+    with monkeypatch.context() as patched, pytest.raises(CheckpointException):  # DCP's wrapper
+        patched.setattr(FileSystemWriter, "finish", killed)
+        manager.save(2, wandb_run_id=None)
+    assert [s for s, _ in list_checkpoints(manager.dir)] == [1]
+    torn = temp_checkpoint_path(manager.dir, 2)
     assert sorted(p.name for p in torn.iterdir()) == ["__0_0.distcp", "__0_checksums.json"]  # no index: never committed
     with pytest.raises(FileNotFoundError, match=r"no \.metadata"):
-        commit_checkpoint(tmp_path, 2)
-    path, shared = load_latest_checkpoint(tmp_path)
-    assert path == checkpoint_path(tmp_path, 1) and shared["step"] == 1
-    assert torch.equal(load_checkpoint(path)["model"]["w"], torch.ones(3))
-    assert remove_stale_temp_files(tmp_path) == [torn] and not torn.exists()
+        commit_checkpoint(manager.dir, 2)
+    assert _resumed(tmp_path) == (1, None) and not torn.exists()  # resumed from 1, what 2 left removed
 
 
-def test_corrupt_newest_checkpoint_is_skipped(tmp_path, caplog):
-    save_checkpoint(_state(1, torch.ones(1)), tmp_path, 1)
-    save_checkpoint(_state(2, torch.ones(1)), tmp_path, 2)
-    checkpoint_path(tmp_path, 3).mkdir()
-    (checkpoint_path(tmp_path, 3) / dcp_io.INDEX).write_bytes(b"garbage")
+def test_corrupt_newest_checkpoint_is_moved_aside(tmp_path, built, caplog):
+    manager = _manager(tmp_path)
+    for step in (1, 2):
+        manager.save(step, wandb_run_id=None)
+    checkpoint_path(manager.dir, 3).mkdir()
+    (checkpoint_path(manager.dir, 3) / checkpoint_io.INDEX).write_bytes(b"garbage")
     with caplog.at_level(logging.WARNING):
-        _, shared = load_latest_checkpoint(tmp_path)
-    assert shared["step"] == 2 and "step_0000003" in caplog.text
-    assert load_latest_checkpoint(tmp_path / "missing") is None
+        assert _resumed(tmp_path) == (2, None)
+    assert "step_0000003 is damaged" in caplog.text
+    assert resume_plan(tmp_path / "missing", make_cfg()) is None
 
 
 class _Mkdir:
@@ -206,31 +207,43 @@ class _Mkdir:
         return os.mkdir, (self.path,)
 
 
-def test_a_crafted_index_or_blob_is_refused_unread(tmp_path):
+class _Crafted:
+    """A component whose state holds a :class:`_Mkdir`."""
+
+    def __init__(self, path: Path):
+        self.path = path
+
+    def state_dict(self) -> dict:
+        return {"note": _Mkdir(self.path)}
+
+    def load_state_dict(self, state: dict) -> None:
+        pass
+
+
+def test_a_crafted_index_or_blob_is_refused_unread(tmp_path, built):
     import pickle
 
-    path = save_checkpoint(_state(1, torch.ones(1), note=_Mkdir(tmp_path / "blob")), tmp_path, 1)
+    _manager(tmp_path, shared={"crafted": _Crafted(tmp_path / "blob")}).save(1, wandb_run_id=None)
     with pytest.raises(ConfigError, match=r"refused unread \(Trying to load unsupported GLOBAL posix.mkdir") as e:
-        load_latest_checkpoint(tmp_path)
+        _resumed(tmp_path)
     assert "\n" not in str(e.value)
-    (path / dcp_io.INDEX).write_bytes(pickle.dumps(_Mkdir(tmp_path / "index")))
+    path = checkpoint_path(tmp_path / "checkpoints", 1)
+    (path / checkpoint_io.INDEX).write_bytes(pickle.dumps(_Mkdir(tmp_path / "index")))
     with pytest.raises(ConfigError, match=r"unsupported GLOBAL posix.mkdir"):
         load_checkpoint(path)
     assert not (tmp_path / "blob").exists() and not (tmp_path / "index").exists()
 
 
-def test_keep_last_prunes(tmp_path):
+def test_keep_last_prunes(tmp_path, built):
+    manager = _manager(tmp_path, **{"trainer.keep_last": 2})
     for step in (4, 8, 12, 16):
-        save_checkpoint(_state(step, torch.ones(1)), tmp_path, step, keep_last=2)
-    assert [s for s, _ in list_checkpoints(tmp_path)] == [12, 16]
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["step_0000012", "step_0000016"]
+        manager.save(step, wandb_run_id=None)
+    assert sorted(p.name for p in manager.dir.iterdir()) == ["step_0000012", "step_0000016"]
 
 
 def test_async_save_commits_when_the_next_save_or_the_end_waits(tmp_path, built):
-    cfg = make_cfg(**{"trainer.ckpt_async": True})
     model = ToyModel(8)
-    optimizer = torch.optim.AdamW(model.parameters())
-    manager = CheckpointManager(tmp_path, cfg, DistEnv(), model=model, optimizer=optimizer, shared={}, per_rank={})
+    manager = _manager(tmp_path, model=model, **{"trainer.ckpt_async": True})
     before = model.fc.weight.detach().clone()
     manager.save(1, wandb_run_id=None)
     with torch.no_grad():

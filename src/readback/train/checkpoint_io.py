@@ -1,25 +1,36 @@
-"""Sharded checkpoints through ``torch.distributed.checkpoint`` (DCP), read without running code.
+"""A checkpoint's files, written and read: sharded through ``torch.distributed.checkpoint`` (DCP),
+each rank's checksums beside its shards, nothing unpickled that could run code.
 
-A checkpoint is a DCP directory: every rank writes its own shards (``__<rank>_0.distcp``) and
-their checksums (:mod:`shard_manifest`), the coordinator the index (``.metadata``) once all
-shards are written. Tensors (model, optimizer) are
-DCP items, resharded on load to any world size. Other state travels as blobs: :func:`pack`
-``torch.save``-s a component's state (tensors and plain containers) into a uint8 tensor, one item.
+A checkpoint is a DCP directory: every rank writes its shards (``__<rank>_0.distcp``) and their
+sizes and CRC-32s (``__<rank>_checksums.json``), the coordinator the index (``.metadata``) once all
+shards are written. Tensors (model, optimizer) are DCP items, resharded on load to any world size;
+other state travels as blobs (:func:`pack`: ``torch.save``-d into a uint8 tensor, one item).
 
-DCP alone would unpickle its index with ``pickle.load`` and its non-tensor items with
-``torch.load(weights_only=False)``: a checkpoint someone crafted could run code on resume. Here
-the index goes through an unpickler that knows only DCP's metadata classes, and items and blobs
-load with ``weights_only=True``; anything else is refused with one line (:func:`refuse`).
+DCP alone would unpickle its index with ``pickle.load`` and its other items with
+``torch.load(weights_only=False)``: a crafted checkpoint could run code on resume. Here the index
+goes through an unpickler that knows only DCP's metadata classes, items and blobs load with
+``weights_only=True``, and anything else is refused with one line (:func:`refuse`).
+
+zlib's CRC-32 catches what damage does to a file (cut short, overwritten, flipped bits) at about
+4 GB/s, 2.5 times SHA-256's speed, so a resume waits seconds for it, not minutes. It is no defence
+against a forged checkpoint (with checksums to match); loading without running code is.
+
+Small files (the checksums, ``summary.json``, ``metrics.jsonl``, ``launch.json``) are written all
+at once (:func:`atomic_write_text`): a crash leaves the old file or the new one, never a part.
 """
 
 from __future__ import annotations
 
+import contextlib
 import io
+import json
+import os
 import pickle
+import tempfile
 import warnings
+import zlib
 from collections.abc import Iterator
 from concurrent.futures import Future
-from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, NoReturn
 
@@ -33,12 +44,16 @@ from torch.distributed.checkpoint.planner import ReadItem
 from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 
 from readback.errors import ConfigError
-from readback.train import shard_manifest
 
 # without a process group DCP warns on every call that it assumes one process: so it does
 warnings.filterwarnings("ignore", message="torch.distributed is .*assuming the intent is to")
 
 INDEX = ".metadata"  # DCP's index, written last: a directory without it holds no checkpoint
+CHECKSUM = "crc32"
+_CHECKSUMS = "checksums.json"  # each rank's: __<rank>_checksums.json
+_CHUNK = 8 << 20
+_UMASK = os.umask(0o022)
+os.umask(_UMASK)
 _INDEX_MODULES = ("torch.distributed.checkpoint.metadata",)
 _INDEX_GLOBALS = {
     ("torch", "Size"),
@@ -50,6 +65,59 @@ _INDEX_GLOBALS = {
     ("pathlib", "PureWindowsPath"),
     ("collections", "OrderedDict"),
 }
+
+
+def fsync_dir(path: Path) -> None:
+    """Make a rename or a new file in ``path`` durable (best effort: some file systems refuse)."""
+    with contextlib.suppress(OSError):
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+
+def atomic_write_text(path: Path, text: str) -> None:
+    """Write ``text`` into a temporary sibling of ``path``, fsync it, then rename it onto ``path``."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        os.fchmod(fd, 0o666 & ~_UMASK)  # mkstemp makes 0600 files: give the final file the usual mode
+        with os.fdopen(fd, "wb") as f:
+            f.write(text.encode("utf-8"))
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+    fsync_dir(path.parent)
+
+
+def crc32_of(path: Path) -> int:
+    crc = 0
+    with open(path, "rb") as f:
+        while chunk := f.read(_CHUNK):
+            crc = zlib.crc32(chunk, crc)
+    return crc
+
+
+def read_checksums(directory: Path) -> dict[str, dict[str, int]]:
+    """Every rank's checksums in ``directory`` merged, ``{file: {"size": n, "crc32": c}}``;
+    ``ValueError``: a garbled one."""
+    found: dict[str, dict[str, int]] = {}
+    for path in sorted(Path(directory).glob(f"__*_{_CHECKSUMS}")):
+        record: Any = json.loads(path.read_text())
+        files = record.get("files") if isinstance(record, dict) else None
+        if not isinstance(files, dict) or record.get("algorithm") != CHECKSUM:
+            raise ValueError(f"{path.name} is not a {CHECKSUM} manifest")
+        for name, entry in files.items():
+            if not (isinstance(entry, dict) and all(isinstance(entry.get(k), int) for k in ("size", CHECKSUM))):
+                raise ValueError(f"{path.name} has no size and {CHECKSUM} for {name}")
+            found[name] = entry
+    return found
 
 
 def refuse(path: Path, error: pickle.UnpicklingError) -> NoReturn:
@@ -99,13 +167,16 @@ class _SafeReader(FileSystemReader):
 
 
 class _ChecksummedWriter(FileSystemWriter):
-    """DCP's writer, which then records the checksums of the files this rank wrote (in the
+    """DCP's writer, which then records the size and CRC-32 of each file this rank wrote (in the
     background thread of an asynchronous save too): before the index, so before the commit."""
 
     def write_data(self, plan: Any, planner: Any) -> Any:
         future = super().write_data(plan, planner)
-        written = {result.storage_data.relative_path for result in future.wait()}
-        shard_manifest.write(Path(self.path), plan.storage_data.prefix, written)
+        directory, prefix = Path(self.path), plan.storage_data.prefix  # prefix: __<rank>_
+        names = sorted({result.storage_data.relative_path for result in future.wait()})
+        files = {n: {"size": (directory / n).stat().st_size, CHECKSUM: crc32_of(directory / n)} for n in names}
+        record = json.dumps({"algorithm": CHECKSUM, "files": files}, indent=1) + "\n"
+        atomic_write_text(directory / f"{prefix}{_CHECKSUMS}", record)
         return future
 
 
@@ -153,12 +224,7 @@ def unpack(blob: torch.Tensor, path: Path) -> Any:
 
 
 def save(
-    state_dict: dict[str, Any],
-    path: Path,
-    *,
-    distributed: bool,
-    process_group: Any = None,
-    asynchronous: bool = False,
+    state_dict: dict[str, Any], path: Path, *, distributed: bool, process_group: Any = None, asynchronous: bool = False
 ) -> Future | None:
     """Every rank writes its part of ``state_dict`` (``Stateful`` values are asked for their
     state) into the directory ``path``. Asynchronous: the state is copied now and written by a
@@ -189,7 +255,7 @@ class Unreadable(Exception):
     """A checkpoint whose files DCP could not read (a shard of zeros, ...): its error in one line."""
 
 
-@contextmanager
+@contextlib.contextmanager
 def _reading(path: Path) -> Iterator[None]:
     """DCP wraps a failed read in a ``CheckpointException``, a ``BaseException`` that no
     ``except Exception`` catches: raise its ``OSError`` (no sign of damage), a refusal
