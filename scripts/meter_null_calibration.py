@@ -13,12 +13,14 @@ disjoint sets of N = 8, 16, 32 batches; per set and group, the estimators on ``e
 and on ``e - alpha G`` (a known mean: projection ``alpha``, debiased squared bias ``alpha^2``,
 ``alpha = 3 x floor``). One JSON line per (checkpoint, N, set, group) in ``DIR/real.jsonl``.
 ``synthetic``: the same statistics on Gaussian and multivariate-t errors, ``DIR/synthetic.jsonl``.
-``decide``: ``DIR/calibration.md``, ``calibration.json`` and ``z_real_n16.png`` from those files.
+``decide``: ``DIR/calibration.md``, ``calibration.json`` and ``z_real_n16.png`` from those files
+(or from their ``.jsonl.gz``, as committed).
 """
 
 from __future__ import annotations
 
 import argparse
+import gzip
 import json
 import math
 from pathlib import Path
@@ -172,16 +174,24 @@ def call(s: dict) -> str:
     return "calibrated"
 
 
+def records(folder: Path, name: str) -> list[dict]:
+    """``name.jsonl``'s records, or those of ``name.jsonl.gz`` where only that exists."""
+    packed = folder / f"{name}.jsonl.gz"
+    if (folder / f"{name}.jsonl").exists() or not packed.exists():
+        return read_jsonl(folder / f"{name}.jsonl")
+    return [json.loads(line) for line in gzip.decompress(packed.read_bytes()).decode().splitlines() if line]
+
+
 def decide(folder: Path) -> None:
     rows = []
-    real = read_jsonl(folder / "real.jsonl")
+    real = records(folder, "real")
     for kind in ("null", "known"):
         for n in SIZES:
             for group in GROUPS:
                 for stat in Z_STATS:
                     z = np.array([z_scores(x, stat, kind) for x in real if x["n"] == n and x["group"] == group])
                     rows.append({"source": f"real {kind}", "n": n, "group": group, "stat": stat, **summary(z)})
-    fake = read_jsonl(folder / "synthetic.jsonl")
+    fake = records(folder, "synthetic")
     for noise in ("gaussian", "t3"):
         for kind in ("null", "known"):
             for n in SIZES:

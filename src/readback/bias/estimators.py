@@ -26,6 +26,10 @@ jackknife, which recomputes ``G`` too. Cost: O(N x elements), nothing quadratic 
   is unbiased where the bias is well above the floor and conservative near zero bias (at none,
   about 1.3 times the true SE at 8 batches, 1.2 times at 32). N >= 4.
 
+On nulls (``docs/results/meter_calibration``) the projection's z = projection / projection_se
+follows Student's t with N - 1 degrees of freedom (read it against t's quantiles, 2.36 at 8
+batches, not 2), and the debiased z is conservative (sd about 0.75).
+
 A statistic needing more batches than there are is NaN: the SEs, ``floor`` and ``debiased_sq``
 need N >= 2, ``debiased_sq_se`` N >= 4.
 """
