@@ -15,7 +15,7 @@ from readback.numerics import Format
 from readback.train.settings import Config
 
 FP8_ALIGNMENT = 16  # FP8 GEMMs need every dimension divisible by 16
-TE_ONLY_RECIPES = ("mxfp8",)  # MXFP8 block scaling: Transformer Engine only
+TE_ONLY_RECIPES = ("mxfp8", "blockwise")  # block scaling: Transformer Engine only
 
 
 def check_between_groups(cfg: Config) -> None:
@@ -54,7 +54,7 @@ def _check_fp8(cfg: Config, p: Fp8Precision) -> None:
             cfg.backend.name == "te",
             "precision.recipe",
             p.recipe,
-            [r for r in RECIPES if r not in TE_ONLY_RECIPES] + ["mxfp8 with backend=te"],
+            [r for r in RECIPES if r not in TE_ONLY_RECIPES] + [f"{p.recipe} with backend=te"],
         )
     sites = rounding_sites(m.n_layers)
     if p.site_margin is not None:
