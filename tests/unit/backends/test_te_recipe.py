@@ -89,13 +89,20 @@ def test_mxfp8_recipe_is_block_scaling_where_the_gpu_has_it():
         te_recipe.te_recipe_plan(precision.scaling_recipe(), precision.rounding, "2.8.0", H100)
 
 
-def test_convert_refuses_block_scaling_instead_of_running_per_tensor_current_scaling():
+def test_convert_runs_block_scaling_in_the_emulated_linears():
+    """No per-tensor stand-in: a converted linear under MXFP8 quantises by blocks, its wgrad reading
+    X's own columnwise copy (``ops.linear.recipe_reads``)."""
+    import torch
     import torch.nn as nn
 
     from readback import convert
+    from readback.numerics import MXFP8BlockScaling
 
-    with pytest.raises(ConfigError, match=r"^precision.recipe='mxfp8' is not valid; valid: delayed, current"):
-        convert(nn.Sequential(nn.Linear(16, 16)), precision={"recipe": "mxfp8"})
+    model = nn.Sequential(nn.Linear(32, 32, bias=False))
+    numerics = convert(model, precision={"recipe": "mxfp8"}, policy="reuse_rounded").numerics
+    assert isinstance(numerics.recipe, MXFP8BlockScaling) and numerics.spec.reads["linear"]["wgrad"] == "requantized"
+    model(torch.randn(64, 32)).sum().backward()
+    assert model[0].weight.grad is not None
 
 
 @pytest.mark.parametrize("overrides", [("precision.recipe=mxfp8",), ("precision.recipe=mxfp8", "precision.margin=1")])
@@ -173,3 +180,10 @@ def test_float8_block_scaling_takes_te_s_fields_and_defaults_and_its_refusals():
             te_plan.te_plan(compose(*te, *overrides), version, hw)
     with_override = compose(*te, "backend.attention_core=readback", "precision.backward_override=high_precision")
     assert te_plan.te_plan(with_override, "2.20.0", H100).te_recipe.kwargs["backward_override"] == "high_precision"
+
+
+def test_the_emulated_backend_runs_the_block_recipes_and_refuses_what_their_quantisers_lack():
+    for recipe in ("mxfp8", "blockwise"):
+        assert compose("+experiment=reuse_rounded", f"precision.recipe={recipe}").precision.recipe == recipe
+        with pytest.raises(ConfigError, match=r"^precision.rounding='stochastic' is not valid; valid: nearest under"):
+            compose("+experiment=reuse_rounded", f"precision.recipe={recipe}", "precision.rounding=stochastic")
