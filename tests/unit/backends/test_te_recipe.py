@@ -105,6 +105,24 @@ def test_convert_runs_block_scaling_in_the_emulated_linears():
     assert model[0].weight.grad is not None
 
 
+@pytest.mark.parametrize(("recipe", "handed"), [("delayed", True), ("mxfp8", False)])
+def test_a_norm_hands_its_rounded_output_only_under_per_tensor_scaling(recipe, handed):
+    """Under a block recipe the linear after a norm quantises the norm's output by blocks itself
+    (TE's LayerNormLinear), rather than multiplying a per-tensor copy the norm made."""
+    import torch
+    import torch.nn as nn
+
+    from readback import convert
+
+    model = nn.Sequential(nn.RMSNorm(32), nn.Linear(32, 32, bias=False))
+    numerics = convert(model, precision={"recipe": recipe}, policy="reuse_rounded").numerics
+    with numerics.taping() as tape:
+        model(torch.randn(64, 32))
+    assert ("0.output" in numerics.sites) is handed
+    (x_q,) = [record["input"] for site, record in tape if site == "1"]
+    assert type(x_q).__name__ == ("QTensor" if handed else "BlockQTensor")
+
+
 @pytest.mark.parametrize("overrides", [("precision.recipe=mxfp8",), ("precision.recipe=mxfp8", "precision.margin=1")])
 def test_the_numerics_of_an_mxfp8_te_run_give_convert_the_same_block_scaling_recipe(monkeypatch, overrides):
     """One recipe object from the config to the kernel: the ``Numerics`` that ``backend=te`` builds
