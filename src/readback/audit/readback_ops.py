@@ -30,16 +30,7 @@ from readback.audit.harness import (
 from readback.audit.harness import (
     expand_groups as expand,
 )
-from readback.numerics import (
-    BlockQTensor,
-    BlockScalingRecipe,
-    CurrentScaling,
-    Float8BlockScaling,
-    MXFP8BlockScaling,
-    QTensor,
-    quantize,
-)
-from readback.numerics.blockscale import COLUMNWISE
+from readback.numerics import CurrentScaling, QTensor, quantize
 from readback.numerics.streams import RandomStreams
 from readback.ops import Numerics, numerics_for
 from readback.ops import activation as activation_op
@@ -119,53 +110,6 @@ def rb_linear(setup: Setup, policy: str) -> list[Row]:
         *audit(
             "readback.linear", "wgrad", got["weight"], ref["weight"], {m: dy.mT @ v for m, v in xs.items()}, **common
         ),
-    ]
-
-
-def rb_linear_blocks(setup: Setup, policy: str, recipe: BlockScalingRecipe) -> list[Row]:
-    """The linear under a block recipe: dgrad's W and wgrad's X against their forward copy, their
-    own copy quantised along the other axis (``requantized``) and the original."""
-    g = setup.generator(f"readback.linear ({recipe.KEY})")
-    d = 2 * setup.width
-
-    # One row in 32 of X and of W is 2**16 times the rest, and dY weighs it 2**-16: a block along
-    # the other axis then holds an outlier that pushes the rest into E4M3's subnormals, while the
-    # gradients still come from the rest (power-of-two scales keep a line's copies otherwise equal).
-    x = Setup.randn(g, setup.batch, setup.seq, d)
-    weight = Setup.randn(g, d // 2, d, std=d**-0.5)
-    upstream = Setup.randn(g, setup.batch, setup.seq, d // 2)
-    with torch.no_grad():
-        x.view(-1, d)[::32] *= 2.0**16
-        weight[::32] *= 2.0**16
-        upstream.view(-1, d // 2)[::32] *= 2.0**-16
-        upstream[..., ::32] *= 2.0**-16
-    numerics = numerics_for("fp8", recipe, policy, attention_bwd="fp32", seed=setup.seed)
-
-    def forward(x, weight):
-        return linear_op.linear(x, weight, numerics, "lin"), {}
-
-    got, tape = taped_backprop(numerics, forward, {"x": x, "weight": weight}, upstream)
-    record = tape["lin"]
-    ref = backprop(
-        lambda x, weight: (linear_op.replay(x, weight, record, F64), {}), {"x": x, "weight": weight}, upstream, F64
-    )
-
-    def copies(tensor: str, original: torch.Tensor, executed: BlockQTensor) -> dict[str, torch.Tensor]:
-        """The values its backward could read (a square-block copy is the only one: no requantized)."""
-        quantizer = recipe.quantizer(tensor)
-        out = {"rounded": executed.dequantize(F64), "original": value(original)}
-        if not quantizer.square:
-            out["requantized"] = quantizer.quantize(original.detach().float(), COLUMNWISE).dequantize(F64)
-        return out
-
-    dy = value(upstream).reshape(-1, d // 2)
-    xs = copies("input", x.reshape(-1, d), record["input"])
-    ws = copies("weight", weight, record["weight"])
-    op = f"readback.linear ({recipe.KEY})"
-    common: dict[str, Any] = dict(policy=policy, declared=numerics.spec.reads["linear"], tol=setup.tol)
-    return [
-        *audit(op, "dgrad", got["x"], ref["x"], {m: (dy @ w).reshape(x.shape) for m, w in ws.items()}, **common),
-        *audit(op, "wgrad", got["weight"], ref["weight"], {m: dy.mT @ v for m, v in xs.items()}, **common),
     ]
 
 
@@ -318,7 +262,7 @@ def rb_xielu(setup: Setup, policy: str) -> list[Row]:
     )
 
 
-def _per_policy(audit_one, policies=tuple(POLICIES), **kwargs):
+def per_policy(audit_one, policies=tuple(POLICIES), **kwargs):
     def run(setup: Setup) -> list[Row]:
         return [row for policy in policies for row in audit_one(setup, policy, **kwargs)]
 
@@ -327,23 +271,15 @@ def _per_policy(audit_one, policies=tuple(POLICIES), **kwargs):
 
 
 AUDITS = {
-    "readback.linear": _per_policy(rb_linear),
-    # block recipes with their backward GEMMs in FP32 and FP32 scales, so the two copies differ
-    **{
-        f"readback.linear ({r.KEY})": _per_policy(rb_linear_blocks, recipe=r)
-        for r in (
-            MXFP8BlockScaling(override_linear_precision=(False, True, True)),
-            Float8BlockScaling(pow2_scales=False, override_linear_precision=(False, True, True)),
-        )
-    },
-    "readback.rms_norm": _per_policy(rb_rms_norm),
-    "readback.attention": _per_policy(rb_attention),
-    "readback.attention (stochastic fwd)": _per_policy(
+    "readback.linear": per_policy(rb_linear),
+    "readback.rms_norm": per_policy(rb_rms_norm),
+    "readback.attention": per_policy(rb_attention),
+    "readback.attention (stochastic fwd)": per_policy(
         rb_attention, ("reuse_rounded", "fresh_reround"), rounding="stochastic"
     ),
     # what TE's BF16 backward reads (exact takes no flavour)
-    "readback.attention (bwd_reads=te)": _per_policy(
+    "readback.attention (bwd_reads=te)": per_policy(
         rb_attention, tuple(p for p in POLICIES if p != "exact"), bwd_reads="te"
     ),
-    "readback.xielu": _per_policy(rb_xielu),
+    "readback.xielu": per_policy(rb_xielu),
 }
