@@ -38,7 +38,9 @@ def integer(minimum: int = 1, default: Any = MISSING) -> Any:
     return _field(Valid(f"an integer >= {minimum}", lambda v: v >= minimum), default)
 
 
-def number(low: float, high: float = math.inf, *, low_open: bool = False, high_open: bool = False) -> Any:
+def number(
+    low: float, high: float = math.inf, *, low_open: bool = False, high_open: bool = False, default: Any = MISSING
+) -> Any:
     """A finite number in the interval (``inf`` and ``nan`` are refused everywhere)."""
     if high == math.inf:
         text = (
@@ -54,12 +56,14 @@ def number(low: float, high: float = math.inf, *, low_open: bool = False, high_o
         below = v < high if high_open else v <= high
         return math.isfinite(v) and above and below
 
-    return _field(Valid(text, test))
+    return _field(Valid(text, test), default)
 
 
-def one_of(choices: Iterable[str], default: Any = MISSING) -> Any:
+def one_of(choices: Iterable[str | int], default: Any = MISSING) -> Any:
+    """One of ``choices``; a ``None`` default makes null a choice too (named first)."""
     choices = tuple(choices)
-    return _field(Valid(", ".join(choices), lambda v: v in choices), default)
+    words = ", ".join(["null"] * (default is None) + [str(c) for c in choices])
+    return _field(Valid(words, lambda v: v in choices), default)
 
 
 def items(text: str, test: Callable[[list[Any]], bool], default: Any = MISSING) -> Any:

@@ -9,7 +9,9 @@ from __future__ import annotations
 
 # "rebuilt": a value the backward recomputes from other reads than the forward's (attention's P,
 # rebuilt from the original Q, K with the FP8 forward's log-sum-exp: ops.attention.BWD_READS)
-READ_MODES = ("rounded", "original", "fresh", "none", "rebuilt")
+# "requantized": the original quantised again along the reading GEMM's own axis (a block recipe's
+# other direction: ops.linear.BLOCK_DIRECTIONS); a per-tensor copy serves both, so it is "rounded" there
+READ_MODES = ("rounded", "original", "fresh", "none", "rebuilt", "requantized")
 
 POLICIES = {
     "reuse_rounded": "attention D-term reads the FP8 output O8 saved for the projection's wgrad "

@@ -8,7 +8,8 @@ straight-through replay of the executed forward) classified the same way is what
 Candidates that agree within the tolerance are reported as indistinguishable, never guessed.
 
 The audited ops are a registry of functions returning rows (``AUDITS``): plain PyTorch ops with a
-rounding inserted (``torch_ops``), readback's own ops under every policy (``readback_ops``), and
+rounding inserted (``torch_ops``), readback's own ops under every policy (``readback_ops``; the
+linear under the block recipes, ``block_ops``), and
 Transformer Engine's on CUDA (``te``). The audit reports; it does not fail on a differing row.
 """
 
@@ -21,11 +22,11 @@ import time
 from pathlib import Path
 from typing import NoReturn
 
-from readback.audit import readback_ops, te, torch_ops
+from readback.audit import block_ops, readback_ops, te, torch_ops
 from readback.audit.core import TOL, Row, format_table
 from readback.audit.harness import Setup
 
-AUDITS = {**torch_ops.AUDITS, **readback_ops.AUDITS}
+AUDITS = {**torch_ops.AUDITS, **readback_ops.AUDITS, **block_ops.AUDITS}
 
 __all__ = ["AUDITS", "Row", "Setup", "format_table", "main", "run_audit"]
 

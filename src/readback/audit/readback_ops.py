@@ -262,7 +262,7 @@ def rb_xielu(setup: Setup, policy: str) -> list[Row]:
     )
 
 
-def _per_policy(audit_one, policies=tuple(POLICIES), **kwargs):
+def per_policy(audit_one, policies=tuple(POLICIES), **kwargs):
     def run(setup: Setup) -> list[Row]:
         return [row for policy in policies for row in audit_one(setup, policy, **kwargs)]
 
@@ -271,15 +271,15 @@ def _per_policy(audit_one, policies=tuple(POLICIES), **kwargs):
 
 
 AUDITS = {
-    "readback.linear": _per_policy(rb_linear),
-    "readback.rms_norm": _per_policy(rb_rms_norm),
-    "readback.attention": _per_policy(rb_attention),
-    "readback.attention (stochastic fwd)": _per_policy(
+    "readback.linear": per_policy(rb_linear),
+    "readback.rms_norm": per_policy(rb_rms_norm),
+    "readback.attention": per_policy(rb_attention),
+    "readback.attention (stochastic fwd)": per_policy(
         rb_attention, ("reuse_rounded", "fresh_reround"), rounding="stochastic"
     ),
     # what TE's BF16 backward reads (exact takes no flavour)
-    "readback.attention (bwd_reads=te)": _per_policy(
+    "readback.attention (bwd_reads=te)": per_policy(
         rb_attention, tuple(p for p in POLICIES if p != "exact"), bwd_reads="te"
     ),
-    "readback.xielu": _per_policy(rb_xielu),
+    "readback.xielu": per_policy(rb_xielu),
 }

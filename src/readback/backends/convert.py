@@ -33,7 +33,6 @@ from omegaconf.errors import ValidationError
 from readback.backends.converted import ConvertParts, SDPARouter, eps_of
 from readback.backends.precision import build_numerics
 from readback.errors import ConfigError, choose, require, some_of
-from readback.numerics import MXFP8BlockScaling
 from readback.numerics.spec import ATTENTION_BWD, PRECISIONS
 from readback.ops import Numerics, numerics_for
 from readback.policy import POLICIES
@@ -209,9 +208,6 @@ def convert(
     filter = tuple(filter)
     _check_filter(model, filter)
     numerics = precision if isinstance(precision, Numerics) else _numerics(precision, policy, attention_bwd, seed)
-    if backend == "emulated" and isinstance(numerics.recipe, MXFP8BlockScaling):
-        per_tensor = 'delayed, current (readback\'s ops scale per tensor; mxfp8 with backend="te")'
-        raise ConfigError("precision.recipe", "mxfp8", per_tensor)
     report = ConvertReport(numerics)
     parts: ConvertParts | TEConverter
     if backend == "te":

@@ -12,6 +12,7 @@ import torch
 import torch.nn as nn
 
 from readback.model.fog import Linear, Parts
+from readback.numerics import BlockScalingRecipe
 from readback.numerics.state import Numerics
 from readback.ops.attention import attention
 from readback.ops.linear import linear
@@ -26,7 +27,8 @@ class Handoff:
     it), multiplies the copy as is, so its weight gradient reads the very bits the producer
     saved. A norm's copy is made at its site ``{norm}.output`` when the first linear asks for it:
     other consumers (a residual add, a layer left in high precision) read the norm's unrounded
-    output. Emptied when the converted model's forward starts and ends."""
+    output; under a block recipe there is none (each linear quantises it by blocks, as TE's
+    LayerNormLinear does). Emptied when the converted model's forward starts and ends."""
 
     def __init__(self, numerics: Numerics):
         self.numerics = numerics
@@ -53,6 +55,8 @@ class Handoff:
         producer, site = entry[0](), entry[3]
         if self.numerics.spec.is_bf16_site(consumer) != self.numerics.spec.is_bf16_site(site):
             return None
+        if entry[2] is None and isinstance(self.numerics.recipe, BlockScalingRecipe):
+            return None  # under block scaling a linear quantises a norm's output by blocks itself, as TE's does
         if entry[2] is None:
             entry[2] = self.numerics.site(site).quantize(producer.detach(), self.numerics.rounding)
             self.numerics.account("rms_norm", output_fp8=entry[2])

@@ -15,16 +15,28 @@ from dataclasses import dataclass
 from typing import Any
 
 from readback.errors import ConfigError, require
-from readback.fields import Checked, integer, items, one_of
-from readback.numerics import AMAX_COMPUTE_ALGOS, RECIPES, ROUNDINGS, DelayedScaling, Format, FP8Format, ScalingRecipe
+from readback.fields import Checked, integer, items, number, one_of
+from readback.numerics import (
+    AMAX_COMPUTE_ALGOS,
+    BACKWARD_OVERRIDES,
+    RECIPES,
+    ROUNDINGS,
+    DelayedScaling,
+    Float8BlockScaling,
+    Format,
+    FP8Format,
+    ScalingRecipe,
+)
 from readback.numerics.gemm import BF16_GEMMS
 from readback.numerics.spec import ACCUMULATIONS, ATTENTION_BWD, ATTENTION_BWD_READS, PRECISIONS, resolve_accumulation
 from readback.numerics.spike import AmaxSpike
 from readback.ops import Numerics, numerics_for
 from readback.policy import POLICIES
 
-# The recipe fields' defaults: Transformer Engine's default recipe, as numerics.scaling declares it.
+# The recipe fields' defaults: Transformer Engine's default recipe, as numerics.scaling declares
+# it, and its Float8BlockScaling for the fields only that recipe has.
 TE_DEFAULT = DelayedScaling()
+BLOCKWISE = Float8BlockScaling()
 
 
 @dataclass
@@ -39,8 +51,8 @@ class Precision(Checked):
 @dataclass
 class Fp8Precision(Precision):
     """The FP8 settings, in Transformer Engine's recipe vocabulary. ``recipe`` names the recipe's
-    class (``numerics.RECIPES``) and the next six fields are its fields, with its defaults (one
-    ``fp8_format`` default for every recipe: TE's MXFP8 recipe alone defaults to E4M3);
+    class (``numerics.RECIPES``) and the recipe fields follow, with the recipes' defaults (one
+    ``fp8_format`` default for every recipe, where TE's block recipes default to E4M3);
     ``scaling_recipe`` makes the one recipe object that the emulation and the TE mapping read."""
 
     recipe: str = one_of(RECIPES, default=TE_DEFAULT.KEY)
@@ -52,6 +64,15 @@ class Fp8Precision(Precision):
     override_linear_precision: list[bool] = items(  # (fprop, dgrad, wgrad): true = high precision
         "three booleans [fprop, dgrad, wgrad]", lambda v: len(v) == 3, list(TE_DEFAULT.override_linear_precision)
     )
+    # null | dequantized (backward GEMMs in BF16 on the forward's dequantised copies) | high_precision
+    # (on the original input and weight); neither rounds dY. Not under delayed scaling.
+    backward_override: str | None = one_of(BACKWARD_OVERRIDES, default=None)
+    # blockwise (Float8BlockScaling): 1 = 1x128 lines, 2 = 128x128 blocks (at most one tensor)
+    x_block_scaling_dim: int = one_of((1, 2), default=BLOCKWISE.x_block_scaling_dim)
+    w_block_scaling_dim: int = one_of((1, 2), default=BLOCKWISE.w_block_scaling_dim)
+    grad_block_scaling_dim: int = one_of((1, 2), default=BLOCKWISE.grad_block_scaling_dim)
+    pow2_scales: bool = BLOCKWISE.pow2_scales  # blockwise: power-of-two scales (TE's QParams.power_2_scale)
+    amax_epsilon: float = number(0, default=BLOCKWISE.amax_epsilon)  # blockwise: each block's amax at least this
     rounding: str = one_of(ROUNDINGS, default="nearest")  # the forward's roundings: nearest | stochastic
     # Sites kept in BF16 (name prefixes), checked against the model's layers in config.cross_group.
     bf16_layers: list[str] = dataclasses.field(default_factory=list)
@@ -70,11 +91,11 @@ class Fp8Precision(Precision):
 
     def scaling_recipe(self) -> ScalingRecipe:
         """The one recipe object of these settings: ``precision.recipe``'s class with the fields
-        it has (a delayed-only field under another recipe is not read)."""
+        it has (a field of another recipe is not read)."""
         cls = RECIPES[self.recipe]
-        names = {f.name for f in dataclasses.fields(cls)}
-        fields = {f.name: getattr(self, f.name) for f in dataclasses.fields(DelayedScaling)}
-        return cls(**{k: v for k, v in fields.items() if k in names})
+        fields = {f.name: getattr(self, f.name) for f in dataclasses.fields(cls)}
+        fields["override_linear_precision"] = tuple(fields["override_linear_precision"])
+        return cls(**fields)
 
     def check(self) -> None:
         fmt = Format.parse(self.fp8_format)
@@ -87,6 +108,7 @@ class Fp8Precision(Precision):
             f"an integer in [0, {strictest.zero_margin - 1}] for the {strictest} sites ({sites}): "
             + underflow_words(strictest),
         )
+        self._check_recipe_fields()
         amax_spike_of(self.amax_spike)
         try:
             resolve_accumulation(self.accumulation, dict(self.accumulation_gemms or {}))
@@ -96,6 +118,25 @@ class Fp8Precision(Precision):
                 self.accumulation_gemms,
                 "null or a mapping {fprop | dgrad | wgrad: fast | split | ieee}, e.g. {dgrad: fast}",
             ) from None
+
+    def _check_recipe_fields(self) -> None:
+        """The recipes' own rules (``numerics.scaling``), as refusals of the keys that break them."""
+        require(
+            self.backward_override is None or self.recipe != "delayed",
+            self.key("backward_override"),
+            self.backward_override,
+            "null under precision.recipe=delayed (Transformer Engine: delayed scaling allows only None)",
+        )
+        if self.recipe != "blockwise":
+            return
+        require(self.margin == 0, self.key("margin"), self.margin, "0 under precision.recipe=blockwise (no margin)")
+        dims = [self.x_block_scaling_dim, self.w_block_scaling_dim, self.grad_block_scaling_dim]
+        require(
+            dims.count(2) <= 1,
+            "precision.[x, w, grad]_block_scaling_dim",
+            dims,
+            "at most one 2 (Transformer Engine: no GEMM of two 128x128-block operands)",
+        )
 
 
 def amax_spike_of(value: Any) -> AmaxSpike | None:

@@ -16,6 +16,7 @@ Version = tuple[int, int, int]
 # First TE release with each feature (common/recipe/__init__.py; pytorch/...):
 SINCE = {
     "MXFP8BlockScaling": (2, 0),  # common/recipe/__init__.py, v2.0
+    "Float8BlockScaling": (2, 3),  # common/recipe/__init__.py: absent in v2.2, present in v2.3
     "Float8CurrentScaling": (2, 2),  # common/recipe/__init__.py: absent in v2.1, present in v2.2
     # pytorch/attention/dot_product_attention/backends.py: NVTE_DPA_FP8CS_O_in_F16 first in v2.8
     "current_scaling_fp8_dpa": (2, 8),
@@ -105,6 +106,18 @@ def mxfp8_refusal(hw: Hardware) -> str | None:
     """pytorch/fp8.py v2.8 ``check_mxfp8_support`` (same in 2.20): sm100 up to, not including, sm120."""
     if hw.capability is not None and not (10, 0) <= hw.capability < (12, 0):
         return "MXFP8BlockScaling needs sm100 (and is not supported on sm120 yet)"
+    return None
+
+
+def fp8_block_scaling_refusal(hw: Hardware, pow2_scales: bool) -> str | None:
+    """pytorch/quantization.py v2.20 ``_compute_fp8_block_scaling_support``: sm90+ (and CUDA >= 12.9,
+    not checked here); on sm100+ TE emulates the recipe with MXFP8 (pytorch/csrc/extensions/gemm.cpp),
+    and its quantisers refuse FP32 scales there (common/transpose/quantize_transpose_vector_blockwise.cu
+    and ``..._square_blockwise.cu``: "requires using power of two scaling factors")."""
+    if hw.capability is not None and hw.capability < (9, 0):
+        return "Float8BlockScaling needs sm90 or newer (and CUDA >= 12.9)"
+    if hw.capability is not None and hw.capability >= (10, 0) and not pow2_scales:
+        return "Float8BlockScaling runs as MXFP8 on sm100 and newer, which needs power-of-two scales"
     return None
 
 

@@ -134,7 +134,9 @@ def te_plan(cfg: ModelSettings, te_version: str | None = INSTALLED, hardware: Ha
         recipe = recipe.for_attention(fp8_dpa=attention is not None, fp8_mha=fp8_mha)
     bf16_layers = tuple(p8.bf16_layers) if p8 is not None else ()
     proj = _projection_label(attention is not None, recipe_key, fp8_mha)
-    sites = {**_sites(cfg, attention_label, proj, fp8, bf16_layers, _linear_label(policy, fp8)), **attention_reads}
+    override = p8.backward_override if p8 is not None else None
+    linear_label = _linear_label(policy, fp8, override)
+    sites = {**_sites(cfg, attention_label, proj, fp8, bf16_layers, linear_label), **attention_reads}
     if fp8:  # TE's own GEMM accumulation, Hopper's (the config refuses any other); cuDNN's attention unmodelled
         sites |= readback_accumulations("hopper", None)
         if attention is not None:
@@ -181,7 +183,7 @@ def _check_fp8_attention(cfg: ModelSettings, recipe_key: str, vt, hw: Hardware, 
     raise ConfigError(key, value, f"{fix} ({where}: {reason})")
 
 
-def _linear_label(policy: str, fp8: bool) -> str:
+def _linear_label(policy: str, fp8: bool, backward_override: str | None = None) -> str:
     """What ``te.Linear``'s backward reads, from the policy's linear read rules. Every policy
     reads the forward's rounded copies, TE's default (``save_original_input=False``,
     ``backward_override=None``); TE's switches read other values: ``backward_override=
@@ -197,7 +199,12 @@ def _linear_label(policy: str, fp8: bool) -> str:
         )
     if not fp8:
         return "te.Linear"
-    return "te.Linear (backward reads the forward's W8 and X8: save_original_input=False, backward_override=None)"
+    what = {
+        None: "the forward's W8 and X8",
+        "dequantized": "the forward's W8 and X8 dequantised, in BF16 GEMMs",
+        "high_precision": "the original W and X, in BF16 GEMMs",
+    }[backward_override]
+    return f"te.Linear (backward reads {what}: save_original_input=False, backward_override={backward_override})"
 
 
 def _te_attention(fp8: bool, recipe: str | None, policy: str, bwd: str, bwd_reads: str):

@@ -6,6 +6,7 @@ GPU is refused in one line, never dropped. Like the plan, it never imports Trans
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import Any
 
@@ -14,6 +15,7 @@ from readback.backends.te_facts import (
     OVERRIDE_LINEAR_PRECISION_REMOVED,
     SINCE,
     Hardware,
+    fp8_block_scaling_refusal,
     fp8_gemm_refusal,
     installed_hardware,
     installed_te_version,
@@ -21,10 +23,18 @@ from readback.backends.te_facts import (
     version_tuple,
 )
 from readback.errors import ConfigError, require
-from readback.numerics import DelayedScaling, MXFP8BlockScaling, ScalingRecipe
+from readback.numerics import DelayedScaling, Float8BlockScaling, MXFP8BlockScaling, ScalingRecipe
 
-# precision.recipe -> Transformer Engine recipe class. ``mxfp8`` exists only for backend=te.
-RECIPES = {"delayed": "DelayedScaling", "current": "Float8CurrentScaling", "mxfp8": "MXFP8BlockScaling"}
+# precision.recipe -> Transformer Engine recipe class
+RECIPES = {
+    "delayed": "DelayedScaling",
+    "current": "Float8CurrentScaling",
+    "mxfp8": "MXFP8BlockScaling",
+    "blockwise": "Float8BlockScaling",
+}
+# Read by TE at its import into Float8BlockScaling's QParams (common/recipe/__init__.py): no
+# constructor argument sets them, so readback passes only what that environment gives.
+FP32_SCALES_ENV = "NVTE_FP8_BLOCK_SCALING_FP32_SCALES"
 MIN_TE = (1, 13)
 INSTALLED: Any = object()  # default: what this machine has
 
@@ -98,10 +108,16 @@ def _check_fp8_recipe(recipe: ScalingRecipe, rounding: str, vt, hw: Hardware, wh
             recipe_key,
             f"delayed ({where} has no {RECIPES[recipe_key]}; it needs >= {since[0]}.{since[1]})",
         )
-    reason = fp8_gemm_refusal(hw) or (mxfp8_refusal(hw) if recipe_key == "mxfp8" else None)
-    if reason:
-        key, value = ("precision", "fp8") if recipe_key != "mxfp8" else ("precision.recipe", "mxfp8")
-        raise ConfigError(key, value, f"{'bf16' if key == 'precision' else 'delayed, current'} ({where}: {reason})")
+    if fp8_gemm_refusal(hw):
+        raise ConfigError("precision", "fp8", f"bf16 ({where}: {fp8_gemm_refusal(hw)})")
+    block_reason = mxfp8_refusal(hw) if isinstance(recipe, MXFP8BlockScaling) else None
+    if isinstance(recipe, Float8BlockScaling):
+        block_reason = fp8_block_scaling_refusal(hw, recipe.pow2_scales)
+    if block_reason:
+        others = ", ".join(k for k in RECIPES if k != recipe_key)
+        raise ConfigError("precision.recipe", recipe_key, f"{others} ({where}: {block_reason})")
+    if isinstance(recipe, Float8BlockScaling):
+        _refuse_block_qparams(recipe, where)
 
 
 def _refuse_unsupported_fields(recipe: ScalingRecipe, vt: tuple[int, int, int] | None, where: str) -> None:
@@ -134,12 +150,37 @@ def _refuse_unsupported_fields(recipe: ScalingRecipe, vt: tuple[int, int, int] |
                 override,
                 f"[false, false, false] or [false, false, true] ({where} overrides only the wgrad GEMM)",
             )
+    if recipe.backward_override is not None and vt is not None and vt[:2] < SINCE["backward_override"]:
+        raise ConfigError(
+            "precision.backward_override",
+            recipe.backward_override,
+            f"null ({where} has no backward_override: it needs >= 2.15; use backend=emulated)",
+        )
     if recipe_key == "current" and recipe.margin != 0:
         raise ConfigError(
             "precision.margin",
             recipe.margin,
             f"0 ({where}: Float8CurrentScaling has no margin; use backend=emulated for a margin under current scaling)",
         )
+
+
+def _refuse_block_qparams(recipe: Float8BlockScaling, where: str) -> None:
+    """Float8BlockScaling's QParams are TE's import-time class attributes: readback runs only the
+    ones TE's environment gives (power-of-two scales unless ``FP32_SCALES_ENV=1``, no epsilon)."""
+    te_pow2 = os.environ.get(FP32_SCALES_ENV, "0") != "1"
+    require(
+        recipe.pow2_scales == te_pow2,
+        "precision.pow2_scales",
+        recipe.pow2_scales,
+        f"{str(te_pow2).lower()} ({where} reads {FP32_SCALES_ENV} at import, "
+        f"which is {os.environ.get(FP32_SCALES_ENV)!r} here; use backend=emulated for the other)",
+    )
+    require(
+        recipe.amax_epsilon == 0.0,
+        "precision.amax_epsilon",
+        recipe.amax_epsilon,
+        f"0 ({where}: Float8BlockScaling's amax_epsilon is a class attribute; use backend=emulated)",
+    )
 
 
 def _recipe_kwargs(recipe: ScalingRecipe, vt) -> dict[str, Any]:
@@ -159,10 +200,17 @@ def _recipe_kwargs(recipe: ScalingRecipe, vt) -> dict[str, Any]:
             kwargs["override_linear_precision"] = recipe.override_linear_precision
     elif isinstance(recipe, MXFP8BlockScaling):
         kwargs = dict(fp8_format=fmt, **({"margin": recipe.margin} if recipe.margin else {}))
+    elif isinstance(recipe, Float8BlockScaling):  # no FP8 attention switches: TE asserts them off
+        kwargs = dict(
+            fp8_format=fmt,
+            x_block_scaling_dim=recipe.x_block_scaling_dim,
+            w_block_scaling_dim=recipe.w_block_scaling_dim,
+            grad_block_scaling_dim=recipe.grad_block_scaling_dim,
+        )
     else:
         kwargs = dict(fp8_format=fmt, fp8_dpa=False, fp8_mha=False)
     if vt is not None and vt[:2] >= SINCE["backward_override"]:
         # The field's default is NVTE_BACKWARD_OVERRIDE read at import: pinned, so the
         # environment cannot change what te.Linear's backward reads.
-        kwargs["backward_override"] = None
+        kwargs["backward_override"] = recipe.backward_override
     return kwargs

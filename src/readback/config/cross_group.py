@@ -9,13 +9,11 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 from readback.backends.precision import Fp8Precision, amax_spike_of, underflow_words
-from readback.backends.te_recipe import RECIPES
 from readback.errors import ConfigError, require
-from readback.numerics import Format
+from readback.numerics import RECIPES, BlockScalingRecipe, Format
 from readback.train.settings import Config
 
 FP8_ALIGNMENT = 16  # FP8 GEMMs need every dimension divisible by 16
-TE_ONLY_RECIPES = ("mxfp8",)  # MXFP8 block scaling: Transformer Engine only
 
 
 def check_between_groups(cfg: Config) -> None:
@@ -49,13 +47,8 @@ def _check_fp8(cfg: Config, p: Fp8Precision) -> None:
         ("model head_dim", m.d_model // m.n_heads),
     ):
         require(value % FP8_ALIGNMENT == 0, key, value, f"a multiple of {FP8_ALIGNMENT} under precision=fp8")
-    if p.recipe in TE_ONLY_RECIPES:
-        require(
-            cfg.backend.name == "te",
-            "precision.recipe",
-            p.recipe,
-            [r for r in RECIPES if r not in TE_ONLY_RECIPES] + ["mxfp8 with backend=te"],
-        )
+    if issubclass(RECIPES[p.recipe], BlockScalingRecipe):
+        _check_block_recipe(p)
     sites = rounding_sites(m.n_layers)
     if p.site_margin is not None:
         check_site_margin(p.site_margin, cfg, sites)
@@ -77,6 +70,13 @@ def _check_fp8(cfg: Config, p: Fp8Precision) -> None:
             entry,
             f"names of layers or sites, e.g. lm_head, layers.0.attn, layers.{m.n_layers - 1}.mlp.down",
         )
+
+
+def _check_block_recipe(p: Fp8Precision) -> None:
+    """A block recipe's quantisers (``numerics.blockscale``) round to nearest, as TE's do: a
+    stochastic rounding would reach only the per-tensor sites (the attention core's)."""
+    why = f"under precision.recipe={p.recipe} (its block quantisers round to nearest)"
+    require(p.rounding == "nearest", "precision.rounding", p.rounding, f"nearest {why}")
 
 
 def check_site_margin(

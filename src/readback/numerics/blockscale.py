@@ -60,6 +60,11 @@ class BlockQTensor:
         return values.reshape(self.data.shape).to(dtype)
 
     @property
+    def nbytes(self) -> int:
+        """The codes' and the FP32 scales' bytes."""
+        return self.data.numel() * self.data.element_size() + self.scale.numel() * self.scale.element_size()
+
+    @property
     def mT(self) -> BlockQTensor:
         """The transpose of a 2-D tensor, its blocks and scales transposed with it (an ``n x n``
         copy serves both GEMM operand layouts this way, as TE's 128x128 weights do)."""
@@ -156,6 +161,11 @@ class MXFP8Quantizer:
     fmt: FP8Format = E4M3
     two_d: bool = False
 
+    @property
+    def square(self) -> bool:
+        """Whether one copy serves both directions (square blocks)."""
+        return self.two_d
+
     def quantize(self, x: torch.Tensor, direction: str = ROWWISE) -> BlockQTensor:
         line = _line(32, direction)
         m, k = _flat_2d(x)
@@ -188,6 +198,11 @@ class Float8BlockQuantizer:
             raise ValueError(f"block_scaling_dim={self.block_scaling_dim}; valid: [1, 2]")
         if not (math.isfinite(self.amax_epsilon) and self.amax_epsilon >= 0):
             raise ValueError(f"amax_epsilon={self.amax_epsilon} must be finite and >= 0")
+
+    @property
+    def square(self) -> bool:
+        """Whether one copy serves both directions (128x128 blocks)."""
+        return self.block_scaling_dim == 2
 
     def quantize(self, x: torch.Tensor, direction: str = ROWWISE) -> BlockQTensor:
         line = _line(128, direction)

@@ -16,6 +16,7 @@ import functools
 import torch
 
 from readback.numerics.accumulation import MODES, accumulate, epilogue
+from readback.numerics.blockscale import BlockQTensor
 from readback.numerics.formats import BF16
 from readback.numerics.rounding import QTensor, decode
 
@@ -144,9 +145,21 @@ GEMM_PRECISIONS = ("fp8", "bf16", "fp32", "fp64")
 PRECISION_DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32, "fp64": torch.float64}
 
 
+def block_mm(a: QTensor | BlockQTensor, b: QTensor | BlockQTensor) -> torch.Tensor:
+    """``a @ b`` of block-scaled operands (one may be scaled per tensor): the readback model of a
+    block-scaled GEMM, an FP32 GEMM of the operands' dequantised values (``decode(data) *
+    scale_inv`` per block, FP32), rounded once to BF16, returned in FP32. It is not Hopper's or
+    Blackwell's kernel bit for bit: those apply each block's scales to partial sums as they go
+    along K and accumulate in an order (and precision) of their own."""
+    return torch.matmul(a.dequantize(torch.float32), b.dequantize(torch.float32)).to(torch.bfloat16).float()
+
+
+Operand = QTensor | BlockQTensor | torch.Tensor
+
+
 def matmul(
-    a: QTensor | torch.Tensor,
-    b: QTensor | torch.Tensor,
+    a: Operand,
+    b: Operand,
     precision: str,
     accumulation: str = "native",
     bf16_gemm: str = BF16_GEMMS[0],
@@ -160,19 +173,23 @@ def matmul(
     GEMM runs as ``bf16_mm`` with kernel ``bf16_gemm`` (``BF16_GEMMS``).
     """
     if precision == "fp8":
+        if isinstance(a, BlockQTensor) or isinstance(b, BlockQTensor):
+            if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+                raise TypeError("matmul(precision='fp8') multiplies quantised tensors")
+            return block_mm(a, b)
         if not (isinstance(a, QTensor) and isinstance(b, QTensor)):
             raise TypeError("matmul(precision='fp8') multiplies QTensors")
         return fp8_mm(a, b, native_accumulation(a, b) if accumulation == "native" else accumulation, bf16_gemm)
     dtype = PRECISION_DTYPES[precision]
     if precision == "bf16":
         return bf16_mm(_bf16_values(a), _bf16_values(b), bf16_gemm)
-    x, y = (t.dequantize(dtype) if isinstance(t, QTensor) else t.to(dtype) for t in (a, b))
+    x, y = (t.to(dtype) if isinstance(t, torch.Tensor) else t.dequantize(dtype) for t in (a, b))
     return torch.matmul(x, y).to(torch.promote_types(dtype, torch.float32))
 
 
-def _bf16_values(t: QTensor | torch.Tensor) -> torch.Tensor:
+def _bf16_values(t: Operand) -> torch.Tensor:
     """``t``'s values rounded to BF16; a BF16 ``QTensor``'s data holds them already (as BF16, or
     as FP32 once ``decoded``)."""
-    if isinstance(t, QTensor):
-        return t.data if t.fmt is BF16 else t.dequantize(torch.bfloat16)
-    return t.to(torch.bfloat16)
+    if isinstance(t, torch.Tensor):
+        return t.to(torch.bfloat16)
+    return t.data if t.fmt is BF16 else t.dequantize(torch.bfloat16)

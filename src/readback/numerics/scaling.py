@@ -1,19 +1,30 @@
-"""Per-tensor scaling: recipes (Transformer Engine's field names) and their per-tensor state.
+"""Scaling recipes (Transformer Engine's field names and defaults) and their per-tensor state.
 
-A recipe says how scales are chosen; a ``ScalingState`` holds one tensor's scale (and, for
-delayed scaling, its amax history) and is what a checkpoint saves.
+A recipe says how scales are chosen: per tensor (delayed, current) or per block (MXFP8,
+Float8BlockScaling: ``BlockScalingRecipe``, whose quantisers are ``blockscale``'s); a
+``ScalingState`` holds one tensor's scale (and, for delayed scaling, its amax history) and is
+what a checkpoint saves.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
 import torch
 
+from readback.numerics.blockscale import Float8BlockQuantizer, MXFP8Quantizer
 from readback.numerics.formats import Format, FP8Format
 
 AMAX_COMPUTE_ALGOS = ("max", "most_recent")
+# TE's ``backward_override`` (common/recipe/__init__.py ``_BACKWARD_OVERRIDES``, TE >= 2.15): None
+# reads the recipe's FP8 copies; ``dequantized`` runs the backward GEMMs in high precision on the
+# forward's dequantised copies, ``high_precision`` on the original input and weight; neither
+# rounds the output gradient (pytorch/module/linear.py: the backward's ``fp8`` is off).
+BACKWARD_OVERRIDES = ("high_precision", "dequantized")
+# The tensors of a linear a recipe quantises (a site's last name component)
+LINEAR_TENSORS = ("input", "weight", "grad_output")
 
 
 def abs_max(x: torch.Tensor) -> torch.Tensor:
@@ -44,8 +55,10 @@ def compute_scale(
 @dataclass(frozen=True)
 class ScalingRecipe:
     """What every recipe has, with Transformer Engine's names and defaults: ``margin``, the
-    format pair, and ``override_linear_precision`` = (fprop, dgrad, wgrad), True running that
-    GEMM in high precision (TE 1.x's field; the TE mapping refuses what its TE lacks).
+    format pair, ``override_linear_precision`` = (fprop, dgrad, wgrad), True running that
+    GEMM in high precision (TE 1.x's field; the TE mapping refuses what its TE lacks), and
+    ``backward_override`` (``BACKWARD_OVERRIDES`` or None; TE's default is the environment's
+    ``NVTE_BACKWARD_OVERRIDE`` at import, readback's None, which it passes to TE explicitly).
 
     A recipe is the one object of a run's scaling, from the config (``precision.recipe`` names
     its class in ``RECIPES``, the fields keep their names) to the emulated kernels and to TE's
@@ -56,12 +69,15 @@ class ScalingRecipe:
     margin: int = 0
     fp8_format: Format = Format.HYBRID
     override_linear_precision: tuple[bool, bool, bool] = (False, False, False)
+    backward_override: str | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "fp8_format", Format.parse(self.fp8_format))
         object.__setattr__(self, "override_linear_precision", tuple(bool(b) for b in self.override_linear_precision))
         if len(self.override_linear_precision) != 3:
             raise ValueError("override_linear_precision is (fprop, dgrad, wgrad): three booleans")
+        if self.backward_override not in (None, *BACKWARD_OVERRIDES):
+            raise ValueError(f"backward_override={self.backward_override!r}; valid: {[None, *BACKWARD_OVERRIDES]}")
 
     def new_state(self, fmt: FP8Format) -> DelayedScalingState | CurrentScalingState:
         """One tensor's scaling state: scaled by its own amax when it is quantised, unless the
@@ -88,6 +104,8 @@ class DelayedScaling(ScalingRecipe):
             raise ValueError(f"amax_compute_algo={self.amax_compute_algo!r}; valid: {list(AMAX_COMPUTE_ALGOS)}")
         if self.interval < 1 or self.amax_history_len < 1:
             raise ValueError("interval and amax_history_len must be >= 1")
+        if self.backward_override is not None:  # TE: "Delayed scaling only supports backward_override=None."
+            raise ValueError(f"backward_override={self.backward_override!r}: delayed scaling allows only None")
 
     def new_state(self, fmt: FP8Format) -> DelayedScalingState:
         return DelayedScalingState(self, fmt)
@@ -101,20 +119,77 @@ class CurrentScaling(ScalingRecipe):
 
 
 @dataclass(frozen=True)
-class MXFP8BlockScaling(ScalingRecipe):
-    """Transformer Engine's MXFP8 recipe: an E8M0 scale per 32 elements (``blockscale.MXFP8Quantizer``),
-    TE's linears only (``backend=te``; the config refuses it on the emulated backend).
+class BlockScalingRecipe(ScalingRecipe):
+    """A recipe that scales each block of a linear's operands by its own amax, with ``quantizer``'s
+    quantiser per tensor (``LINEAR_TENSORS``); TE's linears and readback's emulated ones
+    (``ops.linear``) quantise by it. Its block scales take no margin.
 
-    readback's own ops do not scale by blocks: the sites they own in such a run (its attention
+    readback's other ops do not scale by blocks: the sites they own in such a run (its attention
     core) scale per tensor from their own amax, as ``CurrentScaling`` does (``new_state``).
     """
 
+    def quantizer(self, tensor: str) -> MXFP8Quantizer | Float8BlockQuantizer:
+        """The quantiser of a linear's ``tensor`` (``LINEAR_TENSORS``)."""
+        raise NotImplementedError
+
+
+@dataclass(frozen=True)
+class MXFP8BlockScaling(BlockScalingRecipe):
+    """Transformer Engine's MXFP8 recipe: an E8M0 scale per 32 elements (``blockscale.MXFP8Quantizer``),
+    rowwise and columnwise copies each quantised from the original."""
+
     KEY = "mxfp8"
     fp8_format: Format = Format.E4M3  # TE's default here: E4M3 for the gradients too
+    # ``margin`` is TE's field too, which its MXFP8 quantiser does not read
+
+    def quantizer(self, tensor: str) -> MXFP8Quantizer:
+        return MXFP8Quantizer(self.fp8_format.bwd if tensor == "grad_output" else self.fp8_format.fwd)
+
+
+@dataclass(frozen=True)
+class Float8BlockScaling(BlockScalingRecipe):
+    """Transformer Engine's ``Float8BlockScaling`` (TE >= 2.3; DeepSeek-V3's): FP32 scales per block
+    (``blockscale.Float8BlockQuantizer``), ``*_block_scaling_dim`` 1 for 1x128 lines (one copy per
+    direction, each from the original), 2 for 128x128 blocks (one copy serving both).
+
+    ``pow2_scales`` and ``amax_epsilon`` are TE's ``QParams(power_2_scale, amax_epsilon)``, one
+    pair for every tensor as TE's defaults have it. TE sets them at import from
+    ``NVTE_FP8_BLOCK_SCALING_FP32_SCALES`` (class attributes, not constructor arguments), which
+    readback cannot read for a TE imported elsewhere; here they are fields.
+    """
+
+    KEY = "blockwise"
+    fp8_format: Format = Format.E4M3
+    x_block_scaling_dim: int = 1
+    w_block_scaling_dim: int = 2
+    grad_block_scaling_dim: int = 1
+    pow2_scales: bool = True
+    amax_epsilon: float = 0.0
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.margin != 0:  # TE's Float8BlockScaling has no margin field
+            raise ValueError(f"margin={self.margin}: Float8BlockScaling has no margin")
+        dims = (self.x_block_scaling_dim, self.w_block_scaling_dim, self.grad_block_scaling_dim)
+        if not set(dims) <= {1, 2}:
+            raise ValueError(f"block scaling dims {dims}: each 1 (1x128) or 2 (128x128)")
+        if dims.count(2) > 1:  # TE: "2D by 2D block gemm not supported."
+            raise ValueError(f"block scaling dims {dims}: at most one tensor in 128x128 blocks")
+        if not (math.isfinite(self.amax_epsilon) and self.amax_epsilon >= 0):
+            raise ValueError(f"amax_epsilon={self.amax_epsilon} must be finite and >= 0")
+
+    def quantizer(self, tensor: str) -> Float8BlockQuantizer:
+        dim = {"input": self.x_block_scaling_dim, "weight": self.w_block_scaling_dim}.get(
+            tensor, self.grad_block_scaling_dim
+        )
+        fmt = self.fp8_format.bwd if tensor == "grad_output" else self.fp8_format.fwd
+        return Float8BlockQuantizer(fmt, dim, self.pow2_scales, self.amax_epsilon)
 
 
 # precision.recipe -> the recipe's class
-RECIPES: dict[str, type[ScalingRecipe]] = {r.KEY: r for r in (DelayedScaling, CurrentScaling, MXFP8BlockScaling)}
+RECIPES: dict[str, type[ScalingRecipe]] = {
+    r.KEY: r for r in (DelayedScaling, CurrentScaling, MXFP8BlockScaling, Float8BlockScaling)
+}
 
 
 class DelayedScalingState:

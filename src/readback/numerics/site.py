@@ -17,6 +17,7 @@ import torch
 from readback.errors import NumericsError, require
 from readback.numerics import (
     BF16,
+    BlockQTensor,
     CurrentScalingState,
     DelayedScalingState,
     FP8Format,
@@ -27,6 +28,7 @@ from readback.numerics import (
 )
 
 if TYPE_CHECKING:
+    from readback.numerics.blockscale import Float8BlockQuantizer, MXFP8Quantizer
     from readback.numerics.streams import RandomStreams
 
 
@@ -125,7 +127,18 @@ class Site:
         self._count_underflow(x, q)
         return q
 
-    def _count_underflow(self, x: torch.Tensor, q: QTensor) -> None:
+    def quantize_blocks(
+        self, x: torch.Tensor, quantizer: MXFP8Quantizer | Float8BlockQuantizer, direction: str
+    ) -> BlockQTensor:
+        """Round ``x`` at this site with a block recipe's ``quantizer`` along ``direction``
+        (``blockscale``): each block scaled by its own amax, so the site's scaling state is not
+        read; nearest rounding only. Underflow is counted as ``quantize`` counts it (each copy)."""
+        self._follow(x.device)
+        q = quantizer.quantize(x, direction)
+        self._count_underflow(x, q)
+        return q
+
+    def _count_underflow(self, x: torch.Tensor, q: QTensor | BlockQTensor) -> None:
         """Add the nonzero elements of ``x`` that ``q`` holds as zero or a subnormal. No amax
         shortcut exists here (any tensor may hold tiny elements), so it is always counted."""
         underflowed, nonzero = underflow_counts(x, q)
@@ -187,7 +200,7 @@ def rounding_figures(x: torch.Tensor, q: QTensor, history_amax: torch.Tensor | N
     return RoundingFigures(rel_err, xd.abs().max() / rms, torch.log2(rms * q.scale.double()), held)
 
 
-def underflow_counts(x: torch.Tensor, q: QTensor) -> tuple[torch.Tensor, torch.Tensor]:
+def underflow_counts(x: torch.Tensor, q: QTensor | BlockQTensor) -> tuple[torch.Tensor, torch.Tensor]:
     """``(underflowed, nonzero)``: the nonzero elements of ``x`` and those that their FP8 rounding
     ``q`` holds as zero or a subnormal (the one definition of ``fp8_underflow``).
 

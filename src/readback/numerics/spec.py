@@ -142,11 +142,16 @@ class NumericsSpec:
         return self.reads[op][gradient]
 
     def linear_precision(self, gemm: str) -> str:
-        """GEMM precision of a linear's ``fprop``, ``dgrad`` or ``wgrad``."""
+        """GEMM precision of a linear's ``fprop``, ``dgrad`` or ``wgrad``: ``fp32`` where
+        ``override_linear_precision`` says so, ``bf16`` for the backward's under a
+        ``backward_override`` (TE runs them in the activations' dtype)."""
         if self.precision == "off":
             return "fp64"
-        overrides = self.recipe.override_linear_precision if self.recipe is not None else (False,) * 3
-        return "fp32" if self.precision == "fp8" and overrides[GEMMS.index(gemm)] else "fp8"
+        if self.precision != "fp8" or self.recipe is None:
+            return "fp8"
+        if self.recipe.override_linear_precision[GEMMS.index(gemm)]:
+            return "fp32"
+        return "bf16" if gemm != "fprop" and self.recipe.backward_override is not None else "fp8"
 
     def linear_accumulation(self, gemm: str) -> str:
         """How a linear's ``fprop``, ``dgrad`` or ``wgrad`` FP8 GEMM accumulates (``gemm.matmul``)."""

@@ -17,6 +17,7 @@ import torch
 
 from readback.numerics import (
     BF16,
+    BlockQTensor,
     DelayedScalingState,
     FP8Format,
     QTensor,
@@ -199,7 +200,7 @@ class Numerics:
         advances (``readback.numerics.streams``)."""
         return self.streams.state(site, stream, device)
 
-    def account(self, op: str, **saved: torch.Tensor | QTensor | None) -> None:
+    def account(self, op: str, **saved: torch.Tensor | QTensor | BlockQTensor | None) -> None:
         """Add the bytes an op saved for its backward, per saved tensor, to ``saved_bytes``.
 
         Eager executions only: a compiled graph that read the running count would be
@@ -208,7 +209,7 @@ class Numerics:
             return
         for name, tensor in saved.items():
             if tensor is not None:
-                nbytes = tensor.nbytes if isinstance(tensor, QTensor) else tensor.numel() * tensor.element_size()
+                nbytes = tensor.numel() * tensor.element_size() if isinstance(tensor, torch.Tensor) else tensor.nbytes
                 key = f"{op}.{name}"
                 self.saved_bytes[key] = self.saved_bytes.get(key, 0) + nbytes
 

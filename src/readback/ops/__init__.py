@@ -7,7 +7,7 @@ Import the functions from their modules: ``readback.ops.linear.linear``,
 
 from typing import Any
 
-from readback.numerics import CurrentScaling, DelayedScaling
+from readback.numerics import DelayedScaling, ScalingRecipe
 from readback.numerics.gemm import BF16_GEMMS
 from readback.numerics.site import Site
 from readback.numerics.spec import ATTENTION_BWD, ATTENTION_BWD_READS, PRECISIONS, NumericsSpec, resolve_accumulation
@@ -20,19 +20,24 @@ from readback.policy import POLICIES
 OPS = {"linear": linear, "rms_norm": norm, "attention": attention, "xielu": activation}
 
 
-def read_rules(policy: str, attention_bwd_reads: str = "forward") -> dict[str, dict[str, str]]:
+def read_rules(
+    policy: str, attention_bwd_reads: str = "forward", recipe: ScalingRecipe | None = None
+) -> dict[str, dict[str, str]]:
     """``{op: {gradient: read mode}}`` of every op under ``policy``, with the attention backward's
-    flavour (``attention.BWD_READS``) laid over attention's row. ``exact`` takes no flavour: it
-    is every gradient reading what its forward used, whatever the backward reads otherwise."""
+    flavour (``attention.BWD_READS``) laid over attention's row and the reads ``recipe`` sets
+    (``linear.recipe_reads``: a block recipe's own copies, a backward_override's) over the
+    linear's. ``exact`` takes neither: it is every gradient reading what its forward used,
+    whatever the backward reads otherwise."""
     rules = {name: dict(op.READS[policy]) for name, op in OPS.items()}
     if policy != "exact":
         rules["attention"] |= attention.BWD_READS[attention_bwd_reads]
+        rules["linear"] |= linear.recipe_reads(recipe)
     return rules
 
 
 def numerics_spec(
     precision: str = "fp8",
-    recipe: DelayedScaling | CurrentScaling | None = None,
+    recipe: ScalingRecipe | None = None,
     policy: str = "exact",
     attention_bwd: str = "fp8",
     rounding: str = "nearest",
@@ -57,11 +62,12 @@ def numerics_spec(
     ):
         if value not in valid:
             raise ValueError(f"{key}={value!r}; valid: {list(valid)}")
+    recipe = DelayedScaling() if precision == "fp8" and recipe is None else recipe
     return NumericsSpec(
         precision=precision,
-        recipe=DelayedScaling() if precision == "fp8" and recipe is None else recipe,
+        recipe=recipe,
         policy=policy,
-        reads=read_rules(policy, attention_bwd_reads),
+        reads=read_rules(policy, attention_bwd_reads, recipe if precision == "fp8" else None),
         attention_bwd={
             "fp8": attention_bwd,
             "bf16": "bf16" if attention_bwd == "fp8" else attention_bwd,

@@ -11,19 +11,24 @@ from typing import Any
 
 import torch
 
-from readback.numerics import QTensor
+from readback.numerics import BlockQTensor, QTensor
 
 
-def save(fctx: Any, **values: torch.Tensor | QTensor | None) -> None:
-    """``fctx.save_for_backward`` of ``values``; ``None`` stays ``None``."""
+def save(fctx: Any, **values: torch.Tensor | QTensor | BlockQTensor | None) -> None:
+    """``fctx.save_for_backward`` of ``values`` (a ``BlockQTensor`` as its codes and block scales);
+    ``None`` stays ``None``."""
     tensors: list[torch.Tensor] = []
     layout: dict[str, tuple[Any, ...] | None] = {}
     for key, value in values.items():
         if value is None:
             layout[key] = None
             continue
-        layout[key] = (len(tensors), value.fmt) if isinstance(value, QTensor) else (len(tensors),)
-        tensors += [value.data, _own(value.scale)] if isinstance(value, QTensor) else [value]
+        if isinstance(value, torch.Tensor):
+            layout[key] = (len(tensors),)
+            tensors.append(value)
+            continue
+        layout[key] = (len(tensors), value.fmt) + ((value.block,) if isinstance(value, BlockQTensor) else ())
+        tensors += [value.data, _own(value.scale)]
     fctx.save_for_backward(*tensors)
     fctx.layout = layout
 
@@ -42,6 +47,8 @@ def load(fctx: Any) -> dict[str, Any]:
     for key, spec in fctx.layout.items():
         if spec is None:
             out[key] = None
+        elif len(spec) == 3:
+            out[key] = BlockQTensor(tensors[spec[0]], tensors[spec[0] + 1], spec[1], spec[2])
         elif len(spec) == 2:
             out[key] = QTensor(tensors[spec[0]], tensors[spec[0] + 1], spec[1])
         else:

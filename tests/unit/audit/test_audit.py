@@ -126,9 +126,22 @@ def test_fresh_is_the_ops_own_draw_not_any_draw(audited):
 def test_exact_policy_rows_all_ok(audited):
     rows, _ = audited
     exact = [r for r in rows if r.policy == "exact"]
-    assert {r.op for r in exact} >= {"readback.linear", "readback.rms_norm", "readback.attention", "readback.xielu"}
+    ops = {"readback.linear", "readback.linear (mxfp8)", "readback.linear (blockwise)", "readback.rms_norm"}
+    assert {r.op for r in exact} >= ops | {"readback.attention", "readback.xielu"}
     assert all(r.ok is True for r in exact), [r for r in exact if r.ok is not True]
     assert all(r.rel_err < 1e-5 for r in exact)
+
+
+@pytest.mark.parametrize(("recipe", "dgrad"), [("mxfp8", "requantized"), ("blockwise", "rounded")])
+@pytest.mark.parametrize("policy", [p for p in POLICIES if p != "exact"])
+def test_a_block_recipes_backward_reads_its_own_copies(audited, recipe, dgrad, policy):
+    """wgrad reads X quantised along the tokens, not the forward's copy; dgrad reads W's own
+    columnwise copy under MXFP8 and the one 128x128 copy under Float8BlockScaling."""
+    rows, _ = audited
+    op = f"readback.linear ({recipe})"
+    wgrad, dgrad_row = find(rows, op, "wgrad", policy), find(rows, op, "dgrad", policy)
+    assert (wgrad.reads, wgrad.expected, wgrad.declared) == ("requantized", "rounded", "requantized")
+    assert (dgrad_row.reads, dgrad_row.expected) == (dgrad, "rounded")
 
 
 def test_reads_tables_agree_with_the_backward(audited):

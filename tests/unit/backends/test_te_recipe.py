@@ -8,6 +8,7 @@ Runs without Transformer Engine: its recipe classes are stand-ins that record th
 from __future__ import annotations
 
 import dataclasses
+import re
 import types
 
 import pytest
@@ -88,13 +89,38 @@ def test_mxfp8_recipe_is_block_scaling_where_the_gpu_has_it():
         te_recipe.te_recipe_plan(precision.scaling_recipe(), precision.rounding, "2.8.0", H100)
 
 
-def test_convert_refuses_block_scaling_instead_of_running_per_tensor_current_scaling():
+def test_convert_runs_block_scaling_in_the_emulated_linears():
+    """No per-tensor stand-in: a converted linear under MXFP8 quantises by blocks, its wgrad reading
+    X's own columnwise copy (``ops.linear.recipe_reads``)."""
+    import torch
+    import torch.nn as nn
+
+    from readback import convert
+    from readback.numerics import MXFP8BlockScaling
+
+    model = nn.Sequential(nn.Linear(32, 32, bias=False))
+    numerics = convert(model, precision={"recipe": "mxfp8"}, policy="reuse_rounded").numerics
+    assert isinstance(numerics.recipe, MXFP8BlockScaling) and numerics.spec.reads["linear"]["wgrad"] == "requantized"
+    model(torch.randn(64, 32)).sum().backward()
+    assert model[0].weight.grad is not None
+
+
+@pytest.mark.parametrize(("recipe", "handed"), [("delayed", True), ("mxfp8", False)])
+def test_a_norm_hands_its_rounded_output_only_under_per_tensor_scaling(recipe, handed):
+    """Under a block recipe the linear after a norm quantises the norm's output by blocks itself
+    (TE's LayerNormLinear), rather than multiplying a per-tensor copy the norm made."""
+    import torch
     import torch.nn as nn
 
     from readback import convert
 
-    with pytest.raises(ConfigError, match=r"^precision.recipe='mxfp8' is not valid; valid: delayed, current"):
-        convert(nn.Sequential(nn.Linear(16, 16)), precision={"recipe": "mxfp8"})
+    model = nn.Sequential(nn.RMSNorm(32), nn.Linear(32, 32, bias=False))
+    numerics = convert(model, precision={"recipe": recipe}, policy="reuse_rounded").numerics
+    with numerics.taping() as tape:
+        model(torch.randn(64, 32))
+    assert ("0.output" in numerics.sites) is handed
+    (x_q,) = [record["input"] for site, record in tape if site == "1"]
+    assert type(x_q).__name__ == ("QTensor" if handed else "BlockQTensor")
 
 
 @pytest.mark.parametrize("overrides", [("precision.recipe=mxfp8",), ("precision.recipe=mxfp8", "precision.margin=1")])
@@ -130,3 +156,52 @@ def test_the_recipe_defaults_are_declared_once_by_the_recipe_object():
         keys = set(yaml.safe_load((REPO / "conf" / "precision" / f"{group}.yaml").read_text()))
         assert not keys & recipe_fields and keys <= {"defaults", "name", "bf16_layers"}, keys
     assert MXFP8BlockScaling().fp8_format is Format.E4M3  # TE's own default for this recipe
+
+
+def test_float8_block_scaling_takes_te_s_fields_and_defaults_and_its_refusals():
+    """``precision.recipe=blockwise`` is TE's ``Float8BlockScaling`` (TE 2.20's fields and
+    defaults); TE's own asserts are the config's refusals; ``backward_override`` is passed to
+    TE from 2.15 on and refused before, and under delayed scaling everywhere."""
+    from readback.numerics import Float8BlockScaling, Format
+
+    default = Float8BlockScaling()
+    assert (default.fp8_format, default.x_block_scaling_dim, default.w_block_scaling_dim) == (Format.E4M3, 1, 2)
+    assert (default.grad_block_scaling_dim, default.pow2_scales, default.amax_epsilon) == (1, True, 0.0)
+    te = ("+experiment=fresh_reround", "backend=te", "precision.recipe=blockwise")
+    cfg = compose(*te, "backend.attention_core=readback")
+    assert cfg.precision.scaling_recipe() == dataclasses.replace(default, fp8_format=Format.HYBRID)
+    plan = te_plan.te_plan(cfg, "2.20.0", H100)
+    assert plan.te_recipe.name == "Float8BlockScaling" and "fp8_dpa" not in plan.te_recipe.kwargs
+    auto = compose("+experiment=reuse_rounded", "backend=te", "precision.recipe=blockwise")
+    assert te_plan.te_plan(auto, "2.20.0", H100).attention_core == "readback"  # TE's FP8 attention: refused
+    assert plan.te_recipe.kwargs["w_block_scaling_dim"] == 2 and plan.te_recipe.kwargs["backward_override"] is None
+    refusals = {
+        ("precision.backward_override=dequantized",): "precision.backward_override='dequantized'",
+        ("precision.recipe=blockwise", "precision.margin=1"): "precision.margin=1",
+        (
+            "precision.recipe=blockwise",
+            "precision.x_block_scaling_dim=2",
+        ): "precision.[x, w, grad]_block_scaling_dim=[2, 2, 1]",
+        ("precision.recipe=blockwise", "precision.x_block_scaling_dim=3"): "precision.x_block_scaling_dim=3",
+    }
+    for overrides, line in refusals.items():
+        with pytest.raises(ConfigError, match="^" + re.escape(line)):
+            compose("+experiment=fresh_reround", *overrides)
+    for overrides, version, hw, line in [
+        (("backend.attention_core=readback",), "2.2.0", H100, "needs >= 2.3"),
+        (("backend.attention_core=readback",), "2.20.0", Hardware((8, 9)), "needs sm90"),
+        (("backend.attention_core=readback", "precision.pow2_scales=false"), "2.20.0", B200, "power-of-two"),
+        (("backend.attention_core=readback", "precision.pow2_scales=false"), "2.20.0", H100, "NVTE_FP8_BLOCK"),
+        (("backend.attention_core=readback", "precision.backward_override=dequantized"), "2.8.0", H100, "2.15"),
+    ]:
+        with pytest.raises(ConfigError, match=line):
+            te_plan.te_plan(compose(*te, *overrides), version, hw)
+    with_override = compose(*te, "backend.attention_core=readback", "precision.backward_override=high_precision")
+    assert te_plan.te_plan(with_override, "2.20.0", H100).te_recipe.kwargs["backward_override"] == "high_precision"
+
+
+def test_the_emulated_backend_runs_the_block_recipes_and_refuses_what_their_quantisers_lack():
+    for recipe in ("mxfp8", "blockwise"):
+        assert compose("+experiment=reuse_rounded", f"precision.recipe={recipe}").precision.recipe == recipe
+        with pytest.raises(ConfigError, match=r"^precision.rounding='stochastic' is not valid; valid: nearest under"):
+            compose("+experiment=reuse_rounded", f"precision.recipe={recipe}", "precision.rounding=stochastic")
