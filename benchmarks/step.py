@@ -3,6 +3,7 @@
     python benchmarks/step.py                       # tiny and small, 1 and 2 threads
     python benchmarks/step.py --sizes small --threads 1 --rounds 9
     python benchmarks/step.py --overrides precision.bf16_gemm=native   # readback's variants changed
+    python benchmarks/step.py --variants reuse_rounded reuse_rounded@mxfp8 reuse_rounded@blockwise plain_fp32
 
 It first prints the CPU's model, its vector extensions that torch's kernels can use (AVX2,
 AVX512, AVX512-BF16, AMX) and the level torch dispatches to: figures from different CPUs are not
@@ -116,13 +117,16 @@ class PlainGPT(nn.Module):
 
 
 COMPILED = "+compile"
+RECIPE = "@"  # ``<experiment>@<recipe>``: the experiment under ``precision.recipe=<recipe>`` (e.g. reuse_rounded@mxfp8)
 
 
 def build(variant: str, size: str, batch: int, overrides: tuple[str, ...] = ()):
     """``(step function, FOG for the FLOP formula)`` of one variant, on fixed random tokens;
     ``overrides`` change readback's configuration."""
     variant, compile_it = variant.removesuffix(COMPILED), variant.endswith(COMPILED)
+    variant, _, recipe = variant.partition(RECIPE)
     experiment = variant if variant in READBACK else "reuse_rounded"
+    overrides = (*overrides, *([f"precision.recipe={recipe}"] if recipe else []))
     with initialize_config_dir(str(CONF_DIR), version_base="1.3"):
         settings = [f"model={size}", f"+experiment={experiment}", f"model.vocab_size={VOCAB}", *overrides]
         cfg = typed(compose("train", overrides=settings))

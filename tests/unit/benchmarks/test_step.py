@@ -10,12 +10,12 @@ from readback.train.launch import keep_freed_memory
 
 def test_one_round_prints_the_cpu_and_every_variant_against_the_fp32_peer(monkeypatch, capsys):
     argv = ["step.py", "--sizes", "tiny", "--threads", "1", "--rounds", "1", "--no-memory"]
-    monkeypatch.setattr(sys, "argv", [*argv, "--variants", "bf16_baseline", "plain_fp32"])
+    monkeypatch.setattr(sys, "argv", [*argv, "--variants", "bf16_baseline", "reuse_rounded@mxfp8", "plain_fp32"])
     step.main()
     out = capsys.readouterr().out
     assert out.startswith("CPU: ") and "dispatches" in out
     rows = {line.split()[0]: line.split() for line in out.splitlines() if line.startswith("  ")}
-    assert {"bf16_baseline", "plain_fp32"} <= set(rows)
+    assert {"bf16_baseline", "reuse_rounded@mxfp8", "plain_fp32"} <= set(rows)
     assert rows["plain_fp32"][6] == "1.00"  # the peer against itself; the header's 7th column is "/ fp32"
 
 
