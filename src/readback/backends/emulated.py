@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 
 from readback.backends.precision import fp8_settings
 from readback.backends.settings import ModelSettings
@@ -38,10 +38,15 @@ def attention_reads(policy: str, bwd_reads: str = "forward") -> dict[str, str]:
     return {f"attention_core.{g}": _READ_LABELS[reads[g]].format(x) for g, x in READ_OPERANDS.items()}
 
 
+def lm_head_in_bf16(fp8: bool, bf16_layers: Sequence[str]) -> bool:
+    """The LM head runs in BF16 without FP8, or where ``precision.bf16_layers`` names it."""
+    return not fp8 or in_bf16_layers("lm_head", tuple(bf16_layers))
+
+
 def site_implementations(cfg: ModelSettings) -> dict[str, str]:
     """``{site: implementation}`` of a ``backend=emulated`` run, for the run's summary."""
     p = fp8_settings(cfg.precision)
-    head_bf16 = p is None or in_bf16_layers("lm_head", p.bf16_layers)
+    head_bf16 = lm_head_in_bf16(p is not None, p.bf16_layers if p is not None else ())
     tied = " (tied embedding)" if cfg.model.tied else ""
     return {
         **READBACK_SITES,

@@ -28,7 +28,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from readback.backends.emulated import READBACK_SITES
+from readback.backends.emulated import READBACK_SITES, lm_head_in_bf16
 from readback.backends.emulated import accumulations as readback_accumulations
 from readback.backends.emulated import attention_reads as readback_attention_reads
 from readback.backends.precision import fp8_settings
@@ -36,7 +36,6 @@ from readback.backends.settings import ATTENTION_CORES, ModelSettings, TeBackend
 from readback.backends.te_facts import SINCE, Hardware, fp8_attention_refusal, te_attention_reads
 from readback.backends.te_recipe import INSTALLED, RECIPES, TERecipe, resolve_target, te_recipe_plan
 from readback.errors import ConfigError, choose, require
-from readback.numerics.spec import in_bf16_layers
 from readback.ops.attention import READ_OPERANDS
 from readback.ops.linear import READS as LINEAR_READS
 
@@ -81,11 +80,7 @@ class TEPlan:
 
     @property
     def lm_head_bf16(self) -> bool:
-        return _lm_head_bf16(self.fp8, self.bf16_layers)
-
-
-def _lm_head_bf16(fp8: bool, bf16_layers: tuple[str, ...]) -> bool:
-    return not fp8 or in_bf16_layers("lm_head", bf16_layers)
+        return lm_head_in_bf16(self.fp8, self.bf16_layers)
 
 
 def te_plan(cfg: ModelSettings, te_version: str | None = INSTALLED, hardware: Hardware = INSTALLED) -> TEPlan:
@@ -263,7 +258,7 @@ def _sites(
     cfg: ModelSettings, attention_label: str, proj: str, fp8: bool, bf16_layers: tuple[str, ...], linear: str
 ) -> dict[str, str]:
     tied = cfg.model.tied
-    head_bf16 = _lm_head_bf16(fp8, bf16_layers)
+    head_bf16 = lm_head_in_bf16(fp8, bf16_layers)
     if tied:
         lm_head = "torch BF16 matmul (tied embedding)" if head_bf16 else READBACK_SITES["lm_head"] + " (tied embedding)"
     else:
