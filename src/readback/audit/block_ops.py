@@ -11,11 +11,10 @@ from typing import Any
 import torch
 
 from readback.audit.core import Row, audit
-from readback.audit.harness import F64, Setup, backprop, value
-from readback.audit.readback_ops import per_policy, taped_backprop
+from readback.audit.harness import F64, Setup, value
+from readback.audit.readback_ops import linear_gradients, per_policy
 from readback.numerics import BlockQTensor, BlockScalingRecipe, Float8BlockScaling, MXFP8BlockScaling
 from readback.numerics.blockscale import COLUMNWISE
-from readback.ops import linear as linear_op
 from readback.ops import numerics_for
 
 
@@ -37,15 +36,7 @@ def rb_linear_blocks(setup: Setup, policy: str, recipe: BlockScalingRecipe) -> l
         upstream.view(-1, d // 2)[::32] *= 2.0**-16
         upstream[..., ::32] *= 2.0**-16
     numerics = numerics_for("fp8", recipe, policy, attention_bwd="fp32", seed=setup.seed)
-
-    def forward(x, weight):
-        return linear_op.linear(x, weight, numerics, "lin"), {}
-
-    got, tape = taped_backprop(numerics, forward, {"x": x, "weight": weight}, upstream)
-    record = tape["lin"]
-    ref = backprop(
-        lambda x, weight: (linear_op.replay(x, weight, record, F64), {}), {"x": x, "weight": weight}, upstream, F64
-    )
+    got, record, ref = linear_gradients(numerics, x, weight, upstream)
 
     def copies(tensor: str, original: torch.Tensor, executed: BlockQTensor) -> dict[str, torch.Tensor]:
         """The values its backward could read (a square-block copy is the only one: no requantized)."""

@@ -77,13 +77,9 @@ def readings(numerics: Numerics, site: str, original: torch.Tensor, executed: QT
     }
 
 
-def rb_linear(setup: Setup, policy: str) -> list[Row]:
-    g = setup.generator("readback.linear")
-    d = setup.width
-    x = Setup.randn(g, setup.batch, setup.seq, d)
-    weight = Setup.randn(g, d // 2, d, std=d**-0.5)
-    upstream = Setup.randn(g, setup.batch, setup.seq, d // 2)
-    numerics = audit_numerics(policy, setup.seed)
+def linear_gradients(numerics: Numerics, x: torch.Tensor, weight: torch.Tensor, upstream: torch.Tensor):
+    """The linear ``lin``'s gradients as it runs, its tape record and the reference's: ``(got,
+    record, ref)``."""
 
     def forward(x, weight):
         return linear_op.linear(x, weight, numerics, "lin"), {}
@@ -93,6 +89,17 @@ def rb_linear(setup: Setup, policy: str) -> list[Row]:
     ref = backprop(
         lambda x, weight: (linear_op.replay(x, weight, record, F64), {}), {"x": x, "weight": weight}, upstream, F64
     )
+    return got, record, ref
+
+
+def rb_linear(setup: Setup, policy: str) -> list[Row]:
+    g = setup.generator("readback.linear")
+    d = setup.width
+    x = Setup.randn(g, setup.batch, setup.seq, d)
+    weight = Setup.randn(g, d // 2, d, std=d**-0.5)
+    upstream = Setup.randn(g, setup.batch, setup.seq, d // 2)
+    numerics = audit_numerics(policy, setup.seed)
+    got, record, ref = linear_gradients(numerics, x, weight, upstream)
 
     dy = value(upstream).reshape(-1, d // 2)
     xs = readings(numerics, "lin.input", x.reshape(-1, d), record["input"])
