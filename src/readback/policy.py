@@ -11,7 +11,8 @@ from __future__ import annotations
 # rebuilt from the original Q, K with the FP8 forward's log-sum-exp: ops.attention.BWD_READS)
 # "requantized": the original quantised again along the reading GEMM's own axis (a block recipe's
 # other direction: ops.linear.BLOCK_DIRECTIONS); a per-tensor copy serves both, so it is "rounded" there
-READ_MODES = ("rounded", "original", "fresh", "none", "rebuilt", "requantized")
+# "rotated": requantized after NVFP4's 16-point Hadamard transform along that axis (its wgrad X copy)
+READ_MODES = ("rounded", "original", "fresh", "none", "rebuilt", "requantized", "rotated")
 
 POLICIES = {
     "reuse_rounded": "attention D-term reads the FP8 output O8 saved for the projection's wgrad "

@@ -25,6 +25,7 @@ from readback.numerics import (
     Float8BlockScaling,
     Format,
     FP8Format,
+    NVFP4BlockScaling,
     ScalingRecipe,
 )
 from readback.numerics.gemm import BF16_GEMMS
@@ -34,9 +35,10 @@ from readback.ops import Numerics, numerics_for
 from readback.policy import POLICIES
 
 # The recipe fields' defaults: Transformer Engine's default recipe, as numerics.scaling declares
-# it, and its Float8BlockScaling for the fields only that recipe has.
+# it, and its Float8BlockScaling and NVFP4BlockScaling for the fields only those recipes have.
 TE_DEFAULT = DelayedScaling()
 BLOCKWISE = Float8BlockScaling()
+NVFP4 = NVFP4BlockScaling()
 
 
 @dataclass
@@ -51,12 +53,13 @@ class Precision(Checked):
 @dataclass
 class Fp8Precision(Precision):
     """The FP8 settings, in Transformer Engine's recipe vocabulary. ``recipe`` names the recipe's
-    class (``numerics.RECIPES``) and the recipe fields follow, with the recipes' defaults (one
-    ``fp8_format`` default for every recipe, where TE's block recipes default to E4M3);
-    ``scaling_recipe`` makes the one recipe object that the emulation and the TE mapping read."""
+    class (``numerics.RECIPES``) and the recipe fields follow, with the recipes' defaults
+    (``fp8_format`` null: the recipe's own, as in TE); ``scaling_recipe`` makes the one recipe
+    object that the emulation and the TE mapping read."""
 
     recipe: str = one_of(RECIPES, default=TE_DEFAULT.KEY)
-    fp8_format: str = one_of((f.name for f in Format), default=TE_DEFAULT.fp8_format.name)  # HYBRID: E4M3 fwd, E5M2 bwd
+    # HYBRID: E4M3 fwd, E5M2 bwd; null: the recipe's default (HYBRID per tensor, E4M3 by blocks, as TE)
+    fp8_format: str | None = one_of((f.name for f in Format), default=None)
     margin: int = integer(minimum=0, default=TE_DEFAULT.margin)
     interval: int = integer(default=TE_DEFAULT.interval)  # delayed: recompute the scale every `interval` steps
     amax_history_len: int = integer(default=TE_DEFAULT.amax_history_len)
@@ -73,6 +76,11 @@ class Fp8Precision(Precision):
     grad_block_scaling_dim: int = one_of((1, 2), default=BLOCKWISE.grad_block_scaling_dim)
     pow2_scales: bool = BLOCKWISE.pow2_scales  # blockwise: power-of-two scales (TE's QParams.power_2_scale)
     amax_epsilon: float = number(0, default=BLOCKWISE.amax_epsilon)  # blockwise: each block's amax at least this
+    # nvfp4 (NVFP4BlockScaling): TE's switches of its Hadamard transform (the wgrad copies of X and
+    # dY), stochastic rounding (dY's copies) and 16x16 weight blocks
+    disable_rht: bool = NVFP4.disable_rht
+    disable_stochastic_rounding: bool = NVFP4.disable_stochastic_rounding
+    disable_2d_quantization: bool = NVFP4.disable_2d_quantization
     rounding: str = one_of(ROUNDINGS, default="nearest")  # the forward's roundings: nearest | stochastic
     # Sites kept in BF16 (name prefixes), checked against the model's layers in config.cross_group.
     bf16_layers: list[str] = dataclasses.field(default_factory=list)
@@ -95,10 +103,15 @@ class Fp8Precision(Precision):
         cls = RECIPES[self.recipe]
         fields = {f.name: getattr(self, f.name) for f in dataclasses.fields(cls)}
         fields["override_linear_precision"] = tuple(fields["override_linear_precision"])
+        fields["fp8_format"] = self.format()
         return cls(**fields)
 
+    def format(self) -> Format:
+        """``fp8_format``, or the recipe's default where it is null."""
+        return Format.parse(self.fp8_format) if self.fp8_format else RECIPES[self.recipe].fp8_format
+
     def check(self) -> None:
-        fmt = Format.parse(self.fp8_format)
+        fmt = self.format()
         strictest = min((fmt.fwd, fmt.bwd), key=lambda f: f.zero_margin)
         sites = "all sites" if fmt.fwd is fmt.bwd else "the forward sites: activations and weights"
         require(
@@ -127,9 +140,14 @@ class Fp8Precision(Precision):
             self.backward_override,
             "null under precision.recipe=delayed (Transformer Engine: delayed scaling allows only None)",
         )
+        if self.recipe == "nvfp4":
+            fmt = self.format().name
+            require(fmt == "E4M3", self.key("fp8_format"), fmt, "E4M3 or null under precision.recipe=nvfp4 (scales)")
+        if self.recipe in ("blockwise", "nvfp4"):
+            no_margin = f"0 under precision.recipe={self.recipe} (no margin)"
+            require(self.margin == 0, self.key("margin"), self.margin, no_margin)
         if self.recipe != "blockwise":
             return
-        require(self.margin == 0, self.key("margin"), self.margin, "0 under precision.recipe=blockwise (no margin)")
         dims = [self.x_block_scaling_dim, self.w_block_scaling_dim, self.grad_block_scaling_dim]
         require(
             dims.count(2) <= 1,

@@ -10,7 +10,7 @@ from collections.abc import Mapping
 
 from readback.backends.precision import Fp8Precision, amax_spike_of, underflow_words
 from readback.errors import ConfigError, require
-from readback.numerics import RECIPES, BlockScalingRecipe, Format
+from readback.numerics import RECIPES, BlockScalingRecipe
 from readback.train.settings import Config
 
 FP8_ALIGNMENT = 16  # FP8 GEMMs need every dimension divisible by 16
@@ -165,7 +165,7 @@ def _check_margin_sums(p: Fp8Precision, sites: list[str]) -> None:
     from readback.numerics.site import site_matches
     from readback.numerics.spec import in_bf16_layers
 
-    fmt, spike = Format.parse(p.fp8_format), amax_spike_of(p.amax_spike)
+    fmt, spike = p.format(), amax_spike_of(p.amax_spike)
     for site in sites:
         if in_bf16_layers(site, p.bf16_layers):
             continue  # BF16 sites are unscaled: no margin applies

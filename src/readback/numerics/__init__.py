@@ -1,10 +1,11 @@
 """FP8 numerics: formats, scaling, rounding, block-scaled quantisers (``blockscale``: MXFP8 and
-Float8BlockScaling), the emulated GEMM (Transformer Engine's terms), and the run's rounding state:
+Float8BlockScaling; ``nvfp4``: NVFP4), the emulated GEMM (Transformer Engine's terms), and the run's rounding state:
 its frozen spec (``spec``), its sites (``site``, ``state``) and random streams."""
 
 from readback.numerics.blockscale import BlockQTensor, Float8BlockQuantizer, MXFP8Quantizer
-from readback.numerics.formats import BF16, E4M3, E5M2, Format, FP8Format
+from readback.numerics.formats import BF16, E2M1, E4M3, E5M2, Format, FP8Format
 from readback.numerics.gemm import GEMM_PRECISIONS, PRECISION_DTYPES, decoded, fp8_mm, matmul
+from readback.numerics.nvfp4 import NVFP4Quantizer, NVFP4Tensor
 from readback.numerics.rounding import ROUNDINGS, QTensor, pinned, quantize, round_bf16, round_stochastic
 from readback.numerics.scaling import (
     AMAX_COMPUTE_ALGOS,
@@ -18,6 +19,7 @@ from readback.numerics.scaling import (
     DelayedScalingState,
     Float8BlockScaling,
     MXFP8BlockScaling,
+    NVFP4BlockScaling,
     ScalingRecipe,
     abs_max,
     compute_scale,
@@ -27,6 +29,7 @@ __all__ = [
     "AMAX_COMPUTE_ALGOS",
     "BACKWARD_OVERRIDES",
     "BF16",
+    "E2M1",
     "E4M3",
     "E5M2",
     "GEMM_PRECISIONS",
@@ -46,6 +49,9 @@ __all__ = [
     "Format",
     "MXFP8BlockScaling",
     "MXFP8Quantizer",
+    "NVFP4BlockScaling",
+    "NVFP4Quantizer",
+    "NVFP4Tensor",
     "QTensor",
     "ScalingRecipe",
     "abs_max",

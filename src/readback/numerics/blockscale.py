@@ -50,13 +50,13 @@ class BlockQTensor:
 
     def per_element(self, per_block: torch.Tensor) -> torch.Tensor:
         """A per-block tensor (like ``scale``) repeated over its blocks: the 2-D view's shape."""
-        m, k = _flat_2d(self.data)
+        m, k = flat_2d(self.data)
         rows, cols = self.block
         return per_block.repeat_interleave(rows, 0)[:m].repeat_interleave(cols, 1)[:, :k]
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """``decode(data) * scale_inv`` in FP32 (TE's dequantisation), then cast to ``dtype``."""
-        values = decode(self.data.reshape(_flat_2d(self.data)), torch.float32) * self.per_element(self.scale_inv)
+        values = decode(self.data.reshape(flat_2d(self.data)), torch.float32) * self.per_element(self.scale_inv)
         return values.reshape(self.data.shape).to(dtype)
 
     @property
@@ -121,13 +121,13 @@ def float8_block_scale(
     return torch.where((amax > 0) & torch.isfinite(amax), scale, 1.0)
 
 
-def _flat_2d(x: torch.Tensor) -> tuple[int, int]:
+def flat_2d(x: torch.Tensor) -> tuple[int, int]:
     if x.dim() == 0 or x.numel() == 0:
         raise ValueError(f"block scaling needs a non-empty tensor of at least one dimension, got {tuple(x.shape)}")
     return x.numel() // x.shape[-1], x.shape[-1]
 
 
-def _line(n: int, direction: str) -> tuple[int, int]:
+def line_block(n: int, direction: str) -> tuple[int, int]:
     if direction not in DIRECTIONS:
         raise ValueError(f"direction={direction!r}; valid: {list(DIRECTIONS)}")
     return (1, n) if direction == ROWWISE else (n, 1)
@@ -138,7 +138,7 @@ def _quantize_blocks(
 ) -> BlockQTensor:
     """Zero-pad the 2-D view to whole blocks (a partial block's amax is its own elements'), scale
     each block by ``scale_of(its amax)``, round, and drop the padding."""
-    m, k = _flat_2d(x)
+    m, k = flat_2d(x)
     rows, cols = block
     padded = torch.nn.functional.pad(x.reshape(m, k), (0, -k % cols, 0, -m % rows))
     tiles = padded.view(padded.shape[0] // rows, rows, padded.shape[1] // cols, cols)
@@ -167,8 +167,8 @@ class MXFP8Quantizer:
         return self.two_d
 
     def quantize(self, x: torch.Tensor, direction: str = ROWWISE) -> BlockQTensor:
-        line = _line(32, direction)
-        m, k = _flat_2d(x)
+        line = line_block(32, direction)
+        m, k = flat_2d(x)
         if m % 32 or k % 32:
             raise ValueError(
                 f"MXFP8 needs the last dimension and the product of the others to be multiples of 32, "
@@ -205,7 +205,7 @@ class Float8BlockQuantizer:
         return self.block_scaling_dim == 2
 
     def quantize(self, x: torch.Tensor, direction: str = ROWWISE) -> BlockQTensor:
-        line = _line(128, direction)
+        line = line_block(128, direction)
         block = (128, 128) if self.block_scaling_dim == 2 else line
         return _quantize_blocks(
             x,

@@ -11,7 +11,7 @@ import torch
 
 @dataclass(frozen=True)
 class FP8Format:
-    """One FP8 encoding: its torch dtype and the facts the rounding code needs.
+    """One FP8 encoding (or NVFP4's E2M1, ``E2M1``): its torch dtype and the facts the rounding code needs.
 
     ``min_exponent`` is the exponent of the smallest normal number; below it the grid spacing
     stays at ``2**(min_exponent - mantissa_bits)`` (subnormals).
@@ -42,6 +42,9 @@ E4M3 = FP8Format("E4M3", torch.float8_e4m3fn, 448.0, mantissa_bits=3, min_expone
 E5M2 = FP8Format("E5M2", torch.float8_e5m2, 57344.0, mantissa_bits=2, min_exponent=-14)
 # The no-FP8 baseline rounds at the same sites, to BF16 with scale 1, so one code path serves both.
 _E4M3 = E4M3  # the class body below rebinds the name E4M3
+# NVFP4's elements (``numerics.nvfp4``): 0, 0.5 (its one subnormal), 1, ..., 6; torch has no
+# unpacked 4-bit dtype, so a code (sign in bit 3) is held one a byte, as uint8.
+E2M1 = FP8Format("E2M1", torch.uint8, 6.0, mantissa_bits=1, min_exponent=0)
 BF16 = FP8Format("BF16", torch.bfloat16, float(torch.finfo(torch.bfloat16).max), mantissa_bits=7, min_exponent=-126)
 
 

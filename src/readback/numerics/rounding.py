@@ -117,14 +117,16 @@ def round_stochastic(y: torch.Tensor, fmt: FP8Format, generator: RandomSource) -
     units = y / spacing
     low = torch.floor(units)
     frac = units - low
-    u: torch.Tensor
+    return (low + (uniform_draws(y, generator) < frac).to(torch.float32)) * spacing
+
+
+def uniform_draws(like: torch.Tensor, generator: RandomSource) -> torch.Tensor:
+    """FP32 uniforms in [0, 1) shaped like ``like`` (multiples of 2**-24), from ``generator``."""
     if isinstance(generator, torch.Tensor):
         # the op where a graph is traced; eager draws directly (a custom op's first call loads
         # some 70 MB of torch's compiler modules)
-        u = uniform(generator, y) if torch.compiler.is_compiling() else _draw(generator, y)
-    else:
-        u = torch.rand(y.shape, generator=generator, device=y.device, dtype=torch.float32)
-    return (low + (u < frac).to(torch.float32)) * spacing
+        return uniform(generator, like) if torch.compiler.is_compiling() else _draw(generator, like)
+    return torch.rand(like.shape, generator=generator, device=like.device, dtype=torch.float32)
 
 
 def quantize(

@@ -1,7 +1,8 @@
 """Scaling recipes (Transformer Engine's field names and defaults) and their per-tensor state.
 
 A recipe says how scales are chosen: per tensor (delayed, current) or per block (MXFP8,
-Float8BlockScaling: ``BlockScalingRecipe``, whose quantisers are ``blockscale``'s); a
+Float8BlockScaling, NVFP4: ``BlockScalingRecipe``, whose quantisers are ``blockscale``'s and
+``nvfp4``'s); a
 ``ScalingState`` holds one tensor's scale (and, for delayed scaling, its amax history) and is
 what a checkpoint saves.
 """
@@ -16,6 +17,7 @@ import torch
 
 from readback.numerics.blockscale import Float8BlockQuantizer, MXFP8Quantizer
 from readback.numerics.formats import Format, FP8Format
+from readback.numerics.nvfp4 import NVFP4Quantizer
 
 AMAX_COMPUTE_ALGOS = ("max", "most_recent")
 # TE's ``backward_override`` (common/recipe/__init__.py ``_BACKWARD_OVERRIDES``, TE >= 2.15): None
@@ -128,7 +130,7 @@ class BlockScalingRecipe(ScalingRecipe):
     core) scale per tensor from their own amax, as ``CurrentScaling`` does (``new_state``).
     """
 
-    def quantizer(self, tensor: str) -> MXFP8Quantizer | Float8BlockQuantizer:
+    def quantizer(self, tensor: str) -> MXFP8Quantizer | Float8BlockQuantizer | NVFP4Quantizer:
         """The quantiser of a linear's ``tensor`` (``LINEAR_TENSORS``)."""
         raise NotImplementedError
 
@@ -186,9 +188,41 @@ class Float8BlockScaling(BlockScalingRecipe):
         return Float8BlockQuantizer(fmt, dim, self.pow2_scales, self.amax_epsilon)
 
 
+@dataclass(frozen=True)
+class NVFP4BlockScaling(BlockScalingRecipe):
+    """Transformer Engine's NVFP4 recipe (TE >= 2.8): E2M1 elements with an E4M3 scale per 16 and
+    an FP32 one per copy (``nvfp4.NVFP4Quantizer``). By default weights in 16 x 16 blocks (fprop
+    and dgrad read one copy), the wgrad copies of X and dY rotated by the Hadamard transform, and
+    both copies of dY rounded stochastically; each switch is TE's field of the same name.
+    ``fp8_format`` is the block scales' format, E4M3 only (TE asserts it). TE's
+    ``row_scaled_activation`` and ``nvfp4_4over6`` are not modelled (TE's defaults: off).
+    """
+
+    KEY = "nvfp4"
+    fp8_format: Format = Format.E4M3
+    disable_rht: bool = False
+    disable_stochastic_rounding: bool = False
+    disable_2d_quantization: bool = False
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.fp8_format is not Format.E4M3:  # TE: "Only E4M3 is supported for NVFP4 scaling"
+            raise ValueError(f"fp8_format={self.fp8_format.name}: NVFP4's block scales are E4M3 only")
+        if self.margin != 0:  # TE's NVFP4BlockScaling has no margin field
+            raise ValueError(f"margin={self.margin}: NVFP4BlockScaling has no margin")
+
+    def quantizer(self, tensor: str) -> NVFP4Quantizer:
+        if tensor == "weight":
+            return NVFP4Quantizer(two_d=not self.disable_2d_quantization)
+        return NVFP4Quantizer(
+            hadamard=not self.disable_rht,
+            stochastic=tensor == "grad_output" and not self.disable_stochastic_rounding,
+        )
+
+
 # precision.recipe -> the recipe's class
 RECIPES: dict[str, type[ScalingRecipe]] = {
-    r.KEY: r for r in (DelayedScaling, CurrentScaling, MXFP8BlockScaling, Float8BlockScaling)
+    r.KEY: r for r in (DelayedScaling, CurrentScaling, MXFP8BlockScaling, Float8BlockScaling, NVFP4BlockScaling)
 }
 
 

@@ -21,6 +21,7 @@ from readback.numerics import (
     CurrentScalingState,
     DelayedScalingState,
     FP8Format,
+    NVFP4Quantizer,
     QTensor,
     abs_max,
     quantize,
@@ -55,7 +56,8 @@ class UnitScale:
 FP32 = torch.finfo(torch.float32)
 
 # The exponent field of each FP8 code (sign, exponent, mantissa from the top bit down).
-EXPONENT_BITS = {torch.float8_e4m3fn: 0b0111_1000, torch.float8_e5m2: 0b0111_1100}
+# uint8: E2M1 codes (``formats.E2M1``), whose exponent bits are bits 1-2
+EXPONENT_BITS = {torch.float8_e4m3fn: 0b0111_1000, torch.float8_e5m2: 0b0111_1100, torch.uint8: 0b0110}
 
 ScalingState = UnitScale | DelayedScalingState | CurrentScalingState
 
@@ -128,13 +130,17 @@ class Site:
         return q
 
     def quantize_blocks(
-        self, x: torch.Tensor, quantizer: MXFP8Quantizer | Float8BlockQuantizer, direction: str
+        self, x: torch.Tensor, quantizer: MXFP8Quantizer | Float8BlockQuantizer | NVFP4Quantizer, direction: str
     ) -> BlockQTensor:
         """Round ``x`` at this site with a block recipe's ``quantizer`` along ``direction``
-        (``blockscale``): each block scaled by its own amax, so the site's scaling state is not
-        read; nearest rounding only. Underflow is counted as ``quantize`` counts it (each copy)."""
+        (``blockscale``, ``nvfp4``): each block scaled by its own amax, so the site's scaling state
+        is not read; a stochastic NVFP4 quantiser draws from the site's stream, each copy anew.
+        Underflow is counted as ``quantize`` counts it (each copy)."""
         self._follow(x.device)
-        q = quantizer.quantize(x, direction)
+        if isinstance(quantizer, NVFP4Quantizer) and quantizer.stochastic:
+            q = quantizer.quantize(x, direction, self.streams.state(self.name, "forward", x.device))
+        else:
+            q = quantizer.quantize(x, direction)
         self._count_underflow(x, q)
         return q
 

@@ -18,6 +18,7 @@ from readback.numerics import (
     BlockQTensor,
     BlockScalingRecipe,
     FP8Format,
+    NVFP4Quantizer,
     QTensor,
     ScalingRecipe,
     decoded,
@@ -55,13 +56,20 @@ OVERRIDE_READS = {"dequantized": "rounded", "high_precision": "original"}  # bac
 def recipe_reads(recipe: ScalingRecipe | None) -> dict[str, str]:
     """The reads ``recipe`` sets, laid over a policy's (``ops.read_rules``; never ``exact``'s):
     a ``backward_override``'s; else, under a block recipe, ``requantized`` for a tensor quantised
-    in lines, whose forward copy runs along the wrong axis for the backward GEMM (a square-block
-    copy serves both: ``rounded``); nothing under a per-tensor recipe."""
+    in lines, whose forward copy runs along the wrong axis for the backward GEMM (``rotated`` where
+    an NVFP4 quantiser rotates that copy; a square-block copy serves both: ``rounded``); nothing
+    under a per-tensor recipe."""
     if recipe is not None and recipe.backward_override is not None:
         return dict.fromkeys(BACKWARD_OPERANDS, OVERRIDE_READS[recipe.backward_override])
     if not isinstance(recipe, BlockScalingRecipe):
         return {}
-    return {g: "rounded" if recipe.quantizer(t).square else "requantized" for g, t in BACKWARD_OPERANDS.items()}
+    reads = {}
+    for gemm, tensor in BACKWARD_OPERANDS.items():
+        quantizer = recipe.quantizer(tensor)
+        along_columns = BLOCK_DIRECTIONS[gemm][tensor] == COLUMNWISE
+        rotates = isinstance(quantizer, NVFP4Quantizer) and quantizer.hadamard and along_columns
+        reads[gemm] = "rounded" if quantizer.square else "rotated" if rotates else "requantized"
+    return reads
 
 
 def _block_copy(numerics: Numerics, name: str, tensor: str, t: torch.Tensor, gemm: str) -> BlockQTensor:
@@ -110,7 +118,8 @@ class _Linear(torch.autograd.Function):
 
         def read(mode: str, tensor: str) -> torch.Tensor | QTensor | BlockQTensor:
             """What the backward reads of ``tensor`` under ``mode``; a per-tensor copy (also one
-            handed over) serves both directions, so ``requantized`` reads it there."""
+            handed over) serves both directions, so ``requantized`` reads it there. ``rotated``
+            is the copy its quantiser makes along the GEMM's axis (``recipe_reads``)."""
             original = x if tensor == "input" else weight
             forward_copy = x_q if tensor == "input" else wq
             if mode == "original":

@@ -204,7 +204,7 @@ def test_a_linear_read_rule_te_has_no_switch_for_is_refused(monkeypatch):
 def test_mxfp8_is_te_only_with_readback_attention_on_per_tensor_scaling():
     cfg = config("reuse_rounded", "precision.recipe=mxfp8")
     plan = te_plan(cfg, TE2, B200)
-    assert plan.recipe == "MXFP8BlockScaling" and plan.recipe_kwargs == dict(fp8_format="HYBRID")
+    assert plan.recipe == "MXFP8BlockScaling" and plan.recipe_kwargs == dict(fp8_format="E4M3")  # TE's default there
     recipe = te_backend.readback_numerics(cfg).recipe  # the one recipe object, read by readback's sites too
     assert plan.attention_core == "readback" and isinstance(recipe, MXFP8BlockScaling)
     assert isinstance(recipe.new_state(E4M3), CurrentScalingState)  # readback's own ops scale per tensor

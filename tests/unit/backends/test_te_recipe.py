@@ -84,7 +84,7 @@ def test_converted_recipe_pins_backward_override_from_te_2_15():
 def test_mxfp8_recipe_is_block_scaling_where_the_gpu_has_it():
     precision = compose("+experiment=fresh_reround", "backend=te", "precision.recipe=mxfp8").precision
     recipe = te_recipe.te_recipe_plan(precision.scaling_recipe(), precision.rounding, "2.8.0", B200)
-    assert recipe == te_recipe.TERecipe("MXFP8BlockScaling", {"fp8_format": "HYBRID"})
+    assert recipe == te_recipe.TERecipe("MXFP8BlockScaling", {"fp8_format": "E4M3"})
     with pytest.raises(ConfigError, match=r"^precision.recipe='mxfp8' is not valid"):
         te_recipe.te_recipe_plan(precision.scaling_recipe(), precision.rounding, "2.8.0", H100)
 
@@ -155,7 +155,7 @@ def test_the_recipe_defaults_are_declared_once_by_the_recipe_object():
     for group in ("fp8", "bf16"):
         keys = set(yaml.safe_load((REPO / "conf" / "precision" / f"{group}.yaml").read_text()))
         assert not keys & recipe_fields and keys <= {"defaults", "name", "bf16_layers"}, keys
-    assert MXFP8BlockScaling().fp8_format is Format.E4M3  # TE's own default for this recipe
+    assert MXFP8BlockScaling().fp8_format is Format.E4M3  # TE's own default for this recipe, the config's too
 
 
 def test_float8_block_scaling_takes_te_s_fields_and_defaults_and_its_refusals():
@@ -169,7 +169,7 @@ def test_float8_block_scaling_takes_te_s_fields_and_defaults_and_its_refusals():
     assert (default.grad_block_scaling_dim, default.pow2_scales, default.amax_epsilon) == (1, True, 0.0)
     te = ("+experiment=fresh_reround", "backend=te", "precision.recipe=blockwise")
     cfg = compose(*te, "backend.attention_core=readback")
-    assert cfg.precision.scaling_recipe() == dataclasses.replace(default, fp8_format=Format.HYBRID)
+    assert cfg.precision.scaling_recipe() == default  # fp8_format null: the recipe's own, E4M3
     plan = te_plan.te_plan(cfg, "2.20.0", H100)
     assert plan.te_recipe.name == "Float8BlockScaling" and "fp8_dpa" not in plan.te_recipe.kwargs
     auto = compose("+experiment=reuse_rounded", "backend=te", "precision.recipe=blockwise")

@@ -7,7 +7,8 @@ from omegaconf import OmegaConf
 from readback.config import Config, validate
 from readback.config.refusals import options
 from readback.errors import ConfigError
-from toys import ALL_EXPERIMENTS, compose
+from readback.numerics import DelayedScaling, Format
+from toys import ALL_EXPERIMENTS, compose, config
 
 STUDY_AXES = {"precision", "policy", "attention", "experiment"}
 
@@ -51,15 +52,30 @@ def test_experiment_axes(experiment, precision, policy, bwd):
 
 
 def test_the_study_recipe_is_transformer_engine_default_delayed_scaling():
-    p = compose("+experiment=reuse_rounded").precision
-    assert (p.recipe, p.fp8_format, p.margin, p.amax_history_len, p.amax_compute_algo) == (
-        "delayed",
-        "HYBRID",
-        0,
-        1024,
-        "max",
-    )
+    p = config("+experiment=reuse_rounded").precision
+    assert p.scaling_recipe() == DelayedScaling(fp8_format=Format.HYBRID, margin=0, amax_history_len=1024)
+    assert p.scaling_recipe().amax_compute_algo == "max"
     assert list(p.bf16_layers) == ["lm_head"] and p.rounding == "nearest"
+
+
+@pytest.mark.parametrize(
+    ("recipe", "fmt"),
+    [("delayed", Format.HYBRID), ("current", Format.HYBRID), ("mxfp8", Format.E4M3), ("nvfp4", Format.E4M3)],
+)
+def test_a_null_fp8_format_is_the_recipe_own_default_as_in_transformer_engine(recipe, fmt):
+    p = config("+experiment=reuse_rounded", f"precision.recipe={recipe}").precision
+    assert p.fp8_format is None and p.scaling_recipe().fp8_format is fmt
+    hybrid = compose("+experiment=reuse_rounded", f"precision.recipe={recipe}", "precision.fp8_format=HYBRID")
+    if recipe == "nvfp4":  # its block scales are E4M3, and TE asserts it
+        with pytest.raises(ConfigError, match=r"precision.fp8_format='HYBRID'.*E4M3 or null"):
+            validate(hybrid)
+    else:
+        assert (
+            config("+experiment=reuse_rounded", f"precision.recipe={recipe}", "precision.fp8_format=HYBRID")
+            .precision.scaling_recipe()
+            .fp8_format
+            is Format.HYBRID
+        )
 
 
 @pytest.mark.parametrize(
