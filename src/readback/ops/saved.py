@@ -2,11 +2,12 @@
 
 Tensors kept as attributes of the autograd context cannot be traced by ``torch.compile``
 (dynamo refuses intermediate tensors that leave the forward's subgraph that way); the saved
-tensors can. ``save`` flattens each ``QTensor`` to its data and scale; ``load`` rebuilds them.
+tensors can. ``save`` flattens each quantised tensor to its tensors; ``load`` rebuilds it.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import torch
@@ -15,20 +16,22 @@ from readback.numerics import BlockQTensor, QTensor
 
 
 def save(fctx: Any, **values: torch.Tensor | QTensor | BlockQTensor | None) -> None:
-    """``fctx.save_for_backward`` of ``values`` (a ``BlockQTensor`` as its codes and block scales);
+    """``fctx.save_for_backward`` of ``values``: a quantised tensor (a ``QTensor``, ``BlockQTensor``
+    or ``NVFP4Tensor``, frozen dataclasses) as its tensor fields, the others kept beside them;
     ``None`` stays ``None``."""
     tensors: list[torch.Tensor] = []
     layout: dict[str, tuple[Any, ...] | None] = {}
     for key, value in values.items():
         if value is None:
             layout[key] = None
-            continue
-        if isinstance(value, torch.Tensor):
-            layout[key] = (len(tensors),)
+        elif isinstance(value, torch.Tensor):
+            layout[key] = (len(tensors), None, (), {})
             tensors.append(value)
-            continue
-        layout[key] = (len(tensors), value.fmt) + ((value.block,) if isinstance(value, BlockQTensor) else ())
-        tensors += [value.data, _own(value.scale)]
+        else:
+            fields = {f.name: getattr(value, f.name) for f in dataclasses.fields(value)}
+            names = tuple(n for n, v in fields.items() if isinstance(v, torch.Tensor))
+            layout[key] = (len(tensors), type(value), names, {n: v for n, v in fields.items() if n not in names})
+            tensors += [fields[n] if n == "data" else _own(fields[n]) for n in names]
     fctx.save_for_backward(*tensors)
     fctx.layout = layout
 
@@ -41,16 +44,16 @@ def _own(scale: torch.Tensor) -> torch.Tensor:
 
 def load(fctx: Any) -> dict[str, Any]:
     """The ``values`` of ``save``, by name (``Any``: each op knows which of its values are
-    tensors, ``QTensor``s or ``None``)."""
+    tensors, quantised tensors or ``None``)."""
     tensors = fctx.saved_tensors
     out: dict[str, Any] = {}
     for key, spec in fctx.layout.items():
         if spec is None:
             out[key] = None
-        elif len(spec) == 3:
-            out[key] = BlockQTensor(tensors[spec[0]], tensors[spec[0] + 1], spec[1], spec[2])
-        elif len(spec) == 2:
-            out[key] = QTensor(tensors[spec[0]], tensors[spec[0] + 1], spec[1])
+            continue
+        start, cls, names, others = spec
+        if cls is None:
+            out[key] = tensors[start]
         else:
-            out[key] = tensors[spec[0]]
+            out[key] = cls(**others, **{n: tensors[start + i] for i, n in enumerate(names)})
     return out

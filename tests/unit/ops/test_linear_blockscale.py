@@ -9,13 +9,19 @@ import dataclasses
 import pytest
 import torch
 
-from readback.numerics import Float8BlockScaling, MXFP8BlockScaling
+from readback.numerics import Float8BlockScaling, MXFP8BlockScaling, NVFP4BlockScaling, NVFP4Quantizer
 from readback.numerics.blockscale import COLUMNWISE, ROWWISE
 from readback.numerics.gemm import bf16_mm, block_mm
 from readback.ops import numerics_for, read_rules
 from readback.ops.linear import linear
 
 RECIPES = [MXFP8BlockScaling(), Float8BlockScaling(), Float8BlockScaling(w_block_scaling_dim=1)]
+NVFP4_NEAREST = NVFP4BlockScaling(disable_stochastic_rounding=True)  # its copies can be made again here
+NVFP4_RECIPES = [
+    NVFP4_NEAREST,
+    dataclasses.replace(NVFP4_NEAREST, disable_rht=True),
+    dataclasses.replace(NVFP4_NEAREST, disable_2d_quantization=True),
+]
 
 
 def _run(recipe, policy="reuse_rounded", exact_backward=False):
@@ -44,13 +50,25 @@ def _copy(recipe, tensor, t, direction):
     return recipe.quantizer(tensor).quantize(t.detach().reshape(-1, t.shape[-1]), direction)
 
 
-@pytest.mark.parametrize("recipe", RECIPES, ids=["mxfp8", "blockwise", "blockwise-w1x128"])
+@pytest.mark.parametrize(
+    "recipe",
+    RECIPES + NVFP4_RECIPES,
+    ids=["mxfp8", "blockwise", "blockwise-w1x128", "nvfp4", "nvfp4-no-rht", "nvfp4-1d-weights"],
+)
 def test_each_gemm_reads_its_own_copies_along_its_reduction_axis(recipe):
     """fprop X, W rowwise; dgrad dY rowwise and W as its read says; wgrad dY and X columnwise
-    (X ``requantized``); bit for bit against the quantisers and ``block_mm``."""
+    (X ``requantized``; ``rotated`` where NVFP4 rotates X's and dY's wgrad copies); bit for bit
+    against the quantisers and ``block_mm``."""
     x, w, dy, numerics, _, _ = _run(recipe)
     reads = numerics.spec.reads["linear"]
-    assert reads["wgrad"] == "requantized"
+    rotates = isinstance(recipe.quantizer("input"), NVFP4Quantizer) and recipe.quantizer("input").hadamard
+    assert reads["wgrad"] == ("rotated" if rotates else "requantized")
+    if rotates:  # both wgrad operands rotated along the tokens, and read back in their own basis
+        assert (
+            _copy(recipe, "input", x, COLUMNWISE).rotated_axis
+            == _copy(recipe, "grad_output", dy, COLUMNWISE).rotated_axis
+            == 0
+        )
     assert reads["dgrad"] == ("rounded" if recipe.quantizer("weight").square else "requantized")
     w_dgrad = _copy(recipe, "weight", w, COLUMNWISE if reads["dgrad"] == "requantized" else ROWWISE)
     dx = block_mm(_copy(recipe, "grad_output", dy, ROWWISE), w_dgrad)
@@ -102,3 +120,21 @@ def test_a_shape_off_the_mxfp8_block_is_refused_as_te_refuses_it():
     numerics = numerics_for("fp8", MXFP8BlockScaling(), "reuse_rounded")
     with pytest.raises(ValueError, match="multiples of 32"):
         linear(torch.randn(4, 48), torch.randn(32, 48), numerics, "lin")
+
+
+def test_nvfp4_rounds_dy_twice_stochastically_and_the_reference_sees_every_read():
+    """Under TE's default NVFP4, dgrad's and wgrad's dY copies are two independent stochastic
+    roundings drawn from the run's stream (the same seed, the same gradients); with the backward
+    exact, policy exact is the reference and the recipe's reads depart from it."""
+    recipe = NVFP4BlockScaling()
+    x, w, dy, _numerics, _, _ = _run(recipe)
+    x2, w2, *_ = _run(recipe)
+    assert torch.equal(x.grad, x2.grad) and torch.equal(w.grad, w2.grad)
+    nearest = _copy(NVFP4_NEAREST, "grad_output", dy, ROWWISE)
+    w_copy = _copy(recipe, "weight", w, ROWWISE)
+    assert not torch.equal(x.grad.reshape(-1, 256), block_mm(nearest, w_copy))  # dY was not rounded to nearest
+    exact_x, exact_w, _, _, ref_dx, ref_dw = _run(recipe, "exact", exact_backward=True)
+    assert _gap(exact_x.grad.reshape(ref_dx.shape), ref_dx) < 1e-6 and _gap(exact_w.grad, ref_dw) < 1e-6
+    x, w, _, _, _, _ = _run(recipe, "reuse_rounded", exact_backward=True)
+    assert torch.equal(x.grad, exact_x.grad)  # dgrad reads the one 16x16 copy fprop multiplied
+    assert _gap(w.grad, ref_dw) > 1e-2  # wgrad reads X's rotated copy, a second E2M1 rounding
