@@ -126,21 +126,31 @@ def test_fresh_is_the_ops_own_draw_not_any_draw(audited):
 def test_exact_policy_rows_all_ok(audited):
     rows, _ = audited
     exact = [r for r in rows if r.policy == "exact"]
-    ops = {"readback.linear", "readback.linear (mxfp8)", "readback.linear (blockwise)", "readback.rms_norm"}
+    ops = {"readback.linear", "readback.linear (mxfp8)", "readback.linear (blockwise)", "readback.linear (nvfp4)"}
+    ops |= {"readback.rms_norm"}
     assert {r.op for r in exact} >= ops | {"readback.attention", "readback.xielu"}
     assert all(r.ok is True for r in exact), [r for r in exact if r.ok is not True]
     assert all(r.rel_err < 1e-5 for r in exact)
 
 
-@pytest.mark.parametrize(("recipe", "dgrad"), [("mxfp8", "requantized"), ("blockwise", "rounded")])
+@pytest.mark.parametrize(
+    ("recipe", "wgrad_read", "dgrad"),
+    [
+        ("mxfp8", "requantized", "requantized"),
+        ("blockwise", "requantized", "rounded"),
+        ("nvfp4", "rotated", "rounded"),
+        ("nvfp4, disable_2d_quantization", "rotated", "requantized"),
+    ],
+)
 @pytest.mark.parametrize("policy", [p for p in POLICIES if p != "exact"])
-def test_a_block_recipes_backward_reads_its_own_copies(audited, recipe, dgrad, policy):
-    """wgrad reads X quantised along the tokens, not the forward's copy; dgrad reads W's own
-    columnwise copy under MXFP8 and the one 128x128 copy under Float8BlockScaling."""
+def test_a_block_recipes_backward_reads_its_own_copies(audited, recipe, wgrad_read, dgrad, policy):
+    """wgrad reads X quantised along the tokens, not the forward's copy (under NVFP4 after its
+    Hadamard transform: told apart from the plain copy); dgrad reads W's own columnwise copy under
+    MXFP8 and NVFP4 in 1x16 lines, the one square-block copy under Float8BlockScaling and NVFP4."""
     rows, _ = audited
     op = f"readback.linear ({recipe})"
     wgrad, dgrad_row = find(rows, op, "wgrad", policy), find(rows, op, "dgrad", policy)
-    assert (wgrad.reads, wgrad.expected, wgrad.declared) == ("requantized", "rounded", "requantized")
+    assert (wgrad.reads, wgrad.expected, wgrad.declared) == (wgrad_read, "rounded", wgrad_read)
     assert (dgrad_row.reads, dgrad_row.expected) == (dgrad, "rounded")
 
 
