@@ -18,6 +18,7 @@ import torch
 from readback.numerics.accumulation import MODES, accumulate, epilogue
 from readback.numerics.blockscale import BlockQTensor
 from readback.numerics.formats import BF16
+from readback.numerics.nvfp4 import NVFP4Tensor
 from readback.numerics.rounding import QTensor, decode
 
 
@@ -150,8 +151,13 @@ def block_mm(a: QTensor | BlockQTensor, b: QTensor | BlockQTensor) -> torch.Tens
     block-scaled GEMM, an FP32 GEMM of the operands' dequantised values (``decode(data) *
     scale_inv`` per block, FP32), rounded once to BF16, returned in FP32. It is not Hopper's or
     Blackwell's kernel bit for bit: those apply each block's scales to partial sums as they go
-    along K and accumulate in an order (and precision) of their own."""
-    return torch.matmul(a.dequantize(torch.float32), b.dequantize(torch.float32)).to(torch.bfloat16).float()
+    along K and accumulate in an order (and precision) of their own. Two NVFP4 copies rotated
+    along the reduction axis (a wgrad's) multiply as stored: the rotation cancels in their product."""
+    if isinstance(a, NVFP4Tensor) and isinstance(b, NVFP4Tensor) and (a.rotated_axis, b.rotated_axis) == (1, 0):
+        product = torch.matmul(a.stored_values(), b.stored_values())
+    else:
+        product = torch.matmul(a.dequantize(torch.float32), b.dequantize(torch.float32))
+    return product.to(torch.bfloat16).float()
 
 
 Operand = QTensor | BlockQTensor | torch.Tensor

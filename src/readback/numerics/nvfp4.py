@@ -35,39 +35,55 @@ HADAMARD_SIGNS = (1, 1, 1, -1, 1, -1, -1, -1, -1, -1, -1, 1, -1, 1, -1, -1)
 _E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
 
 
+@functools.cache
+def _table(values: tuple[float, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    return torch.tensor(values, dtype=dtype, device=device)
+
+
 def e2m1_values(codes: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """The values of E2M1 codes (uint8, one per element: bit 3 the sign, bits 0-2 the magnitude)."""
-    table = torch.tensor(_E2M1_VALUES + tuple(-v for v in _E2M1_VALUES), dtype=dtype, device=codes.device)
-    return table[codes.long()]
+    table = _table(_E2M1_VALUES + tuple(-v for v in _E2M1_VALUES), dtype, codes.device)
+    return table.index_select(0, codes.reshape(-1).int()).view(codes.shape)
+
+
+def _binade(a: torch.Tensor) -> torch.Tensor:
+    """``2**floor(log2(a))`` of FP32 ``a >= 0``, from its exponent bits."""
+    return (a.view(torch.int32) & 0x7F800000).view(torch.float32)
 
 
 def _step(a: torch.Tensor) -> torch.Tensor:
-    """E2M1's grid spacing at magnitude ``a``: 0.5 below 2, 1 in [2, 4), 2 from 4."""
-    return torch.where(a >= 4.0, 2.0, torch.where(a >= 2.0, 1.0, 0.5))
+    """E2M1's grid spacing above magnitude ``a``: 0.5 below 2, 1 in [2, 4), 2 from 4."""
+    return (_binade(a) * 0.5).clamp_(0.5, 2.0)
 
 
 def _codes(magnitude: torch.Tensor, negative: torch.Tensor) -> torch.Tensor:
-    """The code of each grid magnitude (0 ... 6), with bit 3 set where ``negative``."""
-    upper = torch.where(magnitude < 4.0, magnitude + 2.0, magnitude / 2 + 4)  # 2, 3 -> 4, 5; 4, 6 -> 6, 7
-    index = torch.where(magnitude < 2.0, 2.0 * magnitude, upper)
-    return (index + 8.0 * negative).to(torch.uint8)
+    """The codes of grid magnitudes (FP32 0 ... 6), bit 3 set where ``negative``: 2 m below 1,
+    else 2 + 2 * exponent + mantissa bit."""
+    bits = magnitude.view(torch.int32)
+    normal = 2 * ((bits >> 23) - 127) + ((bits >> 22) & 1) + 2
+    index = torch.where(magnitude < 1.0, (magnitude * 2).int(), normal)
+    return (index | (negative.int() << 3)).to(torch.uint8)
 
 
 def round_e2m1(y: torch.Tensor) -> torch.Tensor:
     """Codes of FP32 ``y`` (within +-6) rounded to nearest, ties to even, as the reference's
-    ``cast_to_fp4x2``: only ``y < 0`` takes the sign (-0.0 gets +0's code; NaN gets code 0)."""
-    a = y.abs()
-    step = _step(a)
-    magnitude = torch.nan_to_num(torch.round(a / step) * step, nan=0.0)  # a / step is exact
-    return _codes(magnitude, y < 0)
+    ``cast_to_fp4x2``: only ``y < 0`` takes the sign (-0.0 gets +0's code; NaN gets code 0).
+    Below 1 the grid is 0.5's multiples; above, one mantissa bit, rounded on FP32's bits."""
+    a = torch.nan_to_num(y.abs(), nan=0.0)
+    bits = a.view(torch.int32)
+    one_bit = ((bits + 0x1FFFFF + ((bits >> 22) & 1)) & ~0x3FFFFF).view(torch.float32)
+    return _codes(torch.where(a < 1.0, torch.round(a * 2) * 0.5, one_bit), y < 0)
 
 
 def round_e2m1_stochastic(y: torch.Tensor, bits: torch.Tensor) -> torch.Tensor:
     """Codes of FP32 ``y`` rounded stochastically with 8 random ``bits`` per element (0 ... 255),
-    by TE's rule (module docstring): saturating at 6, the sign kept (-0.0 included), NaN to +6."""
+    by TE's rule (module docstring): ``t = |y| + bits / 256 * step(|y|)`` (the product is exact:
+    one rounding, TE's ``fmaf``), floored to the grid at ``t``'s own step, saturating at 6; the
+    sign kept (-0.0 included), NaN to +6."""
     a = y.abs()
-    t = a + bits.float() * (1 / 256) * _step(a)  # the product is exact: one rounding, TE's fmaf
-    magnitude = torch.fmin(torch.floor(t / _step(t)) * _step(t), torch.tensor(E2M1.max))  # fmin: NaN -> 6
+    t = a + bits.float() * (1 / 256) * _step(a)
+    step = _step(t)
+    magnitude = torch.fmin(torch.floor(t / step) * step, _table((E2M1.max,), torch.float32, y.device))  # NaN: 6
     return _codes(magnitude, torch.signbit(y) & ~torch.isnan(y))
 
 
@@ -88,9 +104,11 @@ def hadamard_transform(x: torch.Tensor, inverse: bool = False) -> torch.Tensor:
     m, k = flat_2d(x)
     if m % HADAMARD_SIZE:
         raise ValueError(f"the Hadamard transform runs over groups of 16 rows: {m} is not a multiple of 16")
-    groups = x.reshape(m // HADAMARD_SIZE, HADAMARD_SIZE, k).double()
+    # one GEMM: each group's 16 rows side by side, (16 x 16) @ (16 x m/16 * k)
+    side_by_side = x.reshape(m // HADAMARD_SIZE, HADAMARD_SIZE, k).transpose(0, 1).reshape(HADAMARD_SIZE, -1)
     transform = hadamard_matrix() if inverse else hadamard_matrix().mT
-    return (transform @ groups).to(x.dtype).reshape(x.shape)
+    rotated = (transform @ side_by_side.double()).to(x.dtype)
+    return rotated.view(HADAMARD_SIZE, m // HADAMARD_SIZE, k).transpose(0, 1).reshape(x.shape)
 
 
 @dataclass(frozen=True)
@@ -119,12 +137,20 @@ class NVFP4Tensor(BlockQTensor):
         """``amax / 2688`` in FP32, the per-tensor factor of TE's dequantisation and GEMM alpha."""
         return self.amax.float() / GLOBAL_RANGE
 
-    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        """``(e2m1 * block_scale) * (amax / 2688)`` in FP32 (the first product is exact), rotated
-        back in FP64 if the copy was rotated, then ``dtype``."""
+    def stored_values(self) -> torch.Tensor:
+        """``(e2m1 * block_scale) * (amax / 2688)`` in FP32 (the first product is exact), as the
+        codes hold them: rotated where the copy is (TE's dequantisation), in the 2-D view."""
         m, k = flat_2d(self.data)
-        values = e2m1_values(self.data.reshape(m, k)) * self.per_element(self.block_scale.float())
-        values = values * self.global_decode
+        rows, cols = self.block
+        values = e2m1_values(self.data.reshape(m, k))
+        if m % rows or k % cols:  # a partial block at an edge
+            return values * self.per_element(self.block_scale.float()) * self.global_decode
+        tiles = values.view(m // rows, rows, k // cols, cols) * self.block_scale.float()[:, None, :, None]
+        return (tiles * self.global_decode).view(m, k)
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """``stored_values``, rotated back in FP64 if the copy was rotated, then ``dtype``."""
+        values = self.stored_values()
         if self.rotated_axis == 0:
             values = hadamard_transform(values.double(), inverse=True)
         elif self.rotated_axis == 1:
@@ -172,10 +198,10 @@ class NVFP4Quantizer:
         rows, cols = block
         flat = source.reshape(m, k).float()
         amax = flat.abs().amax()
-        padded = torch.nn.functional.pad(flat, (0, -k % cols, 0, -m % rows))
+        padded = torch.nn.functional.pad(flat, (0, -k % cols, 0, -m % rows)) if m % rows or k % cols else flat
         tiles = padded.view(padded.shape[0] // rows, rows, padded.shape[1] // cols, cols)
         block_scale, encode = nvfp4_scales(tiles.abs().amax(dim=(1, 3)), amax)
-        y = (tiles * encode[:, None, :, None]).clamp(-E2M1.max, E2M1.max)
+        y = (tiles * encode[:, None, :, None]).clamp_(-E2M1.max, E2M1.max)
         if self.stochastic:
             codes = round_e2m1_stochastic(y, (uniform_draws(y, generator) * 256).floor())
         else:
