@@ -24,6 +24,12 @@ SINCE = {
     "fp8_output": (2, 8),
     "save_original_input": (2, 6),  # pytorch/module/linear.py v2.6: Linear(save_original_input=False)
     "backward_override": (2, 15),  # common/recipe/__init__.py v2.15: backward_override / NVTE_BACKWARD_OVERRIDE
+    "NVFP4BlockScaling": (2, 8),  # common/recipe/__init__.py: absent in v2.7, present in v2.8
+    # common/recipe/__init__.py, NVFP4BlockScaling's fields defaulting to environment variables read
+    # at import: row_scaled_activation (NVTE_NVFP4_ROW_SCALED_ACTIVATION) first in v2.16,
+    # nvfp4_4over6 (NVTE_NVFP4_4OVER6) first in v2.17
+    "row_scaled_activation": (2, 16),
+    "nvfp4_4over6": (2, 17),
 }
 # common/recipe/__init__.py: v1.13 has override_linear_precision, v2.0 has not.
 OVERRIDE_LINEAR_PRECISION_REMOVED = (2, 0)
@@ -106,6 +112,15 @@ def mxfp8_refusal(hw: Hardware) -> str | None:
     """pytorch/fp8.py v2.8 ``check_mxfp8_support`` (same in 2.20): sm100 up to, not including, sm120."""
     if hw.capability is not None and not (10, 0) <= hw.capability < (12, 0):
         return "MXFP8BlockScaling needs sm100 (and is not supported on sm120 yet)"
+    return None
+
+
+def nvfp4_refusal(hw: Hardware) -> str | None:
+    """pytorch/fp8.py v2.8 ``check_nvfp4_support`` (pytorch/quantization.py ``_compute_nvfp4_support``
+    in 2.20), asserted when the autocast is entered: "Device compute capability 10.0 or higher
+    required for NVFP4 execution" (sm120 passes the check)."""
+    if hw.capability is not None and hw.capability < (10, 0):
+        return "NVFP4BlockScaling needs sm100 or newer"
     return None
 
 

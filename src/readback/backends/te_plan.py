@@ -3,7 +3,8 @@
 A pure function of the config, a Transformer Engine version string and the GPU (capability,
 cuDNN): it never imports Transformer Engine, so it is tested on any machine, and validation calls
 it before a run starts. ``readback.backends.te`` turns the plan into modules; what TE can run
-is ``readback.backends.te_facts``; the recipe, with its refusals, ``readback.backends.te_recipe``.
+is ``readback.backends.te_facts``; the recipe, with its refusals, ``readback.backends.te_recipe``;
+what each linear GEMM reads under it, ``readback.backends.te_linear``.
 
 The study's axes map onto TE where TE has a switch for them:
 
@@ -34,10 +35,10 @@ from readback.backends.emulated import attention_reads as readback_attention_rea
 from readback.backends.precision import fp8_settings
 from readback.backends.settings import ATTENTION_CORES, ModelSettings, TeBackend
 from readback.backends.te_facts import SINCE, Hardware, fp8_attention_refusal, te_attention_reads
+from readback.backends.te_linear import linear_label
 from readback.backends.te_recipe import INSTALLED, RECIPES, TERecipe, resolve_target, te_recipe_plan
 from readback.errors import ConfigError, choose, require
 from readback.ops.attention import READ_OPERANDS
-from readback.ops.linear import READS as LINEAR_READS
 
 # Read by Transformer Engine when it is imported, not when attention runs (pytorch/attention/
 # dot_product_attention/backends.py v2.8: a module-level os.getenv).
@@ -96,7 +97,8 @@ def te_plan(cfg: ModelSettings, te_version: str | None = INSTALLED, hardware: Ha
     fp8_mha = te_backend.fp8_mha if te_backend else False
     require(isinstance(fp8_mha, bool), "backend.fp8_mha", fp8_mha, "true or false")
     p8 = fp8_settings(p)
-    recipe = te_recipe_plan(p8.scaling_recipe(), p8.rounding, version, hw) if p8 is not None else None
+    scaling = p8.scaling_recipe() if p8 is not None else None
+    recipe = te_recipe_plan(scaling, p8.rounding, version, hw) if p8 is not None else None
     fp8 = p8 is not None
     recipe_key = p8.recipe if p8 is not None else None
 
@@ -129,9 +131,7 @@ def te_plan(cfg: ModelSettings, te_version: str | None = INSTALLED, hardware: Ha
         recipe = recipe.for_attention(fp8_dpa=attention is not None, fp8_mha=fp8_mha)
     bf16_layers = tuple(p8.bf16_layers) if p8 is not None else ()
     proj = _projection_label(attention is not None, recipe_key, fp8_mha)
-    override = p8.backward_override if p8 is not None else None
-    linear_label = _linear_label(policy, fp8, override)
-    sites = {**_sites(cfg, attention_label, proj, fp8, bf16_layers, linear_label), **attention_reads}
+    sites = {**_sites(cfg, attention_label, proj, fp8, bf16_layers, linear_label(policy, scaling)), **attention_reads}
     if fp8:  # TE's own GEMM accumulation, Hopper's (the config refuses any other); cuDNN's attention unmodelled
         sites |= readback_accumulations("hopper", None)
         if attention is not None:
@@ -176,30 +176,6 @@ def _check_fp8_attention(cfg: ModelSettings, recipe_key: str, vt, hw: Hardware, 
         "model.seq_len": "a multiple of 128, or backend.attention_core=readback",
     }[key]
     raise ConfigError(key, value, f"{fix} ({where}: {reason})")
-
-
-def _linear_label(policy: str, fp8: bool, backward_override: str | None = None) -> str:
-    """What ``te.Linear``'s backward reads, from the policy's linear read rules. Every policy
-    reads the forward's rounded copies, TE's default (``save_original_input=False``,
-    ``backward_override=None``); TE's switches read other values: ``backward_override=
-    "high_precision"`` the original W and X (TE >= 2.15, not delayed scaling), ``"dequantized"``
-    W8 and X8 in BF16 GEMMs; ``save_original_input=True`` (>= 2.6) re-quantises the original X."""
-    reads = LINEAR_READS[policy]
-    if (reads["dgrad"], reads["wgrad"]) != ("rounded", "rounded"):
-        raise ConfigError(
-            "policy",
-            policy,
-            "a policy whose linears read their rounded copies (backend=te maps no "
-            "other linear read rule onto Transformer Engine)",
-        )
-    if not fp8:
-        return "te.Linear"
-    what = {
-        None: "the forward's W8 and X8",
-        "dequantized": "the forward's W8 and X8 dequantised, in BF16 GEMMs",
-        "high_precision": "the original W and X, in BF16 GEMMs",
-    }[backward_override]
-    return f"te.Linear (backward reads {what}: save_original_input=False, backward_override={backward_override})"
 
 
 def _te_attention(fp8: bool, recipe: str | None, policy: str, bwd: str, bwd_reads: str):

@@ -20,10 +20,12 @@ from readback.backends.te_facts import (
     installed_hardware,
     installed_te_version,
     mxfp8_refusal,
+    nvfp4_refusal,
     version_tuple,
 )
 from readback.errors import ConfigError, require
-from readback.numerics import DelayedScaling, Float8BlockScaling, MXFP8BlockScaling, ScalingRecipe
+from readback.numerics import RECIPES as RECIPE_CLASSES
+from readback.numerics import DelayedScaling, Float8BlockScaling, MXFP8BlockScaling, NVFP4BlockScaling, ScalingRecipe
 
 # precision.recipe -> Transformer Engine recipe class
 RECIPES = {
@@ -31,6 +33,7 @@ RECIPES = {
     "current": "Float8CurrentScaling",
     "mxfp8": "MXFP8BlockScaling",
     "blockwise": "Float8BlockScaling",
+    "nvfp4": "NVFP4BlockScaling",
 }
 # Read by TE at its import into Float8BlockScaling's QParams (common/recipe/__init__.py): no
 # constructor argument sets them, so readback passes only what that environment gives.
@@ -58,7 +61,14 @@ class TERecipe:
         return f"{self.name}({', '.join(f'{k}={v}' for k, v in kwargs.items())})"
 
     def for_attention(self, fp8_dpa: bool, fp8_mha: bool) -> TERecipe:
-        """This recipe with TE's FP8 attention switches set (the per-tensor recipes have them)."""
+        """This recipe with TE's FP8 attention switches set (the per-tensor recipes have them).
+
+        TE's ``NVFP4BlockScaling`` has them too, off by default and left so: TE leaves attention
+        unquantised under NVFP4 (pytorch/attention/dot_product_attention/utils.py
+        ``get_attention_backend`` disables FusedAttention for it, v2.16 to 2.20) unless
+        ``NVTE_DPA_FP8_RECIPE`` gives attention a recipe of its own (dot_product_attention.py,
+        v2.8 to 2.20), which no readback policy maps onto; readback's attention core runs, as
+        under the other block recipes."""
         if "fp8_dpa" not in self.kwargs:
             return self
         return TERecipe(self.name, {**self.kwargs, "fp8_dpa": fp8_dpa, "fp8_mha": fp8_mha})
@@ -110,14 +120,29 @@ def _check_fp8_recipe(recipe: ScalingRecipe, rounding: str, vt, hw: Hardware, wh
         )
     if fp8_gemm_refusal(hw):
         raise ConfigError("precision", "fp8", f"bf16 ({where}: {fp8_gemm_refusal(hw)})")
-    block_reason = mxfp8_refusal(hw) if isinstance(recipe, MXFP8BlockScaling) else None
-    if isinstance(recipe, Float8BlockScaling):
-        block_reason = fp8_block_scaling_refusal(hw, recipe.pow2_scales)
+    block_reason = _block_refusal(recipe, hw)
     if block_reason:
-        others = ", ".join(k for k in RECIPES if k != recipe_key)
+        others = ", ".join(k for k, cls in RECIPE_CLASSES.items() if k != recipe_key and _runs(cls(), vt, hw))
         raise ConfigError("precision.recipe", recipe_key, f"{others} ({where}: {block_reason})")
     if isinstance(recipe, Float8BlockScaling):
         _refuse_block_qparams(recipe, where)
+
+
+def _block_refusal(recipe: ScalingRecipe, hw: Hardware) -> str | None:
+    """Why this GPU cannot run a block recipe's GEMMs (``te_facts``), else None."""
+    if isinstance(recipe, MXFP8BlockScaling):
+        return mxfp8_refusal(hw)
+    if isinstance(recipe, Float8BlockScaling):
+        return fp8_block_scaling_refusal(hw, recipe.pow2_scales)
+    if isinstance(recipe, NVFP4BlockScaling):
+        return nvfp4_refusal(hw)
+    return None
+
+
+def _runs(recipe: ScalingRecipe, vt, hw: Hardware) -> bool:
+    """Whether this TE has ``recipe``'s class and this GPU its GEMMs (a refusal's alternatives)."""
+    since = SINCE.get(RECIPES[recipe.KEY])
+    return (vt is None or since is None or vt[:2] >= since) and _block_refusal(recipe, hw) is None
 
 
 def _refuse_unsupported_fields(recipe: ScalingRecipe, vt: tuple[int, int, int] | None, where: str) -> None:
@@ -207,6 +232,19 @@ def _recipe_kwargs(recipe: ScalingRecipe, vt) -> dict[str, Any]:
             w_block_scaling_dim=recipe.w_block_scaling_dim,
             grad_block_scaling_dim=recipe.grad_block_scaling_dim,
         )
+    elif isinstance(recipe, NVFP4BlockScaling):  # fp8_dpa, fp8_mha: TE's False (TERecipe.for_attention)
+        kwargs = dict(
+            fp8_format=fmt,
+            disable_rht=recipe.disable_rht,
+            disable_stochastic_rounding=recipe.disable_stochastic_rounding,
+            disable_2d_quantization=recipe.disable_2d_quantization,
+        )
+        # TE's defaults of these are environment variables read at import (NVTE_NVFP4_*), so every
+        # one is passed: the three switches always, the fields readback does not model (TE's
+        # defaults: off) where this TE has them.
+        for field, off in (("row_scaled_activation", False), ("nvfp4_4over6", "none")):
+            if vt is not None and vt[:2] >= SINCE[field]:
+                kwargs[field] = off
     else:
         kwargs = dict(fp8_format=fmt, fp8_dpa=False, fp8_mha=False)
     if vt is not None and vt[:2] >= SINCE["backward_override"]:

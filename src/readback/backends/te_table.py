@@ -50,6 +50,8 @@ ROWS = [
     ),
     ("`policy=original` (delayed scaling)", ("+experiment=reuse_rounded", "policy=original")),
     ("`precision.recipe=mxfp8`", ("+experiment=reuse_rounded", "precision.recipe=mxfp8")),
+    ("`precision.recipe=blockwise`", ("+experiment=reuse_rounded", "precision.recipe=blockwise")),
+    ("`precision.recipe=nvfp4`", ("+experiment=reuse_rounded", "precision.recipe=nvfp4")),
 ]
 
 

@@ -166,15 +166,19 @@ class MXFP8Quantizer:
         """Whether one copy serves both directions (square blocks)."""
         return self.two_d
 
-    def quantize(self, x: torch.Tensor, direction: str = ROWWISE) -> BlockQTensor:
+    def block(self, direction: str = ROWWISE) -> tuple[int, int]:
+        """The ``(rows, cols)`` block of a copy quantised along ``direction``."""
         line = line_block(32, direction)
+        return (32, 32) if self.two_d else line
+
+    def quantize(self, x: torch.Tensor, direction: str = ROWWISE) -> BlockQTensor:
+        block = self.block(direction)
         m, k = flat_2d(x)
         if m % 32 or k % 32:
             raise ValueError(
                 f"MXFP8 needs the last dimension and the product of the others to be multiples of 32, "
                 f"as Transformer Engine does; got shape {tuple(x.shape)}"
             )
-        block = (32, 32) if self.two_d else line
         return _quantize_blocks(x, block, self.fmt, lambda amax: mxfp8_scale(amax, self.fmt))
 
 
@@ -204,12 +208,15 @@ class Float8BlockQuantizer:
         """Whether one copy serves both directions (128x128 blocks)."""
         return self.block_scaling_dim == 2
 
-    def quantize(self, x: torch.Tensor, direction: str = ROWWISE) -> BlockQTensor:
+    def block(self, direction: str = ROWWISE) -> tuple[int, int]:
+        """The ``(rows, cols)`` block of a copy quantised along ``direction``."""
         line = line_block(128, direction)
-        block = (128, 128) if self.block_scaling_dim == 2 else line
+        return (128, 128) if self.block_scaling_dim == 2 else line
+
+    def quantize(self, x: torch.Tensor, direction: str = ROWWISE) -> BlockQTensor:
         return _quantize_blocks(
             x,
-            block,
+            self.block(direction),
             self.fmt,
             lambda amax: float8_block_scale(amax, self.fmt, self.pow2_scales, self.amax_epsilon, x.dtype),
         )

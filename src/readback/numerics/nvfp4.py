@@ -190,9 +190,18 @@ class NVFP4Quantizer:
         """Whether one copy serves both directions (16 x 16 blocks)."""
         return self.two_d
 
+    def rotates(self, direction: str) -> bool:
+        """Whether a copy quantised along ``direction`` is rotated first (the columnwise one)."""
+        return self.hadamard and direction == COLUMNWISE
+
+    def block(self, direction: str) -> tuple[int, int]:
+        """The ``(rows, cols)`` block of a copy quantised along ``direction``."""
+        line = line_block(HADAMARD_SIZE, direction)
+        return (HADAMARD_SIZE, HADAMARD_SIZE) if self.two_d else line
+
     def quantize(self, x: torch.Tensor, direction: str, generator: RandomSource = None) -> NVFP4Tensor:
-        block = (HADAMARD_SIZE, HADAMARD_SIZE) if self.two_d else line_block(HADAMARD_SIZE, direction)
-        rotated = self.hadamard and direction == COLUMNWISE
+        block = self.block(direction)
+        rotated = self.rotates(direction)
         source = hadamard_transform(x) if rotated else x
         m, k = flat_2d(source)
         rows, cols = block

@@ -137,6 +137,7 @@ class Site:
         is not read; a stochastic NVFP4 quantiser draws from the site's stream, each copy anew.
         Underflow is counted as ``quantize`` counts it (each copy)."""
         self._follow(x.device)
+        q: BlockQTensor
         if isinstance(quantizer, NVFP4Quantizer) and quantizer.stochastic:
             q = quantizer.quantize(x, direction, self.streams.state(self.name, "forward", x.device))
         else:

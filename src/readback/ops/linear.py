@@ -66,8 +66,7 @@ def recipe_reads(recipe: ScalingRecipe | None) -> dict[str, str]:
     reads = {}
     for gemm, tensor in BACKWARD_OPERANDS.items():
         quantizer = recipe.quantizer(tensor)
-        along_columns = BLOCK_DIRECTIONS[gemm][tensor] == COLUMNWISE
-        rotates = isinstance(quantizer, NVFP4Quantizer) and quantizer.hadamard and along_columns
+        rotates = isinstance(quantizer, NVFP4Quantizer) and quantizer.rotates(BLOCK_DIRECTIONS[gemm][tensor])
         reads[gemm] = "rounded" if quantizer.square else "rotated" if rotates else "requantized"
     return reads
 

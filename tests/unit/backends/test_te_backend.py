@@ -193,10 +193,10 @@ def test_te_2_15_pins_backward_override_so_the_environment_cannot_change_linear_
 
 
 def test_a_linear_read_rule_te_has_no_switch_for_is_refused(monkeypatch):
-    from readback.backends import te_plan as plan_module
+    from readback.backends import te_linear
 
-    wrong = {**plan_module.LINEAR_READS, "exact": {"dgrad": "rounded", "wgrad": "original"}}
-    monkeypatch.setattr(plan_module, "LINEAR_READS", wrong)  # the op's own table is read-only
+    wrong = {**te_linear.LINEAR_READS, "exact": {"dgrad": "rounded", "wgrad": "original"}}
+    monkeypatch.setattr(te_linear, "LINEAR_READS", wrong)  # the op's own table is read-only
     with pytest.raises(ConfigError, match=r"^policy='exact' is not valid; valid: a policy whose linears read"):
         te_plan(config("reuse_rounded", "policy=exact"), TE2)
 
@@ -210,6 +210,70 @@ def test_mxfp8_is_te_only_with_readback_attention_on_per_tensor_scaling():
     assert isinstance(recipe.new_state(E4M3), CurrentScalingState)  # readback's own ops scale per tensor
     with_margin = te_plan(config("reuse_rounded", "precision.recipe=mxfp8", "precision.margin=2"), TE2)
     assert with_margin.recipe_kwargs["margin"] == 2
+
+
+NVFP4_FPROP = "fprop reads X rowwise 1x16 and W 16x16"
+NVFP4_RHT = "after the 16-point random Hadamard transform"
+
+
+@pytest.mark.parametrize(
+    "switch, dgrad, wgrad",
+    [
+        (
+            None,
+            "dgrad reads dY rowwise 1x16 (rounded stochastically) and W 16x16 (read rounded)",
+            f"wgrad reads dY columnwise 16x1 ({NVFP4_RHT}, rounded stochastically again, with its own random bits) "
+            f"and X columnwise 16x1 ({NVFP4_RHT}, read rotated)",
+        ),
+        (
+            "disable_rht",
+            "dgrad reads dY rowwise 1x16 (rounded stochastically) and W 16x16 (read rounded)",
+            "wgrad reads dY columnwise 16x1 (rounded stochastically again, with its own random bits) "
+            "and X columnwise 16x1 (read requantized)",
+        ),
+        (
+            "disable_stochastic_rounding",
+            "dgrad reads dY rowwise 1x16 and W 16x16 (read rounded)",
+            f"wgrad reads dY columnwise 16x1 ({NVFP4_RHT}) and X columnwise 16x1 ({NVFP4_RHT}, read rotated)",
+        ),
+        (
+            "disable_2d_quantization",
+            "dgrad reads dY rowwise 1x16 (rounded stochastically) and W columnwise 16x1 (read requantized)",
+            f"wgrad reads dY columnwise 16x1 ({NVFP4_RHT}, rounded stochastically again, with its own random bits) "
+            f"and X columnwise 16x1 ({NVFP4_RHT}, read rotated)",
+        ),
+    ],
+)
+def test_nvfp4_plan_names_what_each_linear_gemm_reads(switch, dgrad, wgrad):
+    """te.Linear under NVFP4BlockScaling: fprop X 1x16 and W 16x16; dgrad dY rowwise, rounded
+    stochastically, and the one W copy; wgrad the columnwise copies of X and dY after the
+    Hadamard transform, dY rounded stochastically again; readback's attention core (TE leaves
+    attention unquantised under NVFP4). The read modes are the emulated linear's."""
+    cfg = config("reuse_rounded", "precision.recipe=nvfp4", *([f"precision.{switch}=true"] if switch else []))
+    plan = te_plan(cfg, "2.20.0", B200)
+    fprop = "fprop reads X rowwise 1x16 and " + ("W rowwise 1x16" if switch == "disable_2d_quantization" else "W 16x16")
+    assert plan.sites["linear"] == (
+        f"te.Linear ({fprop}; {dgrad}; {wgrad}: save_original_input=False, backward_override=None)"
+    )
+    assert plan.recipe == "NVFP4BlockScaling" and plan.attention_core == "readback" and plan.env == {}
+    assert "fp8_dpa" not in plan.recipe_kwargs
+    reads = te_backend.readback_numerics(cfg).spec.reads["linear"]  # what the emulated linear reads
+    assert f"W {'columnwise 16x1' if switch == 'disable_2d_quantization' else '16x16'} (read {reads['dgrad']})" in dgrad
+    assert wgrad.endswith(f"read {reads['wgrad']})")
+
+
+def test_block_recipe_plans_name_each_gemm_s_copies_and_a_backward_override_s_reads():
+    mxfp8 = te_plan(config("reuse_rounded", "precision.recipe=mxfp8"), TE2, B200).sites["linear"]
+    assert mxfp8.startswith("te.Linear (fprop reads X rowwise 1x32 and W rowwise 1x32; dgrad reads dY rowwise 1x32 ")
+    wgrad = "wgrad reads dY columnwise 32x1 and X columnwise 32x1 (read requantized)"
+    assert f"and W columnwise 32x1 (read requantized); {wgrad}:" in mxfp8
+    blockwise = te_plan(config("reuse_rounded", "precision.recipe=blockwise"), TE2, H100).sites["linear"]
+    assert "dgrad reads dY rowwise 1x128 and W 128x128 (read rounded); wgrad" in blockwise
+    override = config("reuse_rounded", "precision.recipe=nvfp4", "precision.backward_override=dequantized")
+    assert te_plan(override, "2.20.0", B200).sites["linear"] == (
+        f"te.Linear ({NVFP4_FPROP}; backward reads the forward's copies of W and X dequantised, in BF16 GEMMs: "
+        "save_original_input=False, backward_override=dequantized)"
+    )
 
 
 def test_head_dim_128_trains_fp8_attention_on_sm90_and_te_2_7_allowed_other_head_dims():
@@ -256,6 +320,7 @@ REFUSALS = [
         "needs cuDNN >= 9.14.0",
     ),
     (("precision.recipe=mxfp8",), TE2, H100, "precision.recipe='mxfp8'", "MXFP8BlockScaling needs sm100"),
+    (("precision.recipe=nvfp4",), TE2, H100, "precision.recipe='nvfp4'", "NVFP4BlockScaling needs sm100 or newer"),
     (
         HD128,
         TE2,
@@ -330,6 +395,8 @@ def test_unknown_te_version_is_named_as_not_installed():
         (("precision.recipe=current",), "precision.recipe", "2.1.0"),  # no Float8CurrentScaling yet
         (("precision.recipe=current",), "precision.recipe", "2.5.0"),  # no FP8 attention under current scaling
         (("precision.recipe=mxfp8",), "precision.recipe", "1.13.0"),
+        (("precision.recipe=nvfp4",), "precision.recipe", "2.7.0"),  # no NVFP4BlockScaling yet
+        (("precision.recipe=nvfp4", "backend.fp8_mha=true"), "backend.fp8_mha", TE2),  # readback's attention
         ((), "backend", "1.11.0"),
         (("backend.attention_core=bogus",), "backend.attention_core", TE2),
     ],

@@ -205,3 +205,81 @@ def test_the_emulated_backend_runs_the_block_recipes_and_refuses_what_their_quan
         assert compose("+experiment=reuse_rounded", f"precision.recipe={recipe}").precision.recipe == recipe
         with pytest.raises(ConfigError, match=r"^precision.rounding='stochastic' is not valid; valid: nearest under"):
             compose("+experiment=reuse_rounded", f"precision.recipe={recipe}", "precision.rounding=stochastic")
+
+
+NVFP4_SWITCHES = ("disable_rht", "disable_stochastic_rounding", "disable_2d_quantization")
+
+
+@pytest.mark.parametrize("switch", [None, *NVFP4_SWITCHES])
+def test_nvfp4_recipe_passes_te_s_switches_and_pins_the_fields_te_reads_from_the_environment(switch):
+    """``precision.recipe=nvfp4`` is TE's ``NVFP4BlockScaling``: its three switches are passed
+    always (TE's defaults are NVTE_NVFP4_* variables read at import), and the fields readback does
+    not model are pinned off where this TE has them (row_scaled_activation from 2.16, nvfp4_4over6
+    from 2.17), as backward_override is from 2.15; no FP8 attention switch is set."""
+    overrides = ("precision.recipe=nvfp4", *([f"precision.{switch}=true"] if switch else []))
+    precision = compose("+experiment=fresh_reround", "backend=te", *overrides).precision
+    recipe = precision.scaling_recipe()
+    switches = {name: name == switch for name in NVFP4_SWITCHES}
+    plans = {v: te_recipe.te_recipe_plan(recipe, precision.rounding, v, B200) for v in ("2.8.0", "2.16.0", "2.20.0")}
+    assert plans["2.8.0"] == te_recipe.TERecipe("NVFP4BlockScaling", {"fp8_format": "E4M3", **switches})
+    assert plans["2.16.0"].kwargs == {"fp8_format": "E4M3", **switches, "row_scaled_activation": False} | {
+        "backward_override": None
+    }
+    assert plans["2.20.0"].kwargs == {
+        "fp8_format": "E4M3",
+        **switches,
+        "row_scaled_activation": False,
+        "nvfp4_4over6": "none",
+        "backward_override": None,
+    }
+    assert plans["2.20.0"].for_attention(fp8_dpa=True, fp8_mha=True) == plans["2.20.0"]
+
+
+def test_nvfp4_needs_sm100_and_te_2_8_and_refuses_what_te_has_not():
+    te = ("+experiment=fresh_reround", "backend=te", "precision.recipe=nvfp4")
+    recipe = compose(*te).precision.scaling_recipe()
+    for hw in (B200, Hardware((12, 0), (9, 14, 0)), Hardware()):  # TE checks capability >= 10.0 only
+        assert te_recipe.te_recipe_plan(recipe, "nearest", "2.20.0", hw).name == "NVFP4BlockScaling"
+    with pytest.raises(ConfigError) as error:
+        te_recipe.te_recipe_plan(recipe, "nearest", "2.20.0", H100)
+    assert str(error.value) == (
+        "precision.recipe='nvfp4' is not valid; valid: delayed, current, blockwise (Transformer Engine "
+        "2.20.0 on sm90, cuDNN 9.13.0: NVFP4BlockScaling needs sm100 or newer)"
+    )
+    with pytest.raises(ConfigError, match=r"^precision.recipe='nvfp4' .*has no NVFP4BlockScaling; it needs >= 2.8"):
+        te_recipe.te_recipe_plan(recipe, "nearest", "2.7.0", B200)
+    for overrides, version, line in [
+        (("precision.override_linear_precision=[false,false,true]",), "2.20.0", "no override_linear_precision"),
+        (("precision.backward_override=dequantized",), "2.14.0", "needs >= 2.15"),
+        (("precision.rounding=stochastic",), "2.20.0", "nearest under precision.recipe=nvfp4"),
+        (("precision.margin=1",), "2.20.0", "no margin"),
+    ]:
+        with pytest.raises(ConfigError, match=line):
+            precision = compose(*te, *overrides).precision
+            te_recipe.te_recipe_plan(precision.scaling_recipe(), precision.rounding, version, B200)
+    dequantized = compose(*te, "precision.backward_override=dequantized").precision.scaling_recipe()
+    assert te_recipe.te_recipe_plan(dequantized, "nearest", "2.15.0", B200).kwargs["backward_override"] == "dequantized"
+
+
+def test_a_refused_block_recipe_offers_only_recipes_this_gpu_and_te_run():
+    mxfp8 = compose("+experiment=fresh_reround", "backend=te", "precision.recipe=mxfp8").precision.scaling_recipe()
+    with pytest.raises(ConfigError, match=r"valid: delayed, current, blockwise \(Transformer Engine 2.20.0 on sm90"):
+        te_recipe.te_recipe_plan(mxfp8, "nearest", "2.20.0", H100)  # not nvfp4: sm100 too
+    with pytest.raises(ConfigError, match=r"valid: delayed, current \(Transformer Engine 2.2.0 on sm90"):
+        te_recipe.te_recipe_plan(mxfp8, "nearest", "2.2.0", H100)  # blockwise: TE >= 2.3
+
+
+def test_the_fog_run_and_convert_make_the_same_nvfp4_recipe_from_te_s_format(monkeypatch):
+    """``te.make_recipe`` turns the plan into ``NVFP4BlockScaling(fp8_format=Format.E4M3, ...)``,
+    and ``convert(backend="te")`` given the run's numerics makes the same call."""
+    monkeypatch.setattr(te_backend, "_TE", (types.SimpleNamespace(), _recording_recipes()))
+    for module in (te_facts, te_recipe):
+        monkeypatch.setattr(module, "installed_te_version", lambda: "2.20.0")
+        monkeypatch.setattr(module, "installed_hardware", lambda: B200)
+    cfg = compose("+experiment=fresh_reround", "backend=te", "precision.recipe=nvfp4", "precision.disable_rht=true")
+    plan = te_plan.te_plan(cfg, "2.20.0", B200)
+
+    fog = _built(lambda: te_backend.make_recipe(plan.te_recipe, "2.20.0"))
+    converted = _built(lambda: convert_te.te_recipe(te_backend.readback_numerics(cfg)))
+    assert converted == fog and fog[0] == "NVFP4BlockScaling"
+    assert fog[1]["fp8_format"] == "Format.E4M3" and fog[1]["disable_rht"] is True
