@@ -54,10 +54,11 @@ def rb_linear_blocks(setup: Setup, policy: str, recipe: BlockScalingRecipe) -> l
         out = {"rounded": executed.dequantize(F64), "original": value(original)}
         if quantizer.square:
             return out
-        plain = dataclasses.replace(quantizer, hadamard=False) if isinstance(quantizer, NVFP4Quantizer) else quantizer
-        out["requantized"] = plain.quantize(original.detach().float(), COLUMNWISE).dequantize(F64)
-        if plain is not quantizer and quantizer.hadamard:
+        plain = quantizer
+        if isinstance(quantizer, NVFP4Quantizer) and quantizer.rotates(COLUMNWISE):
             out["rotated"] = quantizer.quantize(original.detach().float(), COLUMNWISE).dequantize(F64)
+            plain = dataclasses.replace(quantizer, hadamard=False)
+        out["requantized"] = plain.quantize(original.detach().float(), COLUMNWISE).dequantize(F64)
         return out
 
     dy = value(upstream).reshape(-1, d // 2)
