@@ -203,3 +203,23 @@ def test_a_damaged_newest_checkpoint_is_skipped_and_left_where_it_is(run, tmp_pa
         bias_main([str(newer), "--batches", "1", "--out", str(tmp_path / "out")])
     error = capsys.readouterr().err
     assert exit_.value.code == 2 and "its index needs" in error and error.count("\n") == 1
+
+
+@pytest.mark.slow
+def test_a_recipe_given_at_measurement_meters_the_weights_under_it(run, tmp_path, capsys):
+    """``--precision recipe=nvfp4`` meters the same weights under NVFP4 (its own E4M3 format, fresh
+    block scales): the linears' Hadamard-rotated wgrad read is a variant and the D read is still
+    metered; the checkpoint's own recipe keeps its amax history; back to delayed from another
+    recipe is refused."""
+    model, *_ = load_run(run, precision={"recipe": "nvfp4"})
+    assert model.numerics.recipe.KEY == "nvfp4" and model.numerics.spec.reads["linear"]["wgrad"] == "rotated"
+    delayed, *_ = load_run(run)
+    assert delayed.numerics.sites["layers.0.attn.core.output"].state.steps == 2  # the run's amax history
+    written = _o_rounding(run, tmp_path / "nvfp4", "--precision", "recipe=nvfp4")
+    assert written["precision_from_command_line"] == {"recipe": "nvfp4"}
+    assert "contrib.exact_read.linear.wgrad" in written["stats"] and D_READ in written["stats"]
+    assert bias_main([str(run), "--batches", "1", "--precision", "recipe=nvfp4"]) == 0
+    assert (run / "bias" / "step2-precision-recipe=nvfp4" / "bias.json").exists()
+    with pytest.raises(SystemExit) as refused:
+        bias_main([str(run), "--batches", "1", "--precision", "recipe=current", "--precision", "margin=bad"])
+    assert refused.value.code == 2 and "precision.margin='bad'" in capsys.readouterr().err

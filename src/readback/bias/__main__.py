@@ -16,6 +16,14 @@ both match, as the config's margins do. Default DIR then ``<run dir>/bias/step<s
 ``--site-margin`` ones (replacing one of the same pattern): ``bias.*`` in DIR/margin<K>, and
 ``dose.json``, ``dose.png`` in DIR (default ``<run dir>/bias/step<step>-dose-<PATTERN>``).
 
+``--precision KEY=VALUE`` (repeatable; VALUE read as YAML) replaces a ``precision`` key, e.g.
+``recipe=nvfp4`` or ``disable_2d_quantization=true``: the meter runs the checkpoint's weights
+under another recipe, checked as the config checks it (with its own default ``fp8_format``
+unless one is given). A recipe other than the run's starts
+from fresh scaling states (block and current scales come from the tensors themselves); a
+change to delayed scaling from another recipe is refused (no amax history to start from).
+Default DIR then gets ``-precision-<KEY=VALUE,...>`` appended.
+
 ``--accumulation NAME`` and ``--accumulation-gemm GEMM=MODE`` replace the run's
 ``precision.accumulation`` and its per-GEMM overrides (``hopper``: the linears' forward GEMMs
 add as Hopper's fast accumulation, dgrad and wgrad as its split one); the meter then attributes
@@ -40,12 +48,13 @@ from readback.errors import ConfigError, require
 from readback.probe.settings import DTYPES
 
 
-def load_run(path: Path, site_margin: dict[str, int] | None = None, accumulation: dict | None = None):
+def load_run(path: Path, site_margin: dict[str, int] | None = None, precision: dict | None = None):
     """``(model, stream, step, run_dir)`` from a checkpoint or a run directory's newest one; with
     ``site_margin`` the model's numerics are built from the run's config with its
     ``precision.site_margin`` replaced by that mapping (``ConfigError`` if a pattern matches no
-    site the run rounded at); with ``accumulation`` (``{accumulation: NAME, accumulation_gemms:
-    {...}}``) its accumulation keys replaced, checked as the config checks them."""
+    site the run rounded at); with ``precision`` (e.g. ``{accumulation: NAME}``, ``{recipe:
+    nvfp4}``) those keys replaced, checked as the config checks them; under another recipe the
+    scaling states start fresh (module docstring)."""
     from readback.backends import build_model
     from readback.config import check_site_margin, from_saved
     from readback.data import build_data
@@ -69,7 +78,9 @@ def load_run(path: Path, site_margin: dict[str, int] | None = None, accumulation
     state = load_checkpoint(path)
     saved, numerics_state = state["config"], state["ranks"][0]["numerics"]
     cfg = from_saved(saved)
-    replaced = dict(accumulation or {})
+    replaced = dict(precision or {})
+    if "recipe" in replaced and "fp8_format" not in replaced:
+        replaced["fp8_format"] = None  # the new recipe's own default, not the run's
     if site_margin is not None:  # a new config whose margins replace the run's (a merge would add them)
         check_site_margin(site_margin, cfg, list(numerics_state["sites"]), key="--site-margin")  # the run's sites
         replaced["site_margin"] = dict(site_margin)
@@ -85,7 +96,16 @@ def load_run(path: Path, site_margin: dict[str, int] | None = None, accumulation
     )
     model = build_model(cfg)
     model.load_state_dict(state["model"])
-    model.numerics.load_state_dict(numerics_state)
+    recipe = cfg.precision.recipe if hasattr(cfg.precision, "recipe") else None
+    if recipe == saved["precision"].get("recipe"):
+        model.numerics.load_state_dict(numerics_state)
+    else:
+        require(
+            recipe != "delayed",
+            "--precision recipe",
+            recipe,
+            "a recipe other than delayed (this run has no amax history)",
+        )
     run_dir = path.parent.parent if path.parent.name == "checkpoints" else path.parent
     return model, stream, int(state["step"]), run_dir
 
@@ -129,6 +149,9 @@ def main(argv: list[str] | None = None) -> int:
         help="replace the run's site margins (repeatable; the last K of a pattern counts)",
     )
     parser.add_argument("--sweep-margin", default=None, metavar="PATTERN=K1,K2,...", help="one meter per K")
+    parser.add_argument(
+        "--precision", action="append", default=[], metavar="KEY=VALUE", help="replace a precision key (repeatable)"
+    )
     parser.add_argument("--accumulation", default=None, metavar="NAME", help="replace precision.accumulation")
     parser.add_argument(
         "--accumulation-gemm",
@@ -145,11 +168,12 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         args.accumulation_keys = accumulation_keys(args.accumulation, args.accumulation_gemm)
+        args.precision_keys = precision_keys(args.precision)
         given = None if args.site_margin is None else dict(_single(parse_margin(m)) for m in args.site_margin)
         sweep = parse_margin(args.sweep_margin) if args.sweep_margin else None
         if sweep is None:
             suffix = "" if given is None else "-" + label(",".join(f"{p}={k}" for p, k in given.items()))
-            suffix += accumulation_label(args.accumulation_keys)
+            suffix += accumulation_label(args.accumulation_keys) + precision_label(args.precision)
             _measure(args, given, lambda run_dir, step: args.out or run_dir / "bias" / f"step{step}{suffix}")
             return 0
         pattern, margins = sweep
@@ -158,6 +182,7 @@ def main(argv: list[str] | None = None) -> int:
 
             def out_for(run_dir: Path, step: int, k: int = k) -> Path:
                 dose = f"step{step}-dose-{label(pattern)}{accumulation_label(args.accumulation_keys)}"
+                dose += precision_label(args.precision)
                 base = args.out or run_dir / "bias" / dose
                 return base / f"margin{k}"
 
@@ -186,6 +211,23 @@ def accumulation_keys(name: str | None, gemms: list[str]) -> dict | None:
     return keys | ({"accumulation": name} if name is not None else {})
 
 
+def precision_keys(pairs: list[str]) -> dict:
+    """``--precision KEY=VALUE`` as ``{KEY: VALUE}``, VALUE read as YAML (``true``, ``1``, ``[a, b]``)."""
+    import yaml
+
+    keys = {}
+    for text in pairs:
+        key, sep, value = text.partition("=")
+        require(bool(key and sep), "--precision", text, "KEY=VALUE, e.g. recipe=nvfp4")
+        keys[key] = yaml.safe_load(value)
+    return keys
+
+
+def precision_label(pairs: list[str]) -> str:
+    """The default directory's suffix for replaced precision keys (``-precision-recipe=nvfp4``)."""
+    return "-precision-" + label(",".join(pairs)) if pairs else ""
+
+
 def accumulation_label(keys: dict | None) -> str:
     """The default directory's suffix for replaced accumulation keys (``-acc-hopper``)."""
     if keys is None:
@@ -206,7 +248,9 @@ def _measure(args, site_margin: dict[str, int] | None, out_for, shown: bool = Tr
     from readback.bias import measure_bias
     from readback.bias.report import to_markdown, write
 
-    model, stream, step, run_dir = load_run(args.path, site_margin, args.accumulation_keys)
+    model, stream, step, run_dir = load_run(
+        args.path, site_margin, (args.accumulation_keys or {}) | args.precision_keys
+    )
     start = time.perf_counter()
     result = measure_bias(model, list(stream.val_batches(args.batches)), dtype=DTYPES[args.dtype])
     result.info = {
@@ -214,6 +258,7 @@ def _measure(args, site_margin: dict[str, int] | None, out_for, shown: bool = Tr
         "run_dir": str(run_dir),
         "site_margin_from": "checkpoint" if site_margin is None else "command line",
         "accumulation": list(model.numerics.spec.accumulation),
+        "precision_from_command_line": args.precision_keys,
     }
     out = out_for(run_dir, step)
     paths = write(result, out)

@@ -15,7 +15,7 @@ import os
 import sys
 import tempfile
 import traceback
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any, cast
 
@@ -60,13 +60,8 @@ def typed(cfg: DictConfig) -> Config:
         job = cfg.copy()
         with open_dict(job):
             del job["hydra"]
-    try:
+    with schema_refusals():
         config = OmegaConf.to_object(job)
-    except OmegaConfBaseException as error:
-        refusal = from_schema_error(error)
-        if refusal is None:
-            raise
-        raise refusal from None
     assert isinstance(config, Config), type(config)
     check_between_groups(config)  # once every group has checked its own ranges
     return config
@@ -85,7 +80,21 @@ def from_saved(saved: Mapping[str, Any]) -> Config:
     ]
     with initialize_config_dir(str(CONF_DIR), version_base="1.3"):
         defaults = compose("train", overrides=options)
-    return typed(cast(DictConfig, OmegaConf.merge(defaults, saved)))
+    with schema_refusals():  # a saved (or replaced) value of the wrong type
+        merged = OmegaConf.merge(defaults, saved)
+    return typed(cast(DictConfig, merged))
+
+
+@contextlib.contextmanager
+def schema_refusals() -> Iterator[None]:
+    """OmegaConf's refusal of a value by the schema (wrong type, unset) as a one-line ``ConfigError``."""
+    try:
+        yield
+    except OmegaConfBaseException as error:
+        refusal = from_schema_error(error)
+        if refusal is None:
+            raise
+        raise refusal from None
 
 
 def check_machine(config: Config) -> None:
