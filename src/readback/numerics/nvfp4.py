@@ -18,7 +18,6 @@ for fractions on the 1/256 grid, else low in magnitude by less than ``step / 256
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
 
 import torch
@@ -33,17 +32,12 @@ HADAMARD_SIZE = 16
 # TE's fixed signs of the "random" Hadamard transform (reference_nvfp4.py get_wgrad_sign_vector)
 HADAMARD_SIGNS = (1, 1, 1, -1, 1, -1, -1, -1, -1, -1, -1, 1, -1, 1, -1, -1)
 _E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
-
-
-@functools.cache
-def _table(values: tuple[float, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    return torch.tensor(values, dtype=dtype, device=device)
+E2M1_TABLE = torch.tensor(_E2M1_VALUES + tuple(-v for v in _E2M1_VALUES))  # code -> value
 
 
 def e2m1_values(codes: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """The values of E2M1 codes (uint8, one per element: bit 3 the sign, bits 0-2 the magnitude)."""
-    table = _table(_E2M1_VALUES + tuple(-v for v in _E2M1_VALUES), dtype, codes.device)
-    return table.index_select(0, codes.reshape(-1).int()).view(codes.shape)
+    return E2M1_TABLE.to(dtype=dtype, device=codes.device).index_select(0, codes.reshape(-1).int()).view(codes.shape)
 
 
 def _binade(a: torch.Tensor) -> torch.Tensor:
@@ -83,17 +77,20 @@ def round_e2m1_stochastic(y: torch.Tensor, bits: torch.Tensor) -> torch.Tensor:
     a = y.abs()
     t = a + bits.float() * (1 / 256) * _step(a)
     step = _step(t)
-    magnitude = torch.fmin(torch.floor(t / step) * step, _table((E2M1.max,), torch.float32, y.device))  # NaN: 6
+    magnitude = torch.fmin(torch.floor(t / step) * step, torch.full_like(t, E2M1.max))  # fmin: NaN -> 6
     return _codes(magnitude, torch.signbit(y) & ~torch.isnan(y))
 
 
-@functools.cache
-def hadamard_matrix(dtype: torch.dtype = torch.float64) -> torch.Tensor:
-    """TE's 16 x 16 transform ``diag(HADAMARD_SIGNS) @ H / 4`` (H Sylvester's): orthonormal."""
+def _signed_sylvester() -> torch.Tensor:
     h = torch.ones(1, 1, dtype=torch.float64)
     while h.shape[0] < HADAMARD_SIZE:
         h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)
-    return (torch.tensor(HADAMARD_SIGNS, dtype=torch.float64)[:, None] * h / 4).to(dtype)
+    return torch.tensor(HADAMARD_SIGNS, dtype=torch.float64)[:, None] * h / 4
+
+
+# TE's 16 x 16 transform ``diag(HADAMARD_SIGNS) @ H / 4`` (H Sylvester's), FP64: orthonormal. A
+# module constant, as E2M1_TABLE: a compiled graph takes it as one (a cached function breaks it).
+HADAMARD = _signed_sylvester()
 
 
 def hadamard_transform(x: torch.Tensor, inverse: bool = False) -> torch.Tensor:
@@ -106,7 +103,7 @@ def hadamard_transform(x: torch.Tensor, inverse: bool = False) -> torch.Tensor:
         raise ValueError(f"the Hadamard transform runs over groups of 16 rows: {m} is not a multiple of 16")
     # one GEMM: each group's 16 rows side by side, (16 x 16) @ (16 x m/16 * k)
     side_by_side = x.reshape(m // HADAMARD_SIZE, HADAMARD_SIZE, k).transpose(0, 1).reshape(HADAMARD_SIZE, -1)
-    transform = hadamard_matrix() if inverse else hadamard_matrix().mT
+    transform = (HADAMARD if inverse else HADAMARD.mT).to(side_by_side.device)
     rotated = (transform @ side_by_side.double()).to(x.dtype)
     return rotated.view(HADAMARD_SIZE, m // HADAMARD_SIZE, k).transpose(0, 1).reshape(x.shape)
 
@@ -164,9 +161,12 @@ class NVFP4Tensor(BlockQTensor):
 
     @property
     def mT(self) -> NVFP4Tensor:
-        t = super().mT
+        """The transpose of a 2-D copy (blocks, scales and the rotated axis with it)."""
+        if self.data.dim() != 2:
+            raise ValueError(f"mT of an NVFP4 copy needs 2-D data, got shape {tuple(self.data.shape)}")
         axis = None if self.rotated_axis is None else 1 - self.rotated_axis
-        return NVFP4Tensor(t.data, t.scale, t.fmt, t.block, self.block_scale.mT, self.amax, axis)
+        block = (self.block[1], self.block[0])
+        return NVFP4Tensor(self.data.mT, self.scale.mT, self.fmt, block, self.block_scale.mT, self.amax, axis)
 
 
 @dataclass(frozen=True)

@@ -15,9 +15,9 @@ import torch
 from readback.numerics.blockscale import COLUMNWISE, ROWWISE
 from readback.numerics.nvfp4 import (
     E2M1,
+    HADAMARD,
     NVFP4Quantizer,
     e2m1_values,
-    hadamard_matrix,
     hadamard_transform,
     round_e2m1,
     round_e2m1_stochastic,
@@ -101,7 +101,7 @@ def test_the_hadamard_copy_is_te_reference_bits_given_its_rotated_input(fixtures
 
 
 def test_the_transform_is_te_signed_sylvester_matrix_and_orthonormal():
-    h = hadamard_matrix()
+    h = HADAMARD
     assert torch.equal(h @ h.mT, torch.eye(16, dtype=torch.float64))
     assert torch.equal(h.abs(), torch.full((16, 16), 0.25, dtype=torch.float64))
     assert h[0].tolist() == [0.25] * 16 and h[3, 0] < 0  # row 0 all +, sign vector's 4th entry -1

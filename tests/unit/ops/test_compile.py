@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from readback.model.fog import FOG, FOGConfig
+from readback.numerics import NVFP4BlockScaling
 from readback.ops import numerics_for
 from readback.ops.compiled import compiled
 
@@ -20,6 +21,8 @@ SETUPS = {
     # stochastic roundings draw from generator states (readback.numerics.uniform), which trace
     "fresh_reround": dict(precision="fp8", policy="fresh_reround"),
     "stochastic": dict(precision="fp8", policy="reuse_rounded", rounding="stochastic"),
+    # NVFP4: block-scaled copies, the Hadamard transform and dY's 8-bit stochastic roundings
+    "nvfp4": dict(precision="fp8", recipe=NVFP4BlockScaling(), policy="reuse_rounded"),
 }
 
 
