@@ -210,7 +210,8 @@ CASES = [
         ["precision.recipe=current", "precision.amax_spike={{site:attn.core.output,step:1,k:4}}"],
         {},
         "precision.amax_spike={'site': 'attn.core.output', 'step': 1, 'k': 4} is not valid; valid: null under "
-        "precision.recipe=current (only delayed scaling keeps an amax history to hold a spike)",
+        "precision.recipe=current, or precision.attention_recipe=delayed for the attention core's sites (only "
+        "delayed scaling keeps an amax history to hold a spike)",
     ),
     (
         "amax_spike_bf16",

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 
-from readback.backends.precision import fp8_settings
+from readback.backends.precision import Fp8Precision, fp8_settings
 from readback.backends.settings import ModelSettings
 from readback.numerics.spec import GEMMS, in_bf16_layers, resolve_accumulation
 from readback.ops import read_rules
@@ -38,6 +38,12 @@ def attention_reads(policy: str, bwd_reads: str = "forward") -> dict[str, str]:
     return {f"attention_core.{g}": _READ_LABELS[reads[g]].format(x) for g, x in READ_OPERANDS.items()}
 
 
+def attention_core_label(p: Fp8Precision | None) -> str:
+    """readback's attention op, with ``precision.attention_recipe`` where it gives it its own recipe."""
+    own = p.attention_recipe if p is not None else None
+    return READBACK_SITES["attention_core"] + (f" (precision.attention_recipe={own})" if own else "")
+
+
 def lm_head_in_bf16(fp8: bool, bf16_layers: Sequence[str]) -> bool:
     """The LM head runs in BF16 without FP8, or where ``precision.bf16_layers`` names it."""
     return not fp8 or in_bf16_layers("lm_head", tuple(bf16_layers))
@@ -50,6 +56,7 @@ def site_implementations(cfg: ModelSettings) -> dict[str, str]:
     tied = " (tied embedding)" if cfg.model.tied else ""
     return {
         **READBACK_SITES,
+        "attention_core": attention_core_label(p),
         "lm_head": READBACK_SITES["lm_head"] + tied + (" in BF16" if head_bf16 else ""),
         **attention_reads(cfg.policy.name, cfg.attention.bwd_reads),
         **({} if p is None else accumulations(p.accumulation, p.accumulation_gemms)),

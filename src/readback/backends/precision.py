@@ -29,7 +29,15 @@ from readback.numerics import (
     ScalingRecipe,
 )
 from readback.numerics.gemm import BF16_GEMMS
-from readback.numerics.spec import ACCUMULATIONS, ATTENTION_BWD, ATTENTION_BWD_READS, PRECISIONS, resolve_accumulation
+from readback.numerics.spec import (
+    ACCUMULATIONS,
+    ATTENTION_BWD,
+    ATTENTION_BWD_READS,
+    ATTENTION_RECIPES,
+    PRECISIONS,
+    is_attention_site,
+    resolve_accumulation,
+)
 from readback.numerics.spike import AmaxSpike
 from readback.ops import Numerics, numerics_for
 from readback.policy import POLICIES
@@ -58,6 +66,9 @@ class Fp8Precision(Precision):
     object that the emulation and the TE mapping read."""
 
     recipe: str = one_of(RECIPES, default=TE_DEFAULT.KEY)
+    # The attention core's own recipe (TE's NVTE_DPA_FP8_RECIPE): null (the linears': per tensor from
+    # each tensor's amax under a block recipe) | delayed | current, from the fields below
+    attention_recipe: str | None = one_of(ATTENTION_RECIPES, default=None)
     # HYBRID: E4M3 fwd, E5M2 bwd; null: the recipe's default (HYBRID per tensor, E4M3 by blocks, as TE)
     fp8_format: str | None = one_of((f.name for f in Format), default=None)
     margin: int = integer(minimum=0, default=TE_DEFAULT.margin)
@@ -109,6 +120,32 @@ class Fp8Precision(Precision):
     def format(self) -> Format:
         """``fp8_format``, or the recipe's default where it is null."""
         return Format.parse(self.fp8_format) if self.fp8_format else RECIPES[self.recipe].fp8_format
+
+    def attention_scaling_recipe(self) -> ScalingRecipe | None:
+        """The attention core's own recipe object (None without ``attention_recipe``): its class
+        with the fields of this group it has, but for the linears' own (``override_linear_precision``,
+        ``backward_override``), which keep their defaults, in ``attention_format``."""
+        if self.attention_recipe is None:
+            return None
+        cls = ATTENTION_RECIPES[self.attention_recipe]
+        linear_only = ("override_linear_precision", "backward_override")
+        fields = {f.name: getattr(self, f.name) for f in dataclasses.fields(cls) if f.name not in linear_only}
+        return cls(**{**fields, "fp8_format": self.attention_format()})
+
+    def attention_format(self) -> Format:
+        """The attention recipe's format: the linears' (``format``), which TE's attention recipe
+        reuses, but HYBRID under NVFP4, whose ``fp8_format`` is its block scales' (E4M3 only):
+        TE's attention there takes ``NVTE_DPA_FP8_FORMAT``, HYBRID by default."""
+        return Format.HYBRID if self.attention_recipe and self.recipe == "nvfp4" else self.format()
+
+    def format_at(self, site: str) -> Format:
+        """The format pair of FP8 site ``site``: the attention recipe's at the attention core's."""
+        return self.attention_format() if is_attention_site(site) else self.format()
+
+    def has_history(self, site: str) -> bool:
+        """Whether FP8 site ``site`` keeps an amax history (its recipe is delayed scaling)."""
+        own = self.attention_recipe if self.attention_recipe and is_attention_site(site) else self.recipe
+        return own == "delayed"
 
     def check(self) -> None:
         fmt = self.format()
@@ -245,4 +282,5 @@ def build_numerics(precision: Precision, policy: Policy, attention: Attention, s
         bf16_gemm=p.bf16_gemm,
         amax_spike=amax_spike_of(p.amax_spike),
         attention_bwd_reads=attention.bwd_reads,
+        attention_recipe=p.attention_scaling_recipe(),
     )

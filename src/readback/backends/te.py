@@ -46,8 +46,6 @@ UNAVAILABLE = (
     "needs CUDA and transformer_engine (container/, or pip install --no-build-isolation -e .[gpu]); "
     "use backend=emulated on this machine"
 )
-# What Transformer Engine assumes when an import-time variable is unset.
-_IMPORT_TIME_DEFAULTS = {"NVTE_DPA_FP8CS_O_in_F16": "1"}
 
 __all__ = ["TEParts", "apply_te_env", "build_te_model", "check_available", "site_implementations", "te_plan"]
 
@@ -64,7 +62,7 @@ def apply_te_env(env: Mapping[str, str]) -> None:
     once TE is imported: that raises ``ConfigError`` (run such experiments in fresh processes)."""
     imported = any(name == "transformer_engine" or name.startswith("transformer_engine.") for name in sys.modules)
     for key, value in env.items():
-        current = os.environ.get(key, _IMPORT_TIME_DEFAULTS.get(key))
+        current = os.environ.get(key, IMPORT_TIME_ENV.get(key))  # unset: TE's default
         if imported and key in IMPORT_TIME_ENV and current != value:
             raise ConfigError(
                 key,

@@ -30,6 +30,20 @@ SINCE = {
     # nvfp4_4over6 (NVTE_NVFP4_4OVER6) first in v2.17
     "row_scaled_activation": (2, 16),
     "nvfp4_4over6": (2, 17),
+    # pytorch/attention/dot_product_attention/dot_product_attention.py: NVTE_DPA_FP8_RECIPE (and its
+    # NVTE_DPA_FP8_FORMAT, NVTE_DPA_FP8DS_*) first in v2.8, absent in v2.7
+    "NVTE_DPA_FP8_RECIPE": (2, 8),
+}
+# The linear recipes under which NVTE_DPA_FP8_RECIPE gives DotProductAttention a recipe of its own,
+# from the first release that does (dot_product_attention.py ``init_fp8_metadata``: v2.8 switches
+# under DelayedScaling, Float8CurrentScaling and NVFP4BlockScaling, and asserts every other recipe's
+# fp8_dpa off; v2.15 adds MXFP8BlockScaling; through 2.20 no branch names Float8BlockScaling, whose
+# recipe asserts fp8_dpa off, common/recipe/__init__.py).
+DPA_RECIPE_SWITCH = {
+    "DelayedScaling": (2, 8),
+    "Float8CurrentScaling": (2, 8),
+    "NVFP4BlockScaling": (2, 8),
+    "MXFP8BlockScaling": (2, 15),
 }
 # common/recipe/__init__.py: v1.13 has override_linear_precision, v2.0 has not.
 OVERRIDE_LINEAR_PRECISION_REMOVED = (2, 0)
@@ -191,3 +205,14 @@ def te_attention_reads(o_read: str, qkv: str) -> dict[str, str]:
     saved softmax statistics."""
     qkv_read = "rounded {}8" if qkv else "original {} (BF16)"
     return {"O": o_read, **{x: qkv_read.format(x) for x in "QKV"}, "P": f"P recomputed from Q{qkv}, K{qkv} (cuDNN)"}
+
+
+def dpa_recipe_refusal(te: Version | None, linear: str) -> str | None:
+    """Why this TE cannot give ``DotProductAttention`` its own recipe (``NVTE_DPA_FP8_RECIPE``)
+    under the linear recipe ``linear`` (a TE class name), else ``None`` (``DPA_RECIPE_SWITCH``)."""
+    since = DPA_RECIPE_SWITCH.get(linear)
+    if since is None:
+        return f"no FP8 attention under {linear}, which asserts fp8_dpa off"
+    if te is not None and te[:2] < since:
+        return f"NVTE_DPA_FP8_RECIPE, attention's own recipe under {linear}, needs >= {since[0]}.{since[1]}"
+    return None

@@ -60,16 +60,16 @@ class TERecipe:
         kwargs = self.kwargs if only_true is None else {k: v for k, v in self.kwargs.items() if k in only_true and v}
         return f"{self.name}({', '.join(f'{k}={v}' for k, v in kwargs.items())})"
 
-    def for_attention(self, fp8_dpa: bool, fp8_mha: bool) -> TERecipe:
+    def for_attention(self, fp8_dpa: bool, fp8_mha: bool, own_recipe: bool = False) -> TERecipe:
         """This recipe with TE's FP8 attention switches set (the per-tensor recipes have them).
 
-        TE's ``NVFP4BlockScaling`` has them too, off by default and left so: TE leaves attention
-        unquantised under NVFP4 (pytorch/attention/dot_product_attention/utils.py
-        ``get_attention_backend`` disables FusedAttention for it, v2.16 to 2.20) unless
-        ``NVTE_DPA_FP8_RECIPE`` gives attention a recipe of its own (dot_product_attention.py,
-        v2.8 to 2.20), which no readback policy maps onto; readback's attention core runs, as
-        under the other block recipes."""
-        if "fp8_dpa" not in self.kwargs:
+        TE's ``MXFP8BlockScaling`` and ``NVFP4BlockScaling`` have them too, off by default and
+        left so: TE leaves attention unquantised under them (pytorch/attention/
+        dot_product_attention/utils.py ``get_attention_backend`` disables FusedAttention for
+        NVFP4, v2.16 to 2.20) unless ``NVTE_DPA_FP8_RECIPE`` gives attention a recipe of its own
+        (dot_product_attention.py, v2.8 to 2.20; ``own_recipe``), which reuses the linear
+        recipe's ``fp8_dpa`` and ``fp8_mha``: then they are set here."""
+        if "fp8_dpa" not in self.kwargs and not own_recipe:
             return self
         return TERecipe(self.name, {**self.kwargs, "fp8_dpa": fp8_dpa, "fp8_mha": fp8_mha})
 
@@ -110,7 +110,7 @@ def _check_fp8_recipe(recipe: ScalingRecipe, rounding: str, vt, hw: Hardware, wh
         "nearest (backend=te: Transformer Engine rounds to nearest and no library rounds to FP8 "
         "stochastically; use backend=emulated for stochastic rounding)",
     )
-    _refuse_unsupported_fields(recipe, vt, where)
+    refuse_unsupported_fields(recipe, vt, where)
     since = SINCE.get(RECIPES[recipe_key])
     if vt is not None and since is not None and vt[:2] < since:
         raise ConfigError(
@@ -145,9 +145,10 @@ def _runs(recipe: ScalingRecipe, vt, hw: Hardware) -> bool:
     return (vt is None or since is None or vt[:2] >= since) and _block_refusal(recipe, hw) is None
 
 
-def _refuse_unsupported_fields(recipe: ScalingRecipe, vt: tuple[int, int, int] | None, where: str) -> None:
-    """Fields of readback's recipe that this Transformer Engine does not have, when they are set
-    to anything but their default: refused, never dropped."""
+def refuse_unsupported_fields(recipe: ScalingRecipe, vt: tuple[int, int, int] | None, where: str) -> None:
+    """Fields of readback's recipe (the linears', or the attention core's own) that this
+    Transformer Engine does not have, when they are set to anything but their default: refused,
+    never dropped."""
     recipe_key = recipe.KEY
     if isinstance(recipe, DelayedScaling) and recipe.interval != 1:
         interval = recipe.interval

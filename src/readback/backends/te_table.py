@@ -52,11 +52,20 @@ ROWS = [
     ("`precision.recipe=mxfp8`", ("+experiment=reuse_rounded", "precision.recipe=mxfp8")),
     ("`precision.recipe=blockwise`", ("+experiment=reuse_rounded", "precision.recipe=blockwise")),
     ("`precision.recipe=nvfp4`", ("+experiment=reuse_rounded", "precision.recipe=nvfp4")),
+    (
+        "`reuse_rounded precision.recipe=current precision.attention_recipe=delayed`",
+        ("+experiment=reuse_rounded", "precision.recipe=current", "precision.attention_recipe=delayed"),
+    ),
+    (
+        "`reuse_rounded precision.recipe=nvfp4 precision.attention_recipe=delayed`",
+        ("+experiment=reuse_rounded", "precision.recipe=nvfp4", "precision.attention_recipe=delayed"),
+    ),
 ]
 
 
 def _switches(plan) -> str:
-    env = [f"`{k}={v}`" for k, v in plan.env.items() if k not in PINNED_BACKEND]
+    shown = {k: v or '""' for k, v in plan.env.items() if k not in PINNED_BACKEND}  # "": pinned empty
+    env = [f"`{k}={v}`" for k, v in shown.items()]
     if set(PINNED_BACKEND.items()) <= set(plan.env.items()):
         env.append("fused attention pinned")
     return ", ".join(env) or "none"

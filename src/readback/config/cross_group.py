@@ -119,7 +119,8 @@ def require_margin(key: str, margin: object) -> None:
 def _check_amax_spike(cfg: Config, p: Fp8Precision, sites: list[str]) -> None:
     """An amax spike needs an amax history to hold it (delayed scaling, readback's own sites), a
     step after which the run still trains, and a pattern that matches FP8 ``sites`` of the model
-    (BF16 sites it also matches are left alone, as by ``precision.site_margin``)."""
+    that keep a history (BF16 sites, and sites scaled otherwise under another
+    ``precision.attention_recipe``, it also matches are left alone, as by ``precision.site_margin``)."""
     from readback.numerics.site import require_site_pattern
     from readback.numerics.spec import in_bf16_layers
 
@@ -128,10 +129,11 @@ def _check_amax_spike(cfg: Config, p: Fp8Precision, sites: list[str]) -> None:
         return
     value = dict(p.amax_spike)
     require(
-        p.recipe == "delayed",
+        "delayed" in (p.recipe, p.attention_recipe),
         "precision.amax_spike",
         value,
-        f"null under precision.recipe={p.recipe} (only delayed scaling keeps an amax history to hold a spike)",
+        f"null under precision.recipe={p.recipe}, or precision.attention_recipe=delayed for the attention "
+        "core's sites (only delayed scaling keeps an amax history to hold a spike)",
     )
     require(
         cfg.backend.name == "emulated",
@@ -155,6 +157,13 @@ def _check_amax_spike(cfg: Config, p: Fp8Precision, sites: list[str]) -> None:
         fp8_sites,
         "site patterns (globs) matching FP8 sites (those in precision.bf16_layers have no amax history):",
     )
+    require_site_pattern(
+        "precision.amax_spike.site",
+        spike.site,
+        [s for s in fp8_sites if p.has_history(s)],
+        f"site patterns (globs) matching sites with an amax history (precision.recipe={p.recipe}, "
+        f"precision.attention_recipe={p.attention_recipe}):",
+    )
 
 
 def _check_margin_sums(p: Fp8Precision, sites: list[str]) -> None:
@@ -165,10 +174,11 @@ def _check_margin_sums(p: Fp8Precision, sites: list[str]) -> None:
     from readback.numerics.site import site_matches
     from readback.numerics.spec import in_bf16_layers
 
-    fmt, spike = p.format(), amax_spike_of(p.amax_spike)
+    spike = amax_spike_of(p.amax_spike)
     for site in sites:
         if in_bf16_layers(site, p.bf16_layers):
             continue  # BF16 sites are unscaled: no margin applies
+        fmt = p.format_at(site)  # the attention recipe's at the attention core's sites
         site_fmt = fmt.bwd if is_gradient_site(site) else fmt.fwd
         margins = {pattern: k for pattern, k in (p.site_margin or {}).items() if site_matches(site, pattern)}
         spiked = spike.k if spike is not None and site_matches(site, spike.site) else 0

@@ -15,7 +15,7 @@ from types import MappingProxyType
 from readback.numerics.accumulation import MODES as ACCUMULATION_MODES
 from readback.numerics.gemm import BF16_GEMMS, GEMM_PRECISIONS
 from readback.numerics.rounding import ROUNDINGS
-from readback.numerics.scaling import DelayedScaling, ScalingRecipe
+from readback.numerics.scaling import CurrentScaling, DelayedScaling, ScalingRecipe
 from readback.numerics.spike import AmaxSpike
 
 PRECISIONS = ("fp8", "bf16", "off")
@@ -23,6 +23,13 @@ ATTENTION_BWD = GEMM_PRECISIONS[:3]  # what a run may choose: fp8, bf16, fp32 (f
 # attention.bwd_reads: which operands the attention backward reads besides the policy's D read;
 # ops.attention.BWD_READS says what each reads ("te": Transformer Engine's BF16 backward's).
 ATTENTION_BWD_READS = ("forward", "te")
+# The sites an attention core rounds at, ``<op>.q``, ... (``ops.attention.SITES``); every model names
+# its attention op ``<module>.core`` (FOG: ``layers.<i>.attn.core``; ``readback.convert``: the SDPA
+# caller's name plus ``.core``), so a site is the core's by its name alone (``is_attention_site``).
+ATTENTION_SITES = ("q", "k", "v", "probs", "output", "grad_output", "grad_scores")
+# precision.attention_recipe: the per-tensor recipes an attention core may take apart from the
+# linears' (Transformer Engine's NVTE_DPA_FP8_RECIPE); TE's MXFP8 attention is not emulated.
+ATTENTION_RECIPES: dict[str, type[ScalingRecipe]] = {r.KEY: r for r in (DelayedScaling, CurrentScaling)}
 GEMMS = ("fprop", "dgrad", "wgrad")
 # precision.accumulation: each device's own (native), IEEE FP32 everywhere, or Hopper's recipe,
 # which Transformer Engine and torch._scaled_mm's defaults give: fast fprop, split dgrad and wgrad.
@@ -39,6 +46,14 @@ def in_bf16_layers(name: str, bf16_layers: tuple[str, ...] | list[str]) -> bool:
     """The one rule of ``precision.bf16_layers``: a site or module is kept in BF16 when its name
     starts with one of the listed prefixes (``lm_head``, ``layers.0.mlp``, ...)."""
     return name.startswith(tuple(bf16_layers))
+
+
+def is_attention_site(name: str) -> bool:
+    """Whether site ``name`` is an attention core's (``<...>.core.<one of ATTENTION_SITES>``): the
+    sites ``NumericsSpec.attention_recipe`` scales. By name, so that a site made from a checkpoint
+    before its op runs gets the same state."""
+    owner, _, site = name.rpartition(".")
+    return site in ATTENTION_SITES and (owner == "core" or owner.endswith(".core"))
 
 
 def resolve_accumulation(name: str, gemms: Mapping[str, str] | None = None) -> tuple[str, str, str]:
@@ -77,7 +92,11 @@ class NumericsSpec:
     (``readback.numerics.spike``; delayed scaling only), or None. ``attention_bwd_reads``: the
     attention backward's flavour (``ATTENTION_BWD_READS``), already laid into ``reads``; kept so
     that a backward under another policy (a bias-meter variant) reads in the same flavour. A
-    flavour other than ``forward`` reads operands that are no FP8 codes: no FP8 backward."""
+    flavour other than ``forward`` reads operands that are no FP8 codes: no FP8 backward.
+    ``attention_recipe``: the attention core's own per-tensor recipe (``ATTENTION_RECIPES``;
+    ``precision.attention_recipe``, TE's ``NVTE_DPA_FP8_RECIPE``), which its sites
+    (``is_attention_site``) take instead of ``recipe``; None: ``recipe``'s (per tensor from their
+    own amax under a block recipe, ``BlockScalingRecipe``)."""
 
     precision: str
     recipe: ScalingRecipe | None
@@ -91,13 +110,21 @@ class NumericsSpec:
     bf16_gemm: str = BF16_GEMMS[0]
     amax_spike: AmaxSpike | None = None
     attention_bwd_reads: str = ATTENTION_BWD_READS[0]
+    attention_recipe: ScalingRecipe | None = None
 
     def __post_init__(self) -> None:
         if self.precision not in PRECISIONS:
             raise ValueError(f"precision={self.precision!r}; valid: {list(PRECISIONS)}")
         if self.precision == "fp8" and self.recipe is None:
             raise ValueError("an fp8 spec needs a recipe")
-        if self.amax_spike is not None and not isinstance(self.recipe, DelayedScaling):
+        if self.attention_recipe is not None and (
+            self.precision != "fp8" or type(self.attention_recipe) not in ATTENTION_RECIPES.values()
+        ):
+            raise ValueError(
+                f"attention_recipe={self.attention_recipe!r}: an fp8 spec's, one of {list(ATTENTION_RECIPES)}"
+            )
+        histories = [r for r in (self.recipe, self.attention_recipe) if isinstance(r, DelayedScaling)]
+        if self.amax_spike is not None and not histories:
             raise ValueError("an amax spike needs delayed scaling: only an amax history holds it")
         if self.attention_bwd_reads != "forward" and self.attention_bwd == "fp8":
             raise ValueError(f"attention_bwd_reads={self.attention_bwd_reads!r} needs a bf16, fp32 or fp64 backward")
@@ -135,6 +162,7 @@ class NumericsSpec:
             self.bf16_gemm,
             self.amax_spike,
             self.attention_bwd_reads,
+            self.attention_recipe,
         )
 
     def read(self, op: str, gradient: str) -> str:
@@ -161,6 +189,14 @@ class NumericsSpec:
         """``gemm.matmul``'s ``(precision, accumulation, bf16_gemm)`` for a linear's ``fprop``,
         ``dgrad`` or ``wgrad``."""
         return self.linear_precision(gemm), self.linear_accumulation(gemm), self.bf16_gemm
+
+    def recipe_for(self, name: str) -> ScalingRecipe:
+        """The recipe whose format and scaling state FP8 site ``name`` takes: ``attention_recipe``
+        at an attention core's sites (``is_attention_site``) where there is one, else ``recipe``."""
+        recipe = self.attention_recipe if self.attention_recipe and is_attention_site(name) else self.recipe
+        if recipe is None:
+            raise ValueError(f"site {name}: a {self.precision} spec has no recipe")
+        return recipe
 
     def is_bf16_site(self, name: str) -> bool:
         """Whether site ``name`` rounds to BF16 (the one rule: a BF16 run, or a ``bf16_sites`` prefix)."""

@@ -179,7 +179,7 @@ class Numerics:
 
     def site(self, name: str, direction: str = "fwd") -> Site:
         """The site ``name``; ``direction`` ``fwd`` (activations, weights) or ``bwd`` (gradients)
-        picks the recipe's format for it on first use."""
+        picks the format of its recipe (``NumericsSpec.recipe_for``) on first use."""
         if name not in self.sites:
             fmt: FP8Format | None
             state: ScalingState
@@ -188,9 +188,9 @@ class Numerics:
             elif self._spec.is_bf16_site(name):
                 fmt, state = BF16, UnitScale()
             else:
-                assert self.recipe is not None  # fp8: __init__ sets one
-                fmt = self.recipe.fp8_format.fwd if direction == "fwd" else self.recipe.fp8_format.bwd
-                state = self.recipe.new_state(fmt)
+                recipe = self._spec.recipe_for(name)  # the attention core's own recipe at its sites, if any
+                fmt = recipe.fp8_format.fwd if direction == "fwd" else recipe.fp8_format.bwd
+                state = recipe.new_state(fmt)
             margin = sum(k for pattern, k in self._spec.site_margin if site_matches(name, pattern))
             self.sites[name] = Site(self.streams, name, direction, fmt, state, margin if fmt not in (None, BF16) else 0)
         return self.sites[name]

@@ -48,12 +48,14 @@ def numerics_spec(
     bf16_gemm: str = BF16_GEMMS[0],
     amax_spike: AmaxSpike | None = None,
     attention_bwd_reads: str = ATTENTION_BWD_READS[0],
+    attention_recipe: ScalingRecipe | None = None,
 ) -> NumericsSpec:
     """The spec of a run: ``policy``'s reads resolved from the ops' tables, the choices made
     concrete (an FP8 run without a recipe gets ``DelayedScaling()``; a BF16 run's FP8 attention
     backward runs in BF16, an ``off`` run's in FP64; only FP8 rounds stochastically; the linears'
     accumulation, ``spec.resolve_accumulation``, applies to FP8 GEMMs only; ``attention_bwd_reads``
-    lays the attention backward's flavour over the policy's reads)."""
+    lays the attention backward's flavour over the policy's reads; ``attention_recipe``, the
+    attention core's own per-tensor recipe, is an FP8 run's only)."""
     for key, value, valid in (
         ("precision", precision, PRECISIONS),
         ("policy", policy, POLICIES),
@@ -80,6 +82,7 @@ def numerics_spec(
         bf16_gemm=bf16_gemm,
         amax_spike=amax_spike,
         attention_bwd_reads=attention_bwd_reads,
+        attention_recipe=attention_recipe if precision == "fp8" else None,
     )
 
 

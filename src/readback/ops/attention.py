@@ -42,7 +42,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from readback.numerics import BF16, PRECISION_DTYPES, QTensor, abs_max, decoded, matmul, pinned
-from readback.numerics.spec import ATTENTION_BWD_READS, frozen_reads
+from readback.numerics.spec import ATTENTION_BWD_READS, ATTENTION_SITES, frozen_reads
 from readback.ops import attention_parts as parts
 from readback.ops import mechanism
 from readback.ops.saved import load, save
@@ -53,7 +53,7 @@ if TYPE_CHECKING:
 ROW_BLOCK = 64  # query rows per block of the backward
 
 # The sites an attention core named ``name`` rounds at (``{name}.q``, ...): its GEMMs' operands and O.
-SITES = ("q", "k", "v", "probs", "output", "grad_output", "grad_scores")
+SITES = ATTENTION_SITES  # declared with the spec, whose attention_recipe scales them
 GRADIENT_SITES = ("grad_output", "grad_scores")  # rounded in the recipe's backward format
 # gradient -> the forward value it reads (dO is every gradient's other operand):
 #   dV reads P (the PV GEMM's operand), dS reads P (the softmax's output), D reads O,

@@ -46,11 +46,12 @@ H100 = Hardware((9, 0), (9, 13, 0))
 B200 = Hardware((10, 0), (9, 14, 0))
 HD128 = ("model.d_model=512", "model.n_heads=4")  # head dim 128, as fog_390m's
 PINNED = {"NVTE_FUSED_ATTN": "1", "NVTE_FLASH_ATTN": "0"}
+LINEARS_RECIPE = {"NVTE_DPA_FP8_RECIPE": ""}  # FP8 attention under the linears' recipe, pinned (TE >= 2.8)
 
 # experiment -> (TE recipe, fp8_dpa, env, attention core)
 EXPERIMENTS = {
-    "reuse_rounded": ("DelayedScaling", True, {"NVTE_FP8_DPA_BWD": "1", **PINNED}, "te"),
-    "reuse_rounded_bf16_bwd": ("DelayedScaling", True, {"NVTE_FP8_DPA_BWD": "0", **PINNED}, "te"),
+    "reuse_rounded": ("DelayedScaling", True, {"NVTE_FP8_DPA_BWD": "1", **LINEARS_RECIPE, **PINNED}, "te"),
+    "reuse_rounded_bf16_bwd": ("DelayedScaling", True, {"NVTE_FP8_DPA_BWD": "0", **LINEARS_RECIPE, **PINNED}, "te"),
     "fresh_reround": ("DelayedScaling", False, {}, "readback"),
     "no_saved_copy": ("DelayedScaling", False, {}, "readback"),
     "bf16_baseline": (None, None, PINNED, "te"),
@@ -86,7 +87,9 @@ def test_experiment_maps_to_te_recipe_switches_and_sites(experiment):
 
 def test_site_labels_name_the_te_switches():
     sites = te_plan(config("reuse_rounded_bf16_bwd"), TE2).sites
-    assert sites["attention_core"] == "te.DotProductAttention(fp8_dpa; DelayedScaling; NVTE_FP8_DPA_BWD=0)"
+    assert sites["attention_core"] == (
+        "te.DotProductAttention(fp8_dpa; DelayedScaling; NVTE_FP8_DPA_BWD=0; D reads O8 dequantised to BF16)"
+    )
 
 
 # (experiment overrides) -> what D, dQ and dV read (TE's FusedAttnFunc.forward, v2.8 and 2.20)
@@ -133,7 +136,7 @@ def test_bf16_backward_under_current_scaling_reads_the_f16_o_so_reuse_rounded_ha
         assert te_plan(config("reuse_rounded", *bf16_bwd, *HD128), TE2, B200).attention_core == "readback"
     bf16_bwd = ("policy=original", "precision.recipe=current", "attention.bwd_precision=bf16")
     plan = te_plan(config("reuse_rounded", *bf16_bwd, "attention.bwd_reads=te", *HD128), TE2, B200)
-    assert plan.env == {"NVTE_FP8_DPA_BWD": "0", **PINNED} and plan.attention_core == "te"
+    assert plan.env == {"NVTE_FP8_DPA_BWD": "0", **LINEARS_RECIPE, **PINNED} and plan.attention_core == "te"
 
 
 @pytest.mark.parametrize("policy, o_in_f16", [("original", "1"), ("reuse_rounded", "0")])
@@ -142,7 +145,7 @@ def test_current_scaling_fp8_backward_switches(policy, o_in_f16):
     plan = te_plan(cfg, TE2, B200)
     assert plan.recipe == "Float8CurrentScaling" and plan.attention_core == "te"
     assert plan.recipe_kwargs == dict(fp8_format="HYBRID", fp8_dpa=True, fp8_mha=False)
-    assert plan.env == {"NVTE_FP8_DPA_BWD": "1", "NVTE_DPA_FP8CS_O_in_F16": o_in_f16, **PINNED}
+    assert plan.env == {"NVTE_FP8_DPA_BWD": "1", "NVTE_DPA_FP8CS_O_in_F16": o_in_f16, **LINEARS_RECIPE, **PINNED}
 
 
 @pytest.mark.parametrize(

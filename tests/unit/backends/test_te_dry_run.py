@@ -24,7 +24,7 @@ def test_without_te_or_gpu_the_plan_assumes_both_and_says_so(monkeypatch):
     assert lines[0] == f"backend=te plan for Transformer Engine {PLANNING_TE} on {PLANNING_GPU.describe()}:"
     assert lines[1].startswith(f"  assumed: Transformer Engine {PLANNING_TE} (none installed here")
     assert "GPU sm90 (H100, H200) with cuDNN 9.13.0 (no CUDA GPU here)" in lines[1]
-    assert "  TE environment: NVTE_FP8_DPA_BWD=1, NVTE_FUSED_ATTN=1, NVTE_FLASH_ATTN=0" in lines
+    assert "  TE environment: NVTE_FP8_DPA_BWD=1, NVTE_DPA_FP8_RECIPE=, NVTE_FUSED_ATTN=1, NVTE_FLASH_ATTN=0" in lines
     assert record["assumed"] == ["te_version", "gpu"] and record["attention_core"] == "te"
     assert record["recipe_kwargs"]["fp8_dpa"] is True
 

@@ -1,0 +1,201 @@
+"""``precision.attention_recipe``: the attention core's own per-tensor recipe (TE's
+``NVTE_DPA_FP8_RECIPE``). Its sites, and only its, take it, by their names; null is the linears'
+recipe, as before the key existed (per tensor from the tensor's own amax under a block recipe)."""
+
+from __future__ import annotations
+
+import pickle
+
+import pytest
+import torch
+
+from readback.backends import build_model
+from readback.backends.precision import build_numerics
+from readback.numerics import (
+    E4M3,
+    E5M2,
+    CurrentScaling,
+    CurrentScalingState,
+    DelayedScaling,
+    DelayedScalingState,
+    Format,
+    MXFP8BlockScaling,
+)
+from readback.numerics.spec import is_attention_site
+from readback.ops import numerics_for
+from readback.ops.attention import attention
+from readback.ops.linear import linear
+from toys import config
+
+TINY = (
+    "data=synthetic",
+    "data.vocab_size=128",
+    "model.vocab_size=128",
+    "model.seq_len=32",
+    "model.d_model=32",
+    "model.n_heads=2",
+    "model.n_kv_groups=1",
+    "model.ffn_dim=64",
+    "model.n_layers=1",
+)
+CORE = "layers.0.attn.core"
+
+
+def _trained(*overrides: str, steps: int = 2):
+    """``(losses, model)`` after ``steps`` optimizer steps of the tiny FOG on one fixed batch."""
+    torch.manual_seed(0)
+    model = build_model(config("+experiment=reuse_rounded", *TINY, *overrides))
+    idx = torch.randint(0, 128, (2, 32))
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    losses = []
+    for _ in range(steps):
+        loss = model(idx, idx.roll(-1, 1))
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        model.numerics.end_step()
+        losses.append(loss.item())
+    return losses, model
+
+
+def _states(model) -> dict[str, tuple]:
+    """``{site kind: (its scaling state's class, format, margin, history length)}`` (kinds:
+    ``attn.core.q``, ``mlp.up.input``, ...)."""
+    return {
+        name.split(".", 2)[-1]: (
+            type(site.state).__name__,
+            site.fmt.name if site.fmt else None,
+            getattr(getattr(site.state, "recipe", None), "margin", None),
+            len(site.state.history) if isinstance(site.state, DelayedScalingState) else None,
+        )
+        for name, site in model.numerics.sites.items()
+    }
+
+
+def test_an_attention_site_is_known_by_its_name():
+    for name in (f"{CORE}.q", f"{CORE}.grad_scores", "model.layers.0.self_attn.core.output", "core.v"):
+        assert is_attention_site(name), name
+    for name in ("layers.0.attn.proj.grad_output", "layers.0.attn.qkv.input", "attn.q", "layers.0.attn.corex.q"):
+        assert not is_attention_site(name), name
+
+
+@pytest.mark.parametrize(
+    "recipe, core_state, linear_state",
+    [
+        ("delayed", "DelayedScalingState", "DelayedScalingState"),
+        ("current", "CurrentScalingState", "CurrentScalingState"),
+        ("mxfp8", "CurrentScalingState", "CurrentScalingState"),  # the core per tensor, its own amax
+    ],
+)
+def test_null_is_the_linears_recipe_as_before(recipe, core_state, linear_state):
+    """The default keeps every site's state, and naming the linears' own per-tensor recipe (current
+    scaling under MXFP8) trains bit for bit as null does: nothing of the recipe's fields is lost
+    or added on the way."""
+    null_losses, null = _trained(f"precision.recipe={recipe}", "precision.amax_history_len=4")
+    states = _states(null)
+    assert {states[f"attn.core.{s}"][0] for s in ("q", "probs", "output", "grad_output", "grad_scores")} == {core_state}
+    assert {states[s][0] for s in ("attn.qkv.input", "mlp.down.grad_output")} == {linear_state}
+    named = "delayed" if recipe == "delayed" else "current"
+    losses, model = _trained(
+        f"precision.recipe={recipe}", "precision.amax_history_len=4", f"precision.attention_recipe={named}"
+    )
+    assert losses == null_losses and _states(model) == states
+    own = model.numerics.spec.attention_recipe
+    assert own is not None and named == own.KEY and null.numerics.spec.attention_recipe is None
+
+
+@pytest.mark.parametrize("recipe", ["mxfp8", "nvfp4"])
+def test_delayed_attention_under_a_block_recipe_keeps_an_amax_history(recipe):
+    """The core's sites get delayed scaling with the group's history and algorithm (HYBRID under
+    NVFP4, whose fp8_format is its block scales'), and its scale follows the history; the linears
+    stay block-scaled and unchanged."""
+    overrides = (
+        f"precision.recipe={recipe}",
+        "precision.amax_history_len=4",
+        "precision.amax_compute_algo=most_recent",
+    )
+    losses, model = _trained(*overrides, "precision.attention_recipe=delayed")
+    null_losses, _ = _trained(*overrides)
+    sites = model.numerics.sites
+    output = sites[f"{CORE}.output"]
+    assert isinstance(output.state, DelayedScalingState) and output.state.steps == 2
+    assert output.state.recipe == DelayedScaling(
+        fp8_format=Format.HYBRID if recipe == "nvfp4" else Format.E4M3,
+        amax_history_len=4,
+        amax_compute_algo="most_recent",
+    )
+    assert len(output.state.history) == 4 and output.history_amax is not None and output.history_amax > 0
+    grad = sites[f"{CORE}.grad_output"]
+    assert grad.fmt is (E5M2 if recipe == "nvfp4" else E4M3) and isinstance(grad.state, DelayedScalingState)
+    assert not isinstance(sites["layers.0.mlp.up.input"].state, DelayedScalingState)
+    assert type(model.numerics.recipe).__name__ == {"mxfp8": "MXFP8BlockScaling", "nvfp4": "NVFP4BlockScaling"}[recipe]
+    assert losses[0] != null_losses[0]  # step 1: the delayed scale is 1 (no history yet), not O's own
+
+
+def test_the_linears_read_nothing_of_the_attention_recipe():
+    """One linear and one attention call under MXFP8 with and without a delayed attention recipe:
+    the linear's output is the same bits, the core's differs once its history holds an amax."""
+    g = torch.Generator().manual_seed(0)
+    x, w = torch.randn(4, 8, 64, generator=g), torch.randn(32, 64, generator=g)
+    q, k, v = (torch.randn(2, 2, 32, 16, generator=g) * 4 for _ in range(3))
+    outputs = []
+    for own in (None, DelayedScaling(fp8_format=Format.E4M3, amax_history_len=2)):
+        numerics = numerics_for(recipe=MXFP8BlockScaling(), attention_recipe=own)
+        for _ in range(2):
+            y = linear(x, w, numerics, "layers.0.mlp.up")
+            o, _ = attention(q, k, v, numerics, CORE)
+            numerics.end_step()
+        outputs.append((y, o))
+    (y0, o0), (y1, o1) = outputs
+    assert torch.equal(y0, y1) and not torch.equal(o0, o1)
+
+
+def test_a_checkpoint_restores_the_attention_sites_with_their_own_recipe():
+    """``load_state_dict`` makes the sites from their names before any op runs: the core's get
+    the attention recipe's state back, history and all."""
+    spec_kwargs = dict(recipe=MXFP8BlockScaling(), attention_recipe=DelayedScaling(amax_history_len=3))
+    numerics = numerics_for(**spec_kwargs)
+    numerics.site(f"{CORE}.output").quantize(torch.linspace(-3, 2, 16))
+    numerics.site("layers.0.mlp.up.input").quantize(torch.ones(4))
+    numerics.end_step()
+    resumed = numerics_for(**spec_kwargs)
+    resumed.load_state_dict(numerics.state_dict())
+    state = resumed.sites[f"{CORE}.output"].state
+    assert isinstance(state, DelayedScalingState) and state.history.tolist() == [3.0, 0.0, 0.0]
+    assert isinstance(resumed.sites["layers.0.mlp.up.input"].state, CurrentScalingState)
+
+
+def test_the_spec_takes_a_per_tensor_attention_recipe_of_an_fp8_run_and_pickles_it():
+    spec = numerics_for(recipe=CurrentScaling(), attention_recipe=DelayedScaling(amax_history_len=5)).spec
+    assert pickle.loads(pickle.dumps(spec)).attention_recipe == DelayedScaling(amax_history_len=5)
+    assert spec.recipe_for(f"{CORE}.q").KEY == "delayed" and spec.recipe_for("layers.0.attn.qkv.input").KEY == "current"
+    with pytest.raises(ValueError, match="attention_recipe"):
+        numerics_for(recipe=CurrentScaling(), attention_recipe=MXFP8BlockScaling())  # not emulated
+    assert numerics_for("bf16", attention_recipe=DelayedScaling()).spec.attention_recipe is None  # FP8 only
+
+
+def test_an_amax_spike_needs_a_history_somewhere():
+    from readback.numerics.spike import AmaxSpike
+
+    spike = AmaxSpike("attn.core.output", 2, 3)
+    numerics_for(recipe=CurrentScaling(), attention_recipe=DelayedScaling(), amax_spike=spike)
+    numerics_for(recipe=DelayedScaling(), attention_recipe=CurrentScaling(), amax_spike=spike)
+    with pytest.raises(ValueError, match="delayed scaling"):
+        numerics_for(recipe=CurrentScaling(), attention_recipe=CurrentScaling(), amax_spike=spike)
+
+
+def test_the_recipe_object_takes_the_groups_fields_but_the_linears_own():
+    """``Fp8Precision.attention_scaling_recipe``: margin, history, algorithm and interval from the
+    group, the linears' format (HYBRID under NVFP4), never the linears' backward switches."""
+    cfg = config(
+        "+experiment=reuse_rounded",
+        "precision.recipe=current",
+        "precision.fp8_format=E4M3",
+        "precision.backward_override=dequantized",
+        "precision.margin=2",
+        "precision.amax_history_len=8",
+        "precision.attention_recipe=delayed",
+    )
+    own = build_numerics(cfg.precision, cfg.policy, cfg.attention, 0).spec.attention_recipe
+    assert own == DelayedScaling(margin=2, fp8_format=Format.E4M3, amax_history_len=8)
+    assert build_numerics(cfg.precision, cfg.policy, cfg.attention, 0).recipe.backward_override == "dequantized"
