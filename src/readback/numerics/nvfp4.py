@@ -33,6 +33,7 @@ HADAMARD_SIZE = 16
 HADAMARD_SIGNS = (1, 1, 1, -1, 1, -1, -1, -1, -1, -1, -1, 1, -1, 1, -1, -1)
 _E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
 E2M1_TABLE = torch.tensor(_E2M1_VALUES + tuple(-v for v in _E2M1_VALUES))  # code -> value
+_E2M1_MAX = torch.tensor(E2M1.max)
 
 
 def e2m1_values(codes: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
@@ -50,23 +51,30 @@ def _step(a: torch.Tensor) -> torch.Tensor:
     return (_binade(a) * 0.5).clamp_(0.5, 2.0)
 
 
-def _codes(magnitude: torch.Tensor, negative: torch.Tensor) -> torch.Tensor:
-    """The codes of grid magnitudes (FP32 0 ... 6), bit 3 set where ``negative``: 2 m below 1,
-    else 2 + 2 * exponent + mantissa bit."""
-    bits = magnitude.view(torch.int32)
-    normal = 2 * ((bits >> 23) - 127) + ((bits >> 22) & 1) + 2
-    index = torch.where(magnitude < 1.0, (magnitude * 2).int(), normal)
-    return (index | (negative.int() << 3)).to(torch.uint8)
+def _signed(index: torch.Tensor, negative: torch.Tensor) -> torch.Tensor:
+    """Codes from magnitude indices (uint8, 0 ... 7), bit 3 set where ``negative`` (bool, one
+    byte an element, so its bytes are 0 or 1): byte-wide operations throughout."""
+    return index.bitwise_or_(negative.view(torch.uint8) << 3)
+
+
+def _grid_index(magnitude: torch.Tensor) -> torch.Tensor:
+    """The magnitude index (uint8, 0 ... 7) of E2M1 grid values (FP32): 2 m below 1, else the
+    FP32 exponent and first mantissa bit, ``2 e + b``, offset to start at 2 (1.0: 254 - 252)."""
+    normal = ((magnitude.view(torch.int32) >> 22) - 252).to(torch.uint8)  # wraps below 1: not taken
+    return torch.where(magnitude < 1.0, (magnitude * 2).to(torch.uint8), normal)
 
 
 def round_e2m1(y: torch.Tensor) -> torch.Tensor:
     """Codes of FP32 ``y`` (within +-6) rounded to nearest, ties to even, as the reference's
     ``cast_to_fp4x2``: only ``y < 0`` takes the sign (-0.0 gets +0's code; NaN gets code 0).
-    Below 1 the grid is 0.5's multiples; above, one mantissa bit, rounded on FP32's bits."""
-    a = torch.nan_to_num(y.abs(), nan=0.0)
+    Below 1 the grid is 0.5's multiples; above, one mantissa bit, rounded to nearest even on
+    FP32's bits (adding just under half an ulp of that bit, plus the bit itself), which gives the
+    index ``2 e + b`` from the top bits at once."""
+    a = torch.nan_to_num_(y.abs(), nan=0.0)
     bits = a.view(torch.int32)
-    one_bit = ((bits + 0x1FFFFF + ((bits >> 22) & 1)) & ~0x3FFFFF).view(torch.float32)
-    return _codes(torch.where(a < 1.0, torch.round(a * 2) * 0.5, one_bit), y < 0)
+    normal = (bits >> 22).bitwise_and_(1).add_(0x1FFFFF).add_(bits).bitwise_right_shift_(22).sub_(252)
+    index = torch.where(a < 1.0, (a * 2).round_().to(torch.uint8), normal.to(torch.uint8))
+    return _signed(index, y < 0)
 
 
 def round_e2m1_stochastic(y: torch.Tensor, bits: torch.Tensor) -> torch.Tensor:
@@ -75,10 +83,10 @@ def round_e2m1_stochastic(y: torch.Tensor, bits: torch.Tensor) -> torch.Tensor:
     one rounding, TE's ``fmaf``), floored to the grid at ``t``'s own step, saturating at 6; the
     sign kept (-0.0 included), NaN to +6."""
     a = y.abs()
-    t = a + bits.float() * (1 / 256) * _step(a)
+    t = (bits.float() * (1 / 256)).mul_(_step(a)).add_(a)
     step = _step(t)
-    magnitude = torch.fmin(torch.floor(t / step) * step, torch.full_like(t, E2M1.max))  # fmin: NaN -> 6
-    return _codes(magnitude, torch.signbit(y) & ~torch.isnan(y))
+    magnitude = torch.fmin(torch.floor_(t / step).mul_(step), _E2M1_MAX.to(t.device))  # fmin: NaN -> 6
+    return _signed(_grid_index(magnitude), torch.signbit(y) & ~torch.isnan(y))
 
 
 def _signed_sylvester() -> torch.Tensor:
@@ -206,10 +214,11 @@ class NVFP4Quantizer:
         m, k = flat_2d(source)
         rows, cols = block
         flat = source.reshape(m, k).float()
-        amax = flat.abs().amax()
         padded = torch.nn.functional.pad(flat, (0, -k % cols, 0, -m % rows)) if m % rows or k % cols else flat
         tiles = padded.view(padded.shape[0] // rows, rows, padded.shape[1] // cols, cols)
-        block_scale, encode = nvfp4_scales(tiles.abs().amax(dim=(1, 3)), amax)
+        block_amax = tiles.abs().amax(dim=(1, 3))
+        amax = block_amax.amax()  # the copy's amax (the padding's zeros change neither)
+        block_scale, encode = nvfp4_scales(block_amax, amax)
         y = (tiles * encode[:, None, :, None]).clamp_(-E2M1.max, E2M1.max)
         if self.stochastic:
             codes = round_e2m1_stochastic(y, (uniform_draws(y, generator) * 256).floor())
