@@ -81,7 +81,7 @@ def meter_figures(runs: pd.DataFrame, wide: pd.DataFrame) -> dict:
                     for step in METER_STEPS if contribution == D_READ else METER_STEPS[-1:]:
                         values = [wide[key].get((rid, step), np.nan) for rid in ids if key in wide]
                         mean, se = mean_se(np.array([v for v in values if np.isfinite(v)]))
-                        out[f"{arm} {key} @{step}"] = {"n": sum(np.isfinite(values)), "mean": mean, "se": se}
+                        out[f"{arm} {key} @{step}"] = {"n": int(np.isfinite(values).sum()), "mean": mean, "se": se}
     by_arm = {}
     for arm in (REUSE, FIX):
         ids = runs[runs["experiment"] == arm].set_index("seed")["run_id"]

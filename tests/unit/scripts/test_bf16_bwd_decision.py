@@ -55,3 +55,17 @@ def test_only_seeds_whose_three_arms_ended_are_paired():
         ]
     )
     assert finals(runs, "val_loss").index.tolist() == [1, 3]
+
+
+def test_the_decision_is_written_as_json(tmp_path):
+    """Every figure of a decision is plain JSON (numpy integers and floats included)."""
+    import json
+
+    from bf16_bwd_decision import meter_figures
+
+    runs = pd.DataFrame({"run_id": ["a", "b"], "experiment": [REUSE, FIX], "seed": [1, 1]})
+    key = "grad_bias/contrib.exact_read.attention.D/layers.0.attn.qkv"
+    index = pd.MultiIndex.from_tuples([("a", 2000), ("b", 2000)], names=["run", "step"])
+    wide = pd.DataFrame({k: [0.1, 0.2] for k in (key, key.replace("0.attn", "1.attn"))}, index=index)
+    figures = meter_figures(runs, wide)
+    assert json.loads(json.dumps(figures))[f"{REUSE} {key} @2000"]["n"] == 1
