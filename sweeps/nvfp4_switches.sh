@@ -7,7 +7,7 @@
 # +sweep=cpu_stress preset (tiny FOG, embedded Shakespeare text, 2,000 steps of 16 x 128 tokens at
 # LR 1e-2, the same 8 validation batches every 250 steps, the bias meter every 500), no stress.
 # Seed is the outer loop, so a sweep stopped early holds whole seed quadruples; trainer.resume=true
-# continues a stopped run from its last checkpoint and skips finished ones. 32 runs, about 6
+# continues a stopped run from its last checkpoint and skips finished ones. 32 runs, about 7
 # core-hours at one thread each. Run every seed on one code version and one CPU kind.
 #
 #   sweeps/nvfp4_switches.sh [OVERRIDES...]      (SEEDS=200,201 runs a subset, e.g. one stream a core)
