@@ -96,7 +96,12 @@ CASES = [
         {},
         "trainer.micro_batch=3 is not valid; valid: a divisor of model.global_batch=4",
     ),
-    ("fp8_format", ["precision.fp8_format=E9M9"], {}, "precision.fp8_format='E9M9' is not valid; valid: E4M3, HYBRID"),
+    (
+        "fp8_format",
+        ["precision.fp8_format=E9M9"],
+        {},
+        "precision.fp8_format='E9M9' is not valid; valid: null, E4M3, HYBRID",
+    ),
     (
         "bwd_precision",
         ["attention.bwd_precision=fp16"],
