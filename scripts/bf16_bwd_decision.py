@@ -19,7 +19,7 @@ import numpy as np
 import pandas as pd
 
 from readback.analysis.files import load_runs
-from readback.analysis.paired import mean_se, t_quantile
+from readback.analysis.paired import mean_se, seed_paired
 
 CONTROL, REUSE, FIX = "no_saved_copy", "reuse_rounded", "reuse_rounded_bf16_bwd"
 ARMS = (REUSE, FIX, CONTROL)
@@ -31,20 +31,8 @@ FIX_DEPARTURES = tuple(f"contrib.exact_read.attention.{g}" for g in ("dS", "dV",
 
 
 def paired(final: pd.DataFrame, a: str, b: str) -> dict:
-    """``a - b`` paired by seed: mean, SE, t, and the 95 % and 90 % intervals (n - 1 df)."""
-    d = (final[a] - final[b]).dropna().to_numpy(float)
-    mean, se = mean_se(d)
-    t2, t1 = t_quantile(0.95, len(d) - 1), t_quantile(0.90, len(d) - 1)  # two-sided 5 %, one-sided 5 %
-    return {
-        "n": len(d),
-        "mean": mean,
-        "se": se,
-        "t": mean / se if se > 0 else float("nan"),
-        "ci95": [mean - t2 * se, mean + t2 * se],
-        "ci90": [mean - t1 * se, mean + t1 * se],
-        "t_two_sided": t2,
-        "t_one_sided": t1,
-    }
+    """``a - b`` paired by seed (``analysis.paired.seed_paired``)."""
+    return seed_paired((final[a] - final[b]).dropna().to_numpy(float))
 
 
 def verdict(final: pd.DataFrame) -> dict:
