@@ -33,7 +33,6 @@ HADAMARD_SIZE = 16
 HADAMARD_SIGNS = (1, 1, 1, -1, 1, -1, -1, -1, -1, -1, -1, 1, -1, 1, -1, -1)
 _E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
 E2M1_TABLE = torch.tensor(_E2M1_VALUES + tuple(-v for v in _E2M1_VALUES))  # code -> value
-_E2M1_MAX = torch.tensor(E2M1.max)
 
 
 def e2m1_values(codes: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
@@ -57,36 +56,38 @@ def _signed(index: torch.Tensor, negative: torch.Tensor) -> torch.Tensor:
     return index.bitwise_or_(negative.view(torch.uint8) << 3)
 
 
-def _grid_index(magnitude: torch.Tensor) -> torch.Tensor:
-    """The magnitude index (uint8, 0 ... 7) of E2M1 grid values (FP32): 2 m below 1, else the
-    FP32 exponent and first mantissa bit, ``2 e + b``, offset to start at 2 (1.0: 254 - 252)."""
-    normal = ((magnitude.view(torch.int32) >> 22) - 252).to(torch.uint8)  # wraps below 1: not taken
-    return torch.where(magnitude < 1.0, (magnitude * 2).to(torch.uint8), normal)
-
-
 def round_e2m1(y: torch.Tensor) -> torch.Tensor:
     """Codes of FP32 ``y`` (within +-6) rounded to nearest, ties to even, as the reference's
     ``cast_to_fp4x2``: only ``y < 0`` takes the sign (-0.0 gets +0's code; NaN gets code 0).
-    Below 1 the grid is 0.5's multiples; above, one mantissa bit, rounded to nearest even on
-    FP32's bits (adding just under half an ulp of that bit, plus the bit itself), which gives the
-    index ``2 e + b`` from the top bits at once."""
+    From 1 up the grid has one mantissa bit: rounded to nearest even on FP32's bits (adding just
+    under half an ulp of that bit, plus the bit itself), the top bits give the index ``2 e + b``
+    at once (``_normal_index``). Below 1 the grid is 0.5's multiples, index ``round(2 |y|)``,
+    which is never below the top bits' index there, and 2 from 1 up: the index is the larger."""
     a = torch.nan_to_num_(y.abs(), nan=0.0)
     bits = a.view(torch.int32)
-    normal = (bits >> 22).bitwise_and_(1).add_(0x1FFFFF).add_(bits).bitwise_right_shift_(22).sub_(252)
-    index = torch.where(a < 1.0, (a * 2).round_().to(torch.uint8), normal.to(torch.uint8))
-    return _signed(index, y < 0)
+    normal = _normal_index((bits >> 22).bitwise_and_(1).add_(0x1FFFFF).add_(bits))
+    small = (a * 2).round_().clamp_max_(2).to(torch.uint8)
+    return _signed(torch.maximum(normal, small), y < 0)
 
 
 def round_e2m1_stochastic(y: torch.Tensor, bits: torch.Tensor) -> torch.Tensor:
-    """Codes of FP32 ``y`` rounded stochastically with 8 random ``bits`` per element (0 ... 255),
-    by TE's rule (module docstring): ``t = |y| + bits / 256 * step(|y|)`` (the product is exact:
-    one rounding, TE's ``fmaf``), floored to the grid at ``t``'s own step, saturating at 6; the
-    sign kept (-0.0 included), NaN to +6."""
+    """Codes of FP32 ``y`` rounded stochastically with 8 random ``bits`` per element (0 ... 255,
+    FP32), by TE's rule (module docstring): ``t = |y| + bits / 256 * step(|y|)`` (the product is
+    exact: one rounding, TE's ``fmaf``), floored to the grid, saturating at 6; the sign kept
+    (-0.0 included), NaN to +6. From 1 up the floor's index is ``t``'s top bits (``_normal_index``,
+    at most 7); below, 1 from 0.5 (the top bits give 0 in [0.5, 0.75)), else 0."""
+    y = torch.nan_to_num(y, nan=E2M1.max)
     a = y.abs()
-    t = (bits.float() * (1 / 256)).mul_(_step(a)).add_(a)
-    step = _step(t)
-    magnitude = torch.fmin(torch.floor_(t / step).mul_(step), _E2M1_MAX.to(t.device))  # fmin: NaN -> 6
-    return _signed(_grid_index(magnitude), torch.signbit(y) & ~torch.isnan(y))
+    t = (bits * (1 / 256)).mul_(_step(a)).add_(a)
+    normal = _normal_index(t.view(torch.int32).clone())
+    return _signed(torch.maximum(normal, (t >= 0.5).view(torch.uint8)), torch.signbit(y))
+
+
+def _normal_index(bits: torch.Tensor) -> torch.Tensor:
+    """The E2M1 magnitude index (uint8, 0 ... 7) of FP32 magnitudes from their bits (int32, in
+    place), truncated to one mantissa bit: ``2 e + b`` offset to start at 2 (1.0: 254 - 252),
+    0 below 1, 7 from 6 up (saturation)."""
+    return bits.bitwise_right_shift_(22).sub_(252).clamp_(0, 7).to(torch.uint8)
 
 
 def _signed_sylvester() -> torch.Tensor:
@@ -216,7 +217,7 @@ class NVFP4Quantizer:
         flat = source.reshape(m, k).float()
         padded = torch.nn.functional.pad(flat, (0, -k % cols, 0, -m % rows)) if m % rows or k % cols else flat
         tiles = padded.view(padded.shape[0] // rows, rows, padded.shape[1] // cols, cols)
-        block_amax = tiles.abs().amax(dim=(1, 3))
+        block_amax = tiles.abs().amax(dim=3).amax(dim=1)  # twice as fast as over (1, 3) at once
         amax = block_amax.amax()  # the copy's amax (the padding's zeros change neither)
         block_scale, encode = nvfp4_scales(block_amax, amax)
         y = (tiles * encode[:, None, :, None]).clamp_(-E2M1.max, E2M1.max)

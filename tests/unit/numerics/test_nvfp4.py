@@ -150,6 +150,41 @@ def test_round_to_nearest_is_the_reference_thresholds():
     assert round_e2m1(torch.tensor([-0.0, -0.1])).tolist() == [0, 8]  # only y < 0 takes the sign
 
 
+def _neighbourhoods(points: list[float], ulps: int = 3) -> torch.Tensor:
+    """Each point, its FP32 neighbours up to ``ulps`` away on either side, and their negatives."""
+    bits = torch.tensor(points, dtype=torch.float32).view(torch.int32)
+    near = (bits[:, None] + torch.arange(-ulps, ulps + 1, dtype=torch.int32)).reshape(-1).view(torch.float32)
+    near = near[near >= 0]
+    return torch.cat([near, -near])
+
+
+E2M1_GRID_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
+E2M1_GRID = torch.tensor(E2M1_GRID_VALUES, dtype=torch.float64)
+
+
+def test_roundings_are_their_definitions_at_every_threshold():
+    """The bit-level roundings against their definitions in FP64, at every midpoint and grid
+    point, each one's FP32 neighbours, and random values: nearest takes the closest grid value,
+    a tie the even code; stochastic adds ``bits / 256`` of the step in FP32 (one rounding) and
+    takes the largest grid value not above, at most 6."""
+    g = torch.Generator().manual_seed(5)
+    y = torch.cat([_neighbourhoods([*E2M1_MIDPOINTS, *E2M1_GRID_VALUES, 7.0, 8.0]), torch.randn(5000, generator=g) * 3])
+    y = y.clamp(-6, 6)
+    a = y.abs().double()
+    distance = (a[:, None] - E2M1_GRID).abs()
+    nearest = distance == distance.min(1, keepdim=True).values
+    index = torch.where(nearest.sum(1) == 2, (nearest.int().argmax(1) + 1) // 2 * 2, nearest.int().argmax(1))
+    expected = E2M1_GRID[index] * torch.where(y < 0, -1.0, 1.0).double()
+    assert torch.equal(e2m1_values(round_e2m1(y), torch.float64), expected)
+    for draw in (0, 1, 100, 255):
+        bits = torch.full_like(y, draw)
+        step = torch.where(y.abs() >= 4, 2.0, torch.where(y.abs() >= 2, 1.0, 0.5))
+        t = (y.abs() + bits / 256 * step).double()
+        floor = E2M1_GRID[(t[:, None] >= E2M1_GRID).sum(1) - 1]
+        expected = torch.where(torch.signbit(y), -floor, floor)
+        assert torch.equal(e2m1_values(round_e2m1_stochastic(y, bits), torch.float64), expected)
+
+
 def _under_draws(y: torch.Tensor) -> torch.Tensor:
     """The values of ``round_e2m1_stochastic(y)`` under each of its 256 draws (FP64, 256 x len)."""
     draws = torch.arange(256, dtype=torch.float32)[:, None].expand(256, len(y))
