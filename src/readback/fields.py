@@ -59,10 +59,11 @@ def number(
     return _field(Valid(text, test), default)
 
 
-def one_of(choices: Iterable[str | int], default: Any = MISSING) -> Any:
-    """One of ``choices``; a ``None`` default makes null a choice too (named first)."""
+def one_of(choices: Iterable[str | int], default: Any = MISSING, note: str = "") -> Any:
+    """One of ``choices``; a ``None`` default makes null a choice too (named first). ``note``
+    follows the choices in a refusal, in parentheses: why a value one might expect is absent."""
     choices = tuple(choices)
-    words = ", ".join(["null"] * (default is None) + [str(c) for c in choices])
+    words = ", ".join(["null"] * (default is None) + [str(c) for c in choices]) + (f" ({note})" if note else "")
     return _field(Valid(words, lambda v: v in choices), default)
 
 

@@ -68,7 +68,11 @@ class Fp8Precision(Precision):
     recipe: str = one_of(RECIPES, default=TE_DEFAULT.KEY)
     # The attention core's own recipe (TE's NVTE_DPA_FP8_RECIPE): null (the linears': per tensor from
     # each tensor's amax under a block recipe) | delayed | current, from the fields below
-    attention_recipe: str | None = one_of(ATTENTION_RECIPES, default=None)
+    attention_recipe: str | None = one_of(
+        ATTENTION_RECIPES,
+        default=None,
+        note="no mxfp8: how TE's MXFP8 attention rounds P and dP is inside cuDNN, not in TE's source",
+    )
     # HYBRID: E4M3 fwd, E5M2 bwd; null: the recipe's default (HYBRID per tensor, E4M3 by blocks, as TE)
     fp8_format: str | None = one_of((f.name for f in Format), default=None)
     margin: int = integer(minimum=0, default=TE_DEFAULT.margin)
