@@ -30,6 +30,7 @@ from readback.backends.settings import ModelSettings
 from readback.backends.te_facts import SINCE, Hardware, dpa_recipe_refusal, fp8_attention_refusal, te_attention_reads
 from readback.backends.te_recipe import RECIPES, refuse_unsupported_fields
 from readback.errors import ConfigError
+from readback.numerics.spec import DPA_DELAYED_ALGO, DPA_DELAYED_HISTORY_LEN
 from readback.ops.attention import READ_OPERANDS
 
 PER_TENSOR = ("delayed", "current")
@@ -40,8 +41,8 @@ IMPORT_TIME_ENV = {
     "NVTE_DPA_FP8CS_O_in_F16": "1",
     "NVTE_DPA_FP8_RECIPE": "",
     "NVTE_DPA_FP8_FORMAT": "HYBRID",
-    "NVTE_DPA_FP8DS_AMAX_HISTLEN": "1",
-    "NVTE_DPA_FP8DS_AMAX_ALGO": "most_recent",
+    "NVTE_DPA_FP8DS_AMAX_HISTLEN": str(DPA_DELAYED_HISTORY_LEN),
+    "NVTE_DPA_FP8DS_AMAX_ALGO": DPA_DELAYED_ALGO,
     "NVTE_DPA_FP8DS_REDUCE_AMAX": "1",
 }
 
@@ -114,7 +115,7 @@ def _recipe_env(p8: Fp8Precision, kind: str, own: bool, vt) -> dict[str, str]:
     (>= 2.8) so that the environment cannot change the attention's recipe: empty (the linears')
     unless the attention has its own; then its DelayedScaling's history and algorithm from the
     precision group (and for the DelayedScaling of a current-scaling attention's S and dP, TE's
-    defaults: a history of 1, the nearest TE has to scaling them by their own amax)."""
+    defaults, which the emulation's P and dS take: ``numerics.spec.DELAYED_UNDER_CURRENT``)."""
     if vt is not None and vt[:2] < SINCE["NVTE_DPA_FP8_RECIPE"]:
         return {}
     if not own:

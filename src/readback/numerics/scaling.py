@@ -274,6 +274,8 @@ class DelayedScalingState:
         return {"history": self.history.clone(), "scale": self.scale.clone(), "steps": self.steps}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        if "history" not in state:
+            raise ValueError("the checkpoint holds no amax history for this delayed-scaling tensor (another recipe's)")
         if state["history"].shape != self.history.shape:
             raise ValueError(
                 f"amax history length {len(state['history'])} in checkpoint, {len(self.history)} in recipe"

@@ -30,6 +30,12 @@ ATTENTION_SITES = ("q", "k", "v", "probs", "output", "grad_output", "grad_scores
 # precision.attention_recipe: the per-tensor recipes an attention core may take apart from the
 # linears' (Transformer Engine's NVTE_DPA_FP8_RECIPE); TE's MXFP8 attention is not emulated.
 ATTENTION_RECIPES: dict[str, type[ScalingRecipe]] = {r.KEY: r for r in (DelayedScaling, CurrentScaling)}
+# A current-scaling attention core scales its P and dS (TE's S and dP quantizers) with a
+# DelayedScaling all the same (TE 2.8 to 2.20, dot_product_attention.py ``init_fp8_metadata``): the
+# linears' under delayed linears, else one in the attention's format with the history and algorithm
+# of NVTE_DPA_FP8DS_AMAX_HISTLEN and NVTE_DPA_FP8DS_AMAX_ALGO at TE's defaults, and no margin.
+DELAYED_UNDER_CURRENT = ("probs", "grad_scores")
+DPA_DELAYED_HISTORY_LEN, DPA_DELAYED_ALGO = 1, "most_recent"
 GEMMS = ("fprop", "dgrad", "wgrad")
 # precision.accumulation: each device's own (native), IEEE FP32 everywhere, or Hopper's recipe,
 # which Transformer Engine and torch._scaled_mm's defaults give: fast fprop, split dgrad and wgrad.
@@ -192,10 +198,17 @@ class NumericsSpec:
 
     def recipe_for(self, name: str) -> ScalingRecipe:
         """The recipe whose format and scaling state FP8 site ``name`` takes: ``attention_recipe``
-        at an attention core's sites (``is_attention_site``) where there is one, else ``recipe``."""
-        recipe = self.attention_recipe if self.attention_recipe and is_attention_site(name) else self.recipe
+        at an attention core's sites (``is_attention_site``) where there is one, else ``recipe``;
+        but a DelayedScaling at a current-scaling core's P and dS (``DELAYED_UNDER_CURRENT``)."""
+        attention = is_attention_site(name)
+        recipe = self.attention_recipe if self.attention_recipe and attention else self.recipe
         if recipe is None:
             raise ValueError(f"site {name}: a {self.precision} spec has no recipe")
+        if attention and isinstance(recipe, CurrentScaling) and name.rpartition(".")[2] in DELAYED_UNDER_CURRENT:
+            if isinstance(self.recipe, DelayedScaling):
+                return self.recipe
+            history, algo = DPA_DELAYED_HISTORY_LEN, DPA_DELAYED_ALGO
+            return DelayedScaling(fp8_format=recipe.fp8_format, amax_history_len=history, amax_compute_algo=algo)
         return recipe
 
     def is_bf16_site(self, name: str) -> bool:

@@ -79,29 +79,58 @@ def test_an_attention_site_is_known_by_its_name():
         assert not is_attention_site(name), name
 
 
+CORE_SITES = ("q", "probs", "output", "grad_output", "grad_scores")
+CURRENT, DELAYED = "CurrentScalingState", "DelayedScalingState"
+
+
 @pytest.mark.parametrize(
-    "recipe, core_state, linear_state",
+    "recipe, core_states, linear_state",
     [
-        ("delayed", "DelayedScalingState", "DelayedScalingState"),
-        ("current", "CurrentScalingState", "CurrentScalingState"),
-        ("mxfp8", "CurrentScalingState", "CurrentScalingState"),  # the core per tensor, its own amax
+        ("delayed", (DELAYED,) * 5, DELAYED),
+        ("current", (CURRENT, DELAYED, CURRENT, CURRENT, DELAYED), CURRENT),  # TE's S and dP: delayed
+        ("mxfp8", (CURRENT,) * 5, CURRENT),  # the core per tensor, each tensor's own amax
     ],
 )
-def test_null_is_the_linears_recipe_as_before(recipe, core_state, linear_state):
-    """The default keeps every site's state, and naming the linears' own per-tensor recipe (current
-    scaling under MXFP8) trains bit for bit as null does: nothing of the recipe's fields is lost
-    or added on the way."""
+def test_null_is_the_linears_recipe_as_before(recipe, core_states, linear_state):
+    """The default keeps every site's state, and naming the linears' own per-tensor recipe trains
+    bit for bit as null does: nothing of the recipe's fields is lost or added on the way."""
     null_losses, null = _trained(f"precision.recipe={recipe}", "precision.amax_history_len=4")
     states = _states(null)
-    assert {states[f"attn.core.{s}"][0] for s in ("q", "probs", "output", "grad_output", "grad_scores")} == {core_state}
+    assert tuple(states[f"attn.core.{s}"][0] for s in CORE_SITES) == core_states
     assert {states[s][0] for s in ("attn.qkv.input", "mlp.down.grad_output")} == {linear_state}
-    named = "delayed" if recipe == "delayed" else "current"
+    assert null.numerics.spec.attention_recipe is None
+    if recipe == "mxfp8":
+        return
     losses, model = _trained(
-        f"precision.recipe={recipe}", "precision.amax_history_len=4", f"precision.attention_recipe={named}"
+        f"precision.recipe={recipe}", "precision.amax_history_len=4", f"precision.attention_recipe={recipe}"
     )
     assert losses == null_losses and _states(model) == states
     own = model.numerics.spec.attention_recipe
-    assert own is not None and named == own.KEY and null.numerics.spec.attention_recipe is None
+    assert own is not None and recipe == own.KEY
+
+
+@pytest.mark.parametrize("linears", ["delayed", "current", "mxfp8", "nvfp4"])
+def test_a_current_scaling_core_scales_p_and_ds_by_te_delayed_scaling(linears):
+    """TE's current-scaling attention quantises S (P) and dP (dS) with a DelayedScaling: the
+    linears' under delayed linears, else one of history 1 and ``most_recent`` in the attention's
+    format, without margin. After two steps their scale is the first step's amax's, while Q and
+    O are scaled by their own amax."""
+    overrides = ("precision.amax_history_len=4", "precision.margin=1") if linears == "delayed" else ()
+    _, model = _trained(f"precision.recipe={linears}", "precision.attention_recipe=current", *overrides)
+    sites = model.numerics.sites
+    linear_recipe = model.numerics.spec.recipe
+    fmt = Format.HYBRID if linears in ("nvfp4", "delayed", "current") else Format.E4M3
+    expected = (
+        linear_recipe
+        if linears == "delayed"
+        else DelayedScaling(fp8_format=fmt, amax_history_len=1, amax_compute_algo="most_recent")
+    )
+    for kind in ("probs", "grad_scores"):
+        state = sites[f"{CORE}.{kind}"].state
+        assert isinstance(state, DelayedScalingState) and state.recipe == expected and state.steps == 2
+        assert sites[f"{CORE}.{kind}"].history_amax > 0
+    assert all(isinstance(sites[f"{CORE}.{k}"].state, CurrentScalingState) for k in ("q", "output", "grad_output"))
+    assert sites[f"{CORE}.grad_scores"].fmt is fmt.bwd and sites[f"{CORE}.probs"].fmt is fmt.fwd
 
 
 @pytest.mark.parametrize("recipe", ["mxfp8", "nvfp4"])
