@@ -11,14 +11,12 @@ step 2,000) over the seeds that have all three arms. ``--out`` writes ``decision
 
 from __future__ import annotations
 
-import argparse
-import json
 from pathlib import Path
 
 import numpy as np
 import pandas as pd
 
-from readback.analysis.files import load_runs
+from readback.analysis.files import decision_main, load_runs
 from readback.analysis.paired import mean_se, seed_paired
 
 CONTROL, REUSE, FIX = "no_saved_copy", "reuse_rounded", "reuse_rounded_bf16_bwd"
@@ -140,18 +138,8 @@ def report(d: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("sweep", type=Path)
-    parser.add_argument("--out", type=Path)
-    args = parser.parse_args()
-    decision = decide(args.sweep)
-    text = report(decision)
-    print(text)
-    if args.out:
-        args.out.mkdir(parents=True, exist_ok=True)
-        (args.out / "decision.md").write_text(text)
-        (args.out / "decision.json").write_text(json.dumps(decision, indent=1) + "\n")
+def main(argv: list[str] | None = None) -> None:
+    decision_main(__doc__.splitlines()[0], decide, report, argv)
 
 
 if __name__ == "__main__":

@@ -11,15 +11,13 @@ An arm is read from its run folder's name (``precision.disable_2d_quantization=.
 
 from __future__ import annotations
 
-import argparse
-import json
 import re
 from pathlib import Path
 
 import numpy as np
 import pandas as pd
 
-from readback.analysis.files import load_runs
+from readback.analysis.files import decision_main, load_runs
 from readback.analysis.paired import mean_se, seed_paired
 
 DEFAULT, WEIGHTS_1D, NEAREST, BOTH = "TE defaults", "1x16 weights", "dY rounded to nearest", "both switches"
@@ -121,18 +119,8 @@ def report(d: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("sweep", type=Path)
-    parser.add_argument("--out", type=Path)
-    args = parser.parse_args()
-    decision = decide(args.sweep)
-    text = report(decision)
-    print(text)
-    if args.out:
-        args.out.mkdir(parents=True, exist_ok=True)
-        (args.out / "decision.md").write_text(text)
-        (args.out / "decision.json").write_text(json.dumps(decision, indent=1) + "\n")
+def main(argv: list[str] | None = None) -> None:
+    decision_main(__doc__.splitlines()[0], decide, report, argv)
 
 
 if __name__ == "__main__":

@@ -13,7 +13,6 @@ records without the checkpoints. ``--out`` writes ``decision.md`` and ``decision
 
 from __future__ import annotations
 
-import argparse
 import json
 import re
 from pathlib import Path
@@ -21,7 +20,7 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-from readback.analysis.files import load_runs
+from readback.analysis.files import decision_main, load_runs
 from readback.analysis.paired import mean_se, t_quantile
 from readback.train.checkpoint import load_checkpoint
 from readback.train.checkpoint_dirs import list_checkpoints
@@ -230,17 +229,7 @@ def report(d: dict) -> str:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("sweep", type=Path)
-    parser.add_argument("--out", type=Path)
-    args = parser.parse_args(argv)
-    decision = decide(args.sweep)
-    text = report(decision)
-    print(text)
-    if args.out:
-        args.out.mkdir(parents=True, exist_ok=True)
-        (args.out / "decision.md").write_text(text + "\n")
-        (args.out / "decision.json").write_text(json.dumps(decision, indent=1) + "\n")
+    decision_main(__doc__, decide, report, argv)
 
 
 if __name__ == "__main__":
