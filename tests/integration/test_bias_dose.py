@@ -13,11 +13,14 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 from readback.bias.__main__ import load_run
 from readback.bias.__main__ import main as bias_main
 from readback.bias.dose import D_READ, plot_dose, rows_of
 from readback.bias.shapes import main as shapes_main
+from readback.errors import ConfigError
+from readback.numerics import CurrentScalingState, DelayedScalingState
 from toys import REPO, TWO_STEP_RUN
 
 OWN_MARGIN = 4  # the run's own precision.site_margin at attn.core.output
@@ -223,3 +226,21 @@ def test_a_recipe_given_at_measurement_meters_the_weights_under_it(run, tmp_path
     with pytest.raises(SystemExit) as refused:
         bias_main([str(run), "--batches", "1", "--precision", "recipe=current", "--precision", "margin=bad"])
     assert refused.value.code == 2 and "precision.margin='bad'" in capsys.readouterr().err
+    with pytest.raises(ConfigError, match=r"--precision attention_recipe='delayed'.*no amax history"):
+        load_run(run, precision={"recipe": "nvfp4", "attention_recipe": "delayed"})
+
+
+@pytest.mark.slow
+def test_a_current_scaling_attention_metered_from_another_recipe_starts_p_and_ds_one_step_in(run):
+    """Under ``--precision recipe=current`` the core's P and dS scale by TE's one-step delayed
+    recipe: their history holds one step's amax (of the first validation batch), as in training,
+    not an empty one (scale 1); Q's scale is its own amax's. The weights are the checkpoint's."""
+    model, *_ = load_run(run, precision={"recipe": "current"})
+    delayed, *_ = load_run(run)
+    sites = model.numerics.sites
+    for kind in ("probs", "grad_scores"):
+        state = sites[f"layers.0.attn.core.{kind}"].state
+        assert isinstance(state, DelayedScalingState) and state.steps == 1 and float(state.history_amax()) > 0
+    assert isinstance(sites["layers.0.attn.core.q"].state, CurrentScalingState)
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), delayed.parameters()))
+    assert all(p.grad is None for p in model.parameters())

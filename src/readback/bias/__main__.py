@@ -21,7 +21,9 @@ both match, as the config's margins do. Default DIR then ``<run dir>/bias/step<s
 under another recipe, checked as the config checks it (with its own default ``fp8_format``
 unless one is given). A recipe other than the run's starts
 from fresh scaling states (block and current scales come from the tensors themselves); a
-change to delayed scaling from another recipe is refused (no amax history to start from).
+change to delayed scaling from another recipe, of the linears or of the attention core, is
+refused (no amax history to start from), but a one-step history (a current-scaling attention's
+P and dS) starts as in training, from one forward and backward of the first validation batch.
 Default DIR then gets ``-precision-<KEY=VALUE,...>`` appended.
 
 ``--accumulation NAME`` and ``--accumulation-gemm GEMM=MODE`` replace the run's
@@ -100,14 +102,31 @@ def load_run(path: Path, site_margin: dict[str, int] | None = None, precision: d
     if recipe == saved["precision"].get("recipe"):
         model.numerics.load_state_dict(numerics_state)
     else:
-        require(
-            recipe != "delayed",
-            "--precision recipe",
-            recipe,
-            "a recipe other than delayed (this run has no amax history)",
-        )
+        _start_histories(model, stream, recipe)
     run_dir = path.parent.parent if path.parent.name == "checkpoints" else path.parent
     return model, stream, int(state["step"]), run_dir
+
+
+def _start_histories(model, stream, recipe: str | None) -> None:
+    """Fresh scaling states under another recipe than the run's: refused where a delayed history
+    longer than one step would start empty (this run has none to give); a history of one step (a
+    current-scaling attention's P and dS, ``numerics.spec.DELAYED_UNDER_CURRENT``) gets what
+    training would hold, the previous step's amax, from one forward and backward of the first
+    validation batch (weights untouched)."""
+    from readback.numerics import DelayedScaling
+    from readback.numerics.spec import ATTENTION_SITES
+
+    spec = model.numerics.spec
+    recipes = [spec.recipe, *(spec.recipe_for(f"core.{site}") for site in ATTENTION_SITES)] if spec.recipe else []
+    delayed = [r for r in recipes if isinstance(r, DelayedScaling)]
+    if any(r.amax_history_len > 1 for r in delayed):
+        key, value = ("recipe", recipe) if isinstance(spec.recipe, DelayedScaling) else ("attention_recipe", "delayed")
+        require(False, f"--precision {key}", value, "another than delayed (this run has no amax history to start from)")
+    if delayed:
+        inputs, targets = next(iter(stream.val_batches(1)))
+        model(inputs, targets).backward()
+        model.zero_grad(set_to_none=True)
+        model.numerics.end_step()
 
 
 def parse_margin(text: str) -> tuple[str, list[int]]:
