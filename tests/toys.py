@@ -83,6 +83,21 @@ def config(*overrides: str) -> Config:
     return typed(compose(*overrides))
 
 
+def train_on_one_batch(model, idx: torch.Tensor, steps: int, lr: float = 3e-3) -> list[float]:
+    """``steps`` AdamW steps of ``model`` on the batch ``idx`` (next-token targets), each ended as
+    the trainer ends it (``numerics.end_step``); the losses."""
+    opt = torch.optim.AdamW(model.parameters(), lr=lr)
+    losses = []
+    for _ in range(steps):
+        loss = model(idx, idx.roll(-1, 1))
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        model.numerics.end_step()
+        losses.append(loss.item())
+    return losses
+
+
 def probe(**settings) -> GradientProbe:
     """The gradient probe of ``conf/probe/default.yaml`` with ``settings`` changed, e.g. ``every=1``."""
     return GradientProbe(dataclasses.replace(config().probe, **settings))

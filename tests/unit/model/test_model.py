@@ -11,6 +11,7 @@ from readback.model.fog import FOG, FOGConfig, Parts, rope, rounding_owners
 from readback.ops import numerics_for
 from readback.ops.activation import BETA, EPS
 from toys import config as compose
+from toys import train_on_one_batch
 
 VOCAB_128 = ("data=synthetic", "data.vocab_size=128", "model.vocab_size=128")
 
@@ -203,16 +204,7 @@ def test_tiny_model_learns(experiment):
     cfg = compose(f"+experiment={experiment}", *VOCAB_128)
     torch.manual_seed(0)
     model = build_model(cfg)
-    idx = torch.randint(0, 128, (4, 32))
-    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
-    losses = []
-    for _ in range(15):
-        loss = model(idx, idx.roll(-1, 1))
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        model.numerics.end_step()
-        losses.append(loss.item())
+    losses = train_on_one_batch(model, torch.randint(0, 128, (4, 32)), steps=15)
     assert losses[-1] < losses[0] - 0.5
 
 

@@ -25,7 +25,7 @@ from readback.numerics.spec import is_attention_site
 from readback.ops import numerics_for
 from readback.ops.attention import attention
 from readback.ops.linear import linear
-from toys import config
+from toys import config, train_on_one_batch
 
 TINY = (
     "data=synthetic",
@@ -45,17 +45,7 @@ def _trained(*overrides: str, steps: int = 2):
     """``(losses, model)`` after ``steps`` optimizer steps of the tiny FOG on one fixed batch."""
     torch.manual_seed(0)
     model = build_model(config("+experiment=reuse_rounded", *TINY, *overrides))
-    idx = torch.randint(0, 128, (2, 32))
-    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
-    losses = []
-    for _ in range(steps):
-        loss = model(idx, idx.roll(-1, 1))
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        model.numerics.end_step()
-        losses.append(loss.item())
-    return losses, model
+    return train_on_one_batch(model, torch.randint(0, 128, (2, 32)), steps), model
 
 
 def _states(model) -> dict[str, tuple]:

@@ -24,12 +24,7 @@ def _trained_model(*overrides, steps=3):
     torch.manual_seed(0)
     model = build_model(_cfg(*overrides))
     idx = torch.randint(0, 128, (4, 32))
-    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
-    for _ in range(steps):
-        model(idx, idx.roll(-1, 1)).backward()
-        opt.step()
-        opt.zero_grad()
-        model.numerics.end_step()
+    toys.train_on_one_batch(model, idx, steps)
     return model, idx, idx.roll(-1, 1)
 
 
