@@ -64,7 +64,13 @@ def fog_example(policy: str = "exact", seed: int = 0, *overrides: str) -> Exampl
     torch.manual_seed(seed)
     model = build_model(cfg)
     idx = torch.randint(0, 64, (2, 17), generator=torch.Generator().manual_seed(seed))
-    return model, fog_loss(model, idx[:, :-1], idx[:, 1:])
+    inputs, targets = idx[:, :-1], idx[:, 1:]
+    # A current-scaling attention scales P and dS by a one-step delayed recipe (TE's): one step on
+    # this batch, weights untouched, gives them this batch's own amax, as every other site has.
+    model(inputs, targets).backward()
+    model.zero_grad(set_to_none=True)
+    model.numerics.end_step()
+    return model, fog_loss(model, inputs, targets)
 
 
 def hf_example(seed: int = 0) -> Example:
