@@ -72,6 +72,8 @@ CASES = [
     Case("reuse_rounded_bf16_bwd", ("+experiment=reuse_rounded_bf16_bwd", *FP8)),
     Case("bf16_baseline", ("+experiment=bf16_baseline", *PROBE)),
     Case("current", ("+experiment=reuse_rounded", "precision.recipe=current", *FP8)),
+    Case("mxfp8", ("+experiment=reuse_rounded", "precision.recipe=mxfp8", *FP8)),
+    Case("nvfp4", ("+experiment=reuse_rounded", "precision.recipe=nvfp4", *FP8)),
     Case("stochastic", ("+experiment=fresh_reround", "precision.rounding=stochastic", *FP8)),
     Case("site_margin", ("+experiment=reuse_rounded", "precision.site_margin={attn.core.output:10}", *FP8)),
     Case("bf16_layers", ("+experiment=reuse_rounded", "precision.bf16_layers=[lm_head,layers.0.mlp]", *FP8)),
