@@ -114,21 +114,20 @@ def _recipe_env(p8: Fp8Precision, kind: str, own: bool, vt) -> dict[str, str]:
     """``NVTE_DPA_FP8_RECIPE`` and the variables of the recipe it makes, pinned where TE reads them
     (>= 2.8) so that the environment cannot change the attention's recipe: empty (the linears')
     unless the attention has its own; then its DelayedScaling's history and algorithm from the
-    precision group (and for the DelayedScaling of a current-scaling attention's S and dP, TE's
-    defaults, which the emulation's P and dS take: ``numerics.spec.DELAYED_UNDER_CURRENT``)."""
+    precision group. The DelayedScaling of a current-scaling attention's S and dP, unless it is
+    the linears', takes TE's defaults, pinned too: the emulation's P and dS take them
+    (``numerics.spec.DELAYED_UNDER_CURRENT``)."""
     if vt is not None and vt[:2] < SINCE["NVTE_DPA_FP8_RECIPE"]:
         return {}
-    if not own:
-        return {"NVTE_DPA_FP8_RECIPE": ""}
-    env = {"NVTE_DPA_FP8_RECIPE": RECIPES[kind]}
-    if p8.recipe == "nvfp4":
+    env = {"NVTE_DPA_FP8_RECIPE": RECIPES[kind] if own else ""}
+    if own and p8.recipe == "nvfp4":
         env["NVTE_DPA_FP8_FORMAT"] = p8.attention_format().name
-    if kind == "delayed":
+    if own and kind == "delayed":
         history, algo = str(p8.amax_history_len), p8.amax_compute_algo
-    elif p8.recipe != "delayed":
+    elif kind == "current" and p8.recipe != "delayed":
         history, algo = IMPORT_TIME_ENV["NVTE_DPA_FP8DS_AMAX_HISTLEN"], IMPORT_TIME_ENV["NVTE_DPA_FP8DS_AMAX_ALGO"]
     else:
-        return env  # S and dP take the linears' DelayedScaling
+        return env  # the linears' DelayedScaling, S and dP included
     return env | {
         "NVTE_DPA_FP8DS_AMAX_HISTLEN": history,
         "NVTE_DPA_FP8DS_AMAX_ALGO": algo,

@@ -87,6 +87,9 @@ def test_naming_the_linears_own_recipe_plans_as_null():
             te_plan(config(f"precision.recipe={recipe}", f"precision.attention_recipe={recipe}"), "2.8.0", B200) == null
         )
         assert null.env["NVTE_DPA_FP8_RECIPE"] == ""  # pinned: no variable in the environment switches it
+        # current: TE's S and dP take a DelayedScaling from these variables, pinned to the emulation's
+        pinned = {"NVTE_DPA_FP8DS_AMAX_HISTLEN": "1", "NVTE_DPA_FP8DS_AMAX_ALGO": "most_recent"}
+        assert (pinned.items() <= null.env.items()) == (recipe == "current")
     assert "NVTE_DPA_FP8_RECIPE" not in te_plan(config(), "2.7.0", B200).env  # TE 2.7 does not read it
 
 
