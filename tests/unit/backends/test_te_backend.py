@@ -47,6 +47,12 @@ B200 = Hardware((10, 0), (9, 14, 0))
 HD128 = ("model.d_model=512", "model.n_heads=4")  # head dim 128, as fog_390m's
 PINNED = {"NVTE_FUSED_ATTN": "1", "NVTE_FLASH_ATTN": "0"}
 LINEARS_RECIPE = {"NVTE_DPA_FP8_RECIPE": ""}  # FP8 attention under the linears' recipe, pinned (TE >= 2.8)
+# and under current scaling, the DelayedScaling of S and dP, pinned to TE's defaults (the emulation's)
+S_DP_DELAYED = {
+    "NVTE_DPA_FP8DS_AMAX_HISTLEN": "1",
+    "NVTE_DPA_FP8DS_AMAX_ALGO": "most_recent",
+    "NVTE_DPA_FP8DS_REDUCE_AMAX": "1",
+}
 
 # experiment -> (TE recipe, fp8_dpa, env, attention core)
 EXPERIMENTS = {
@@ -136,7 +142,8 @@ def test_bf16_backward_under_current_scaling_reads_the_f16_o_so_reuse_rounded_ha
         assert te_plan(config("reuse_rounded", *bf16_bwd, *HD128), TE2, B200).attention_core == "readback"
     bf16_bwd = ("policy=original", "precision.recipe=current", "attention.bwd_precision=bf16")
     plan = te_plan(config("reuse_rounded", *bf16_bwd, "attention.bwd_reads=te", *HD128), TE2, B200)
-    assert plan.env == {"NVTE_FP8_DPA_BWD": "0", **LINEARS_RECIPE, **PINNED} and plan.attention_core == "te"
+    assert plan.env == {"NVTE_FP8_DPA_BWD": "0", **LINEARS_RECIPE, **S_DP_DELAYED, **PINNED}
+    assert plan.attention_core == "te"
 
 
 @pytest.mark.parametrize("policy, o_in_f16", [("original", "1"), ("reuse_rounded", "0")])
@@ -145,7 +152,8 @@ def test_current_scaling_fp8_backward_switches(policy, o_in_f16):
     plan = te_plan(cfg, TE2, B200)
     assert plan.recipe == "Float8CurrentScaling" and plan.attention_core == "te"
     assert plan.recipe_kwargs == dict(fp8_format="HYBRID", fp8_dpa=True, fp8_mha=False)
-    assert plan.env == {"NVTE_FP8_DPA_BWD": "1", "NVTE_DPA_FP8CS_O_in_F16": o_in_f16, **LINEARS_RECIPE, **PINNED}
+    expected = {"NVTE_FP8_DPA_BWD": "1", "NVTE_DPA_FP8CS_O_in_F16": o_in_f16, **LINEARS_RECIPE, **S_DP_DELAYED}
+    assert plan.env == {**expected, **PINNED}
 
 
 @pytest.mark.parametrize(
