@@ -121,7 +121,7 @@ def _start_histories(model, stream, recipe: str | None) -> None:
     delayed = [r for r in recipes if isinstance(r, DelayedScaling)]
     if any(r.amax_history_len > 1 for r in delayed):
         key, value = ("recipe", recipe) if isinstance(spec.recipe, DelayedScaling) else ("attention_recipe", "delayed")
-        require(False, f"--precision {key}", value, "another than delayed (this run has no amax history to start from)")
+        raise ConfigError(f"--precision {key}", value, "another than delayed (this run has no amax history to give)")
     if delayed:
         inputs, targets = next(iter(stream.val_batches(1)))
         model(inputs, targets).backward()
