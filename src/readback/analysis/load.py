@@ -24,8 +24,9 @@ loaded; the wandb run path for wandb runs). Columns:
   ``val_loss``, ``steps`` and ``tokens`` come from the last logged records;
 * ``diverged``: ``status == "diverged"`` or a ``diverged_at_step``;
 * ``last_step``: the last step in ``metrics.jsonl``; ``bad_lines``: unreadable lines in it;
-  ``overrides``: the run's Hydra overrides (``k=v,...``); ``command`` and ``machine``: what
-  started it and where (``launch.json``); ``path``: the run directory (``None`` for wandb runs).
+  ``overrides``: the run's Hydra overrides (``k=v,...``); ``command``, ``machine`` and ``code``:
+  what started it, where, and at which commit (``launch.json``); ``path``: the run directory
+  (``None`` for wandb runs).
 
 ``runs.metrics``: the long table of every logged number, one row per (run, step, key):
 columns ``run``, ``experiment``, ``group``, ``seed``, ``step``, ``tokens`` (of that record),
@@ -67,6 +68,7 @@ SUMMARY_COLUMNS = (
     "overrides",
     "command",
     "machine",
+    "code",
     "path",
 )
 METRIC_COLUMNS = ("run", "experiment", "group", "seed", "step", "tokens", "key", "value")

@@ -40,6 +40,7 @@ def runs_from_records(entries: Iterable[Mapping[str, Any]], keys: Sequence[str] 
         row["overrides"] = ",".join(f"{k}={v}" for k, v in sorted(overrides[row["run"]].items()))
         row["command"] = _command(launch)
         row["machine"] = _machine(launch)
+        row["code"] = _code(launch)
         if len(long):
             frames.append(long)
     if not rows:
@@ -84,6 +85,14 @@ def _machine(launch: Mapping[str, Any]) -> str | None:
         f"{launch['host']}: {launch.get('cpus')} CPUs, {gpus}; {launch.get('platform')}; "
         f"torch {launch.get('torch')}, Python {launch.get('python')}"
     )
+
+
+def _code(launch: Mapping[str, Any]) -> str | None:
+    """The commit the run's code was at, marked where its tracked files had changes."""
+    code = launch.get("code") or {}
+    if not code.get("commit"):
+        return None
+    return code["commit"][:12] + (" with uncommitted changes" if code.get("dirty") else "")
 
 
 def _number(value: Any) -> float:

@@ -118,6 +118,7 @@ def _sections(
     out.append(Section("Runs", ["run", *RUN_COLUMNS], [[i, *(s.at[i, c] for c in RUN_COLUMNS)] for i in s.index]))
     made = [f"`{c}`" for c in dict.fromkeys(s["command"].dropna())] or ["(not recorded)"]
     where = list(dict.fromkeys(s["machine"].dropna())) or ["(not recorded)"]
+    code = list(dict.fromkeys(s["code"].dropna())) or ["(not recorded)"]
     out.append(
         Section(
             "How it was made",
@@ -125,6 +126,7 @@ def _sections(
             [
                 *(["runs: command", c] for c in made),
                 *(["runs: machine", m] for m in where),
+                *(["runs: code", f"`{c}`"] for c in code),
                 ["report: command", f"`{command}`"],
                 ["report: machine", this_machine()],
             ],

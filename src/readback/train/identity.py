@@ -1,5 +1,6 @@
 """Who a run is, for wandb and for ``launch.json``: its name, group and tags from the config,
-and where it came from (Hydra overrides, sweep directory, Slurm job, host and devices).
+and where it came from (Hydra overrides, sweep directory, Slurm job, host and devices, the commit
+of readback's code).
 
 * ``group`` = ``<sweep>/<experiment>`` plus the swept overrides other than the seed, so one
   group is the seeds of one configuration (wandb's grouped curves are then mean-over-seeds);
@@ -7,7 +8,7 @@ and where it came from (Hydra overrides, sweep directory, Slurm job, host and de
 * ``job_type`` = ``train``; ``tags``: the study's axes (``policy=...``, ``rounding=...``) and the
   swept overrides, plus ``logger.tags``;
 * ``config`` = the resolved run config plus ``launch``: the job's overrides, the sweep's
-  command-line overrides, sweep and run directory, job number, Slurm job id, host.
+  command-line overrides, sweep and run directory, job number, Slurm job id, host, code.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from __future__ import annotations
 import os
 import platform
 import socket
+import subprocess
 import sys
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -26,6 +28,7 @@ from readback.overrides import STUDY_AXES, config_value, is_setting, override_ma
 #: A study axis's tag where it is not the axis's name (``bwd=fp8``).
 TAG_NAMES = {"bwd_precision": "bwd"}
 _MAX_TAG = 64  # wandb rejects longer tags
+PACKAGE = Path(__file__).resolve().parents[1]  # readback's own folder, whose commit a run records
 
 
 @dataclass
@@ -55,6 +58,7 @@ def launch_context(run_dir: Path) -> dict[str, Any]:
         "python": platform.python_version(),
         "platform": platform.platform(),
         "argv": list(sys.argv),
+        "code": code_version(),
         **_devices(),
     }
     try:
@@ -102,6 +106,22 @@ def cpu_model(cpuinfo: Path = Path("/proc/cpuinfo")) -> str:
             if key.strip() == "model name":
                 return value.strip()
     return platform.processor()
+
+
+def code_version(package: Path = PACKAGE) -> dict[str, Any]:
+    """The git commit readback's code was checked out at, and whether its tracked files differ from
+    that commit: what "all arms ran on one code version" is checked against. Both are None when the
+    package is not a tracked file of a git work tree (an installed copy) or git cannot be run."""
+
+    def git(*args: str) -> str:
+        cmd = ["git", "--no-optional-locks", "-C", str(package), *args]  # no index lock: jobs run side by side
+        return subprocess.run(cmd, capture_output=True, text=True, timeout=60, check=True).stdout.strip()
+
+    try:
+        git("ls-files", "--error-unmatch", "__init__.py")
+        return {"commit": git("rev-parse", "HEAD"), "dirty": bool(git("status", "--porcelain", "--untracked-files=no"))}
+    except (OSError, subprocess.SubprocessError):
+        return {"commit": None, "dirty": None}
 
 
 def slurm_job_id() -> str | None:

@@ -194,6 +194,7 @@ class _StubRun:
                 "platform": "Linux",
                 "torch": "2.13.0",
                 "python": "3.11",
+                "code": {"commit": "0123456789abcdef0123", "dirty": seed == 1},
             },
         }
         self.summary = {"status": "completed", "final_loss": loss, "val_loss": loss - 0.1, "steps": 20, "_step": 1}
@@ -232,6 +233,7 @@ def test_cli_reads_a_wandb_project_through_the_loader(monkeypatch, tmp_path, cap
     assert "+0.020 ± 0.000 (n=2" in row
     page = (out / "report.html").read_text()
     assert "node7: 8 CPUs, H100" in page
+    assert "0123456789ab with uncommitted changes" in page and "<code>0123456789ab</code>" in page
     assert cli_main([]) == 2 and cli_main(["x", "--wandb", "a/b"]) == 2
 
 

@@ -2,6 +2,11 @@
 ``readback.sync`` on a directory without offline runs; wandb on a real sweep is in
 tests/integration/test_tracking.py."""
 
+import shutil
+import subprocess
+
+import pytest
+
 from readback.overrides import swept_keys
 from readback.train.identity import run_identity
 
@@ -77,3 +82,26 @@ def test_launch_records_the_cpu_that_ran_the_run(tmp_path):
     assert cpu_model(cpuinfo) == "AMD EPYC 9999 64-Core"
     ctx = launch_context(tmp_path)
     assert ctx["cpu_capability"] == torch.backends.cpu.get_cpu_capability() and isinstance(ctx["cpu_model"], str)
+
+
+@pytest.mark.skipif(shutil.which("git") is None, reason="needs git")
+def test_launch_records_the_commit_the_code_was_at(tmp_path):
+    """The code version is what "all arms ran on one code version" is checked against."""
+    from readback.train.identity import code_version, launch_context
+
+    def git(*args):
+        return subprocess.run(["git", "-C", str(tmp_path), *args], capture_output=True, text=True, check=True).stdout
+
+    package = tmp_path / "pkg"
+    package.mkdir()
+    (package / "__init__.py").write_text("x = 1\n")
+    assert code_version(package) == {"commit": None, "dirty": None}  # not a work tree
+    git("init", "-q")
+    assert code_version(package) == {"commit": None, "dirty": None}  # a work tree, the package not in it
+    git("add", "pkg/__init__.py")
+    git("-c", "user.name=t", "-c", "user.email=t@t", "commit", "-q", "-m", "one")
+    (tmp_path / "untracked.txt").write_text("run output\n")
+    assert code_version(package) == {"commit": git("rev-parse", "HEAD").strip(), "dirty": False}
+    (package / "__init__.py").write_text("x = 2\n")
+    assert code_version(package)["dirty"] is True
+    assert launch_context(tmp_path)["code"] == code_version()  # readback's own checkout
