@@ -220,6 +220,7 @@ def test_a_recipe_given_at_measurement_meters_the_weights_under_it(run, tmp_path
     assert delayed.numerics.sites["layers.0.attn.core.output"].state.steps == 2  # the run's amax history
     written = _o_rounding(run, tmp_path / "nvfp4", "--precision", "recipe=nvfp4")
     assert written["precision_from_command_line"] == {"recipe": "nvfp4"}
+    assert set(written["code"]) == {"commit", "dirty"}  # the code version that metered it
     assert "contrib.exact_read.linear.wgrad" in written["stats"] and D_READ in written["stats"]
     assert bias_main([str(run), "--batches", "1", "--precision", "recipe=nvfp4"]) == 0
     assert (run / "bias" / "step2-precision-recipe=nvfp4" / "bias.json").exists()

@@ -266,6 +266,7 @@ def _measure(args, site_margin: dict[str, int] | None, out_for, shown: bool = Tr
     ``out_for(run_dir, step)``; prints the ``--show`` rows when ``shown``. ``(result, its directory)``."""
     from readback.bias import measure_bias
     from readback.bias.report import to_markdown, write
+    from readback.train.identity import code_version
 
     model, stream, step, run_dir = load_run(
         args.path, site_margin, (args.accumulation_keys or {}) | args.precision_keys
@@ -278,6 +279,7 @@ def _measure(args, site_margin: dict[str, int] | None, out_for, shown: bool = Tr
         "site_margin_from": "checkpoint" if site_margin is None else "command line",
         "accumulation": list(model.numerics.spec.accumulation),
         "precision_from_command_line": args.precision_keys,
+        "code": code_version(),
     }
     out = out_for(run_dir, step)
     paths = write(result, out)
