@@ -13,6 +13,7 @@ import pytest
 
 from readback.analysis import final_loss_table, load_runs
 from readback.analysis.__main__ import main as cli_main
+from readback.train.identity import code_version
 from sweeps import EXPERIMENTS
 
 BROWSER = shutil.which("chromium") or shutil.which("chromium-browser")
@@ -84,6 +85,8 @@ def test_html_report_renders_its_images_and_tables_in_a_browser(real_sweep, tmp_
     how = {r[0]: r[1] for r in tables["How it was made"][1:]}
     assert how["runs: command"].startswith("python train.py -m +experiment=") and "CPUs" in how["runs: machine"]
     assert how["report: command"].startswith("python -m readback.analysis ")
+    commit = code_version()["commit"]  # the sweep's runs ran from this checkout
+    assert how["runs: code"].startswith(commit[:12]) if commit else how["runs: code"] == "(not recorded)"
     shot = tmp_path / "shot.png"
     subprocess.run(
         [
