@@ -85,7 +85,9 @@ def test_html_report_renders_its_images_and_tables_in_a_browser(real_sweep, tmp_
     how = {r[0]: r[1] for r in tables["How it was made"][1:]}
     assert how["runs: command"].startswith("python train.py -m +experiment=") and "CPUs" in how["runs: machine"]
     assert how["report: command"].startswith("python -m readback.analysis ")
-    commit = code_version()["commit"]  # the sweep's runs ran from this checkout
+    commits = {json.loads(f.read_text())["code"]["commit"] for f in sweep.glob("*/*/launch.json")}
+    assert len(commits) == 1 and (None in commits) == (code_version()["commit"] is None)  # this checkout's
+    commit = commits.pop()
     assert how["runs: code"].startswith(commit[:12]) if commit else how["runs: code"] == "(not recorded)"
     shot = tmp_path / "shot.png"
     subprocess.run(
