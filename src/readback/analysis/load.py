@@ -152,7 +152,14 @@ class Runs:
 
 
 #: The study's experiments, in the order tables and legends list them.
-STUDY_ORDER = ("reuse_rounded", "fresh_reround", "no_saved_copy", "reuse_rounded_bf16_bwd", "bf16_baseline")
+STUDY_ORDER = (
+    "reuse_rounded",
+    "fresh_reround",
+    "no_saved_copy",
+    "reuse_rounded_bf16_bwd",
+    "original_bf16_bwd",
+    "bf16_baseline",
+)
 
 
 def _study_key(group: str) -> tuple[int, list[Any]]:

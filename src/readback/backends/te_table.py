@@ -26,6 +26,7 @@ ROWS = [
         ("+experiment=reuse_rounded_bf16_bwd", "attention.bwd_reads=forward"),
     ),
     ("`reuse_rounded backend.fp8_mha=true`", ("+experiment=reuse_rounded", "backend.fp8_mha=true")),
+    ("`original_bf16_bwd`", ("+experiment=original_bf16_bwd",)),
     ("`fresh_reround`", ("+experiment=fresh_reround",)),
     ("`no_saved_copy`", ("+experiment=no_saved_copy",)),
     ("`bf16_baseline`", ("+experiment=bf16_baseline",)),

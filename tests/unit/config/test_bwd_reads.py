@@ -15,9 +15,10 @@ from toys import ALL_EXPERIMENTS, REPO, TWO_STEP_RUN, compose
 
 
 @pytest.mark.parametrize("experiment", ALL_EXPERIMENTS)
-def test_only_the_bf16_backward_experiment_reads_as_te(experiment):
+def test_only_the_bf16_backward_experiments_read_as_te(experiment):
     cfg = compose(f"+experiment={experiment}")
-    assert cfg.attention.bwd_reads == ("te" if experiment == "reuse_rounded_bf16_bwd" else "forward")
+    te = experiment in ("reuse_rounded_bf16_bwd", "original_bf16_bwd")
+    assert cfg.attention.bwd_reads == ("te" if te else "forward")
 
 
 def test_the_spec_carries_the_flavour_and_its_reads():

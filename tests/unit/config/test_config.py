@@ -18,6 +18,7 @@ def test_the_study_experiments_exist():
         "bf16_baseline",
         "fresh_reround",
         "no_saved_copy",
+        "original_bf16_bwd",
         "reuse_rounded",
         "reuse_rounded_bf16_bwd",
     ]
@@ -43,6 +44,7 @@ def test_experiment_composes_validates_and_sets_only_the_study_axes(experiment):
         ("fresh_reround", "fp8", "fresh_reround", "fp8"),
         ("no_saved_copy", "fp8", "no_saved_copy", "fp8"),
         ("reuse_rounded_bf16_bwd", "fp8", "reuse_rounded", "bf16"),
+        ("original_bf16_bwd", "fp8", "original", "bf16"),
         ("bf16_baseline", "bf16", "exact", "bf16"),
     ],
 )
