@@ -39,7 +39,13 @@ from readback.progress import progress
 BATCHES, SIZES = 80, (8, 16, 32)
 GROUPS = ("total", "layers.0.attn.qkv", "layers.1.attn.qkv")
 ALPHA_FLOORS = 3.0  # the known mean's size, in floors
-Z_STATS = {"projection": ("projection", "projection_se"), "debiased_sq": ("debiased_sq", "debiased_sq_se")}
+# statistic -> (estimate, SE); the debiased SE without its guard (``group_stats(guard=False)``) is
+# in the records measured since the guard exists (preregistration_nonzero.md)
+Z_STATS = {
+    "projection": ("projection", "projection_se"),
+    "debiased_sq": ("debiased_sq", "debiased_sq_se"),
+    "debiased_sq_unguarded": ("debiased_sq", "debiased_sq_se_unguarded"),
+}
 CALLED_N, MEAN_LIMIT, SD_BAND, SHARE_LIMIT = 16, 0.25, (0.8, 1.2), 0.05
 SYNTHETIC_D, SYNTHETIC_REPS = 2048, 2000
 
@@ -100,10 +106,14 @@ def _flat(grads: dict, names: list[str]) -> torch.Tensor:
 
 def _null_and_known(e: torch.Tensor, r: torch.Tensor) -> dict:
     """The estimators on ``e`` (truth 0) and on ``e - alpha G`` (truth alpha, alpha^2)."""
-    null = group_stats(e, r)
+    null = _statistics(e, r)
     alpha = ALPHA_FLOORS * null["floor"]
-    known = group_stats(e - alpha * r.mean(0), r)
-    return {"null": null, "known": known, "alpha": alpha}
+    return {"null": null, "known": _statistics(e - alpha * r.mean(0), r), "alpha": alpha}
+
+
+def _statistics(e: torch.Tensor, r: torch.Tensor) -> dict:
+    """``group_stats``, and the debiased SE without its guard beside it."""
+    return group_stats(e, r) | {"debiased_sq_se_unguarded": group_stats(e, r, guard=False)["debiased_sq_se"]}
 
 
 def synthetic(out: Path, seed: int = 0) -> None:
@@ -125,7 +135,7 @@ def synthetic(out: Path, seed: int = 0) -> None:
                         chi2 = torch.randn(n, 3, generator=gen, dtype=torch.float64).pow(2).sum(1)
                         e = e / (chi2 / 3).sqrt()[:, None] / math.sqrt(3)  # unit covariance scale
                     r = g.expand(n, d)
-                    null, known = group_stats(e, r), group_stats(e - alpha * g, r)
+                    null, known = _statistics(e, r), _statistics(e - alpha * g, r)
                     line = {"noise": noise, "n": n, "rep": rep, "alpha": alpha, "null": null, "known": known}
                     records.write(json.dumps(line) + "\n")
 
@@ -134,7 +144,7 @@ def z_scores(line: dict, stat: str, kind: str) -> float:
     """``(estimate - truth) / SE`` of ``stat`` in ``line``'s ``kind`` (``null`` or ``known``)."""
     value, se = Z_STATS[stat]
     alpha = line["alpha"] if kind == "known" else 0.0
-    truth = {"projection": alpha, "debiased_sq": alpha**2}[stat]
+    truth = {"projection": alpha, "debiased_sq": alpha**2}[value]
     return (line[kind][value] - truth) / line[kind][se]
 
 
@@ -188,14 +198,15 @@ def decide(folder: Path) -> None:
     for kind in ("null", "known"):
         for n in SIZES:
             for group in GROUPS:
-                for stat in Z_STATS:
+                for stat in _measured(real):
                     z = np.array([z_scores(x, stat, kind) for x in real if x["n"] == n and x["group"] == group])
                     rows.append({"source": f"real {kind}", "n": n, "group": group, "stat": stat, **summary(z)})
-    fake = records(folder, "synthetic")
-    for noise in ("gaussian", "t3"):
+    made = any((folder / f"synthetic{suffix}").exists() for suffix in (".jsonl", ".jsonl.gz"))
+    fake = records(folder, "synthetic") if made else []  # a folder of real cells alone has none
+    for noise in ("gaussian", "t3") if fake else ():
         for kind in ("null", "known"):
             for n in SIZES:
-                for stat in Z_STATS:
+                for stat in _measured(fake):
                     z = np.array([z_scores(x, stat, kind) for x in fake if x["n"] == n and x["noise"] == noise])
                     rows.append({"source": f"{noise} {kind}", "n": n, "group": "-", "stat": stat, **summary(z)})
     for row in rows:
@@ -204,6 +215,12 @@ def decide(folder: Path) -> None:
     (folder / "calibration.md").write_text(_markdown(rows) + "\n")
     _plot(real, folder / "z_real_n16.png")
     print(_markdown(rows))
+
+
+def _measured(lines: list[dict]) -> list[str]:
+    """The statistics of Z_STATS whose SE the records hold (records made before the debiased SE's
+    guard have no unguarded SE)."""
+    return [stat for stat, (_, se) in Z_STATS.items() if se in lines[0]["null"]]
 
 
 def _markdown(rows: list[dict]) -> str:

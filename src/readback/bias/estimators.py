@@ -21,10 +21,14 @@ jackknife, which recomputes ``G`` too. Cost: O(N x elements), nothing quadratic 
   with ``s1 = (E e)' Cov(e) (E e)`` and ``s2 = tr(Cov(e)^2)`` (Hoeffding). ``debiased_sq_se`` is
   the square root of that with ``s2`` estimated without bias from independent pair differences
   (:func:`_trace_of_squared_covariance`) and ``4 s1 / N`` as the delete-one jackknife variance
-  less its expected degenerate part ``4 s2 / (N (N - 2))``, clamped at 0 (a variance). The
-  jackknife alone would overstate the variance 2 (N - 1) / (N - 2) times at zero bias; this one
-  is unbiased where the bias is well above the floor and conservative near zero bias (at none,
-  about 1.3 times the true SE at 8 batches, 1.2 times at 32). N >= 4.
+  less its expected degenerate part ``4 s2 / (N (N - 2))``, but at least half its plug-in along
+  the mean error's own direction, ``4 U+ (ê' Ŝ ê) / N`` with ``U+ = max(|ē|^2 - S / N, 0)`` and
+  ``ê = ē / |ē|``. The jackknife alone would overstate the variance 2 (N - 1) / (N - 2) times at
+  zero bias; less its degenerate part it is unbiased where the bias is well above the floor and
+  conservative near zero bias (at none, about 1.3 times the true SE at 8 batches, 1.2 times at
+  32), but at N <= 16 it can fall to 0 where the bias is clearly not zero (on real errors, SEs
+  half the null's: ``docs/results/meter_calibration/preregistration_nonzero.md``); the guard,
+  silent at zero bias, stops that collapse and only ever widens. N >= 4.
 
 On nulls (``docs/results/meter_calibration``) the projection's z = projection / projection_se
 follows Student's t with N - 1 degrees of freedom (read it against t's quantiles, 2.36 at 8
@@ -55,8 +59,10 @@ STATS = (
 TINY = 1e-300  # keeps a zero gradient's ratios finite (0 / TINY = 0)
 
 
-def group_stats(e: torch.Tensor, r: torch.Tensor) -> dict[str, float]:
-    """Every statistic of the module docstring, of errors ``e`` against exact gradients ``r``."""
+def group_stats(e: torch.Tensor, r: torch.Tensor, guard: bool = True) -> dict[str, float]:
+    """Every statistic of the module docstring, of errors ``e`` against exact gradients ``r``;
+    ``guard`` False leaves out the plug-in's floor under ``debiased_sq_se``'s linear part (the
+    rule before it, which the meter's calibration measures beside it)."""
     n = e.shape[0]
     mean_error, mean_grad = e.mean(0), r.mean(0)
     scale = mean_grad.norm().clamp_min(TINY)
@@ -82,8 +88,10 @@ def group_stats(e: torch.Tensor, r: torch.Tensor) -> dict[str, float]:
     )
     if n >= 4:
         s2 = _trace_of_squared_covariance(e)
-        linear = _jackknife_se(_leave_one_out_debiased(mean_error, deviations)) ** 2 - 4 * s2 / (n * (n - 2))
-        variance = max(linear, 0.0) + 2 * s2 / (n * (n - 1))
+        jackknife = _jackknife_se(_leave_one_out_debiased(mean_error, deviations)) ** 2 - 4 * s2 / (n * (n - 2))
+        plug_in = _plug_in_linear(mean_error, deviations, spread) if guard else 0.0
+        linear = max(jackknife, 0.5 * plug_in, 0.0)
+        variance = linear + 2 * s2 / (n * (n - 1))
         stats["debiased_sq_se"] = math.sqrt(variance) / scale.item() ** 2
     return stats
 
@@ -108,6 +116,19 @@ def _leave_one_out_debiased(mean_error: torch.Tensor, deviations: torch.Tensor) 
     mean_sq = mean_error.pow(2).sum() - 2 * along / (n - 1) + squares / (n - 1) ** 2
     spread = (squares.sum() - squares * n / (n - 1)) / (n - 2)
     return mean_sq - spread / (n - 1)
+
+
+def _plug_in_linear(mean_error: torch.Tensor, deviations: torch.Tensor, spread: float) -> float:
+    """``4 s1 / N`` estimated as ``4 U+ (ê' Ŝ ê) / N``: the unbiased ``|E e|^2`` (clamped at 0)
+    times the batches' spread along the mean error's direction ``ê``, ``s1 = (E e)' Cov(e) (E e)``
+    where the bias stands above the floor."""
+    n = deviations.shape[0]
+    squared_mean = mean_error.pow(2).sum().item() - spread / n
+    norm = mean_error.norm()
+    if squared_mean <= 0 or norm == 0:
+        return 0.0
+    along = (deviations @ (mean_error / norm)).pow(2).sum().item() / (n - 1)
+    return 4 * squared_mean * along / n
 
 
 def _trace_of_squared_covariance(e: torch.Tensor) -> float:

@@ -30,6 +30,45 @@ def _definitions(e: torch.Tensor, r: torch.Tensor) -> dict[str, float]:
     }
 
 
+def _debiased_variance(e: torch.Tensor, guard: bool = True) -> float:
+    """``debiased_sq_se``'s variance before dividing by ``|G|^4``, the slow way, for N = 6;
+    ``guard`` False: without the plug-in's floor under the linear part."""
+    n, mean = e.shape[0], e.mean(0)
+    left_out = [_unbiased_squared_mean(e[torch.arange(n) != i]) for i in range(n)]
+    u = torch.stack([e[0] - e[1], e[2] - e[3], e[4] - e[5]]) / math.sqrt(2)
+    s2 = sum((u[j] @ u[k]) ** 2 for j in range(3) for k in range(3) if k == (j + 1) % 3).item() / 3
+    direction = mean / mean.norm()
+    along = sum(((row - mean) @ direction) ** 2 for row in e).item() / (n - 1)
+    plug_in = 4 * max(_unbiased_squared_mean(e), 0.0) * along / n
+    linear = max(_jackknife(left_out) ** 2 - 4 * s2 / (n * (n - 2)), 0.5 * plug_in if guard else 0.0, 0.0)
+    return linear + 2 * s2 / (n * (n - 1))
+
+
+def _unbiased_squared_mean(e: torch.Tensor) -> float:
+    """``|ē|^2 - tr(Cov e) / N``, unbiased for ``|E e|^2``."""
+    n = e.shape[0]
+    trace = sum(((row - e.mean(0)) ** 2).sum() for row in e) / (n - 1)
+    return (e.mean(0).pow(2).sum() - trace / n).item()
+
+
+def test_the_guard_binds_where_the_jackknife_collapses_and_only_ever_widens():
+    """Sets of 6 batches with a mean 2 floors from zero and heavy-tailed noise: in some, the
+    jackknife's linear part falls below half the plug-in (to 0 in the worst), and there the SE is
+    the guarded one; no set's SE is below the unguarded SE."""
+    g = torch.Generator().manual_seed(3)
+    mean = torch.zeros(40, dtype=torch.float64)
+    mean[0] = 2 * math.sqrt(40 / 6)
+    r = torch.ones(6, 40, dtype=torch.float64)
+    bound = 0
+    for _ in range(60):
+        e = mean + torch.randn(6, 40, generator=g, dtype=torch.float64) / torch.rand(6, 1, generator=g).double()
+        se = group_stats(e, r)["debiased_sq_se"] * 40
+        guarded, unguarded = math.sqrt(_debiased_variance(e)), math.sqrt(_debiased_variance(e, guard=False))
+        assert se == pytest.approx(guarded, rel=1e-9) and se >= unguarded * (1 - 1e-12)
+        bound += guarded > unguarded * (1 + 1e-9)
+    assert bound >= 3
+
+
 def _jackknife(values: list[float]) -> float:
     n, mean = len(values), sum(values) / len(values)
     return math.sqrt((n - 1) / n * sum((v - mean) ** 2 for v in values))
@@ -44,14 +83,11 @@ def test_every_estimator_equals_its_definition():
         assert stats[key] == pytest.approx(value, rel=1e-12), key
     assert stats["bias_se"] == stats["floor"]  # the old key's number, under the name of what it is
     # debiased_sq_se: the U-statistic's two variance components, 4 s1 / N from the jackknife
-    # (leave-one-out values recomputed) less its degenerate part, 2 s2 / (N (N - 1)) from all
-    # products of the independent pair differences (s2 = tr(Cov(e)^2))
+    # (leave-one-out values recomputed) less its degenerate part, but at least half the plug-in
+    # along the mean error, and 2 s2 / (N (N - 1)) from all products of the independent pair
+    # differences (s2 = tr(Cov(e)^2))
     scale = r.mean(0).pow(2).sum().item()
-    left_out = [_definitions(e[torch.arange(6) != i], r)["debiased_sq"] * scale for i in range(6)]
-    u = torch.stack([e[0] - e[1], e[2] - e[3], e[4] - e[5]]) / math.sqrt(2)
-    s2 = sum((u[j] @ u[k]) ** 2 for j in range(3) for k in range(3) if k == (j + 1) % 3).item() / 3
-    variance = max(_jackknife(left_out) ** 2 - 4 * s2 / (6 * 4), 0.0) + 2 * s2 / (6 * 5)
-    assert stats["debiased_sq_se"] == pytest.approx(math.sqrt(variance) / scale, rel=1e-9)
+    assert stats["debiased_sq_se"] == pytest.approx(math.sqrt(_debiased_variance(e)) / scale, rel=1e-9)
     # cosine_se: the jackknife of the cosine, both means recomputed
     cosines = [
         torch.nn.functional.cosine_similarity(e[keep].mean(0), r[keep].mean(0), dim=0).item()
