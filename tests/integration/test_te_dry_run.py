@@ -1,4 +1,4 @@
-"""README's dry run of the 8B model under ``backend=te``, through the real ``python train.py``: it
+"""docs/te_backend.md's dry run of the 8B model under ``backend=te``, through the real ``python train.py``: it
 runs on a machine without CUDA or Transformer Engine and prints the TE plan with the TE version
 and GPU it assumed; without ``trainer.dry_run`` the same command is refused in one line."""
 
@@ -23,8 +23,8 @@ bare_machine = pytest.mark.skipif(not BARE, reason="checks what a machine withou
 
 
 def readme_command() -> tuple[dict[str, str], list[str]]:
-    """The README's ``WORLD_SIZE=... python train.py ... backend=te ... trainer.dry_run=true`` line."""
-    readme = (REPO / "README.md").read_text()
+    """docs/te_backend.md's ``WORLD_SIZE=... python train.py ... backend=te ... trainer.dry_run=true`` line."""
+    readme = (REPO / "docs/te_backend.md").read_text()
     line = next(
         line
         for line in readme.splitlines()

@@ -1,5 +1,5 @@
-"""The experiment -> Transformer Engine table of README.md and docs/te_backend.md, rendered from
-``te_plan`` so that the documents and the plan cannot disagree (a test compares them).
+"""The experiment -> Transformer Engine table of docs/te_backend.md, rendered from ``te_plan`` so
+that the page and the plan cannot disagree (a test compares them).
 
     python -m readback.backends.te_table     # prints the table that goes between the markers
 """

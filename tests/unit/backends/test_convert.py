@@ -387,16 +387,15 @@ def test_converted_linear_multiplies_torchaos_fp8_operands_bit_for_bit(monkeypat
         assert theirs._scale.item() == scale.item(), role
 
 
-def test_readmes_own_model_example_runs():
+def test_the_own_model_pages_example_runs():
     pytest.importorskip("transformers", reason="transformers not installed (extra hf)")
-    text = (REPO / "README.md").read_text()
-    section = text[text.index("## Your own model") :]
+    section = (REPO / "docs/own_model.md").read_text()
     code = section[
         section.index("```python") + len("```python") : section.index("```\n", section.index("```python") + 9)
     ]
     namespace: dict = {}
     exec(
-        compile(code.replace("print(report)", "first = model.model.layers[0].self_attn.q_proj"), "README", "exec"),
+        compile(code.replace("print(report)", "first = model.model.layers[0].self_attn.q_proj"), "own_model.md", "exec"),
         namespace,
     )
     assert type(namespace["first"]).__name__ == "ConvertedLinear"
