@@ -51,6 +51,13 @@ def _config_error(error: ConfigError, run_dir: Path) -> None:
     sys.exit(2)
 
 
+def _where_the_outputs_are(run_dir: Path) -> None:
+    """A single run's last lines on stderr (rank 0): its folder, and the command that draws its
+    loss and gradient-error plots and report."""
+    if HydraConfig.get().mode == RunMode.RUN and int(os.environ.get("RANK", "0")) == 0:
+        print(f"outputs: {run_dir}\nplots and report: python -m readback.analysis {run_dir} --html", file=sys.stderr)
+
+
 @hydra.main(config_path="conf", config_name="train", version_base="1.3")
 def main(cfg: DictConfig) -> None:
     run_dir = Path(HydraConfig.get().runtime.output_dir)
@@ -59,6 +66,7 @@ def main(cfg: DictConfig) -> None:
         from readback.train import run
 
         run(config, run_dir)
+        _where_the_outputs_are(run_dir)
     except ConfigError as error:
         _config_error(error, run_dir)
     except BaseException as error:
