@@ -22,7 +22,6 @@ from readback.train.checkpoint_dirs import (
     checkpoint_path,
     commit_checkpoint,
     list_checkpoints,
-    resume_plan,
     temp_checkpoint_path,
 )
 from readback.train.distributed import DistEnv
@@ -30,6 +29,7 @@ from readback.train.divergence import DivergenceDetector
 from readback.train.identity import RunIdentity
 from readback.train.metrics import JsonlWriter, MetricsLogger, read_jsonl
 from readback.train.optim import WSDSchedule, build_optimizer, clip_gradients, nonfinite_grad_names, param_groups
+from readback.train.resumption import resume_plan
 from readback.train.settings import WandbLogger as WandbSettings
 from readback.train.tracking import WandbLogger, resolve_wandb_mode
 from toys import ToyModel, config, make_cfg, train
