@@ -16,8 +16,8 @@ local and network file systems), with a lease: a thread of the holder touches it
 * a process of the holder's own Slurm job (a requeue of it) waits up to :data:`WAIT_S` seconds
   for the holder to go, then refuses.
 
-A holder that died never blocks: on the same host, its pid no longer runs (or runs a process
-started at another time); on any host, its lease is older than :data:`LEASE_S` seconds (its node
+A holder that died never blocks: on the same host (and pid namespace), its pid no longer runs
+(or runs a process started at another time); on any host, its lease is older than :data:`LEASE_S` seconds (its node
 died with it). Its lock is taken over, with a warning naming it. The lock is removed when the run
 ends, however it ends; a SIGKILL leaves it behind, for the next run to take over.
 """
@@ -75,10 +75,19 @@ def _running(pid: int) -> bool:
     return True
 
 
+def _pid_namespace() -> str | None:
+    """This process's pid namespace: containers on one host may share its name, not its pids."""
+    try:
+        return os.readlink("/proc/self/ns/pid")
+    except OSError:
+        return None
+
+
 def this_process() -> dict[str, Any]:
     pid = os.getpid()
     job = slurm_job_id()
-    return {"host": socket.gethostname(), "pid": pid, "started": process_start(pid), "slurm_job": job}
+    where = {"host": socket.gethostname(), "pid_namespace": _pid_namespace()}
+    return {**where, "pid": pid, "started": process_start(pid), "slurm_job": job}
 
 
 def describe(holder: dict[str, Any]) -> str:
@@ -91,7 +100,8 @@ def why_gone(holder: dict[str, Any], age_s: float, lease_s: float = LEASE_S) -> 
     """Why the holder of a lock touched ``age_s`` seconds ago is gone, or ``None``: it may run."""
     if age_s > lease_s:
         return f"its lease ran out {age_s - lease_s:.0f} s ago"
-    if holder.get("host") != socket.gethostname() or not isinstance(holder.get("pid"), int):
+    here = holder.get("host") == socket.gethostname() and holder.get("pid_namespace") == _pid_namespace()
+    if not here or not isinstance(holder.get("pid"), int):  # its pid means nothing here: the lease decides
         return None
     pid = holder["pid"]
     if not _running(pid):

@@ -22,7 +22,10 @@ from readback.train.writer_lock import (
     claim,
     lock_path,
     process_start,
+    this_process,
 )
+
+PID_NS = this_process()["pid_namespace"]
 
 
 def _plant(run_dir, *, age_s: float = 0.0, **holder) -> None:
@@ -60,8 +63,8 @@ def test_a_second_writer_is_refused_naming_the_holder_and_a_released_lock_frees_
 @pytest.mark.parametrize(
     ("holder", "age_s", "why"),
     [
-        ({"host": socket.gethostname(), "pid": "dead"}, 0, "is not running"),
-        ({"host": socket.gethostname(), "pid": os.getpid(), "started": "1"}, 0, "is another process now"),
+        ({"host": socket.gethostname(), "pid": "dead", "pid_namespace": PID_NS}, 0, "is not running"),
+        ({**this_process(), "started": "1"}, 0, "is another process now"),
         ({"host": "node-7", "pid": 4242}, 3600, "its lease ran out"),
     ],
     ids=["pid_gone", "pid_reused", "lease_ran_out"],
@@ -115,6 +118,14 @@ def test_a_directory_that_cannot_be_written_is_one_line(tmp_path):
     with pytest.raises(ConfigError) as refused:
         claim(tmp_path / "file" / "run")
     assert "valid: a directory path you can write" in str(refused.value) and "Not a directory" in str(refused.value)
+
+
+def test_a_dead_pid_in_another_pid_namespace_is_left_to_the_lease(tmp_path):
+    """A container on this host may share its name but not its pids: such a holder is alive
+    until its lease runs out."""
+    _plant(tmp_path, host=socket.gethostname(), pid=_dead_pid(), pid_namespace="pid:[1]")
+    with pytest.raises(ConfigError, match="holds it"):
+        claim(tmp_path)
 
 
 def test_process_start_tells_processes_apart():
