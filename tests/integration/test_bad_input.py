@@ -8,8 +8,10 @@ The cases run a few at a time (each is a fresh Python process: most of its time 
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import importlib.util
+import json
 import os
 import shutil
 import subprocess
@@ -20,9 +22,11 @@ from pathlib import Path
 import pytest
 import torch
 
+from readback.data import build_data
 from readback.train import checkpoint_io
 from readback.train.checkpoint_dirs import list_checkpoints
-from toys import REPO, TWO_STEP_RUN
+from readback.train.writer_lock import lock_path, this_process
+from toys import REPO, TWO_STEP_RUN, load_data_cfg
 
 # Small enough to train in seconds; cases override what they break.
 TINY = [
@@ -89,6 +93,14 @@ CASES = [
         "data.files='/nonexistent.txt' is not valid; valid: existing text files",
     ),
     ("empty_file", ["data=shakespeare", "data.files=[{tmp}/empty.txt]"], {}, "valid: non-empty text files"),
+    ("blank_file", ["data=shakespeare", "data.files=[{tmp}/blank.txt]"], {}, "(its 5 bytes are all blank)"),
+    (
+        "cut_token_shard",  # the cached token ids of a local text, cut short: refused in the run, before step 1
+        ["data=shakespeare", "data.files=[{tmp}/small.txt]", "data.vocab_size=300", "data.block_lines=20"]
+        + ["data.cache_dir={tmp}/cache"],
+        {},
+        "tokens-b20.npz' is not valid; valid: a cache file this run can read, and it is truncated or not a token file",
+    ),
     ("probe_repeats", ["probe.repeats=0"], {}, "probe.repeats=0 is not valid; valid: an integer >= 1"),
     (
         "micro_batch",
@@ -142,6 +154,12 @@ CASES = [
     ),  # 8B, tied
     ("signal_name", ["trainer.preempt_signals=[SIGFOO]"], {}, "trainer.preempt_signals=['SIGFOO'] is not valid"),
     ("unwritable_dir", ["hydra.run.dir=/proc/x"], {}, "hydra.run.dir='/proc/x' is not valid; valid: a directory path"),
+    (
+        "parent_is_a_file",
+        ["hydra.run.dir={tmp}/empty.txt/run"],
+        {},
+        "empty.txt is not a directory)",
+    ),
     ("data_vocab", ["data.vocab_size=1"], {}, "data.vocab_size=1 is not valid; valid: an integer >= 2"),
     # what parses but makes no sense: non-finite numbers, values out of range, a model vocabulary
     # below the data's, list entries naming nothing, +keys nothing reads, files that are not text
@@ -299,6 +317,13 @@ EXISTING = [
         {},
         "precision.amax_history_len=16 is not valid; valid: 1024, the value",
     ),
+    (
+        "resume_other_policy",
+        ["trainer.resume=true", "policy=fresh_reround", "trainer.steps=3"],
+        {},
+        "policy.name='fresh_reround' is not valid; valid: 'exact', the value",
+    ),
+    ("resume_written_by_another", ["trainer.resume=true"], {"LOCK": "1"}, "Slurm job 99 holds it (lock touched"),
     ("resume_corrupt", ["trainer.resume=true"], {"CORRUPT": "1"}, "none of the 2 in"),
     (
         "resume_malicious",
@@ -315,7 +340,7 @@ def _env(extra: dict[str, str]) -> dict[str, str]:
     env = dict(os.environ, OMP_NUM_THREADS="1", WANDB_MODE="disabled")
     for key in ("WORLD_SIZE", "SLURM_RESTART_COUNT", "HYDRA_FULL_ERROR"):
         env.pop(key, None)
-    env.update({k: v for k, v in extra.items() if k not in ("CORRUPT", "TAMPER")})
+    env.update({k: v for k, v in extra.items() if k not in ("CORRUPT", "TAMPER", "LOCK")})
     return env
 
 
@@ -349,6 +374,15 @@ def _tamper(run_dir: Path, how: str, marker: Path) -> None:
     checkpoint_io.save(state, path, distributed=False)
 
 
+def _cut_token_shard(tmp: Path) -> None:
+    """``{tmp}/small.txt`` tokenised into ``{tmp}/cache``, its token ids then cut short."""
+    (tmp / "small.txt").write_text("".join(f"line {i} of a small text, word {i % 7}\n" for i in range(400)))
+    data = load_data_cfg("shakespeare", files=[str(tmp / "small.txt")], vocab_size=300, block_lines=20)
+    build_data(dataclasses.replace(data, cache_dir=str(tmp / "cache")), seq_len=32, micro_batch=2, seed=0)
+    (shard,) = (tmp / "cache").glob("text/*/tokens-b20.npz")
+    shard.write_bytes(shard.read_bytes()[:-64])
+
+
 def _snapshot(run_dir: Path) -> dict[str, str]:
     """Hash of every file of a run directory but Hydra's log (which records each attempt)."""
     return {
@@ -377,6 +411,8 @@ def existing_run(tmp_path_factory) -> Path:
 
 def test_bad_input_table(tmp_path, existing_run):
     (tmp_path / "empty.txt").write_text("")
+    (tmp_path / "blank.txt").write_text("\n \t\n\n")
+    _cut_token_shard(tmp_path)
     (tmp_path / "binary.txt").write_bytes(b"\xff\xfe\x00\x01" * 64)
     (tmp_path / "nul.txt").write_bytes(b"a text with a NUL\x00 byte\n")
     corrupt = tmp_path / "corrupt"
@@ -394,6 +430,9 @@ def test_bad_input_table(tmp_path, existing_run):
                 shutil.copytree(existing_run, run_dir)
             if env.get("TAMPER"):
                 _tamper(run_dir, env["TAMPER"], tmp_path / "pwned")
+            if env.get("LOCK"):  # a live process (this one) of another job writes the run
+                lock = {**this_process(), "slurm_job": "99", "token": "live"}
+                lock_path(run_dir).write_text(json.dumps(lock))
             before = _snapshot(run_dir)
             proc = _run([*args, f"hydra.run.dir={run_dir}"], _env(env))
             return name, proc, expected, run_dir, before
@@ -446,3 +485,54 @@ def test_a_model_filter_naming_nothing_is_refused_in_one_line(tmp_path):
         "model.layers.*.input_layernorm, model.layers.*.post_attention_layernorm, model.norm, lm_head"
     ]
     assert not run_dir.exists()
+
+
+def _no_permission(directory: Path) -> list[str]:
+    """``directory`` made unwritable to this user: by its mode, or, for root (whom modes do not
+    stop), by the immutable attribute; the command prefix to run under it."""
+    if os.geteuid() != 0:
+        directory.chmod(0o555)
+        return []
+    if shutil.which("chattr") is None or subprocess.run(["chattr", "+i", str(directory)]).returncode != 0:
+        pytest.skip("root ignores file modes, and chattr +i (ext4/xfs, CAP_LINUX_IMMUTABLE) is not available here")
+    return []
+
+
+def _read_only_fs(directory: Path) -> list[str]:
+    """A command prefix that runs its command with ``directory`` bind-mounted read-only, in a
+    mount namespace of its own (an unprivileged user namespace where the kernel allows one)."""
+    prefix = ["unshare", "-rm", "sh", "-c", 'mount --bind -o ro "$0" "$0" && exec "$@"', str(directory)]
+    probe = subprocess.run([*prefix, "sh", "-c", f"! touch {directory}/probe 2>/dev/null"], capture_output=True)
+    if shutil.which("unshare") is None or probe.returncode != 0:
+        pytest.skip(f"no read-only bind mount here (unshare -rm: {probe.stderr.decode().strip()[:200]})")
+    return prefix
+
+
+@pytest.mark.parametrize(
+    ("make", "says"),
+    [
+        (_no_permission, "Operation not permitted" if os.geteuid() == 0 else "Permission denied"),
+        (_read_only_fs, "Read-only file system"),
+    ],
+    ids=["no_permission", "read_only_fs"],
+)
+def test_a_run_directory_that_cannot_be_written_is_one_line(tmp_path, make, says):
+    parent = tmp_path / "parent"
+    parent.mkdir()
+    try:
+        prefix = make(parent)
+        proc = subprocess.run(
+            [*prefix, sys.executable, "train.py", *TINY, f"hydra.run.dir={parent / 'run'}"],
+            cwd=REPO,
+            env=_env({}),
+            capture_output=True,
+            text=True,
+            timeout=180,
+        )
+    finally:
+        if shutil.which("chattr"):
+            subprocess.run(["chattr", "-i", str(parent)], capture_output=True)
+        parent.chmod(0o755)
+    _assert_one_line(proc, f"hydra.run.dir='{parent / 'run'}' is not valid; valid: a directory path you can write")
+    assert says in proc.stderr, proc.stderr
+    assert not (parent / "run").exists()

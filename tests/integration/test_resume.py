@@ -10,9 +10,11 @@ Every run uses the tiny model on synthetic data with stochastic forward rounding
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -25,6 +27,7 @@ import torch
 from readback.train.checkpoint import load_checkpoint
 from readback.train.checkpoint_dirs import list_checkpoints
 from readback.train.metrics import read_jsonl
+from readback.train.writer_lock import lock_path
 from toys import REPO, TOY_RUN
 
 STEPS = 30
@@ -213,3 +216,86 @@ def test_sigkill_during_a_checkpoint_save_leaves_the_previous_one(tmp_path, refe
     assert rc == 0, err[-3000:]
     assert sorted(p.name for p in ckpts.iterdir()) == ["step_0000028", "step_0000030"]  # temp directory gone
     _assert_same_run(run_dir, reference / "a")
+
+
+def _step_of(tmp: Path) -> int:
+    return int(tmp.name.removeprefix(".step_").removesuffix(".tmp"))
+
+
+def _newest_save(ckpts: Path, after: int) -> Path | None:
+    """The temporary directory of the newest save in flight of a step after ``after``, if any."""
+    found = sorted(p for p in ckpts.glob(".step_*.tmp") if _step_of(p) > after)
+    return found[-1] if found else None
+
+
+# The instants of a save at which a run is killed, each found by polling what the save has
+# written so far (the kill lands at once, or a little later: both are instants of a save).
+SAVE_INSTANTS = {
+    "save_begun": lambda tmp: True,
+    "shard_written": lambda tmp: (tmp / "__0_0.distcp").exists(),
+    "checksums_written": lambda tmp: (tmp / "__0_checksums.json").exists(),
+    "index_written": lambda tmp: (tmp / ".metadata").exists(),
+}
+
+
+@pytest.mark.parametrize("asynchronous", [False, True], ids=["sync", "async"])
+def test_sigkill_at_any_instant_of_a_save_resumes_from_the_newest_complete_checkpoint(
+    tmp_path, reference, asynchronous
+):
+    """A checkpoint every step; each attempt is killed at one instant of a save (a temporary
+    directory just made, its shard, its checksums, its index written but not committed) or just
+    after a commit, before the next log line; each resume starts from the newest complete
+    checkpoint. The run then ends on the uninterrupted run's records, step for step."""
+    run_dir, ckpts = tmp_path / "run", tmp_path / "run" / "checkpoints"
+    extra = ["trainer.resume=true", "trainer.ckpt_every=1", f"trainer.ckpt_async={str(asynchronous).lower()}"]
+    instants = {
+        **{name: functools.partial(_save_reached, ckpts, test) for name, test in SAVE_INSTANTS.items()},
+        "between_checkpoint_and_log": lambda after: (
+            any(s > max(after, _last_step(run_dir)) for s, _ in list_checkpoints(ckpts)) and _last_step(run_dir) > after
+        ),
+    }
+    left_mid_save = []
+    for name, reached in instants.items():
+        # past the newest checkpoint and any save the last kill left unfinished (cleared on resume)
+        start = max(
+            [s for s, _ in list_checkpoints(ckpts)] + [_step_of(p) for p in ckpts.glob(".step_*.tmp")], default=0
+        )
+        proc = _start(run_dir, *extra)
+        _signal_when(proc, run_dir, signal.SIGKILL, lambda reached=reached, start=start: reached(start))
+        assert _finish(proc)[0] == -signal.SIGKILL, name
+        assert lock_path(run_dir).exists()  # the killed run's lock, which must not block the resume
+        left_mid_save += [name] if any(ckpts.glob(".step_*.tmp")) else []
+        assert all((path / ".metadata").is_file() for _, path in list_checkpoints(ckpts)), name
+    rc, _, err = _train(run_dir, *extra)
+    assert rc == 0, err[-3000:]
+    _assert_same_run(run_dir, reference / "a")
+    assert sorted(p.name for p in ckpts.iterdir()) == ["step_0000029", "step_0000030"]  # no temporary left
+    assert not lock_path(run_dir).exists()
+    assert left_mid_save, "no kill landed inside a save"
+
+
+def _save_reached(ckpts: Path, test, after: int) -> bool:
+    tmp = _newest_save(ckpts, after)
+    return tmp is not None and test(tmp)
+
+
+def test_a_second_writer_is_refused_and_a_killed_one_never_blocks(tmp_path, reference):
+    """Two ``train.py`` on one run directory: the second refuses at start in one line naming the
+    first (host, pid); the first, killed, leaves its lock, and the next resume takes it over."""
+    run_dir = tmp_path / "run"
+    first = _start(run_dir, "trainer.resume=true")
+    _signal_when(first, run_dir, signal.SIGSTOP, lambda: _last_step(run_dir) >= 3)  # alive, holding the lock
+    try:
+        rc, out, err = _train(run_dir, "trainer.resume=true")
+        assert rc == 2 and err.splitlines() == [err.strip()] and "Traceback" not in out + err, err[-3000:]
+        assert err.startswith(f"error: hydra.run.dir='{run_dir}' is not valid; valid: a run directory no other")
+        assert f"host {socket.gethostname()}, pid {first.pid} holds it" in err
+    finally:
+        first.kill()
+    first.communicate()
+    assert lock_path(run_dir).exists()
+    rc, out, err = _train(run_dir, "trainer.resume=true")
+    assert rc == 0, err[-3000:]
+    assert f"pid {first.pid} is not running" in out + err
+    _assert_same_run(run_dir, reference / "a")
+    assert not lock_path(run_dir).exists()

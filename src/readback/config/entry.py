@@ -4,8 +4,9 @@ Every check raises ``ConfigError(key, value, valid)`` before any work is done; `
 prints it as one line on stderr and exits with code 2, leaving no run directory behind.
 
 Before Hydra creates the run directory, :func:`exit_on_bad_config` also checks that the run
-directory can be written and, when it already holds a run, that the run can be resumed
-(:func:`readback.train.checkpoint_dirs.resume_plan`), so a bad resume leaves that directory as it was.
+directory can be written and, when it already holds a run, that no other process writes it
+(:mod:`readback.train.writer_lock`) and that the run can be resumed
+(:func:`readback.train.resumption.resume_plan`), so a bad resume leaves that directory as it was.
 """
 
 from __future__ import annotations
@@ -157,14 +158,17 @@ def exit_on_bad_config(argv: list[str]) -> None:
 
 
 def _check_run_dir_of(cfg: DictConfig, config: Config) -> None:
-    """The run directory Hydra will create: writable, and resumable if it already holds a run."""
+    """The run directory Hydra will create: writable, no other run writing it, and resumable if it
+    already holds a run."""
     run_dir = Path(str(cfg.hydra.run.dir)).expanduser().absolute()
     check_run_dir(run_dir)
     if run_dir.is_dir() and any(run_dir.iterdir()):
         PREEXISTING_RUN_DIRS[str(run_dir.resolve())] = _hydra_files(run_dir)
         if not config.trainer.dry_run:
-            from readback.train.checkpoint_dirs import resume_plan
+            from readback.train.resumption import resume_plan
+            from readback.train.writer_lock import check_not_held
 
+            check_not_held(run_dir)  # before Hydra writes its files there
             resume_plan(run_dir, config, quiet=True)
 
 

@@ -73,9 +73,9 @@ def check_files(files: list[Path]) -> list[Path]:
 
 def _check_text(path: Path, chunk: int = 1 << 20) -> None:
     """``ConfigError`` unless ``path`` is UTF-8 text without NUL bytes (a binary file passed by
-    mistake), read in chunks without holding the file."""
+    mistake) with some text in it (not only blanks), read in chunks without holding the file."""
     decoder = codecs.getincrementaldecoder("utf-8")()
-    offset = 0
+    offset, blank = 0, True
     with open(path, "rb") as f:
         while True:
             data = f.read(chunk)
@@ -87,9 +87,12 @@ def _check_text(path: Path, chunk: int = 1 << 20) -> None:
                 ) from None
             if "\0" in text:
                 raise ConfigError("data.files", str(path), "readable text files (it holds NUL bytes: binary?)")
+            blank = blank and not text.strip()
             if not data:
-                return
+                break
             offset += len(data)
+    if blank:
+        raise ConfigError("data.files", str(path), f"non-empty text files (its {offset} bytes are all blank)")
 
 
 def corpus_files(patterns: list[str] | None, editions: str) -> list[Path]:

@@ -57,10 +57,10 @@ from readback.train.checkpoint_dirs import (
     commit_checkpoint,
     load_latest_checkpoint,
     remove_stale_temp_files,
-    resume_plan,
     temp_checkpoint_path,
 )
 from readback.train.distributed import DistEnv, barrier, broadcast_object
+from readback.train.resumption import resume_plan
 from readback.train.settings import Config, plain_config
 
 log = logging.getLogger(__name__)

@@ -1,5 +1,5 @@
 """A run's checkpoints, ``run_dir/checkpoints/step_XXXXXXX/``: committed all at once, verified
-before use, moved aside when damaged, pruned; and where a run resumes (:func:`resume_plan`).
+before use, moved aside when damaged, pruned (where a run resumes is :mod:`resumption`'s).
 
 The ranks write a checkpoint into ``.step_XXXXXXX.tmp/``; rank 0 renames it onto its name once
 all shards and the index are written (:func:`commit_checkpoint`), so a crash leaves the previous
@@ -27,14 +27,15 @@ from typing import Any
 from readback.errors import ConfigError
 from readback.train import checkpoint_io
 from readback.train.checkpoint_io import CHECKSUM, INDEX, fsync_dir
-from readback.train.preemption import requeued
-from readback.train.settings import Config, config_mismatch
 
 log = logging.getLogger(__name__)
 
 CHECKPOINT_FORMAT = 3  # a sharded DCP directory
 _NAME = re.compile(r"^step_(\d+)$")
-_TEMP = re.compile(r"^\.(step_\d+\.tmp|(summary\.json|metrics\.jsonl)\..+\.tmp)$")  # interrupted writes
+# what interrupted writes leave: a save, a pruning, a small file's write, a claim of the run directory
+_TEMP = re.compile(
+    r"^\.(step_\d+\.(tmp|pruned)|(summary\.json|metrics\.jsonl|launch\.json)\..+\.tmp|writer\.lock\..+\.(tmp|gone))$"
+)
 RETRY_DELAYS_S = (0.2, 1.0)  # the waits between the tries of a verification an I/O error stopped
 
 
@@ -175,15 +176,18 @@ def commit_checkpoint(ckpt_dir: Path, step: int, keep_last: int | None = None) -
     fsync_dir(path.parent)
     if keep_last is not None and keep_last > 0:
         for old in [p for _, p in reversed(list_checkpoints(ckpt_dir)) if _has_all_bytes(p)][keep_last:]:
-            try:
-                shutil.rmtree(old)
+            try:  # renamed first: a kill in the removal leaves no part of it under a checkpoint's name
+                doomed = old.with_name(f".{old.name}.pruned")
+                os.rename(old, doomed)
+                shutil.rmtree(doomed)
             except OSError as e:  # pragma: no cover - a concurrent delete
                 log.warning("could not remove old checkpoint %s: %s", old, e)
     return path
 
 
 def remove_stale_temp_files(directory: Path) -> list[Path]:
-    """Delete what writes a crash interrupted (``.step_*.tmp/``, ``.summary.json.*.tmp``, ...)."""
+    """Delete what writes a crash interrupted (``.step_*.tmp/``, ``.step_*.pruned/``,
+    ``.summary.json.*.tmp``, ...)."""
     directory = Path(directory)
     removed = []
     for p in directory.iterdir() if directory.is_dir() else ():
@@ -225,68 +229,3 @@ def load_latest_checkpoint(
             if not quiet:
                 log.warning("skipping unreadable checkpoint %s (step %d): %s", path, step, e)
     return None
-
-
-def resume_plan(run_dir: Path, cfg: Config, *, quiet: bool = False) -> tuple[Path, dict[str, Any]] | None:
-    """Where a run in ``run_dir`` starts: ``(path, shared state)`` of the checkpoint to resume
-    from, or ``None`` for step 0. Raises ``ConfigError`` when
-
-    * the run directory holds checkpoints but ``trainer.resume`` is false (they would be
-      overwritten) -- unless this is a requeued Slurm job, which resumes;
-    * ``trainer.resume`` is true and none of its checkpoints loads;
-    * the newest readable checkpoint has another format than :data:`CHECKPOINT_FORMAT`, or was
-      trained with another model (:func:`~readback.train.settings.config_mismatch`).
-    """
-    ckpt_dir = checkpoint_dir(run_dir)
-    found = list_checkpoints(ckpt_dir)
-    if not found and moved_aside(ckpt_dir):
-        raise ConfigError(
-            "trainer.resume",
-            cfg.trainer.resume,
-            f"a run directory with an intact checkpoint, or a new hydra.run.dir: {ckpt_dir} holds only "
-            f"damaged ones, moved aside ({', '.join(p.name for p in moved_aside(ckpt_dir))})",
-        )
-    if not found:
-        return None
-    resume = cfg.trainer.resume
-    if not resume and requeued():
-        log.warning(
-            "requeued job (SLURM_RESTART_COUNT=%s): resuming from %s", os.environ["SLURM_RESTART_COUNT"], ckpt_dir
-        )
-        resume = True
-    if not resume:
-        raise ConfigError(
-            "trainer.resume",
-            False,
-            f"true to continue the run in {run_dir} (it holds {len(found)} "
-            f"checkpoint(s), up to step {found[-1][0]}), or a new hydra.run.dir",
-        )
-    try:
-        latest = load_latest_checkpoint(ckpt_dir, quiet=quiet)
-    except OSError as e:
-        raise ConfigError(
-            "trainer.resume",
-            True,
-            f"a checkpoint that can be read; reading those in {ckpt_dir} failed, retried too ({e}); "
-            f"nothing was moved (an I/O error is no sign of damage): resume once the file system answers",
-        ) from e
-    if latest is None:
-        raise ConfigError(
-            "trainer.resume",
-            True,
-            f"a run directory with an intact, readable checkpoint: none of the "
-            f"{len(found)} in {ckpt_dir} is (remove them, and any step_*.damaged, to start afresh)",
-        )
-    path, state = latest
-    if state.get("format") != CHECKPOINT_FORMAT:
-        raise ConfigError(
-            "trainer.resume",
-            True,
-            f"a checkpoint of format {CHECKPOINT_FORMAT}; {path} has format "
-            f"{state.get('format')!r} (resume it with the readback that wrote it)",
-        )
-    mismatch = config_mismatch(state.get("config"), cfg)
-    if mismatch is not None:
-        key, now, was = mismatch
-        raise ConfigError(key, now, f"{was!r}, the value {path} was trained with (or a new hydra.run.dir)")
-    return path, state

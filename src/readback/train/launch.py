@@ -21,13 +21,15 @@ from readback.train.dry_run import dry_run
 from readback.train.preemption import PreemptionGuard
 from readback.train.settings import Config
 from readback.train.trainer import Trainer
+from readback.train.writer_lock import sole_writer
 
 
 def run(cfg: Config, run_dir: Path, builders: Builders | None = None) -> dict[str, Any]:
     """Train (or, with ``trainer.dry_run``, size) the configured model; return the summary.
 
     ``builders`` make the model and the data (:class:`~readback.train.contract.Builders`: the FOG
-    and ``build_data`` by default). Rank 0 writes ``run_dir/metrics.jsonl``,
+    and ``build_data`` by default). Rank 0 first claims ``run_dir``
+    (:mod:`~readback.train.writer_lock`: one writer per run directory), then writes ``run_dir/metrics.jsonl``,
     ``run_dir/checkpoints/`` and ``run_dir/summary.json``. Raises
     :class:`~readback.errors.ConfigError` for trainer-level runtime misconfiguration (before
     anything is written, except for an error the data raises mid-run, which also writes
@@ -49,8 +51,8 @@ def run(cfg: Config, run_dir: Path, builders: Builders | None = None) -> dict[st
         torch.use_deterministic_algorithms(True, warn_only=True)
         keep_freed_memory()
     try:
-        with PreemptionGuard(cfg.trainer.preempt_signals) as guard:
-            return Trainer(cfg, run_dir, env, accum, experiment, builders, guard).train()
+        with PreemptionGuard(cfg.trainer.preempt_signals) as guard, sole_writer(run_dir, env) as writer:
+            return Trainer(cfg, run_dir, env, accum, experiment, builders, guard, writer).train()
     finally:
         torch.use_deterministic_algorithms(det_before, warn_only=warn_before)
         cleanup(env)

@@ -73,12 +73,17 @@ class JsonlWriter:
         self._f: TextIO | None = None
 
     def truncate_after(self, step: int) -> None:
-        """Keep only records with ``step <= step`` (and drop torn lines): resume without duplicates."""
+        """Make the log consistent with a resume from ``step``: the records of steps up to it, each
+        step once (its last record: a step logged twice, by a run that resumed without this or by
+        two writers, counts once), no torn line; the resumed run appends the rest."""
         self.close()
         if not self.path.exists():
             return
-        keep = [r for r in read_jsonl(self.path) if isinstance(r.get("step"), int) and r["step"] <= step]
-        atomic_write_text(self.path, "".join(json.dumps(r) + "\n" for r in keep))
+        keep: dict[int, dict[str, Any]] = {}
+        for r in read_jsonl(self.path):
+            if isinstance(r.get("step"), int) and r["step"] <= step:
+                keep[r["step"]] = r
+        atomic_write_text(self.path, "".join(json.dumps(keep[s]) + "\n" for s in sorted(keep)))
 
     def write(self, record: Mapping[str, Any]) -> None:
         if self._f is None:

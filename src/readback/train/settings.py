@@ -3,7 +3,7 @@ of one run that ``readback.config.validate`` builds and every component reads it
 
 ``readback.config`` composes it (Hydra's ``ConfigStore``) and checks the rules between groups
 (``readback.config.cross_group``) once each group has checked its own ranges. A checkpoint
-resumes only under the model it was trained with (:data:`ARCHITECTURE_KEYS`).
+resumes only under the config it was trained with (:func:`config_changes`).
 """
 
 from __future__ import annotations
@@ -21,7 +21,6 @@ from readback.data.settings import Data
 from readback.errors import ConfigError
 from readback.fields import Checked, integer, items, number, one_of
 from readback.model.settings import Model
-from readback.overrides import config_value
 from readback.probe.settings import Probe
 
 DEVICES = ("auto", "cpu", "cuda")
@@ -29,7 +28,8 @@ PARALLEL = ("ddp", "fsdp")  # readback.train.parallel: DDP, or FSDP2's fully_sha
 NONFINITE_GRADS = ("stop", "skip")
 LOGGERS = ("none", "wandb")
 WANDB_MODES = ("auto", "online", "offline", "disabled")
-# Keys a checkpoint can only be resumed under with the value it was trained with (:func:`config_mismatch`).
+# Keys a checkpoint can only be resumed under with the value it was trained with: its tensors would
+# not load under another (:func:`config_changes`; no override).
 ARCHITECTURE_KEYS = (
     "model.n_layers",
     "model.d_model",
@@ -41,6 +41,32 @@ ARCHITECTURE_KEYS = (
     "precision.name",
     "precision.amax_history_len",
 )
+# Keys (and groups: a prefix) a resume may change: how a run is run, shown, logged and checkpointed,
+# not what it computes. A change of any other key refuses the resume unless
+# ``trainer.resume_changed_config`` is true (:func:`config_changes`).
+RESUMABLE_KEYS = (
+    "experiment",
+    "logger.",
+    "trainer.resume",  # and trainer.resume_changed_config
+    "trainer.dry_run",
+    "trainer.device",
+    "trainer.parallel",
+    "trainer.micro_batch",  # the same global batch, accumulated another way
+    "trainer.gpu_memory_gb",
+    "trainer.progress",
+    "trainer.compile",
+    "trainer.preempt_signals",
+    "trainer.ckpt_every",
+    "trainer.keep_last",
+    "trainer.ckpt_async",
+    "trainer.log_every",
+    "trainer.eval_every",
+    "trainer.eval_batches",
+    "data.cache_dir",
+    "data.prefetch",
+    "probe.",  # measurements: the probe and the bias meter never move the run
+)
+RESOLVED_KEYS = ("model.vocab_size",)  # null: the data's, resolved when the run starts
 
 
 @dataclass
@@ -93,6 +119,7 @@ class Trainer(Checked):
     keep_last: int = integer()
     ckpt_async: bool = MISSING
     resume: bool = MISSING
+    resume_changed_config: bool = MISSING
     preempt_signals: list[str] = MISSING
     dry_run: bool = MISSING
     device: str = one_of(DEVICES)
@@ -138,15 +165,53 @@ def plain_config(cfg: Config) -> dict[str, Any]:
     return dataclasses.asdict(cfg)
 
 
-def config_mismatch(saved_config: Mapping[str, Any] | None, cfg: Config) -> tuple[str, Any, Any] | None:
-    """The first of :data:`ARCHITECTURE_KEYS` whose value in ``cfg`` differs from the one the
-    checkpoint was trained with: ``(key, now, saved)``, or ``None``. Keys unset on either side
-    (``model.vocab_size: null`` takes the data's) are not compared."""
+def config_changes(saved_config: Mapping[str, Any] | None, cfg: Config) -> list[tuple[str, Any, Any]]:
+    """``(key, saved, now)`` for each key whose value in ``cfg`` differs from the one the checkpoint
+    was trained with, but :data:`RESUMABLE_KEYS`; :data:`ARCHITECTURE_KEYS` first. A key the
+    checkpoint's config lacks (a key added since) is not compared, nor a ``null`` of
+    :data:`RESOLVED_KEYS` (``model.vocab_size: null`` takes the data's when the run starts)."""
     if not isinstance(saved_config, Mapping):
-        return None
-    now_config = plain_config(cfg)
-    for key in ARCHITECTURE_KEYS:
-        now, was = config_value(now_config, key), config_value(saved_config, key)
-        if now is not None and was is not None and now != was:
-            return key, now, was
-    return None
+        return []
+    changes = []
+    for key, now in _leaves(cfg):
+        was = _saved_value(saved_config, key)
+        if key.startswith(RESUMABLE_KEYS) or was is _ABSENT or (now is None and key in RESOLVED_KEYS):
+            continue
+        if _plain(now) != _plain(was):
+            changes.append((key, was, now))
+    return sorted(changes, key=lambda change: change[0] not in ARCHITECTURE_KEYS)
+
+
+_ABSENT = object()
+
+
+def _leaves(node: Any, prefix: str = "") -> list[tuple[str, Any]]:
+    """``(dotted key, value)`` of every field of a config dataclass, nested groups walked."""
+    found = []
+    for f in dataclasses.fields(node):
+        value = getattr(node, f.name)
+        key = f"{prefix}{f.name}"
+        found += _leaves(value, f"{key}.") if dataclasses.is_dataclass(value) else [(key, value)]
+    return found
+
+
+def _saved_value(saved: Mapping[str, Any], dotted: str) -> Any:
+    node: Any = saved
+    for part in dotted.split("."):
+        if node is None:  # a group saved as null (an amax spike not set) has null fields
+            return None
+        if not isinstance(node, Mapping) or part not in node:
+            return _ABSENT
+        node = node[part]
+    return node
+
+
+def _plain(value: Any) -> Any:
+    """``value`` as plain containers (dataclasses as dicts, tuples as lists), for comparing."""
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        value = dataclasses.asdict(value)
+    if isinstance(value, Mapping):
+        return {k: _plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    return value

@@ -52,6 +52,7 @@ from readback.train.preemption import Preempted, PreemptionGuard
 from readback.train.settings import Config
 from readback.train.summary import SummaryWriter, run_summary
 from readback.train.validator import Validator
+from readback.train.writer_lock import RunDirTaken, WriterLock
 
 log = logging.getLogger(__name__)
 
@@ -66,9 +67,10 @@ class Trainer:
         experiment: str,
         builders: Builders,
         guard: PreemptionGuard,
+        writer: WriterLock | None = None,
     ) -> None:
         self.cfg, self.run_dir, self.env, self.accum, self.experiment = cfg, Path(run_dir), env, accum, experiment
-        self.builders, self.guard = builders, guard
+        self.builders, self.guard, self.writer = builders, guard, writer  # writer: rank 0's lock of run_dir
         t = cfg.trainer
         self.steps = t.steps
         self.tokens_per_step = cfg.model.global_batch * cfg.model.seq_len
@@ -133,7 +135,8 @@ class Trainer:
             self.metrics.close_logger_failed(preempting=True)
             raise
         except (Exception, KeyboardInterrupt) as e:
-            if self.loop_started or not isinstance(e, ConfigError):  # e.g. the data ran out mid-run: failed
+            # failed: e.g. the data ran out mid-run; but no word into a directory another run holds now
+            if (self.loop_started or not isinstance(e, ConfigError)) and not isinstance(e, RunDirTaken):
                 self.summary.write_failed(self._summary("failed"), e)
             self.metrics.close_logger_failed()
             raise
@@ -273,6 +276,8 @@ class Trainer:
         return "diverged" if self.detector.diverged else "completed"
 
     def _save(self) -> None:
+        if self.writer is not None:
+            self.writer.check()  # the run directory is still this run's
         self.checkpoints.save(self.step, wandb_run_id=self.metrics.logger.wandb_run_id)
 
     def _summary(self, status: str) -> dict[str, Any]:

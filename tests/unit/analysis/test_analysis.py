@@ -338,3 +338,31 @@ def test_cli(sweep, tmp_path, capsys):
     (tmp_path / "empty").mkdir()
     assert cli_main([str(tmp_path / "empty")]) == 2
     assert "no runs" in capsys.readouterr().err
+
+
+def test_a_torn_and_repeated_log_counts_each_step_once(tmp_path):
+    """A run killed mid-line after resuming from a checkpoint older than its log (steps 30-40
+    written twice, the first copies by the killed attempt) and never resumed again: tables, plots
+    and the report read it without a traceback, each step once, the last record of a step kept."""
+    first = records([5.0, 4.9, 4.8, 4.7])  # steps 10..40
+    again = [{**r, "loss": r["loss"] - 0.5} for r in first if r["step"] >= 30]
+    write_run(
+        tmp_path,
+        "no_saved_copy/seed0",
+        config("no_saved_copy", 0),
+        first + again,
+        None,
+        extra_lines='{"step": 50, "loss": 4.',
+    )
+    runs = load_runs(tmp_path)
+    row = runs.summary.iloc[0]
+    assert row["bad_lines"] == 1 and row["last_step"] == 40 and row["status"] == "failed"
+    loss = runs.curve("loss")
+    assert list(loss["step"]) == [10, 20, 30, 40]
+    assert list(loss["value"]) == pytest.approx([r["loss"] for r in first[:2] + again])
+    assert row["final_loss"] == pytest.approx(again[-1]["loss"])
+    assert runs.wide().index.is_unique
+    table = final_loss_table(runs)
+    assert "no_saved_copy" in format_final_loss_table(table)
+    paths = write_report(runs, tmp_path / "out")
+    assert is_png(paths["loss"])

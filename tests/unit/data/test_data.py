@@ -450,6 +450,47 @@ def test_missing_or_empty_files_raise_config_error(tmp_path):
         assert info.value.key == "data.files" and files[0].split("/")[-1] in str(info.value)
 
 
+def _small_text_cfg(tmp_path):
+    text = tmp_path / "small.txt"
+    words = ["ale", "bread", "cheese", "dough", "eggs", "figs", "grain", "honey"]
+    text.write_text("".join(f"{words[i % 8]} and {words[(i * 3) % 8]}, line {i}\n" for i in range(400)))
+    return load_data_cfg("shakespeare", files=[str(text)], vocab_size=300, block_lines=20, cache_dir=str(tmp_path))
+
+
+@pytest.mark.parametrize(
+    ("damage", "says"),
+    [
+        ("cut", "it is truncated or not a token file (BadZipFile"),
+        ("short", "it is truncated: it holds 100 token ids, its offsets count"),
+        ("out_of_vocab", "is id 300, outside the vocabulary of 300 ids"),
+    ],
+)
+def test_a_bad_token_shard_is_refused_naming_it(tmp_path, damage, says):
+    """The cached token ids of a local text (``tokens-b<lines>.npz``): cut short by a copy or a
+    full disk, or holding ids the model has no embedding for, are refused before training."""
+    cfg = _small_text_cfg(tmp_path)
+    build_data(cfg, seq_len=16, micro_batch=2, seed=0)
+    (shard,) = tmp_path.glob("text/*/tokens-b20.npz")
+    if damage == "cut":
+        shard.write_bytes(shard.read_bytes()[:-100])
+    else:
+        with np.load(shard) as z:
+            ids, offsets, block_doc = z["ids"], z["offsets"], z["block_doc"]
+        if damage == "short":
+            ids = ids[:100]
+        else:
+            ids = ids.copy()
+            ids[17] = 300
+        np.savez(shard, ids=ids, offsets=offsets, block_doc=block_doc)
+    with pytest.raises(ConfigError) as refused:
+        build_data(cfg, seq_len=16, micro_batch=2, seed=0)
+    line = str(refused.value)
+    assert line.startswith(f"data.cache_dir='{shard}' is not valid;") and says in line, line
+    assert line.endswith("delete it to rebuild it") and "\n" not in line
+    shard.unlink()
+    build_data(cfg, seq_len=16, micro_batch=2, seed=0)  # rebuilt
+
+
 @pytest.mark.parametrize(
     "n_tokens, seq_len, fits",
     [

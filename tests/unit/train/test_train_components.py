@@ -22,7 +22,6 @@ from readback.train.checkpoint_dirs import (
     checkpoint_path,
     commit_checkpoint,
     list_checkpoints,
-    resume_plan,
     temp_checkpoint_path,
 )
 from readback.train.distributed import DistEnv
@@ -30,6 +29,7 @@ from readback.train.divergence import DivergenceDetector
 from readback.train.identity import RunIdentity
 from readback.train.metrics import JsonlWriter, MetricsLogger, read_jsonl
 from readback.train.optim import WSDSchedule, build_optimizer, clip_gradients, nonfinite_grad_names, param_groups
+from readback.train.resumption import resume_plan
 from readback.train.settings import WandbLogger as WandbSettings
 from readback.train.tracking import WandbLogger, resolve_wandb_mode
 from toys import ToyModel, config, make_cfg, train
@@ -267,12 +267,14 @@ def test_jsonl_writer_and_resume_truncation(tmp_path):
     lines = path.read_text().splitlines()
     assert len(lines) == 4 and json.loads(lines[0]) == {"step": 2, "loss": 0.5, "t": 0.5, "bad": None}
     with open(path, "a") as f:
+        f.write('{"step": 4, "loss": 0.3}\n{"step": 6, "loss": 0.2}\n')  # logged twice (an older resume)
         f.write('{"step": 10, "loss"')  # torn by a crash
     w = JsonlWriter(path)
-    w.truncate_after(4)
-    w.write({"step": 6, "loss": 0.0})
+    w.truncate_after(6)
+    w.write({"step": 8, "loss": 0.0})
     w.close()
-    assert [r["step"] for r in read_jsonl(path)] == [2, 4, 6]
+    assert [(r["step"], r["loss"]) for r in read_jsonl(path)] == [(2, 0.5), (4, 0.3), (6, 0.2), (8, 0.0)]
+    assert path.read_text().endswith("}\n")
 
 
 TOY_RUN = RunIdentity(name="toy s0", group="toy", job_type="train", config={"a": 1})

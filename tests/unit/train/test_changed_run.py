@@ -1,0 +1,95 @@
+"""Resuming a run directory under another config than its checkpoints hold
+(``readback.train.resumption``): a key that changes the run is refused naming every changed key
+with its old and new value, unless ``trainer.resume_changed_config=true``; the model's shape never
+changes; keys that only say how the run is run, logged or checkpointed may change. On the toy
+model, in-process; through ``train.py`` in tests/integration/test_bad_input.py."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import pytest
+
+import toys
+from readback.errors import ConfigError
+from readback.train.metrics import read_jsonl
+from readback.train.resumption import resume_plan
+from readback.train.settings import config_changes, plain_config
+
+RESUME = {"trainer.resume": True}
+
+
+@pytest.fixture(scope="module")
+def finished(tmp_path_factory) -> Path:
+    run_dir = tmp_path_factory.mktemp("changed") / "run"
+    with pytest.MonkeyPatch.context() as mp:
+        for key in ("WANDB_MODE", "WORLD_SIZE", "SLURM_RESTART_COUNT"):
+            mp.delenv(key, raising=False)
+        toys.train(toys.make_cfg(), run_dir)
+    return run_dir
+
+
+def test_another_policy_recipe_and_length_are_refused_naming_each_change(finished):
+    changed = {"policy": "fresh_reround", "precision.recipe": "current", "trainer.steps": 16, "seed": 4}
+    with pytest.raises(ConfigError) as refused:
+        resume_plan(finished, toys.make_cfg(**RESUME, **changed))
+    line = str(refused.value)
+    assert "\n" not in line
+    for part in (
+        "policy.name 'exact' -> 'fresh_reround'",
+        "precision.recipe 'delayed' -> 'current'",
+        "trainer.steps 12 -> 16",
+        "seed 3 -> 4",
+        "trainer.resume_changed_config=true to go on",
+    ):
+        assert part in line, (part, line)
+
+
+def test_the_override_goes_on_with_the_new_values(finished, tmp_path, caplog, built):
+    run_dir = tmp_path / "run"
+    import shutil
+
+    shutil.copytree(finished, run_dir)
+    cfg = toys.make_cfg(**RESUME, **{"trainer.steps": 16, "trainer.resume_changed_config": True})
+    with caplog.at_level(logging.WARNING):
+        assert resume_plan(run_dir, cfg)[1]["step"] == 12
+    assert "trainer.steps 12 -> 16" in caplog.text
+    assert toys.train(cfg, run_dir)["steps"] == 16
+    assert [r["step"] for r in read_jsonl(run_dir / "metrics.jsonl")] == list(range(2, 17, 2))
+
+
+def test_the_models_shape_is_refused_even_with_the_override(finished):
+    cfg = toys.make_cfg(**RESUME, **{"model.d_model": 32, "model.lr": 0.01, "trainer.resume_changed_config": True})
+    with pytest.raises(ConfigError) as refused:
+        resume_plan(finished, cfg)
+    line = str(refused.value)
+    assert line.startswith("model.d_model=32 is not valid; valid: 16, the value")
+    assert "model.lr 0.03 -> 0.01" in line and "the model's shape cannot change" in line
+
+
+def test_how_a_run_is_run_logged_measured_or_checkpointed_may_change(finished):
+    how = {
+        "probe.every": 7,
+        "probe.bias_every": 5,
+        "trainer.log_every": 3,
+        "trainer.ckpt_every": 2,
+        "trainer.keep_last": 5,
+        "trainer.micro_batch": 4,
+        "trainer.ckpt_async": True,
+        "trainer.progress": True,
+        "trainer.eval_batches": 1,
+    }
+    assert resume_plan(finished, toys.make_cfg(**RESUME, **how))[1]["step"] == 12
+    assert resume_plan(finished, toys.make_cfg("wandb", **RESUME))[1]["step"] == 12
+
+
+def test_keys_the_checkpoint_lacks_or_resolves_are_not_compared():
+    cfg = toys.make_cfg()
+    saved = plain_config(cfg)
+    assert config_changes(saved, cfg) == []
+    del saved["trainer"]["resume_changed_config"], saved["probe"]  # a checkpoint older than those keys
+    saved["model"]["vocab_size"] = 24  # model.vocab_size: null, resolved when the run started
+    assert config_changes(saved, cfg) == []
+    saved["model"]["d_model"], saved["policy"]["name"] = 8, "no_saved_copy"
+    assert config_changes(saved, cfg) == [("model.d_model", 8, 16), ("policy.name", "no_saved_copy", "exact")]

@@ -1,0 +1,133 @@
+"""One writer per run directory (``readback.train.writer_lock``): a live holder refuses a second
+writer in one line naming it, a holder of the same Slurm job is waited for, a dead one (pid gone,
+pid reused, lease run out) never blocks, and a directory that cannot be written is refused.
+Two real ``train.py`` processes on one directory are in tests/integration/test_resume.py."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+
+from readback.errors import ConfigError
+from readback.train.writer_lock import (
+    RunDirTaken,
+    check_not_held,
+    claim,
+    lock_path,
+    process_start,
+    this_process,
+)
+
+PID_NS = this_process()["pid_namespace"]
+
+
+def _plant(run_dir, *, age_s: float = 0.0, **holder) -> None:
+    """A lock as another process would have left it, last touched ``age_s`` seconds ago."""
+    run_dir.mkdir(parents=True, exist_ok=True)
+    record = {"host": "node-7", "pid": 4242, "started": None, "slurm_job": None, "token": "theirs", **holder}
+    path = lock_path(run_dir)
+    path.write_text(json.dumps(record))
+    os.utime(path, (time.time() - age_s, time.time() - age_s))
+
+
+def _dead_pid() -> int:
+    proc = subprocess.Popen([sys.executable, "-c", "pass"])
+    proc.wait()
+    return proc.pid
+
+
+def test_a_second_writer_is_refused_naming_the_holder_and_a_released_lock_frees_it(tmp_path, monkeypatch):
+    monkeypatch.setenv("SLURM_JOB_ID", "123")
+    lock = claim(tmp_path / "run")
+    assert json.loads(lock_path(tmp_path / "run").read_text())["pid"] == os.getpid()
+    monkeypatch.setenv("SLURM_JOB_ID", "456")  # another job
+    for attempt in (lambda: claim(tmp_path / "run"), lambda: check_not_held(tmp_path / "run")):
+        with pytest.raises(ConfigError) as refused:
+            attempt()
+        line = str(refused.value)
+        assert "\n" not in line and line.startswith("hydra.run.dir=")
+        assert f"host {socket.gethostname()}, pid {os.getpid()}, Slurm job 123 holds it" in line
+        assert "use another hydra.run.dir" in line
+    lock.release()
+    assert not lock_path(tmp_path / "run").exists()
+    claim(tmp_path / "run").release()
+
+
+@pytest.mark.parametrize(
+    ("holder", "age_s", "why"),
+    [
+        ({"host": socket.gethostname(), "pid": "dead", "pid_namespace": PID_NS}, 0, "is not running"),
+        ({**this_process(), "started": "1"}, 0, "is another process now"),
+        ({"host": "node-7", "pid": 4242}, 3600, "its lease ran out"),
+    ],
+    ids=["pid_gone", "pid_reused", "lease_ran_out"],
+)
+def test_a_holder_that_is_gone_never_blocks(tmp_path, caplog, holder, age_s, why):
+    if holder["pid"] == "dead":
+        holder = {**holder, "pid": _dead_pid()}
+    _plant(tmp_path, age_s=age_s, **holder)
+    check_not_held(tmp_path)
+    lock = claim(tmp_path)
+    assert json.loads(lock_path(tmp_path).read_text())["token"] == lock.record["token"]
+    assert why in caplog.text and "taking it over" in caplog.text
+    lock.release()
+    assert sorted(p.name for p in tmp_path.iterdir()) == []  # nothing left behind
+
+
+def test_a_live_holder_on_another_host_is_refused_until_its_lease_runs_out(tmp_path):
+    _plant(tmp_path, age_s=30, slurm_job="77")
+    with pytest.raises(ConfigError, match="host node-7, pid 4242, Slurm job 77 holds it"):
+        claim(tmp_path)
+    claim(tmp_path, lease_s=20).release()  # the same lock is 10 s past a 20 s lease
+
+
+def test_the_holders_own_slurm_job_waits_for_it(tmp_path, monkeypatch):
+    monkeypatch.setenv("SLURM_JOB_ID", "77")
+    _plant(tmp_path, slurm_job="77")
+    check_not_held(tmp_path)  # the look ahead lets it through: the claim waits
+    t0 = time.monotonic()
+    with pytest.raises(ConfigError, match="holds it after waiting"):
+        claim(tmp_path, wait_s=0.3, poll_s=0.05)
+    assert time.monotonic() - t0 >= 0.3
+    threading.Timer(0.2, lock_path(tmp_path).unlink).start()  # the old run ends
+    claim(tmp_path, wait_s=10, poll_s=0.05).release()
+
+
+def test_the_lease_is_renewed_and_a_takeover_is_noticed(tmp_path):
+    lock = claim(tmp_path, lease_s=0.4)
+    time.sleep(0.6)
+    with pytest.raises(ConfigError, match="holds it"):  # touched meanwhile: still alive
+        claim(tmp_path, lease_s=0.4)
+    _plant(tmp_path, host="node-9", pid=1)  # another process replaced the lock
+    time.sleep(0.3)
+    with pytest.raises(RunDirTaken, match="host node-9, pid 1 took it over"):
+        lock.check()
+    lock.release()
+    assert json.loads(lock_path(tmp_path).read_text())["token"] == "theirs"  # not ours to remove
+
+
+def test_a_directory_that_cannot_be_written_is_one_line(tmp_path):
+    (tmp_path / "file").write_text("")
+    with pytest.raises(ConfigError) as refused:
+        claim(tmp_path / "file" / "run")
+    assert "valid: a directory path you can write" in str(refused.value) and "Not a directory" in str(refused.value)
+
+
+def test_a_dead_pid_in_another_pid_namespace_is_left_to_the_lease(tmp_path):
+    """A container on this host may share its name but not its pids: such a holder is alive
+    until its lease runs out."""
+    _plant(tmp_path, host=socket.gethostname(), pid=_dead_pid(), pid_namespace="pid:[1]")
+    with pytest.raises(ConfigError, match="holds it"):
+        claim(tmp_path)
+
+
+def test_process_start_tells_processes_apart():
+    assert process_start(os.getpid()) is not None or not os.path.isdir("/proc")
+    assert process_start(_dead_pid()) is None
