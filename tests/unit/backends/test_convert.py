@@ -395,7 +395,9 @@ def test_the_own_model_pages_example_runs():
     ]
     namespace: dict = {}
     exec(
-        compile(code.replace("print(report)", "first = model.model.layers[0].self_attn.q_proj"), "own_model.md", "exec"),
+        compile(
+            code.replace("print(report)", "first = model.model.layers[0].self_attn.q_proj"), "own_model.md", "exec"
+        ),
         namespace,
     )
     assert type(namespace["first"]).__name__ == "ConvertedLinear"
