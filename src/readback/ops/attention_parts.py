@@ -1,7 +1,13 @@
 """The attention core's pieces, shared by its forward and backward (``ops.attention``, whose
-tables say which value each gradient reads): the scores GEMM, the causal softmax, its
-log-sum-exp, the P rebuilt from them, the O a D read takes, and operands that are a ``QTensor``
-(a rounded copy) or a plain tensor (an original)."""
+tables say which value each gradient reads): the query blocks both run in, the scores GEMM, the
+causal softmax, its log-sum-exp, the P rebuilt from them, P's rounding, the O a D read takes,
+and operands that are a ``QTensor`` (a rounded copy) or a plain tensor (an original).
+
+A block is the queries ``rows`` against the keys ``0 .. rows.stop - 1`` (``prefix``): the
+blocks above the causal diagonal are never computed. Its scores are the whole matrix's bits
+(the GEMM of each element is the same), and so is its softmax: torch's softmax adds a row's
+exponentials in vector lanes from the row's start, and the columns a block leaves out (beyond
+the diagonal) add +0 to them."""
 
 from __future__ import annotations
 
@@ -10,9 +16,22 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import torch
 
 from readback.numerics import QTensor, matmul
+from readback.numerics.rounding import KeyedDraws
 
 if TYPE_CHECKING:
+    from readback.numerics.site import Site
     from readback.numerics.state import Numerics
+
+BLOCK_ELEMENTS = 1 << 21  # FP32 elements of a block's scores (B x H x rows x T): 8 MiB
+MIN_ROWS = 64  # query rows of a block at least (GEMMs of fewer rows run slowly)
+
+
+def query_blocks(batch: int, heads: int, seq: int) -> list[slice]:
+    """The query rows of each block: as many as keep a block's scores within ``BLOCK_ELEMENTS``
+    (``MIN_ROWS`` at least), so a short sequence is one block and a long one's blocks hold
+    O(T) elements each."""
+    rows = max(MIN_ROWS, BLOCK_ELEMENTS // max(1, batch * heads * seq))
+    return [slice(i, min(i + rows, seq)) for i in range(0, seq, rows)]
 
 Operand = TypeVar("Operand", torch.Tensor, QTensor)  # a rounded copy, or an original
 
@@ -44,10 +63,10 @@ def softmax(s: torch.Tensor, first_row: int, dtype: torch.dtype) -> torch.Tensor
     return torch.softmax(causal(s, first_row), dim=-1).to(dtype)
 
 
-def log_sum_exp(s: torch.Tensor) -> torch.Tensor:
+def log_sum_exp(s: torch.Tensor, first_row: int) -> torch.Tensor:
     """The softmax statistics a fused kernel keeps for its backward: ``LSE = log sum_j exp(S_ij)``
-    per causal row (B, H, T), in the scores' precision."""
-    return torch.logsumexp(causal(s, 0), dim=-1)
+    per causal row of score rows ``first_row ...`` (B, H, rows), in the scores' precision."""
+    return torch.logsumexp(causal(s, first_row), dim=-1)
 
 
 def rebuilt(
@@ -64,6 +83,35 @@ def rebuilt(
 def rows_of(t: Operand, rows: slice) -> Operand:
     """Query rows ``rows`` of a (B, H, T, ...) operand."""
     return t.map(lambda d: d[:, :, rows]) if isinstance(t, QTensor) else t[:, :, rows]
+
+
+def prefix(t: Operand, rows: slice) -> Operand:
+    """The keys (or values) that query rows ``rows`` may see: ``0 .. rows.stop - 1``."""
+    return rows_of(t, slice(0, rows.stop))
+
+
+def round_probs(
+    site: Site,
+    probs: torch.Tensor,
+    rows: slice,
+    seq: int,
+    rounding: str,
+    start: torch.Tensor | None,
+    amax: torch.Tensor | None = None,
+    scale: torch.Tensor | None = None,
+) -> QTensor:
+    """P8 of query rows ``rows`` of ``probs`` (B, H, rows, keys), of a sequence of ``seq``: the
+    forward rounds it (``amax`` the whole P's, under a scale computed from it), the backward
+    again with the forward's ``scale``, counting nothing. A stochastic rounding draws by
+    position from ``start`` (the site's ``claim`` of B x H x T rows, row ``(b, h, i)`` at
+    ``(b H + h) T + i``): the same draws in both, whatever the blocks."""
+    draws = None
+    if rounding == "stochastic" and start is not None:
+        batch, heads = probs.shape[:2]
+        query = torch.arange(rows.start, rows.stop, device=probs.device)
+        heads_first = torch.arange(batch * heads, device=probs.device).view(batch, heads, 1) * seq
+        draws = KeyedDraws(start, heads_first + query)
+    return site.quantize(probs, rounding, scale=scale, amax=amax, draws=draws, count=scale is None)
 
 
 def value(t: torch.Tensor | QTensor, dtype: torch.dtype) -> torch.Tensor:

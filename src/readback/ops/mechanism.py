@@ -21,10 +21,14 @@ if TYPE_CHECKING:
     from readback.numerics.state import Numerics
 
 
-def observe_logits(numerics: Numerics, name: str, scores: torch.Tensor, probs: torch.Tensor) -> None:
-    """Logit max and mean over the causally visible scores, and the entropy of each row."""
-    seq = scores.shape[-1]
-    visible = torch.ones(seq, seq, dtype=torch.bool, device=scores.device).tril().expand_as(scores)
+def observe_logits(
+    numerics: Numerics, name: str, scores: torch.Tensor, probs: torch.Tensor, first_row: int = 0
+) -> None:
+    """Logit max and mean over the causally visible scores, and the entropy of each row, of the
+    score rows ``first_row ...`` (a block of them, or all)."""
+    rows, keys = scores.shape[-2:]
+    query = torch.arange(first_row, first_row + rows, device=scores.device)[:, None]
+    visible = (torch.arange(keys, device=scores.device)[None, :] <= query).expand_as(scores)
     logits = scores.detach()[visible]
     numerics.observe_max(f"attn_logit/{name}", logits.max())
     numerics.observe(f"attn_logit/{name}", logits)
@@ -55,8 +59,8 @@ class DTermCosine:
         self.sums = torch.zeros(3, dtype=torch.float64, device=keys.device)
 
     def add(self, probs: torch.Tensor, row_term: torch.Tensor) -> None:
-        """One block: its probabilities (B, H, rows, T) and D (B, H, rows, 1)."""
-        mean_key = (probs.detach() @ self.keys).double()  # (B, H, rows, hd)
+        """One block: its probabilities (B, H, rows, keys) and D (B, H, rows, 1)."""
+        mean_key = (probs.detach() @ self.keys[:, :, : probs.shape[-1]]).double()  # (B, H, rows, hd)
         d_term = -row_term.detach().double() * mean_key
         self.sums += torch.stack([(d_term * mean_key).sum(), d_term.square().sum(), mean_key.square().sum()])
 
