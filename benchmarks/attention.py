@@ -1,6 +1,6 @@
 """readback's FP8 attention core against torch's FP32 ``scaled_dot_product_attention`` on the CPU.
 
-    python benchmarks/attention.py                                  # T 1,024-8,192, 2 threads
+    python benchmarks/attention.py                                  # T 1,024-8,192, one thread
     python benchmarks/attention.py --seqs 4096 --rounds 5 --variants reuse_rounded/fp8 sdpa
     python benchmarks/attention.py --stack                          # + the 390M-shaped training step
 
@@ -104,12 +104,22 @@ def rss_mib() -> float:
         return int(f.read().split()[1]) * resource.getpagesize() / 2**20
 
 
+def peak_rise(run) -> float:
+    """The peak RSS (MiB) while ``run()`` runs, above the RSS before it: Linux's peak (VmHWM)
+    is reset first (``/proc/self/clear_refs``), so what came before does not count."""
+    start = rss_mib()
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+    run()
+    with open("/proc/self/status") as f:
+        peak = next(int(line.split()[1]) for line in f if line.startswith("VmHWM:"))
+    return peak / 2**10 - start
+
+
 def peak_memory(variant: str, seq: int) -> float:
     """Peak RSS rise (MiB) over one forward and backward, after a first step (in this process)."""
     forward, backward = build(variant, seq)
-    start = rss_mib()
-    backward(forward())
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**10 - start
+    return peak_rise(lambda: backward(forward()))
 
 
 def stack_step() -> dict:
@@ -121,10 +131,9 @@ def stack_step() -> dict:
     )
     model = FOG(cfg, numerics_for("fp8", DelayedScaling(), "reuse_rounded", attention_bwd="fp8"))
     x = torch.randint(0, cfg.vocab_size, (2, cfg.seq_len), generator=torch.Generator().manual_seed(0))
-    start_rss, start = rss_mib(), time.perf_counter()
-    model(x, x.roll(-1, 1)).backward()
-    seconds = time.perf_counter() - start
-    return {"seconds": seconds, "rise_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**10 - start_rss}
+    start = time.perf_counter()
+    rise = peak_rise(lambda: model(x, x.roll(-1, 1)).backward())
+    return {"seconds": time.perf_counter() - start, "rise_mib": rise}
 
 
 def in_process(args: list[str]) -> dict:
@@ -139,7 +148,7 @@ def main() -> None:
     parser.add_argument("--seqs", type=int, nargs="+", default=[1024, 2048, 4096, 8192])
     parser.add_argument("--variants", nargs="+", default=list(VARIANTS))
     parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--no-memory", action="store_true", help="skip the peak-RSS processes")
     parser.add_argument("--stack", action="store_true", help="also the 390M-shaped training step")
     parser.add_argument("--memory-of", nargs=2, metavar=("VARIANT", "SEQ"), help=argparse.SUPPRESS)

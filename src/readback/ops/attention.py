@@ -111,17 +111,18 @@ class _Attention(torch.autograd.Function):
         qq = numerics.site(f"{name}.q").quantize(q, rounding)
         k_groups = numerics.site(f"{name}.k").quantize(k, rounding)
         v_groups = numerics.site(f"{name}.v").quantize(v, rounding)
-        kq, vq = parts.expand_groups(k_groups, heads), parts.expand_groups(v_groups, heads)
         gemm = "fp64" if numerics.precision == "off" else "fp8"
 
         reads = numerics.spec.reads["attention"]
         need = {n for gradient, mode in reads.items() for n in _NEEDS[gradient][mode]}
-        blocks = attention_forward.forward(numerics, name, qq, kq, vq, softmax_scale, gemm, "lse" in need)
-        out = blocks.out.transpose(1, 2).reshape(batch, seq, heads * dim)
+        blocks = attention_forward.forward(numerics, name, qq, k_groups, v_groups, softmax_scale, gemm, "lse" in need)
+        out = blocks.out
         oq = numerics.site(f"{name}.output").quantize(out, rounding)
         if numerics.mechanism:
             mechanism.observe_output_rounding(numerics, name, out, oq)
-        numerics.record(name, q=qq, k=kq, v=vq, scores=blocks.scores, probs=blocks.probs, out=out, output=oq)
+        if numerics.tape is not None:  # K and V as each query head reads them
+            kq, vq = parts.expand_groups(k_groups, heads), parts.expand_groups(v_groups, heads)
+            numerics.record(name, q=qq, k=kq, v=vq, scores=blocks.scores, probs=blocks.probs, out=out, output=oq)
 
         fctx.numerics, fctx.name, fctx.scale, fctx.gemm = numerics, name, softmax_scale, gemm
         fctx.mechanism, fctx.shape, fctx.groups = numerics.mechanism, (batch, heads, seq, dim), k.shape[1]

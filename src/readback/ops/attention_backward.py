@@ -52,7 +52,11 @@ def backward(
     d_out_operand: torch.Tensor | QTensor = d_out
     if precision == "fp8":
         dq8 = numerics.site(f"{name}.grad_output", "bwd").quantize(d_out)
-        d_out_operand, d_out = decoded(dq8), dq8.dequantize(dtype)
+        d_out_operand, d_out = decoded(dq8), dq8
+    # D = rowsum(dO * O) of every row at once when D reads an O (O(T)); else rowsum(P * dP) per block
+    o_read = parts.d_term_o(numerics, name, saved, ctx.shape)
+    row_terms = None if o_read is None else (parts.value(d_out, dtype) * o_read).sum(-1, keepdim=True)
+    del o_read, d_out
 
     def mm(a: torch.Tensor | QTensor, b: torch.Tensor | QTensor) -> torch.Tensor:
         return matmul(a, b, precision, bf16_gemm=bf16_gemm)
@@ -60,14 +64,12 @@ def backward(
     operands: dict[str, Any] = {}  # every block reads them (O(T hd) each): decoded once
 
     def operand(n: str) -> Any:
-        """Saved Q, K or V ``n`` (``q8``, ``k``, ...; K, V expanded to the H heads), decoded once."""
+        """Saved Q (B, H, T, hd), K or V (B, G, T, hd) ``n`` (``q8``, ``k``, ...), decoded once."""
         if n not in operands:
-            t = saved[n] if n[0] == "q" else parts.expand_groups(saved[n], heads)
-            operands[n] = decoded(t) if isinstance(t, QTensor) else t
+            operands[n] = decoded(saved[n]) if isinstance(saved[n], QTensor) else saved[n]
         return operands[n]
 
     gemm_operand = {g: operand(x + ("8" if reads[g] == "rounded" else "")) for g, x in _OPERANDS.items()}
-    o_read = parts.d_term_o(numerics, name, saved, ctx.shape)
     modes = {reads["dV"], reads["dS"]}
     probs_site = numerics.site(f"{name}.probs")
 
@@ -87,21 +89,22 @@ def backward(
             lse = saved["lse"][:, :, rows]
             by_mode["rebuilt"] = parts.rebuilt(q_rows, keys, lse, ctx.scale, rows.start, precision).to(dtype)
         probs = parts.value(by_mode[reads["dS"]], dtype)
-        d_p = mm(parts.rows_of(d_out_operand, rows), parts.prefix(gemm_operand["dP"], rows).mT)
-        read = d_out[:, :, rows] * o_read[:, :, rows] if o_read is not None else probs * d_p
-        row_term = read.sum(-1, keepdim=True)
+        d_p = parts.by_group(parts.rows_of(d_out_operand, rows), parts.prefix(gemm_operand["dP"], rows).mT, mm)
+        row_term = (probs * d_p).sum(-1, keepdim=True) if row_terms is None else row_terms[:, :, rows]
         if d_term is not None:
             d_term.add(probs, row_term)
-        return by_mode[reads["dV"]], probs * (d_p - row_term)
+        return by_mode[reads["dV"]], d_p.sub_(row_term).mul_(probs)  # P (dP - D), in dP's place
 
     blocks = parts.query_blocks(batch, heads, seq)
     site = numerics.site(f"{name}.grad_scores", "bwd") if precision == "fp8" else None
     # a scale computed from the whole of dS (current scaling) needs its amax before any block
     amax = torch.stack([abs_max(block(rows)[1]) for rows in blocks]).amax() if site and site.reads_amax_first else None
     d_q: torch.Tensor | None = None
-    d_k, d_v = (SplitK((batch, heads, seq, dim), precision, d_out.device) for _ in range(2))
+    d_k, d_v = (SplitK((batch, heads, seq, dim), precision, d_out_operand.data.device) for _ in range(2))
     rowsums: list[torch.Tensor] = []
-    d_term = mechanism.DTermCosine(parts.value(gemm_operand["dQ"], dtype)) if ctx.mechanism else None
+    d_term = None
+    if ctx.mechanism:
+        d_term = mechanism.DTermCosine(parts.expand_groups(parts.value(gemm_operand["dQ"], dtype), heads))
     for rows in blocks:
         p_dv, d_s = block(rows, d_term)
         rowsums.append(d_s.sum(-1))
@@ -112,7 +115,7 @@ def backward(
         elif precision == "bf16":
             ones = torch.ones((), device=d_s.device)
             d_s_operand = decoded(QTensor(d_s.to(torch.bfloat16), ones, BF16), bf16_gemm)
-        d_q_rows = mm(d_s_operand, parts.prefix(gemm_operand["dQ"], rows))
+        d_q_rows = parts.by_group(d_s_operand, parts.prefix(gemm_operand["dQ"], rows), mm)
         if d_q is None:
             d_q = torch.empty(batch, heads, seq, dim, dtype=d_q_rows.dtype, device=d_q_rows.device)
         d_q[:, :, rows] = d_q_rows * ctx.scale

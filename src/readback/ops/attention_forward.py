@@ -36,7 +36,7 @@ if TYPE_CHECKING:
 
 @dataclass(frozen=True)
 class Forward:
-    """What the blocks computed: O before rounding (B, H, T, hd); P8's scale and keyed draws'
+    """What the blocks computed: O before rounding (B, T, H hd); P8's scale and keyed draws'
     start (None unless stochastic), which the backward rounds P again with; LSE (B, H, T) when
     asked for; the whole S and P8 while a tape records (else None)."""
 
@@ -51,7 +51,7 @@ class Forward:
 def forward(
     numerics: Numerics, name: str, qq: QTensor, kq: QTensor, vq: QTensor, softmax_scale: float, gemm: str, lse: bool
 ) -> Forward:
-    """O of ``qq`` over ``kq``, ``vq`` (all (B, H, T, hd), K and V expanded to the H heads)."""
+    """O (B, T, H hd) of ``qq`` (B, H, T, hd) over the groups' ``kq``, ``vq`` (B, G, T, hd)."""
     batch, heads, seq, dim = qq.data.shape
     rounding, dtype, bf16_gemm = numerics.rounding, numerics.dtype, numerics.bf16_gemm
     site = numerics.site(f"{name}.probs")
@@ -77,10 +77,10 @@ def forward(
         if numerics.mechanism:
             mechanism.observe_logits(numerics, name, s, probs, rows.start)
         pq = parts.round_probs(site, probs, rows, seq, rounding, start, amax=amax)
-        o = matmul(pq, parts.prefix(v_all, rows), gemm, bf16_gemm=bf16_gemm)
+        o = parts.by_group(pq, parts.prefix(v_all, rows), lambda a, b: matmul(a, b, gemm, bf16_gemm=bf16_gemm))
         if out is None:
-            out = torch.empty(batch, heads, seq, dim, dtype=o.dtype, device=o.device)
-        out[:, :, rows] = o
+            out = torch.empty(batch, seq, heads, dim, dtype=o.dtype, device=o.device)
+        out[:, rows] = o.transpose(1, 2)
         if lse:
             lse_rows.append(parts.log_sum_exp(s, rows.start))
         if taping:
@@ -91,7 +91,7 @@ def forward(
             whole_p[:, :, rows, : rows.stop] = pq.data
     assert out is not None and pq is not None
     return Forward(
-        out,
+        out.view(batch, seq, heads * dim),
         pq.scale,
         start,
         torch.cat(lse_rows, -1) if lse else None,

@@ -11,6 +11,7 @@ the diagonal) add +0 to them."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
@@ -46,16 +47,33 @@ def expand_groups(t: Operand, heads: int) -> Operand:
     return t.map(expand) if isinstance(t, QTensor) else expand(t)
 
 
+def by_group(a: Operand, b: Operand, gemm: Callable[[Any, Any], torch.Tensor]) -> torch.Tensor:
+    """``gemm(a, b)`` of the query heads' ``a`` (B, H, rows, X) and their groups' ``b`` (B, G, X, Y),
+    as (B, H, rows, Y): each group's heads stacked as the rows of one GEMM, so no K or V is
+    repeated for its heads (the products and sums of each element are those of H GEMMs)."""
+    batch, heads, rows, width = a.shape if isinstance(a, torch.Tensor) else a.data.shape
+    groups = b.shape[1] if isinstance(b, torch.Tensor) else b.data.shape[1]
+
+    def stack(d: torch.Tensor) -> torch.Tensor:
+        return d.reshape(batch, groups, heads // groups * rows, width)
+
+    out = gemm(a.map(stack) if isinstance(a, QTensor) else stack(a), b)
+    return out.view(batch, heads, rows, out.shape[-1])
+
+
 def scores(q: QTensor, k: QTensor, softmax_scale: float, gemm: str, bf16_gemm: str) -> torch.Tensor:
-    """``S = c Q8 K8^T`` of the given query rows."""
-    return matmul(q, k.mT, gemm, bf16_gemm=bf16_gemm) * softmax_scale
+    """``S = c Q8 K8^T`` of the given query rows (B, H, rows, hd) and their groups' keys (B, G, keys, hd)."""
+    return by_group(q, k.mT, lambda a, b: matmul(a, b, gemm, bf16_gemm=bf16_gemm)) * softmax_scale
 
 
 def causal(s: torch.Tensor, first_row: int) -> torch.Tensor:
-    """Score rows ``first_row ...`` with the keys each query may not see (``> i``) set to -inf."""
-    rows, seq = s.shape[-2:]
-    query = torch.arange(first_row, first_row + rows, device=s.device)[:, None]
-    return s.masked_fill(torch.arange(seq, device=s.device)[None, :] > query, float("-inf"))
+    """Score rows ``first_row ...`` of a block (keys ``0 .. first_row + rows - 1``), in place, with
+    the keys each query may not see (``> i``) set to -inf: those of the block's own diagonal."""
+    rows = s.shape[-2]
+    diagonal = s[..., first_row : first_row + rows]
+    columns = torch.arange(diagonal.shape[-1], device=s.device)[None, :]
+    diagonal.masked_fill_(columns > torch.arange(rows, device=s.device)[:, None], float("-inf"))
+    return s
 
 
 def softmax(s: torch.Tensor, first_row: int, dtype: torch.dtype) -> torch.Tensor:
@@ -76,7 +94,7 @@ def rebuilt(
     the Q, K it holds with the statistics ``lse`` of the forward's own scores. When the forward
     multiplied other values (Q8, K8), its rows do not sum to one. A BF16 backward keeps S in its
     FP32 accumulator (BF16 operands, FP32 sums, no rounding of S), as a fused kernel does."""
-    s = matmul(q, k.mT, "fp32" if precision == "bf16" else precision) * softmax_scale
+    s = by_group(q, k.mT, lambda a, b: matmul(a, b, "fp32" if precision == "bf16" else precision)) * softmax_scale
     return torch.exp(causal(s, first_row) - lse[..., None])
 
 
