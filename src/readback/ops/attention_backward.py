@@ -48,49 +48,52 @@ def backward(
     precision, dtype, bf16_gemm = numerics.attention_bwd, numerics.dtype, numerics.bf16_gemm
     reads = numerics.spec.reads["attention"]
     batch, heads, seq, dim = ctx.shape
-    d_out = d_out.to(parts.held(numerics)).to(dtype).reshape(batch, seq, heads, dim).transpose(1, 2)
-    d_out_operand: torch.Tensor | QTensor = d_out
+    d_out: torch.Tensor | QTensor = d_out.to(parts.held(numerics)).to(dtype).unflatten(-1, (heads, dim)).transpose(1, 2)
     if precision == "fp8":
-        dq8 = numerics.site(f"{name}.grad_output", "bwd").quantize(d_out)
-        d_out_operand, d_out = decoded(dq8), dq8
-    # D = rowsum(dO * O) of every row at once when D reads an O (O(T)); else rowsum(P * dP) per block
-    o_read = parts.d_term_o(numerics, name, saved, ctx.shape)
-    row_terms = None if o_read is None else (parts.value(d_out, dtype) * o_read).sum(-1, keepdim=True)
-    del o_read, d_out
+        d_out = numerics.site(f"{name}.grad_output", "bwd").quantize(d_out)
+    o_read = parts.d_term_o(numerics, name, saved)  # None: D = rowsum(P * dP)
 
     def mm(a: torch.Tensor | QTensor, b: torch.Tensor | QTensor) -> torch.Tensor:
         return matmul(a, b, precision, bf16_gemm=bf16_gemm)
 
-    operands: dict[str, Any] = {}  # every block reads them (O(T hd) each): decoded once
+    operands: dict[str, Any] = {}  # every block reads K and V's first rows (O(T hd) each): decoded once
 
     def operand(n: str) -> Any:
-        """Saved Q (B, H, T, hd), K or V (B, G, T, hd) ``n`` (``q8``, ``k``, ...), decoded once."""
+        """Saved K or V (B, G, T, hd) ``n`` (``k8``, ``v``, ...), decoded once."""
         if n not in operands:
             operands[n] = decoded(saved[n]) if isinstance(saved[n], QTensor) else saved[n]
         return operands[n]
 
-    gemm_operand = {g: operand(x + ("8" if reads[g] == "rounded" else "")) for g, x in _OPERANDS.items()}
+    # the Q, K, V each gradient's GEMM reads: Q's rows (B, H, T, hd) decoded block by block
+    gemm_operand = {g: saved[x + ("8" if reads[g] == "rounded" else "")] for g, x in _OPERANDS.items()}
+    gemm_operand |= {g: operand(x + ("8" if reads[g] == "rounded" else "")) for g, x in _OPERANDS.items() if g != "dK"}
     modes = {reads["dV"], reads["dS"]}
     probs_site = numerics.site(f"{name}.probs")
 
-    def block(rows: slice, d_term: mechanism.DTermCosine | None = None) -> tuple[Any, torch.Tensor]:
+    def block(
+        rows: slice, d_out_rows: Any, d_term: mechanism.DTermCosine | None = None
+    ) -> tuple[Any, torch.Tensor]:
         """The P that dV reads (a ``QTensor`` for P8) and dS = P (dP - D), in ``dtype``, of
-        query rows ``rows``; ``d_term`` takes the block's share of the D-term cosine."""
+        query rows ``rows`` (whose dO is ``d_out_rows``, decoded); ``d_term`` takes the
+        block's share of the D-term cosine."""
         by_mode: dict[str, Any] = {}
         if modes & {"rounded", "original"}:  # the forward's own P: its GEMM and softmax again
-            q_rows, keys = parts.rows_of(operand("q8"), rows), parts.prefix(operand("k8"), rows)
+            q_rows, keys = parts.rows_decoded(saved["q8"], rows), parts.prefix(operand("k8"), rows)
             s = parts.scores(q_rows, keys, ctx.scale, ctx.gemm, bf16_gemm)
             by_mode["original"] = parts.softmax(s, rows.start, dtype)
         if "rounded" in modes:
             probs, start, scale = by_mode["original"], saved["p8_draws"], saved["p8_scale"]
             by_mode["rounded"] = parts.round_probs(probs_site, probs, rows, seq, ctx.rounding, start, scale=scale)
         if "rebuilt" in modes:
-            q_rows, keys = parts.rows_of(operand("q"), rows), parts.prefix(operand("k"), rows)
+            q_rows, keys = parts.rows_of(saved["q"], rows), parts.prefix(operand("k"), rows)
             lse = saved["lse"][:, :, rows]
             by_mode["rebuilt"] = parts.rebuilt(q_rows, keys, lse, ctx.scale, rows.start, precision).to(dtype)
         probs = parts.value(by_mode[reads["dS"]], dtype)
-        d_p = parts.by_group(parts.rows_of(d_out_operand, rows), parts.prefix(gemm_operand["dP"], rows).mT, mm)
-        row_term = (probs * d_p).sum(-1, keepdim=True) if row_terms is None else row_terms[:, :, rows]
+        d_p = parts.by_group(d_out_rows, parts.prefix(gemm_operand["dP"], rows).mT, mm)
+        if o_read is None:
+            row_term = (probs * d_p).sum(-1, keepdim=True)
+        else:
+            row_term = (parts.value(d_out_rows, dtype) * parts.o_rows(numerics, o_read, rows, heads)).sum(-1, keepdim=True)
         if d_term is not None:
             d_term.add(probs, row_term)
         return by_mode[reads["dV"]], d_p.sub_(row_term).mul_(probs)  # P (dP - D), in dP's place
@@ -98,15 +101,18 @@ def backward(
     blocks = parts.query_blocks(batch, heads, seq)
     site = numerics.site(f"{name}.grad_scores", "bwd") if precision == "fp8" else None
     # a scale computed from the whole of dS (current scaling) needs its amax before any block
-    amax = torch.stack([abs_max(block(rows)[1]) for rows in blocks]).amax() if site and site.reads_amax_first else None
+    amax = None
+    if site and site.reads_amax_first:
+        amax = torch.stack([abs_max(block(rows, parts.rows_decoded(d_out, rows))[1]) for rows in blocks]).amax()
     d_q: torch.Tensor | None = None
-    d_k, d_v = (SplitK((batch, heads, seq, dim), precision, d_out_operand.data.device) for _ in range(2))
+    d_k, d_v = (SplitK((batch, heads, seq, dim), precision, saved["oq"].data.device) for _ in range(2))
     rowsums: list[torch.Tensor] = []
     d_term = None
     if ctx.mechanism:
         d_term = mechanism.DTermCosine(parts.expand_groups(parts.value(gemm_operand["dQ"], dtype), heads))
     for rows in blocks:
-        p_dv, d_s = block(rows, d_term)
+        d_out_rows = parts.rows_decoded(d_out, rows)
+        p_dv, d_s = block(rows, d_out_rows, d_term)
         rowsums.append(d_s.sum(-1))
         # dQ's and dK's GEMMs both read the block of dS: its codes (FP8, or BF16 values) decoded once
         d_s_operand: torch.Tensor | QTensor = d_s
@@ -120,8 +126,8 @@ def backward(
             d_q = torch.empty(batch, heads, seq, dim, dtype=d_q_rows.dtype, device=d_q_rows.device)
         d_q[:, :, rows] = d_q_rows * ctx.scale
         keys = slice(0, rows.stop)
-        d_k.add(d_s_operand.mT, parts.rows_of(gemm_operand["dK"], rows), keys)
-        d_v.add(p_dv.mT, parts.rows_of(d_out_operand, rows), keys)
+        d_k.add(d_s_operand.mT, parts.rows_decoded(gemm_operand["dK"], rows), keys)
+        d_v.add(p_dv.mT, d_out_rows, keys)
     numerics.observe(f"attn_rowsum/{name}", torch.cat(rowsums, -1))
     if d_term is not None:
         d_term.observe(numerics, name)

@@ -55,11 +55,11 @@ def forward(
     batch, heads, seq, dim = qq.data.shape
     rounding, dtype, bf16_gemm = numerics.rounding, numerics.dtype, numerics.bf16_gemm
     site = numerics.site(f"{name}.probs")
-    q_all, k_all, v_all = (decoded(t, bf16_gemm) for t in (qq, kq, vq))  # each block reads them
+    k_all, v_all = (decoded(t, bf16_gemm) for t in (kq, vq))  # every block reads their first rows
     blocks = parts.query_blocks(batch, heads, seq)
 
     def scores_and_probs(rows: slice) -> tuple[torch.Tensor, torch.Tensor]:
-        s = parts.scores(parts.rows_of(q_all, rows), parts.prefix(k_all, rows), softmax_scale, gemm, bf16_gemm)
+        s = parts.scores(parts.rows_decoded(qq, rows), parts.prefix(k_all, rows), softmax_scale, gemm, bf16_gemm)
         return s, parts.softmax(s, rows.start, dtype)
 
     amax = None

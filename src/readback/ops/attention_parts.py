@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
 
-from readback.numerics import QTensor, matmul
+from readback.numerics import QTensor, decoded, matmul
 from readback.numerics.rounding import KeyedDraws
 
 if TYPE_CHECKING:
@@ -103,6 +103,15 @@ def rows_of(t: Operand, rows: slice) -> Operand:
     return t.map(lambda d: d[:, :, rows]) if isinstance(t, QTensor) else t[:, :, rows]
 
 
+def rows_decoded(t: Operand, rows: slice) -> Operand:
+    """Query rows ``rows`` of a (B, H, T, ...) operand as a block's GEMMs read them: a rounded
+    copy's codes decoded (``numerics.decoded``) for that block alone, so that no decoded copy
+    of the whole tensor is held."""
+    if isinstance(t, torch.Tensor):
+        return t[:, :, rows]
+    return decoded(t.map(lambda d: d[:, :, rows].contiguous()))
+
+
 def prefix(t: Operand, rows: slice) -> Operand:
     """The keys (or values) that query rows ``rows`` may see: ``0 .. rows.stop - 1``."""
     return rows_of(t, slice(0, rows.stop))
@@ -144,20 +153,26 @@ def held(numerics: Numerics) -> torch.dtype:
     return torch.bfloat16 if bf16 else numerics.dtype
 
 
-def d_term_o(numerics: Numerics, name: str, saved: dict[str, Any], shape: tuple[int, ...]) -> torch.Tensor | None:
-    """The O that the D-term reads under the policy, in (B, H, T, hd), held as ``held`` says;
-    None for ``rowsum(P*dP)``."""
+def d_term_o(numerics: Numerics, name: str, saved: dict[str, Any]) -> torch.Tensor | QTensor | None:
+    """The O that the D-term reads under the policy (B, T, H hd): O8, O or a fresh rounding of
+    O; None for ``rowsum(P*dP)``."""
     mode = numerics.read("attention", "D")
-    batch, heads, seq, dim = shape
-    dtype, oq = numerics.dtype, saved["oq"]
     if mode == "none":
         return None
-    o: torch.Tensor
     if mode == "rounded":
-        o = oq.dequantize(dtype)
-    elif mode == "original":
-        o = saved["out"]
-    else:  # fresh: same scale and format as the forward's O8, an independent random stream
-        site = numerics.site(f"{name}.output")
-        o = site.quantize(saved["out"], "stochastic", scale=oq.scale, stream="fresh").dequantize(dtype)
-    return o.to(held(numerics)).to(dtype).reshape(batch, seq, heads, dim).transpose(1, 2)
+        return saved["oq"]
+    if mode == "original":
+        return saved["out"]
+    # fresh: same scale and format as the forward's O8, an independent random stream
+    site = numerics.site(f"{name}.output")
+    return site.quantize(saved["out"], "stochastic", scale=saved["oq"].scale, stream="fresh")
+
+
+def o_rows(numerics: Numerics, o: torch.Tensor | QTensor, rows: slice, heads: int) -> torch.Tensor:
+    """Query rows ``rows`` of ``d_term_o``'s O as (B, H, rows, hd) values, held as ``held`` says."""
+
+    def by_heads(d: torch.Tensor) -> torch.Tensor:
+        return d.unflatten(-1, (heads, -1)).transpose(1, 2)
+
+    block = rows_decoded(o.map(by_heads) if isinstance(o, QTensor) else by_heads(o), rows)
+    return value(block, numerics.dtype).to(held(numerics)).to(numerics.dtype)
