@@ -232,10 +232,12 @@ class SplitK:
         self.acc[..., rows, :] += acc
 
     def result(self) -> torch.Tensor:
-        """The output, rounded as ``matmul`` rounds it (FP32; FP64 for ``fp64``)."""
+        """The output, rounded as ``matmul`` rounds it (FP32; FP64 for ``fp64``); the accumulator
+        is let go."""
+        acc, self.acc = self.acc, torch.empty(0)
         if self.scale is not None:
-            bf16 = torch.empty(self.acc.shape, dtype=torch.bfloat16, device=self.acc.device)
-            return torch.mul(self.acc, self.scale, out=bf16).float()
+            bf16 = torch.empty(acc.shape, dtype=torch.bfloat16, device=acc.device)
+            return torch.mul(acc, self.scale, out=bf16).float()
         if self.precision in ("fp8", "bf16"):
-            return self.acc.to(torch.bfloat16).float()
-        return self.acc
+            return acc.to(torch.bfloat16).float()
+        return acc

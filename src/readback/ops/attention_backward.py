@@ -48,9 +48,10 @@ def backward(
     precision, dtype, bf16_gemm = numerics.attention_bwd, numerics.dtype, numerics.bf16_gemm
     reads = numerics.spec.reads["attention"]
     batch, heads, seq, dim = ctx.shape
-    d_out: torch.Tensor | QTensor = d_out.to(parts.held(numerics)).to(dtype).unflatten(-1, (heads, dim)).transpose(1, 2)
+    # held as held says (BF16 for flavour te's BF16 backward), in dtype block by block
+    d_out: torch.Tensor | QTensor = d_out.to(parts.held(numerics)).unflatten(-1, (heads, dim)).transpose(1, 2)
     if precision == "fp8":
-        d_out = numerics.site(f"{name}.grad_output", "bwd").quantize(d_out)
+        d_out = numerics.site(f"{name}.grad_output", "bwd").quantize(d_out.to(dtype))
     o_read = parts.d_term_o(numerics, name, saved)  # None: D = rowsum(P * dP)
 
     def mm(a: torch.Tensor | QTensor, b: torch.Tensor | QTensor) -> torch.Tensor:
@@ -103,7 +104,7 @@ def backward(
     # a scale computed from the whole of dS (current scaling) needs its amax before any block
     amax = None
     if site and site.reads_amax_first:
-        amax = torch.stack([abs_max(block(rows, parts.rows_decoded(d_out, rows))[1]) for rows in blocks]).amax()
+        amax = torch.stack([abs_max(block(rows, parts.rows_decoded(d_out, rows, dtype))[1]) for rows in blocks]).amax()
     d_q: torch.Tensor | None = None
     d_k, d_v = (SplitK((batch, heads, seq, dim), precision, saved["oq"].data.device) for _ in range(2))
     rowsums: list[torch.Tensor] = []
@@ -111,7 +112,7 @@ def backward(
     if ctx.mechanism:
         d_term = mechanism.DTermCosine(parts.expand_groups(parts.value(gemm_operand["dQ"], dtype), heads))
     for rows in blocks:
-        d_out_rows = parts.rows_decoded(d_out, rows)
+        d_out_rows = parts.rows_decoded(d_out, rows, dtype)
         p_dv, d_s = block(rows, d_out_rows, d_term)
         rowsums.append(d_s.sum(-1))
         # dQ's and dK's GEMMs both read the block of dS: its codes (FP8, or BF16 values) decoded once
@@ -132,4 +133,4 @@ def backward(
     if d_term is not None:
         d_term.observe(numerics, name)
     assert d_q is not None
-    return d_q, d_k.result() * ctx.scale, d_v.result()
+    return d_q, d_k.result().mul_(ctx.scale), d_v.result()

@@ -103,12 +103,12 @@ def rows_of(t: Operand, rows: slice) -> Operand:
     return t.map(lambda d: d[:, :, rows]) if isinstance(t, QTensor) else t[:, :, rows]
 
 
-def rows_decoded(t: Operand, rows: slice) -> Operand:
+def rows_decoded(t: Operand, rows: slice, dtype: torch.dtype | None = None) -> Operand:
     """Query rows ``rows`` of a (B, H, T, ...) operand as a block's GEMMs read them: a rounded
-    copy's codes decoded (``numerics.decoded``) for that block alone, so that no decoded copy
-    of the whole tensor is held."""
+    copy's codes decoded (``numerics.decoded``), an original in ``dtype`` (when given), for that
+    block alone, so that no decoded or widened copy of the whole tensor is held."""
     if isinstance(t, torch.Tensor):
-        return t[:, :, rows]
+        return t[:, :, rows] if dtype is None else t[:, :, rows].to(dtype)
     return decoded(t.map(lambda d: d[:, :, rows].contiguous()))
 
 
