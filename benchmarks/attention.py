@@ -35,16 +35,21 @@ import time
 
 import torch
 import torch.nn.functional as F
-from step import cpu_description
 
 from readback.numerics import CurrentScaling, DelayedScaling
 from readback.ops import numerics_for
 from readback.ops.attention import attention
+from step import cpu_description
 
 HEADS, GROUPS, DIM = 8, 4, 128
 SDPA = "sdpa"
 VARIANTS = (SDPA, "reuse_rounded/fp8", "reuse_rounded/bf16-te", "no_saved_copy/fp8", "reuse_rounded/fp8@current")
-BACKWARDS = {"fp8": ("fp8", "forward"), "bf16-te": ("bf16", "te"), "bf16": ("bf16", "forward"), "fp32": ("fp32", "forward")}
+BACKWARDS = {
+    "fp8": ("fp8", "forward"),
+    "bf16-te": ("bf16", "te"),
+    "bf16": ("bf16", "forward"),
+    "fp32": ("fp32", "forward"),
+}
 
 
 def inputs(seq: int, batch: int = 1) -> tuple[torch.Tensor, ...]:
@@ -127,7 +132,7 @@ def stack_step() -> dict:
     from readback.model.fog import FOG, FOGConfig
 
     cfg = FOGConfig(
-        n_layers=16, d_model=1024, n_heads=HEADS, n_kv_groups=GROUPS, ffn_dim=4096, vocab_size=32768, seq_len=4096
+        n_layers=16, d_model=1024, n_heads=HEADS, n_kv_groups=GROUPS, ffn_dim=6144, vocab_size=32768, seq_len=4096
     )
     model = FOG(cfg, numerics_for("fp8", DelayedScaling(), "reuse_rounded", attention_bwd="fp8"))
     x = torch.randint(0, cfg.vocab_size, (2, cfg.seq_len), generator=torch.Generator().manual_seed(0))
@@ -178,7 +183,8 @@ def main() -> None:
             results[f"{seq}/{v}"] = {**r, "x_sdpa": speed, "rise_mib": rise}
     if args.stack:
         stack = in_process(["--stack-only", "--threads", str(args.threads)])
-        print(f"  390M-shaped stack, T 4096, batch 2: step {stack['seconds']:.1f} s, peak RSS rise {stack['rise_mib']:.0f} MiB")
+        seconds, rise = stack["seconds"], stack["rise_mib"]
+        print(f"  390M-shaped stack, T 4096, batch 2: step {seconds:.1f} s, peak RSS rise {rise:.0f} MiB")
         results["stack"] = stack
     if args.json:
         with open(args.json, "w") as f:

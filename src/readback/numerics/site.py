@@ -27,7 +27,6 @@ from readback.numerics import (
     quantize,
     round_bf16,
 )
-
 from readback.numerics.rounding import KeyedDraws, RandomSource
 
 if TYPE_CHECKING:

@@ -41,17 +41,18 @@ _OPERANDS = {"dK": "q", "dQ": "k", "dP": "v"}
 
 
 def backward(
-    numerics: Numerics, name: str, saved: dict[str, Any], ctx: Any, d_out: torch.Tensor
+    numerics: Numerics, name: str, saved: dict[str, Any], ctx: Any, grad: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """dQ, dK, dV (B, H, T, hd; K's and V's per query head) from dO (B, T, H hd); ``ctx``
+    """dQ, dK, dV (B, H, T, hd; K's and V's per query head) from dO (``grad``, B, T, H hd); ``ctx``
     carries the forward's shape, softmax scale, GEMM, rounding and mechanism switch."""
     precision, dtype, bf16_gemm = numerics.attention_bwd, numerics.dtype, numerics.bf16_gemm
     reads = numerics.spec.reads["attention"]
     batch, heads, seq, dim = ctx.shape
     # held as held says (BF16 for flavour te's BF16 backward), in dtype block by block
-    d_out: torch.Tensor | QTensor = d_out.to(parts.held(numerics)).unflatten(-1, (heads, dim)).transpose(1, 2)
+    grad = grad.to(parts.held(numerics)).reshape(batch, seq, heads, dim).transpose(1, 2)
+    d_out: torch.Tensor | QTensor = grad
     if precision == "fp8":
-        d_out = numerics.site(f"{name}.grad_output", "bwd").quantize(d_out.to(dtype))
+        d_out = numerics.site(f"{name}.grad_output", "bwd").quantize(grad.to(dtype))
     o_read = parts.d_term_o(numerics, name, saved)  # None: D = rowsum(P * dP)
 
     def mm(a: torch.Tensor | QTensor, b: torch.Tensor | QTensor) -> torch.Tensor:
@@ -71,9 +72,7 @@ def backward(
     modes = {reads["dV"], reads["dS"]}
     probs_site = numerics.site(f"{name}.probs")
 
-    def block(
-        rows: slice, d_out_rows: Any, d_term: mechanism.DTermCosine | None = None
-    ) -> tuple[Any, torch.Tensor]:
+    def block(rows: slice, d_out_rows: Any, d_term: mechanism.DTermCosine | None = None) -> tuple[Any, torch.Tensor]:
         """The P that dV reads (a ``QTensor`` for P8) and dS = P (dP - D), in ``dtype``, of
         query rows ``rows`` (whose dO is ``d_out_rows``, decoded); ``d_term`` takes the
         block's share of the D-term cosine."""
@@ -94,7 +93,9 @@ def backward(
         if o_read is None:
             row_term = (probs * d_p).sum(-1, keepdim=True)
         else:
-            row_term = (parts.value(d_out_rows, dtype) * parts.o_rows(numerics, o_read, rows, heads)).sum(-1, keepdim=True)
+            row_term = (parts.value(d_out_rows, dtype) * parts.o_rows(numerics, o_read, rows, heads)).sum(
+                -1, keepdim=True
+            )
         if d_term is not None:
             d_term.add(probs, row_term)
         return by_mode[reads["dV"]], d_p.sub_(row_term).mul_(probs)  # P (dP - D), in dP's place

@@ -34,6 +34,7 @@ def query_blocks(batch: int, heads: int, seq: int) -> list[slice]:
     rows = max(MIN_ROWS, BLOCK_ELEMENTS // max(1, batch * heads * seq))
     return [slice(i, min(i + rows, seq)) for i in range(0, seq, rows)]
 
+
 Operand = TypeVar("Operand", torch.Tensor, QTensor)  # a rounded copy, or an original
 
 
@@ -47,7 +48,7 @@ def expand_groups(t: Operand, heads: int) -> Operand:
     return t.map(expand) if isinstance(t, QTensor) else expand(t)
 
 
-def by_group(a: Operand, b: Operand, gemm: Callable[[Any, Any], torch.Tensor]) -> torch.Tensor:
+def by_group(a: torch.Tensor | QTensor, b: Any, gemm: Callable[[Any, Any], torch.Tensor]) -> torch.Tensor:
     """``gemm(a, b)`` of the query heads' ``a`` (B, H, rows, X) and their groups' ``b`` (B, G, X, Y),
     as (B, H, rows, Y): each group's heads stacked as the rows of one GEMM, so no K or V is
     repeated for its heads (the products and sums of each element are those of H GEMMs)."""
@@ -61,7 +62,7 @@ def by_group(a: Operand, b: Operand, gemm: Callable[[Any, Any], torch.Tensor]) -
     return out.view(batch, heads, rows, out.shape[-1])
 
 
-def scores(q: QTensor, k: QTensor, softmax_scale: float, gemm: str, bf16_gemm: str) -> torch.Tensor:
+def scores(q: torch.Tensor | QTensor, k: QTensor, softmax_scale: float, gemm: str, bf16_gemm: str) -> torch.Tensor:
     """``S = c Q8 K8^T`` of the given query rows (B, H, rows, hd) and their groups' keys (B, G, keys, hd)."""
     return by_group(q, k.mT, lambda a, b: matmul(a, b, gemm, bf16_gemm=bf16_gemm)) * softmax_scale
 
@@ -103,7 +104,7 @@ def rows_of(t: Operand, rows: slice) -> Operand:
     return t.map(lambda d: d[:, :, rows]) if isinstance(t, QTensor) else t[:, :, rows]
 
 
-def rows_decoded(t: Operand, rows: slice, dtype: torch.dtype | None = None) -> Operand:
+def rows_decoded(t: torch.Tensor | QTensor, rows: slice, dtype: torch.dtype | None = None) -> torch.Tensor | QTensor:
     """Query rows ``rows`` of a (B, H, T, ...) operand as a block's GEMMs read them: a rounded
     copy's codes decoded (``numerics.decoded``), an original in ``dtype`` (when given), for that
     block alone, so that no decoded or widened copy of the whole tensor is held."""
@@ -157,12 +158,9 @@ def d_term_o(numerics: Numerics, name: str, saved: dict[str, Any]) -> torch.Tens
     """The O that the D-term reads under the policy (B, T, H hd): O8, O or a fresh rounding of
     O; None for ``rowsum(P*dP)``."""
     mode = numerics.read("attention", "D")
-    if mode == "none":
-        return None
-    if mode == "rounded":
-        return saved["oq"]
-    if mode == "original":
-        return saved["out"]
+    if mode in ("none", "rounded", "original"):
+        o: torch.Tensor | QTensor | None = {"none": None, "rounded": saved["oq"], "original": saved["out"]}[mode]
+        return o
     # fresh: same scale and format as the forward's O8, an independent random stream
     site = numerics.site(f"{name}.output")
     return site.quantize(saved["out"], "stochastic", scale=saved["oq"].scale, stream="fresh")
@@ -172,7 +170,8 @@ def o_rows(numerics: Numerics, o: torch.Tensor | QTensor, rows: slice, heads: in
     """Query rows ``rows`` of ``d_term_o``'s O as (B, H, rows, hd) values, held as ``held`` says."""
 
     def by_heads(d: torch.Tensor) -> torch.Tensor:
-        return d.unflatten(-1, (heads, -1)).transpose(1, 2)
+        return d.reshape(*d.shape[:-1], heads, -1).transpose(1, 2)
 
-    block = rows_decoded(o.map(by_heads) if isinstance(o, QTensor) else by_heads(o), rows)
-    return value(block, numerics.dtype).to(held(numerics)).to(numerics.dtype)
+    block = rows_decoded(o.map(by_heads), rows) if isinstance(o, QTensor) else rows_decoded(by_heads(o), rows)
+    values: torch.Tensor = value(block, numerics.dtype)
+    return values.to(held(numerics)).to(numerics.dtype)

@@ -10,8 +10,8 @@ import torch
 
 import frozen_attention
 from readback.numerics import CurrentScaling, DelayedScaling, MXFP8BlockScaling, QTensor
-from readback.numerics.rounding import KeyedDraws, quantize
 from readback.numerics.formats import E4M3
+from readback.numerics.rounding import KeyedDraws, quantize
 from readback.ops import Site, attention_parts, numerics_for
 from readback.ops.attention import attention, replay
 from readback.policy import POLICIES
@@ -134,7 +134,7 @@ def test_keyed_draws_are_uniform_independent_and_block_free():
     u = _keyed(start, 512, 512)
     assert torch.equal(u, _keyed(start, 512, 512))  # seeded: the same key and rows, the same draws
     assert torch.equal(u[100:164, :300], _keyed(start, 64, 512, 100)[:, :300])  # a block's own draws
-    assert ((u * 2**24) == (u * 2**24).floor()).all() and 0 <= float(u.min()) and float(u.max()) < 1
+    assert ((u * 2**24) == (u * 2**24).floor()).all() and float(u.min()) >= 0 and float(u.max()) < 1
     counts = torch.histc(u, bins=64, min=0, max=1)
     expected = u.numel() / 64
     chi2 = float(((counts - expected) ** 2 / expected).sum())
@@ -156,7 +156,9 @@ def test_stochastic_p_is_unbiased_and_its_draws_do_not_depend_on_the_blocks(monk
     def run(seed: int, rows: int, steps: int = 1):
         monkeypatch.setattr(attention_parts, "BLOCK_ELEMENTS", 0)
         monkeypatch.setattr(attention_parts, "MIN_ROWS", rows)
-        numerics = numerics_for("fp8", CurrentScaling(), "exact", attention_bwd="fp32", rounding="stochastic", seed=seed)
+        numerics = numerics_for(
+            "fp8", CurrentScaling(), "exact", attention_bwd="fp32", rounding="stochastic", seed=seed
+        )
         out = []
         for _ in range(steps):
             q, k, v = (t.clone().requires_grad_() for t in x[:3])
@@ -178,7 +180,10 @@ def test_stochastic_p_is_unbiased_and_its_draws_do_not_depend_on_the_blocks(monk
     # unbiased: over steps P8 - P averages to 0 (each step's own P: Q8, K8 are drawn anew too)
     causal = torch.ones(24, 24, dtype=torch.bool).triu(1)
     error = torch.stack(
-        [r["probs"].dequantize() - torch.softmax(r["scores"].masked_fill(causal, float("-inf")), -1) for r, *_ in run(2, 24, 200)]
+        [
+            r["probs"].dequantize() - torch.softmax(r["scores"].masked_fill(causal, float("-inf")), -1)
+            for r, *_ in run(2, 24, 200)
+        ]
     )
     noisy = error.std(0) > 0
     z = error.mean(0)[noisy] / (error.std(0)[noisy] / len(error) ** 0.5)

@@ -14,8 +14,7 @@ from readback.backends import build_model
 from readback.numerics import E4M3, CurrentScaling, QTensor, quantize
 from readback.numerics.site import rounding_figures
 from readback.ops import attention as attention_op
-from readback.ops import attention_parts
-from readback.ops import mechanism, numerics_for
+from readback.ops import attention_parts, mechanism, numerics_for
 from toys import config
 
 

@@ -9,9 +9,8 @@ import pytest
 import torch
 
 from readback.numerics import E4M3, E5M2, CurrentScaling, DelayedScaling, compute_scale, quantize
-from readback.ops import OPS, Numerics, numerics_for, read_rules
+from readback.ops import OPS, Numerics, attention_parts, numerics_for, read_rules
 from readback.ops import attention as attention_mod
-from readback.ops import attention_parts
 from readback.ops import linear as linear_mod
 from readback.ops import norm as norm_mod
 from readback.ops.activation import BETA, EPS, replay, xielu
