@@ -28,10 +28,10 @@ MIN_ROWS = 64  # query rows of a block at least (GEMMs of fewer rows run slowly)
 
 
 def query_blocks(batch: int, heads: int, seq: int) -> list[slice]:
-    """The query rows of each block: as many as keep a block's scores within ``BLOCK_ELEMENTS``
-    (``MIN_ROWS`` at least), so a short sequence is one block and a long one's blocks hold
-    O(T) elements each."""
-    rows = max(MIN_ROWS, BLOCK_ELEMENTS // max(1, batch * heads * seq))
+    """The query rows of each block: as many as keep a block's scores within ``BLOCK_ELEMENTS``,
+    in multiples of ``MIN_ROWS`` (one at least), so a short sequence is one block and a long
+    one's blocks hold O(T) elements each."""
+    rows = max(1, BLOCK_ELEMENTS // max(1, MIN_ROWS * batch * heads * seq)) * MIN_ROWS
     return [slice(i, min(i + rows, seq)) for i in range(0, seq, rows)]
 
 

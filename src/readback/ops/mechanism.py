@@ -49,6 +49,9 @@ def observe_output_rounding(numerics: Numerics, name: str, out: torch.Tensor, ou
             numerics.observe(f"attn_out_{stat}/{name}", value)
 
 
+ROWS = 64  # query rows per addition to the D-term cosine's sums
+
+
 class DTermCosine:
     """The layer's D-term cosine, accumulated over the query-row blocks of the backward: the
     cosine of the whole flattened tensors is ``sum(d.k) / sqrt(sum(d.d) sum(k.k))``, and each
@@ -59,10 +62,13 @@ class DTermCosine:
         self.sums = torch.zeros(3, dtype=torch.float64, device=keys.device)
 
     def add(self, probs: torch.Tensor, row_term: torch.Tensor) -> None:
-        """One block: its probabilities (B, H, rows, keys) and D (B, H, rows, 1)."""
-        mean_key = (probs.detach() @ self.keys[:, :, : probs.shape[-1]]).double()  # (B, H, rows, hd)
-        d_term = -row_term.detach().double() * mean_key
-        self.sums += torch.stack([(d_term * mean_key).sum(), d_term.square().sum(), mean_key.square().sum()])
+        """One block: its probabilities (B, H, rows, keys) and D (B, H, rows, 1), added
+        ``ROWS`` query rows at a time, so that the sums do not depend on the op's blocks."""
+        keys = self.keys[:, :, : probs.shape[-1]]
+        for i in range(0, probs.shape[-2], ROWS):
+            mean_key = (probs[:, :, i : i + ROWS].detach() @ keys).double()  # (B, H, rows, hd)
+            d_term = -row_term[:, :, i : i + ROWS].detach().double() * mean_key
+            self.sums += torch.stack([(d_term * mean_key).sum(), d_term.square().sum(), mean_key.square().sum()])
 
     def observe(self, numerics: Numerics, name: str) -> None:
         dot, d_norm2, k_norm2 = self.sums

@@ -99,10 +99,7 @@ def test_every_code_and_gradient_is_the_untiled_ops(monkeypatch, seq, recipe, bw
             assert torch.equal(a, b) and torch.equal(sa, sb), (policy, site)
         for i, (a, b) in enumerate(zip(old[:-3], new[:-3])):
             assert torch.equal(a, b), (policy, i)
-        assert old[-3:-1] == new[-3:-1], policy
-        moved = {key for key, value in old[-1].items() if new[-1][key] != value}
-        assert new[-1].keys() == old[-1].keys() and moved <= {"attn_dq_dterm_cos/mean/" + NAME}, (policy, moved)
-        assert new[-1] == pytest.approx(old[-1], rel=1e-12)  # the cosine's sums over the old op's 64-row blocks
+        assert old[-3:] == new[-3:], policy
 
 
 @pytest.mark.parametrize("precision", ["bf16", "off"])
