@@ -93,9 +93,11 @@ def fp8_mm(a: QTensor, b: QTensor, accumulation: str = "ieee", bf16_gemm: str = 
     if a.data.dim() == 2 or a.data.shape[:-2] != b.data.shape[:-2]:
         return _decoded_product(a.data, b.data, scale)
     # A batch of products runs a block of matrices at a time (the same products, bit for bit),
-    # so that the FP32 copies of the operands stay within DECODED_BLOCK elements.
+    # so that the FP32 copies of the operands stay within DECODED_BLOCK elements (operands
+    # decoded already take none).
     x, y = a.data.flatten(0, -3), b.data.flatten(0, -3)
-    step = max(1, DECODED_BLOCK // (x[0].numel() + y[0].numel()))
+    to_decode = sum(t[0].numel() for t in (x, y) if t.dtype != torch.float32)
+    step = max(1, DECODED_BLOCK // to_decode) if to_decode else len(x)
     if step >= len(x):
         return _decoded_product(a.data, b.data, scale)
     out = torch.empty(len(x), x.shape[-2], y.shape[-1], device=x.device)
