@@ -55,7 +55,7 @@ ROWS = 64  # query rows per addition to the D-term cosine's sums
 class DTermCosine:
     """The layer's D-term cosine, accumulated over the query-row blocks of the backward: the
     cosine of the whole flattened tensors is ``sum(d.k) / sqrt(sum(d.d) sum(k.k))``, and each
-    of the three sums adds over blocks, so no T x T matrix is kept for it."""
+    of the three sums adds over blocks (of ``ROWS`` rows), so no T x T matrix is kept for it."""
 
     def __init__(self, keys: torch.Tensor):
         self.keys = keys.detach()  # (B, H, T, hd), the K the backward's dQ GEMM reads
