@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import sys
 
-import attention as bench
 import torch
+
+import attention as bench
 
 
 def test_one_round_prints_the_cpu_and_each_variant_against_sdpa(monkeypatch, capsys):
