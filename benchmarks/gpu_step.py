@@ -12,10 +12,9 @@ Tokens are synthetic (uniform over the vocabulary); each step is forward, backwa
 Engine reads some switches when it is imported, and each gets a clean memory peak. A case runs
 ``--steps`` timed steps or until ``--max-seconds`` have passed, whichever comes first; one that
 runs out of memory or past ``--case-timeout`` is a result that says so. The emulated attention
-holds T x T blocks (the forward's scores, the FP8 probabilities it saves), so its memory grows
-with the square of the sequence: ``--seq 1024 4096`` with micro-batches of the same tokens
-(``--micro-batch 8 2``) shows by how much. Needs a CUDA device: on a machine without one it
-says so and exits 2.
+runs in blocks of query rows and saves nothing T x T, so its memory grows linearly with the
+sequence: ``--seq 1024 4096`` with micro-batches of the same tokens (``--micro-batch 8 2``)
+shows it. Needs a CUDA device: on a machine without one it says so and exits 2.
 """
 
 from __future__ import annotations

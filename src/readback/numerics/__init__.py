@@ -4,7 +4,7 @@ its frozen spec (``spec``), its sites (``site``, ``state``) and random streams."
 
 from readback.numerics.blockscale import BlockQTensor, Float8BlockQuantizer, MXFP8Quantizer
 from readback.numerics.formats import BF16, E2M1, E4M3, E5M2, Format, FP8Format
-from readback.numerics.gemm import GEMM_PRECISIONS, PRECISION_DTYPES, decoded, fp8_mm, matmul
+from readback.numerics.gemm import GEMM_PRECISIONS, PRECISION_DTYPES, SplitK, decoded, fp8_mm, matmul
 from readback.numerics.nvfp4 import NVFP4Quantizer, NVFP4Tensor
 from readback.numerics.rounding import ROUNDINGS, QTensor, pinned, quantize, round_bf16, round_stochastic
 from readback.numerics.scaling import (
@@ -54,6 +54,7 @@ __all__ = [
     "NVFP4Tensor",
     "QTensor",
     "ScalingRecipe",
+    "SplitK",
     "abs_max",
     "compute_scale",
     "decoded",

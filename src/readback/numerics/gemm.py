@@ -93,9 +93,11 @@ def fp8_mm(a: QTensor, b: QTensor, accumulation: str = "ieee", bf16_gemm: str = 
     if a.data.dim() == 2 or a.data.shape[:-2] != b.data.shape[:-2]:
         return _decoded_product(a.data, b.data, scale)
     # A batch of products runs a block of matrices at a time (the same products, bit for bit),
-    # so that the FP32 copies of the operands stay within DECODED_BLOCK elements.
+    # so that the FP32 copies of the operands stay within DECODED_BLOCK elements (operands
+    # decoded already take none).
     x, y = a.data.flatten(0, -3), b.data.flatten(0, -3)
-    step = max(1, DECODED_BLOCK // (x[0].numel() + y[0].numel()))
+    to_decode = sum(t[0].numel() for t in (x, y) if t.dtype != torch.float32)
+    step = max(1, DECODED_BLOCK // to_decode) if to_decode else len(x)
     if step >= len(x):
         return _decoded_product(a.data, b.data, scale)
     out = torch.empty(len(x), x.shape[-2], y.shape[-1], device=x.device)
@@ -199,3 +201,45 @@ def _bf16_values(t: Operand) -> torch.Tensor:
     if isinstance(t, torch.Tensor):
         return t.to(torch.bfloat16)
     return t.data if t.fmt is BF16 else t.dequantize(torch.bfloat16)
+
+
+class SplitK:
+    """One GEMM ``sum_i a_i @ b_i`` whose K arrives in blocks, as a tiled kernel loops over K:
+    each block's products are added into one accumulator (FP32; FP64 for ``fp64``) and the output
+    is rounded once, at ``result``, as ``matmul`` rounds it; a block may cover only the first
+    rows of the output (``rows``). With one block it is ``matmul``'s GEMM bit for bit, but for the
+    BF16 kernel: BF16 values multiply as ``bf16_mm``'s ``fp32`` kernel whatever ``bf16_gemm`` says
+    (torch's BF16 kernel rounds each call's output). FP8 operands take the ``ieee`` accumulation,
+    with one scale for every block (each operand's scale is the whole tensor's)."""
+
+    def __init__(self, shape: tuple[int, ...], precision: str, device: torch.device) -> None:
+        self.precision = precision
+        self.acc = torch.zeros(shape, dtype=torch.float64 if precision == "fp64" else torch.float32, device=device)
+        self.scale: torch.Tensor | None = None  # both inverse scales of FP8 operands
+
+    def add(self, a: QTensor | torch.Tensor, b: QTensor | torch.Tensor, rows: slice) -> None:
+        """Add ``a @ b``'s products into the output's ``rows``."""
+        if self.precision == "fp8":
+            assert isinstance(a, QTensor) and isinstance(b, QTensor), "matmul(precision='fp8') multiplies QTensors"
+            if a.fmt is BF16 and b.fmt is BF16:
+                acc = torch.matmul(a.data.float(), b.data.float())
+            else:
+                acc, self.scale = accumulate(a.data, b.data, "ieee"), a.scale_inv * b.scale_inv
+        elif self.precision == "bf16":
+            acc = torch.matmul(_bf16_values(a).float(), _bf16_values(b).float())
+        else:
+            dtype = PRECISION_DTYPES[self.precision]
+            x, y = (t.to(dtype) if isinstance(t, torch.Tensor) else t.dequantize(dtype) for t in (a, b))
+            acc = torch.matmul(x, y)
+        self.acc[..., rows, :] += acc
+
+    def result(self) -> torch.Tensor:
+        """The output, rounded as ``matmul`` rounds it (FP32; FP64 for ``fp64``); the accumulator
+        is let go."""
+        acc, self.acc = self.acc, torch.empty(0)
+        if self.scale is not None:
+            bf16 = torch.empty(acc.shape, dtype=torch.bfloat16, device=acc.device)
+            return torch.mul(acc, self.scale, out=bf16).float()
+        if self.precision in ("fp8", "bf16"):
+            return acc.to(torch.bfloat16).float()
+        return acc

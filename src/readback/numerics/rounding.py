@@ -104,7 +104,42 @@ def _(state: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
     return torch.empty(like.shape, dtype=torch.float32, device=like.device)
 
 
-RandomSource = torch.Generator | torch.Tensor | None  # a generator, a generator's state (``uniform``), or torch's
+_MASK32 = 0xFFFF_FFFF
+
+
+def _hash32(x: torch.Tensor) -> torch.Tensor:
+    """A 32-bit integer hash (Wellons' "lowbias32" form, constants below 2**31 so that the int64
+    products never overflow) of int64 ``x`` in [0, 2**32), in place where it can."""
+    x = x ^ (x >> 16)
+    x.mul_(0x21F0AAAD).bitwise_and_(_MASK32)
+    x.bitwise_xor_(x >> 15)
+    x.mul_(0x735A2D97).bitwise_and_(_MASK32)
+    return x.bitwise_xor_(x >> 15)
+
+
+@dataclass(frozen=True)
+class KeyedDraws:
+    """Uniforms keyed by position, for a tensor rounded block by block whose rounding is
+    recomputed (attention's P): the draw of element ``(..., r, j)`` of a block is a hash of
+    (key, ``first + rows[..., r]``, ``j``), whatever block it falls in and whenever that block
+    runs, so a backward that rounds the same block again gets the very draws of the forward.
+    ``start`` is ``[key, first]`` (``RandomStreams.claim``); ``rows`` (int64, the block's
+    shape without its last dimension) each row's index within the claimed ones."""
+
+    start: torch.Tensor
+    rows: torch.Tensor
+
+    def uniform(self, like: torch.Tensor) -> torch.Tensor:
+        """FP32 uniforms in [0, 1) shaped like ``like`` (multiples of 2**-24)."""
+        key, first = self.start[0], self.start[1]
+        row_keys = _hash32(_hash32((self.rows + first).bitwise_and_(_MASK32)) ^ key)
+        columns = _hash32(torch.arange(like.shape[-1], dtype=torch.int64, device=like.device))
+        bits = _hash32(row_keys[..., None] ^ columns) >> 8
+        return bits.to(torch.float32).mul_(2.0**-24)
+
+
+# a generator, a generator's state (``uniform``), draws keyed by position, or torch's
+RandomSource = torch.Generator | torch.Tensor | KeyedDraws | None
 
 
 def round_stochastic(y: torch.Tensor, fmt: FP8Format, generator: RandomSource) -> torch.Tensor:
@@ -122,6 +157,8 @@ def round_stochastic(y: torch.Tensor, fmt: FP8Format, generator: RandomSource) -
 
 def uniform_draws(like: torch.Tensor, generator: RandomSource) -> torch.Tensor:
     """FP32 uniforms in [0, 1) shaped like ``like`` (multiples of 2**-24), from ``generator``."""
+    if isinstance(generator, KeyedDraws):
+        return generator.uniform(like)
     if isinstance(generator, torch.Tensor):
         # the op where a graph is traced; eager draws directly (a custom op's first call loads
         # some 70 MB of torch's compiler modules)

@@ -27,6 +27,7 @@ from readback.numerics import (
     quantize,
     round_bf16,
 )
+from readback.numerics.rounding import KeyedDraws, RandomSource
 
 if TYPE_CHECKING:
     from readback.numerics.blockscale import Float8BlockQuantizer, MXFP8Quantizer
@@ -105,10 +106,14 @@ class Site:
         scale: torch.Tensor | None = None,
         stream: str = "forward",
         amax: torch.Tensor | None = None,
+        draws: KeyedDraws | None = None,
+        count: bool = True,
     ) -> QTensor:
         """Round ``x`` at this site. ``scale`` reuses an earlier scale (a re-rounding) instead
-        of the site's own; ``stream`` names the random stream of a stochastic rounding;
-        ``amax`` is that of the whole tensor when ``x`` is one block of it."""
+        of the site's own; ``stream`` names the random stream of a stochastic rounding, or
+        ``draws`` its draws keyed by position (from ``claim``); ``amax`` is that of the whole
+        tensor when ``x`` is one block of it. ``count`` False: a recomputation of codes already
+        rounded and counted (the forward's scale and draws again), which counts nothing."""
         if self.fmt is None:  # rounding switched off: the identity, in x's own precision
             return QTensor(x, torch.ones((), dtype=x.dtype, device=x.device), None)
         if self.fmt is BF16:  # BF16 sites round to nearest, as BF16 GEMM inputs do, unscaled
@@ -120,14 +125,22 @@ class Site:
             if self.margin:
                 scale = scale * 2.0**-self.margin
             self.unusable.add_(~((scale >= FP32.tiny) & (scale <= FP32.max)))  # NaN fails both
-        generator = self.streams.state(self.name, stream, x.device) if rounding == "stochastic" else None
+        generator: RandomSource = None
+        if rounding == "stochastic":
+            generator = draws if draws is not None else self.streams.state(self.name, stream, x.device)
         saturated = _count_saturated(x, amax, scale, self.fmt)
-        if isinstance(saturated, torch.Tensor):
+        if isinstance(saturated, torch.Tensor) and count:
             self.saturated.add_(saturated)
         # Without a count none saturates, so the clamp would change nothing.
         q = quantize(x, self.fmt, scale, rounding, generator, saturate=isinstance(saturated, torch.Tensor))
-        self._count_underflow(x, q)
+        if count:
+            self._count_underflow(x, q)
         return q
+
+    def claim(self, rows: int, device: torch.device, stream: str = "forward") -> torch.Tensor:
+        """The start of keyed draws over ``rows`` rows of this site's ``stream`` on ``device``
+        (``RandomStreams.claim``), for ``KeyedDraws``."""
+        return self.streams.claim(self.name, stream, device, rows)
 
     def quantize_blocks(
         self, x: torch.Tensor, quantizer: MXFP8Quantizer | Float8BlockQuantizer | NVFP4Quantizer, direction: str

@@ -28,11 +28,11 @@ forward's own P. Flavour ``te`` departs from it in several reads at once (D from
 from Q, K with the FP8 LSE; the original Q, K, V in the GEMMs): the bias meter's variants
 ``exact_read.attention.<gradient>`` switch each back alone.
 
-Memory: no FP32 T x T matrix is saved. The backward recomputes P block by block of
-``ROW_BLOCK`` query rows from the saved Q8 and K8 (the same GEMM and softmax, so the same bits)
-and keeps dS only as the GEMM operand it becomes (FP8 under ``attention_bwd`` fp8, BF16 under
-bf16), so its FP32 working set is a few ``ROW_BLOCK x T`` blocks for all heads; a dV that reads a
-recomputed P keeps that P as its GEMM operand too.
+Forward and backward run in blocks of query rows, each against the keys it may see
+(``attention_forward``, ``attention_backward``: their passes and what each costs): no T x T
+tensor is held, in FP32 or as codes. The backward recomputes P8 from the saved Q8, K8, P8's scale
+and, under stochastic rounding, the start of its draws, which are keyed by position
+(``numerics.rounding.KeyedDraws``): the very codes the forward multiplied.
 """
 
 from __future__ import annotations
@@ -41,16 +41,14 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from readback.numerics import BF16, PRECISION_DTYPES, QTensor, abs_max, decoded, matmul, pinned
+from readback.numerics import QTensor, pinned
 from readback.numerics.spec import ATTENTION_BWD_READS, ATTENTION_SITES, frozen_reads
+from readback.ops import attention_backward, attention_forward, mechanism
 from readback.ops import attention_parts as parts
-from readback.ops import mechanism
 from readback.ops.saved import load, save
 
 if TYPE_CHECKING:
     from readback.numerics.state import Numerics
-
-ROW_BLOCK = 64  # query rows per block of the backward
 
 # The sites an attention core named ``name`` rounds at (``{name}.q``, ...): its GEMMs' operands and O.
 SITES = ATTENTION_SITES  # declared with the spec, whose attention_recipe scales them
@@ -81,24 +79,20 @@ BWD_READS = frozen_reads(
     }
 )
 assert tuple(BWD_READS) == ATTENTION_BWD_READS
-# What each (gradient, read mode) needs saved: the forward's rounded Q8, K8, V8, P8 (``q8``, ...),
-# the originals (``q``, ``k``, ``v``), the FP8 forward's LSE, its O before rounding (``out``);
-# O8 is always saved. A P read ``original`` or ``rebuilt`` is recomputed from what it lists.
+# What each (gradient, read mode) needs saved: the forward's rounded Q8, K8, V8 (``q8``, ...),
+# P8's scale and the start of its keyed draws (``p8_scale``, ``p8_draws``), the originals (``q``,
+# ``k``, ``v``), the FP8 forward's LSE, its O before rounding (``out``); O8 is always saved. P is
+# recomputed from what its read lists: P8 and the forward's P from Q8 and K8, a rebuilt P from Q, K.
+_P8 = ("q8", "k8", "p8_scale", "p8_draws")
 _NEEDS: dict[str, dict[str, tuple[str, ...]]] = {
     "dK": {"rounded": ("q8",), "original": ("q",)},
     "dQ": {"rounded": ("k8",), "original": ("k",)},
     "dP": {"rounded": ("v8",), "original": ("v",)},
-    "dV": {"rounded": ("p8",), "original": ("q8", "k8"), "rebuilt": ("q", "k", "lse")},
-    "dS": {"rounded": ("p8",), "original": ("q8", "k8"), "rebuilt": ("q", "k", "lse")},
+    "dV": {"rounded": _P8, "original": ("q8", "k8"), "rebuilt": ("q", "k", "lse")},
+    "dS": {"rounded": _P8, "original": ("q8", "k8"), "rebuilt": ("q", "k", "lse")},
     "D": {"rounded": (), "original": ("out",), "fresh": ("out",), "none": ()},
 }
-_SAVED = ("q8", "k8", "v8", "p8", "q", "k", "v", "lse", "out")
-
-
-def _operand_name(reads: Any, gradient: str) -> str:
-    """The saved name of the Q, K or V that ``gradient``'s GEMM reads (``q8`` or ``q``, ...)."""
-    x = READ_OPERANDS[gradient].lower()
-    return {"rounded": f"{x}8", "original": x}[reads[gradient]]
+_SAVED = ("q8", "k8", "v8", "p8_scale", "p8_draws", "q", "k", "v", "lse", "out")
 
 
 class _Attention(torch.autograd.Function):
@@ -117,30 +111,26 @@ class _Attention(torch.autograd.Function):
         qq = numerics.site(f"{name}.q").quantize(q, rounding)
         k_groups = numerics.site(f"{name}.k").quantize(k, rounding)
         v_groups = numerics.site(f"{name}.v").quantize(v, rounding)
-        kq, vq = parts.expand_groups(k_groups, heads), parts.expand_groups(v_groups, heads)
         gemm = "fp64" if numerics.precision == "off" else "fp8"
 
-        s = parts.scores(qq, kq, softmax_scale, gemm, numerics.bf16_gemm)
-        probs = parts.softmax(s, 0, dtype)
-        if numerics.mechanism:
-            mechanism.observe_logits(numerics, name, s, probs)
-        pq = numerics.site(f"{name}.probs").quantize(probs, rounding)
-        out = matmul(pq, vq, gemm, bf16_gemm=numerics.bf16_gemm)  # (B, H, T, hd)
-        out = out.transpose(1, 2).reshape(batch, seq, heads * dim)
+        reads = numerics.spec.reads["attention"]
+        need = {n for gradient, mode in reads.items() for n in _NEEDS[gradient][mode]}
+        blocks = attention_forward.forward(numerics, name, qq, k_groups, v_groups, softmax_scale, gemm, "lse" in need)
+        out = blocks.out
         oq = numerics.site(f"{name}.output").quantize(out, rounding)
         if numerics.mechanism:
             mechanism.observe_output_rounding(numerics, name, out, oq)
-        numerics.record(name, q=qq, k=kq, v=vq, scores=s, probs=pq, out=out, output=oq)
+        if numerics.tape is not None:  # K and V as each query head reads them
+            kq, vq = parts.expand_groups(k_groups, heads), parts.expand_groups(v_groups, heads)
+            numerics.record(name, q=qq, k=kq, v=vq, scores=blocks.scores, probs=blocks.probs, out=out, output=oq)
 
-        reads = numerics.spec.reads["attention"]
         fctx.numerics, fctx.name, fctx.scale, fctx.gemm = numerics, name, softmax_scale, gemm
         fctx.mechanism, fctx.shape, fctx.groups = numerics.mechanism, (batch, heads, seq, dim), k.shape[1]
-        need = {n for gradient, mode in reads.items() for n in _NEEDS[gradient][mode]}
+        fctx.rounding = rounding
         held_dtype = parts.held(numerics)
-        values: dict[str, torch.Tensor | QTensor] = {"q8": qq, "k8": k_groups, "v8": v_groups, "p8": pq, "out": out}
+        values: dict[str, Any] = {"q8": qq, "k8": k_groups, "v8": v_groups, "out": out, "lse": blocks.lse}
+        values |= {"p8_scale": blocks.probs_scale.clone(), "p8_draws": blocks.draws}  # not the site's own scale
         values |= {n: t.detach().to(held_dtype) for n, t in (("q", q), ("k", k), ("v", v)) if n in need}
-        if "lse" in need:
-            values["lse"] = parts.log_sum_exp(s)
         saved = {n: values[n] if n in need else None for n in _SAVED}
         # O8's data is also an output; a compiled graph cannot save an output as is, so it saves a copy.
         save(fctx, oq=oq.map(torch.clone) if torch.compiler.is_compiling() else oq, **saved)
@@ -150,7 +140,8 @@ class _Attention(torch.autograd.Function):
             q=saved["q8"],
             k=saved["k8"],
             v=saved["v8"],
-            probs_fp8=saved["p8"],
+            probs_scale=saved["p8_scale"],
+            probs_draws=saved["p8_draws"],
             output_fp8=oq,
             out=saved["out"],
             q_original=saved["q"],
@@ -164,108 +155,10 @@ class _Attention(torch.autograd.Function):
 
     @staticmethod
     def backward(fctx: Any, d_out: torch.Tensor, _data: Any, _scale: Any) -> tuple[torch.Tensor | None, ...]:
-        numerics, name, saved = fctx.numerics, fctx.name, load(fctx)
-        precision, dtype = numerics.attention_bwd, numerics.dtype
-        reads = numerics.spec.reads["attention"]
         batch, heads, seq, dim = fctx.shape
-
-        def as_heads(t: torch.Tensor) -> torch.Tensor:
-            return t.reshape(batch, seq, heads, dim).transpose(1, 2)
-
-        d_out = as_heads(d_out.to(parts.held(numerics)).to(dtype))
-        if precision == "fp8":
-            dq8 = numerics.site(f"{name}.grad_output", "bwd").quantize(d_out)
-            d_out_operand, d_out = dq8, dq8.dequantize(dtype)
-        else:
-            d_out_operand = d_out
-
-        def mm(a: torch.Tensor | QTensor, b: torch.Tensor | QTensor) -> torch.Tensor:
-            return matmul(a, b, precision, bf16_gemm=numerics.bf16_gemm)
-
-        d_v = mm(saved["p8"].mT, d_out_operand) if reads["dV"] == "rounded" else None
-        # every row block reads these (O(T hd) each): decoded once, not once per block
-        operands: dict[str, Any] = {}
-
-        def operand(n: str) -> Any:
-            """Saved Q, K or V ``n`` (K, V expanded to the H heads), decoded once."""
-            if n not in operands:
-                t = saved[n] if n[0] == "q" else parts.expand_groups(saved[n], heads)
-                operands[n] = decoded(t) if isinstance(t, QTensor) else t
-            return operands[n]
-
-        q_for_dk = operand(_operand_name(reads, "dK"))
-        kq, vq = operand(_operand_name(reads, "dQ")), operand(_operand_name(reads, "dP"))
-        if isinstance(d_out_operand, QTensor):
-            d_out_operand = decoded(d_out_operand)
-        o_read = parts.d_term_o(numerics, name, saved, fctx.shape)
-
-        def probs_of(mode: str, rows: slice) -> torch.Tensor:
-            """P of query rows ``rows`` as read ``mode``, in ``dtype``."""
-            if mode == "rounded":
-                return parts.value(parts.rows_of(saved["p8"], rows), dtype)
-            if mode == "original":  # the forward's own P: its GEMM and softmax again, the same bits
-                s = parts.scores(
-                    parts.rows_of(operand("q8"), rows), operand("k8"), fctx.scale, fctx.gemm, numerics.bf16_gemm
-                )
-                return parts.softmax(s, rows.start, dtype)
-            lse, q_rows = saved["lse"][:, :, rows], parts.rows_of(operand("q"), rows)
-            return parts.rebuilt(q_rows, operand("k"), lse, fctx.scale, rows.start, precision).to(dtype)
-
-        def d_scores(
-            rows: slice, d_term: mechanism.DTermCosine | None = None, p_dv: torch.Tensor | None = None
-        ) -> torch.Tensor:
-            """dS = P (dP - D) of query rows ``rows``, all heads, in ``dtype``; ``d_term``
-            accumulates the block's share of the mechanism's D-term cosine; ``p_dv`` takes
-            the rows of the P that dV reads, when dV reads a recomputed one."""
-            probs = probs_of(reads["dS"], rows)
-            if p_dv is not None:
-                p_dv[:, :, rows] = probs if reads["dV"] == reads["dS"] else probs_of(reads["dV"], rows)
-            d_p = mm(parts.rows_of(d_out_operand, rows), vq.mT)
-            read = d_out[:, :, rows] * o_read[:, :, rows] if o_read is not None else probs * d_p
-            row_term = read.sum(-1, keepdim=True)
-            if d_term is not None:
-                d_term.add(probs, row_term)
-            return probs * (d_p - row_term)
-
-        blocks = [slice(i, min(i + ROW_BLOCK, seq)) for i in range(0, seq, ROW_BLOCK)]
-        site = numerics.site(f"{name}.grad_scores", "bwd") if precision == "fp8" else None
-        # a scale computed from the whole of dS (current scaling) needs its amax before any block
-        amax = (
-            torch.stack([abs_max(d_scores(rows)) for rows in blocks]).amax() if site and site.reads_amax_first else None
-        )
-        # FP8 codes are written as bytes (the compiler cannot blend FP8 tensors into a slice)
-        operand_dtype = torch.uint8 if site else PRECISION_DTYPES[precision]
-        d_s_codes = torch.empty(batch, heads, seq, seq, dtype=operand_dtype, device=d_out.device)
-        p_dv = torch.zeros_like(d_s_codes, dtype=PRECISION_DTYPES[precision]) if d_v is None else None
-        rowsums: list[torch.Tensor] = []
-        d_s_scale: torch.Tensor | None = None
-        d_term = mechanism.DTermCosine(parts.value(kq, dtype)) if fctx.mechanism else None
-        for rows in blocks:
-            d_s = d_scores(rows, d_term, p_dv)
-            rowsums.append(d_s.sum(-1))
-            if site is None:
-                d_s_codes[:, :, rows] = d_s
-            else:
-                d_s_q = site.quantize(d_s, amax=amax)
-                d_s_codes[:, :, rows], d_s_scale = d_s_q.data.view(torch.uint8), d_s_q.scale
-        numerics.observe(f"attn_rowsum/{name}", torch.cat(rowsums, -1))
-        if d_term is not None:
-            d_term.observe(numerics, name)
-        if p_dv is not None:
-            d_v = mm(p_dv.mT, d_out_operand)
-        # dQ's and dK's GEMMs both read dS: its codes (FP8, or BF16 values) decoded once
-        d_s_operand: torch.Tensor | QTensor = d_s_codes
-        if site is not None and d_s_scale is not None:
-            d_s_operand = decoded(QTensor(d_s_codes.view(site.fmt.dtype), d_s_scale, site.fmt))
-        elif precision == "bf16":
-            ones = torch.ones((), device=d_s_codes.device)
-            d_s_operand = decoded(QTensor(d_s_codes, ones, BF16), numerics.bf16_gemm)
-
-        d_q = mm(d_s_operand, kq) * fctx.scale
-        d_k = mm(d_s_operand.mT, q_for_dk) * fctx.scale
+        d_q, d_k, d_v = attention_backward.backward(fctx.numerics, fctx.name, load(fctx), fctx, d_out)
         groups = fctx.groups
         d_k = d_k.reshape(batch, groups, heads // groups, seq, dim).sum(2)
-        assert d_v is not None
         d_v = d_v.reshape(batch, groups, heads // groups, seq, dim).sum(2)
         return d_q, d_k, d_v, None, None, None
 

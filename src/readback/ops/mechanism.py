@@ -21,10 +21,14 @@ if TYPE_CHECKING:
     from readback.numerics.state import Numerics
 
 
-def observe_logits(numerics: Numerics, name: str, scores: torch.Tensor, probs: torch.Tensor) -> None:
-    """Logit max and mean over the causally visible scores, and the entropy of each row."""
-    seq = scores.shape[-1]
-    visible = torch.ones(seq, seq, dtype=torch.bool, device=scores.device).tril().expand_as(scores)
+def observe_logits(
+    numerics: Numerics, name: str, scores: torch.Tensor, probs: torch.Tensor, first_row: int = 0
+) -> None:
+    """Logit max and mean over the causally visible scores, and the entropy of each row, of the
+    score rows ``first_row ...`` (a block of them, or all)."""
+    rows, keys = scores.shape[-2:]
+    query = torch.arange(first_row, first_row + rows, device=scores.device)[:, None]
+    visible = (torch.arange(keys, device=scores.device)[None, :] <= query).expand_as(scores)
     logits = scores.detach()[visible]
     numerics.observe_max(f"attn_logit/{name}", logits.max())
     numerics.observe(f"attn_logit/{name}", logits)
@@ -45,20 +49,26 @@ def observe_output_rounding(numerics: Numerics, name: str, out: torch.Tensor, ou
             numerics.observe(f"attn_out_{stat}/{name}", value)
 
 
+ROWS = 64  # query rows per addition to the D-term cosine's sums
+
+
 class DTermCosine:
     """The layer's D-term cosine, accumulated over the query-row blocks of the backward: the
     cosine of the whole flattened tensors is ``sum(d.k) / sqrt(sum(d.d) sum(k.k))``, and each
-    of the three sums adds over blocks, so no T x T matrix is kept for it."""
+    of the three sums adds over blocks (of ``ROWS`` rows), so no T x T matrix is kept for it."""
 
     def __init__(self, keys: torch.Tensor):
         self.keys = keys.detach()  # (B, H, T, hd), the K the backward's dQ GEMM reads
         self.sums = torch.zeros(3, dtype=torch.float64, device=keys.device)
 
     def add(self, probs: torch.Tensor, row_term: torch.Tensor) -> None:
-        """One block: its probabilities (B, H, rows, T) and D (B, H, rows, 1)."""
-        mean_key = (probs.detach() @ self.keys).double()  # (B, H, rows, hd)
-        d_term = -row_term.detach().double() * mean_key
-        self.sums += torch.stack([(d_term * mean_key).sum(), d_term.square().sum(), mean_key.square().sum()])
+        """One block: its probabilities (B, H, rows, keys) and D (B, H, rows, 1), added
+        ``ROWS`` query rows at a time, so that the sums do not depend on the op's blocks."""
+        keys = self.keys[:, :, : probs.shape[-1]]
+        for i in range(0, probs.shape[-2], ROWS):
+            mean_key = (probs[:, :, i : i + ROWS].detach() @ keys).double()  # (B, H, rows, hd)
+            d_term = -row_term[:, :, i : i + ROWS].detach().double() * mean_key
+            self.sums += torch.stack([(d_term * mean_key).sum(), d_term.square().sum(), mean_key.square().sum()])
 
     def observe(self, numerics: Numerics, name: str) -> None:
         dot, d_norm2, k_norm2 = self.sums

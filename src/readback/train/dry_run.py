@@ -14,9 +14,9 @@ block's unsharded gradient before its reduce-scatter.
 
 Activations (the tensors saved for backward, no recomputation) follow Korthikanti et al. 2022
 ("Reducing activation recomputation"), with 2-byte activations and no dropout: per layer
-``b s (14 d + 4 f)`` bytes, plus ``b h s^2`` for the FP8 copy of the attention probabilities
-the emulated attention keeps for its backward (fused attention, ``backend=te``, keeps none), plus
-the FP32 logits and their gradient, ``8 b s V``. FP8 copies (1 byte) replace BF16 ones under
+``b s (14 d + 4 f)`` bytes (no ``s^2`` term: neither the emulated attention, which recomputes
+its probabilities block by block, nor fused attention, ``backend=te``, keeps them), plus the
+FP32 logits and their gradient, ``8 b s V``. FP8 copies (1 byte) replace BF16 ones under
 ``precision=fp8`` on the GPU, so the estimate is an upper bound there. Allocator fragmentation
 and workspaces are not counted.
 """
@@ -55,11 +55,9 @@ class MemoryEstimate:
 def activation_bytes(cfg: Config) -> float:
     """Saved-for-backward bytes of one micro-batch (see the module docstring)."""
     m, b = cfg.model, cfg.trainer.micro_batch
-    s, d, f, h, v = m.seq_len, m.d_model, m.ffn_dim, m.n_heads, m.vocab_size
+    s, d, f, v = m.seq_len, m.d_model, m.ffn_dim, m.vocab_size
     assert v is not None, "train.contract.with_vocabulary resolves it before the model is sized"
-    fused = cfg.backend.name == "te"
-    scores = 0 if fused else b * h * s * s
-    return m.n_layers * (b * s * (14 * d + 4 * f) + scores) + 8 * b * s * v
+    return m.n_layers * b * s * (14 * d + 4 * f) + 8 * b * s * v
 
 
 def estimate(model: TrainableModule, cfg: Config, parallel: str, world_size: int) -> MemoryEstimate:

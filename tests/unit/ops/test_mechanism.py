@@ -14,7 +14,7 @@ from readback.backends import build_model
 from readback.numerics import E4M3, CurrentScaling, QTensor, quantize
 from readback.numerics.site import rounding_figures
 from readback.ops import attention as attention_op
-from readback.ops import mechanism, numerics_for
+from readback.ops import attention_parts, mechanism, numerics_for
 from toys import config
 
 
@@ -97,15 +97,16 @@ def test_the_row_blocked_backward_logs_the_cosine_one_block_would(monkeypatch, p
     d_o = torch.randn(1, 100, 64, generator=g)
 
     def cosine(row_block: int) -> float:
-        monkeypatch.setattr(attention_op, "ROW_BLOCK", row_block)
+        monkeypatch.setattr(attention_parts, "BLOCK_ELEMENTS", 0)
+        monkeypatch.setattr(attention_parts, "MIN_ROWS", row_block)
         numerics = numerics_for(recipe=CurrentScaling(), policy=policy)
         with numerics.measuring():
             o, _ = attention_op.attention(*(t.clone().requires_grad_() for t in (q, k, v)), numerics, "a")
             o.backward(d_o)
         return numerics.pop_observations()["attn_dq_dterm_cos/mean/a"]
 
-    blocked = cosine(attention_op.ROW_BLOCK)
-    assert attention_op.ROW_BLOCK < 100 and blocked != 0
+    blocked = cosine(16)  # 7 blocks, the last partial
+    assert blocked != 0
     assert blocked == pytest.approx(cosine(128), rel=1e-5, abs=1e-7)
 
 
