@@ -148,8 +148,8 @@ CASES = [
             "trainer.micro_batch=1",
         ],
         {},
-        "trainer.gpu_memory_gb=80.0 is not valid; valid: at least the estimated 160.5 GB per GPU of "
-        "trainer.parallel=ddp on 1 GPU(s) (30.1 params, 30.1 grads, 60.1 AdamW, 40.3 activations); "
+        "trainer.gpu_memory_gb=80.0 is not valid; valid: at least the estimated 143.3 GB per GPU of "
+        "trainer.parallel=ddp on 1 GPU(s) (30.1 params, 30.1 grads, 60.1 AdamW, 23.1 activations); "
         "try trainer.parallel=fsdp",
     ),  # 8B, tied
     ("signal_name", ["trainer.preempt_signals=[SIGFOO]"], {}, "trainer.preempt_signals=['SIGFOO'] is not valid"),
