@@ -66,8 +66,8 @@ class Recorded:
         numerics.end_step = recording_end_step
         return model
 
-    def data(self, cfg_data, **layout):
-        stream, calls, crash = build_data(cfg_data, **layout), [0], self.crash_at_call
+    def data(self, cfg_data, layout):
+        stream, calls, crash = build_data(cfg_data, layout), [0], self.crash_at_call
         next_batch = stream.next_batch
 
         def crashing_next_batch():
