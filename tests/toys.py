@@ -35,19 +35,6 @@ REPO = Path(__file__).resolve().parents[1]
 CONF = CONF_DIR
 # The study's experiments (conf/experiment/*.yaml).
 ALL_EXPERIMENTS = sorted(p.stem for p in (CONF / "experiment").glob("*.yaml"))
-# conf/model/tiny.yaml narrowed (2 layers of width 32, 2 heads, sequences of 16 tokens of a 64-token
-# vocabulary, which the synthetic data's matches).
-TINY_FOG = (
-    "data=synthetic",
-    "data.vocab_size=64",
-    "model.vocab_size=64",
-    "model.seq_len=16",
-    "model.d_model=32",
-    "model.n_heads=2",
-    "model.n_kv_groups=1",
-    "model.ffn_dim=48",
-)
-
 # The toy FOG's width and batch in a real training run (the tests add depth, steps and data).
 TOY_RUN = (
     "model.d_model=32",

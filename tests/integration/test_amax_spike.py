@@ -11,6 +11,7 @@ import json
 import pytest
 import torch
 
+from readback.audit_model.examples import TINY_FOG
 from readback.backends import build_model
 from readback.data import build_data
 from readback.errors import ConfigError
@@ -19,7 +20,7 @@ from readback.train import Builders, run
 from readback.train.checkpoint import load_checkpoint
 from readback.train.checkpoint_dirs import checkpoint_path, list_checkpoints
 from readback.train.metrics import read_jsonl
-from toys import TINY_FOG, config
+from toys import config
 
 STEPS, T0, K, HISTORY = 12, 5, 8, 4
 SITE, OTHER = "layers.1.attn.core.output", "layers.1.attn.core.q"
