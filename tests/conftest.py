@@ -11,6 +11,7 @@ from hypothesis import HealthCheck, settings
 
 import sweeps
 import toys
+from readback.audit_model.examples import TINY_FOG
 from readback.train.settings import Config
 
 settings.register_profile(
@@ -44,9 +45,9 @@ def built(monkeypatch):
 
 @pytest.fixture
 def tiny_cfg() -> Callable[..., Config]:
-    """The typed ``train`` config of the narrowed tiny FOG (``toys.TINY_FOG``) with further
-    overrides: ``tiny_cfg("policy=exact")``; a fresh config per call."""
-    return functools.partial(toys.config, *toys.TINY_FOG)
+    """The typed ``train`` config of the narrowed tiny FOG (``TINY_FOG``, the audit's example's) with
+    further overrides: ``tiny_cfg("policy=exact")``; a fresh config per call."""
+    return functools.partial(toys.config, *TINY_FOG)
 
 
 @pytest.fixture(scope="session")

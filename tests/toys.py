@@ -24,6 +24,7 @@ from torch import nn
 
 from readback.config import CONF_DIR, typed
 from readback.data.settings import Data
+from readback.data.stream import Layout
 from readback.numerics.spec import NumericsSpec
 from readback.ops import read_rules
 from readback.probe import GradientProbe
@@ -34,19 +35,6 @@ REPO = Path(__file__).resolve().parents[1]
 CONF = CONF_DIR
 # The study's experiments (conf/experiment/*.yaml).
 ALL_EXPERIMENTS = sorted(p.stem for p in (CONF / "experiment").glob("*.yaml"))
-# conf/model/tiny.yaml narrowed (2 layers of width 32, 2 heads, sequences of 16 tokens of a 64-token
-# vocabulary, which the synthetic data's matches).
-TINY_FOG = (
-    "data=synthetic",
-    "data.vocab_size=64",
-    "model.vocab_size=64",
-    "model.seq_len=16",
-    "model.d_model=32",
-    "model.n_heads=2",
-    "model.n_kv_groups=1",
-    "model.ffn_dim=48",
-)
-
 # The toy FOG's width and batch in a real training run (the tests add depth, steps and data).
 TOY_RUN = (
     "model.d_model=32",
@@ -201,45 +189,34 @@ class ToyStream:
     """Sequences ``start, start+k, start+2k, ... (mod vocab)``, ``k`` in 1..3, one per global index;
     rank ``r`` takes its share of every global batch (like the real stream)."""
 
-    def __init__(
-        self,
-        vocab: int,
-        *,
-        seq_len: int,
-        micro_batch: int,
-        seed: int,
-        rank: int,
-        world_size: int,
-        crash_at_call: int | None = None,
-    ):
-        self.vocab_size, self.seq_len, self.micro_batch = vocab, seq_len, micro_batch
-        self.seed, self.rank, self.world_size = seed, rank, world_size
-        self.tokens_per_batch = micro_batch * seq_len
+    def __init__(self, vocab: int, layout: Layout, crash_at_call: int | None = None):
+        self.vocab_size, self.layout = vocab, layout
+        self.tokens_per_batch = layout.tokens_per_batch
         self.consumed = 0
         self.calls = 0
         self.crash_at_call = crash_at_call
 
     def _seq(self, index: int) -> torch.Tensor:
-        g = torch.Generator().manual_seed(self.seed * 1_000_003 + index)
+        g = torch.Generator().manual_seed(self.layout.seed * 1_000_003 + index)
         start = int(torch.randint(0, self.vocab_size, (1,), generator=g))
         k = int(torch.randint(1, 4, (1,), generator=g))
-        return (start + k * torch.arange(self.seq_len + 1)) % self.vocab_size
+        return (start + k * torch.arange(self.layout.seq_len + 1)) % self.vocab_size
 
     def _batch(self, first: int) -> tuple[torch.Tensor, torch.Tensor]:
-        seqs = torch.stack([self._seq(first + j) for j in range(self.micro_batch)])
+        seqs = torch.stack([self._seq(first + j) for j in range(self.layout.micro_batch)])
         return seqs[:, :-1].contiguous(), seqs[:, 1:].contiguous()
 
     def next_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
         if self.crash_at_call is not None and self.calls == self.crash_at_call:
             raise RuntimeError("simulated crash")
         self.calls += 1
-        batch = self._batch(self.consumed + self.rank * self.micro_batch)
-        self.consumed += self.micro_batch * self.world_size
+        batch = self._batch(self.consumed + self.layout.rank * self.layout.micro_batch)
+        self.consumed += self.layout.micro_batch * self.layout.world_size
         return batch
 
     def val_batches(self, n: int):
         for i in range(n):
-            yield self._batch(10**6 + i * self.micro_batch)
+            yield self._batch(10**6 + i * self.layout.micro_batch)
 
     def state_dict(self) -> dict:
         return {"consumed": self.consumed}
@@ -259,20 +236,10 @@ def toy_build_model(cfg, device, nan_loss_at=None, nan_grad_at=None):
     return model
 
 
-def toy_build_data(
-    cfg_data, *, seq_len, micro_batch, seed, rank=0, world_size=1, crash_at_call=None, forbid_build=False
-):
+def toy_build_data(cfg_data, layout: Layout, crash_at_call=None, forbid_build=False):
     if forbid_build:
         raise AssertionError("build_data must not be called")
-    return ToyStream(
-        cfg_data.vocab_size,
-        seq_len=seq_len,
-        micro_batch=micro_batch,
-        seed=seed,
-        rank=rank,
-        world_size=world_size,
-        crash_at_call=crash_at_call,
-    )
+    return ToyStream(cfg_data.vocab_size, layout, crash_at_call)
 
 
 TOYS = Builders(model=toy_build_model, data=toy_build_data)

@@ -11,6 +11,7 @@ import json
 import pytest
 import torch
 
+from readback.audit_model.examples import TINY_FOG
 from readback.backends import build_model
 from readback.data import build_data
 from readback.errors import ConfigError
@@ -19,7 +20,7 @@ from readback.train import Builders, run
 from readback.train.checkpoint import load_checkpoint
 from readback.train.checkpoint_dirs import checkpoint_path, list_checkpoints
 from readback.train.metrics import read_jsonl
-from toys import TINY_FOG, config
+from toys import config
 
 STEPS, T0, K, HISTORY = 12, 5, 8, 4
 SITE, OTHER = "layers.1.attn.core.output", "layers.1.attn.core.q"
@@ -66,8 +67,8 @@ class Recorded:
         numerics.end_step = recording_end_step
         return model
 
-    def data(self, cfg_data, **layout):
-        stream, calls, crash = build_data(cfg_data, **layout), [0], self.crash_at_call
+    def data(self, cfg_data, layout):
+        stream, calls, crash = build_data(cfg_data, layout), [0], self.crash_at_call
         next_batch = stream.next_batch
 
         def crashing_next_batch():

@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from readback.data import build_data
+from readback.data import Layout, build_data
 from readback.train import checkpoint_io
 from readback.train.checkpoint_dirs import list_checkpoints
 from readback.train.writer_lock import lock_path, this_process
@@ -378,7 +378,7 @@ def _cut_token_shard(tmp: Path) -> None:
     """``{tmp}/small.txt`` tokenised into ``{tmp}/cache``, its token ids then cut short."""
     (tmp / "small.txt").write_text("".join(f"line {i} of a small text, word {i % 7}\n" for i in range(400)))
     data = load_data_cfg("shakespeare", files=[str(tmp / "small.txt")], vocab_size=300, block_lines=20)
-    build_data(dataclasses.replace(data, cache_dir=str(tmp / "cache")), seq_len=32, micro_batch=2, seed=0)
+    build_data(dataclasses.replace(data, cache_dir=str(tmp / "cache")), Layout(seq_len=32, micro_batch=2, seed=0))
     (shard,) = (tmp / "cache").glob("text/*/tokens-b20.npz")
     shard.write_bytes(shard.read_bytes()[:-64])
 

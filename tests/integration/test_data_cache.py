@@ -14,10 +14,11 @@ def _build_in_child(cfg, barrier, queue) -> None:
     import hashlib
 
     import readback.data.tokenizer as t
+    from readback.data import Layout
     from readback.data import build_data as build
 
     barrier.wait(timeout=120)  # both look at the empty cache at the same moment
-    stream = build(cfg, seq_len=32, micro_batch=2, seed=0)
+    stream = build(cfg, Layout(seq_len=32, micro_batch=2, seed=0))
     json_path = next(Path(cfg.cache_dir, "text").iterdir()) / "tokenizer.json"
     queue.put(
         (t.BUILDS["tokenizer"], hashlib.sha256(json_path.read_bytes()).hexdigest(), stream.next_batch()[0].tolist())

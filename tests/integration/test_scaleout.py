@@ -108,8 +108,8 @@ KILLER = textwrap.dedent(
     out, conf, overrides, (kill_batch, kill_commit) = Path(sys.argv[1]), sys.argv[2], *map(json.loads, sys.argv[3:])
     rank = int(os.environ["RANK"])
 
-    def data(cfg_data, **layout):
-        stream, calls = build_data(cfg_data, **layout), [0]
+    def data(cfg_data, layout):
+        stream, calls = build_data(cfg_data, layout), [0]
         next_batch = stream.next_batch
 
         def dying():

@@ -47,6 +47,7 @@ import pandas as pd
 
 from readback.analysis.groups import CONFIG_AXES
 
+# The keys of summary.json (readback.outputs.SUMMARY_KEYS says what each is) that a run's row keeps.
 SUMMARY_FIELDS = (
     "status",
     "final_loss",

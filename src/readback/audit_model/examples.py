@@ -32,6 +32,19 @@ def fog_loss(model, inputs: torch.Tensor, targets: torch.Tensor, dtype=torch.flo
     return loss_fn
 
 
+# conf/model/tiny.yaml narrowed: 2 layers of width 32, 2 heads, sequences of 16 tokens of a 64-token
+# vocabulary, which the synthetic data's matches (nothing is read from it); the tests' tiny FOG too.
+TINY_FOG = (
+    "data=synthetic",
+    "data.vocab_size=64",
+    "model.vocab_size=64",
+    "model.seq_len=16",
+    "model.d_model=32",
+    "model.n_heads=2",
+    "model.n_kv_groups=1",
+    "model.ffn_dim=48",
+)
+
 # A model and its loss closure.
 Example = tuple[torch.nn.Module, Callable[[], torch.Tensor]]
 
@@ -47,14 +60,7 @@ def fog_example(policy: str = "exact", seed: int = 0, *overrides: str) -> Exampl
             "train",
             overrides=[
                 f"policy={policy}",
-                "data=synthetic",  # a vocabulary of the model's size (nothing is read from it)
-                "data.vocab_size=64",
-                "model.vocab_size=64",
-                "model.seq_len=16",
-                "model.d_model=32",
-                "model.n_heads=2",
-                "model.n_kv_groups=1",
-                "model.ffn_dim=48",
+                *TINY_FOG,
                 "precision.recipe=current",
                 "precision.bf16_layers=[]",
                 *overrides,

@@ -86,19 +86,25 @@ class HFCausalLM(nn.Module):
         return 6 * gemm_weights + 6 * c.num_hidden_layers * self.seq_len * c.hidden_size
 
 
+# Llama's name for each of the ``Sizes`` (a size without one is a KeyError, not a size left out).
+LLAMA_NAMES = {
+    "n_layers": "num_hidden_layers",
+    "d_model": "hidden_size",
+    "n_heads": "num_attention_heads",
+    "n_kv_groups": "num_key_value_heads",
+    "ffn_dim": "intermediate_size",
+    "vocab_size": "vocab_size",
+    "seq_len": "max_position_embeddings",
+}
+
+
 def llama(m: HfModel) -> nn.Module:
     """A Llama-style causal LM of the ``model`` group's sizes, randomly initialised."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     assert m.vocab_size is not None, "train.contract.with_vocabulary resolves it before a model is built"
     config = LlamaConfig(
-        vocab_size=m.vocab_size,
-        hidden_size=m.d_model,
-        intermediate_size=m.ffn_dim,
-        num_hidden_layers=m.n_layers,
-        num_attention_heads=m.n_heads,
-        num_key_value_heads=m.n_kv_groups,
-        max_position_embeddings=m.seq_len,
+        **{LLAMA_NAMES[size]: value for size, value in m.sizes().items()},
         tie_word_embeddings=m.tied,
         attn_implementation="sdpa",  # type: ignore[call-arg]  # PretrainedConfig reads it; the signature omits it
         use_cache=False,

@@ -88,14 +88,7 @@ def load_run(path: Path, site_margin: dict[str, int] | None = None, precision: d
         replaced["site_margin"] = dict(site_margin)
     if replaced:
         cfg = from_saved({**saved, "precision": {**saved["precision"], **replaced}})
-    stream = build_data(
-        cfg.data,
-        seq_len=cfg.model.seq_len,
-        micro_batch=cfg.trainer.micro_batch,
-        seed=cfg.seed,
-        rank=0,
-        world_size=1,
-    )
+    stream = build_data(cfg.data, cfg.layout(rank=0, world_size=1))
     model = build_model(cfg)
     model.load_state_dict(state["model"])
     recipe = cfg.precision.recipe if hasattr(cfg.precision, "recipe") else None

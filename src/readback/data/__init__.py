@@ -1,4 +1,4 @@
-"""Training data: ``build_data(cfg.data, ...)`` gives a stream of fixed-length token batches.
+"""Training data: ``build_data(cfg.data, layout)`` gives a stream of fixed-length token batches.
 
 Three datasets, chosen by ``cfg.data.name`` (``conf/data/<name>.yaml``):
 
@@ -23,32 +23,30 @@ from __future__ import annotations
 from typing import Any
 
 from readback.data.settings import DATASETS, Data, FinewebData, ShakespeareData, SyntheticData
-from readback.data.stream import PackedStream, check_layout
+from readback.data.stream import Layout, PackedStream
 
-__all__ = ["DATASETS", "PackedStream", "build_data"]
+__all__ = ["DATASETS", "Layout", "PackedStream", "build_data"]
 
 
-def build_data(cfg_data: Data, *, seq_len: int, micro_batch: int, seed: int, rank: int = 0, world_size: int = 1) -> Any:
+def build_data(cfg_data: Data, layout: Layout) -> Any:
     """The batch stream for this rank; builds and caches tokenizer and token ids on first use."""
-    check_layout(seq_len, micro_batch, seed, rank, world_size)
-    layout = dict(seq_len=seq_len, micro_batch=micro_batch, seed=seed, rank=rank, world_size=world_size)
     if isinstance(cfg_data, SyntheticData):
         from readback.data.synthetic import synthetic_split
 
         train, val, vocab_size, fingerprint = synthetic_split(cfg_data)
-        return PackedStream(train, val, vocab_size=vocab_size, fingerprint=fingerprint, **layout)
+        return PackedStream(train, val, vocab_size=vocab_size, layout=layout, fingerprint=fingerprint)
     if isinstance(cfg_data, FinewebData):
         from readback.data.fineweb import build_fineweb
 
-        return build_fineweb(cfg_data, **layout)
+        return build_fineweb(cfg_data, layout)
     if isinstance(cfg_data, ShakespeareData):
-        return _build_text(cfg_data, progress=rank == 0, **layout)
+        return _build_text(cfg_data, layout)
     raise TypeError(
         f"data={cfg_data.name} as {type(cfg_data).__name__}: build the typed config (readback.config.typed)"
     )
 
 
-def _build_text(cfg: ShakespeareData, *, progress: bool, **layout: Any) -> PackedStream:
+def _build_text(cfg: ShakespeareData, layout: Layout) -> PackedStream:
     """A local text corpus (Shakespeare by default): cached tokenizer and ids, block split, packing."""
     import numpy as np
 
@@ -57,14 +55,14 @@ def _build_text(cfg: ShakespeareData, *, progress: bool, **layout: Any) -> Packe
     from readback.data.tokenizer import tokenized_corpus
 
     val_fraction = cfg.val_fraction
-    tc = tokenized_corpus(cfg, progress=progress)
+    tc = tokenized_corpus(cfg, progress=layout.rank == 0)
     is_val = np.asarray([is_val_block(i, val_fraction) for i in range(len(tc.block_doc))], dtype=bool)
     train, val = split_blocks(tc.ids, tc.offsets, tc.block_doc, is_val, tc.eos)
     return PackedStream(
         train,
         val,
         vocab_size=cfg.vocab_size,
+        layout=layout,
         tokenizer=tc.tokenizer,
         fingerprint=f"text:{tc.key}:f{val_fraction}",
-        **layout,
     )

@@ -31,7 +31,7 @@ import numpy as np
 import torch
 
 from readback.data.settings import FinewebData
-from readback.data.stream import Batch, check_layout, val_iter, windows
+from readback.data.stream import Batch, Layout, val_iter, windows
 from readback.errors import ConfigError, require
 
 
@@ -40,9 +40,7 @@ def _one_line(error: BaseException) -> str:
     return f"{type(error).__name__}: {text[0] if text else ''}"
 
 
-def build_fineweb(
-    cfg: FinewebData, *, seq_len: int, micro_batch: int, seed: int, rank: int = 0, world_size: int = 1
-) -> TokenStream:
+def build_fineweb(cfg: FinewebData, layout: Layout) -> TokenStream:
     """The hub tokenizer and streaming dataset the config names, wrapped in a ``TokenStream``."""
     import datasets
     from tokenizers import Tokenizer
@@ -78,18 +76,14 @@ def build_fineweb(
     shuffle_buffer = cfg.shuffle_buffer
     train, val = hold_out(ds.select_columns(["text"]), val_docs)
     if shuffle_buffer > 0:
-        train = train.shuffle(seed=seed % (1 << 32), buffer_size=shuffle_buffer)
+        train = train.shuffle(seed=layout.seed % (1 << 32), buffer_size=shuffle_buffer)
     return TokenStream(
         train,
         val,
         tok,
         eos=eos,
         vocab_size=vocab_size,
-        seq_len=seq_len,
-        micro_batch=micro_batch,
-        seed=seed,
-        rank=rank,
-        world_size=world_size,
+        layout=layout,
         doc_batch=cfg.doc_batch,
         workers=cfg.loader_workers,
         prefetch=cfg.prefetch,
@@ -164,11 +158,7 @@ class TokenStream:
         *,
         eos: int,
         vocab_size: int,
-        seq_len: int,
-        micro_batch: int,
-        seed: int,
-        rank: int = 0,
-        world_size: int = 1,
+        layout: Layout,
         doc_batch: int = 256,
         workers: int = 0,
         prefetch: int = 2,
@@ -176,10 +166,9 @@ class TokenStream:
     ):
         from datasets.distributed import split_dataset_by_node
 
-        check_layout(seq_len, micro_batch, seed, rank, world_size)
-        self.vocab_size, self.seq_len, self.micro_batch = int(vocab_size), int(seq_len), int(micro_batch)
-        self.seed, self.rank, self.world_size = int(seed), int(rank), int(world_size)
-        self.tokens_per_batch = micro_batch * seq_len
+        self.vocab_size, self.layout = int(vocab_size), layout
+        self.tokens_per_batch = layout.tokens_per_batch
+        rank, world_size = layout.rank, layout.world_size
         self.tokenizer, self.workers, self.prefetch = tokenizer, int(workers), int(prefetch)
         self.fingerprint = f"{fingerprint}:rank{rank}/{world_size}:workers{workers}"  # whose share, split how
         self._train = split_dataset_by_node(train, rank=rank, world_size=world_size) if world_size > 1 else train
@@ -221,10 +210,11 @@ class TokenStream:
 
     def next_batch(self) -> Batch:
         """The next ``micro_batch`` windows of this rank's share of the stream."""
-        self._fill(self.micro_batch * self.seq_len + 1)
-        batch = windows(self._buf, np.arange(self.micro_batch), self.seq_len)
-        self._buf = self._buf[self.micro_batch * self.seq_len :]
-        self._consumed += self.micro_batch * self.world_size
+        layout = self.layout
+        self._fill(layout.tokens_per_batch + 1)
+        batch = windows(self._buf, np.arange(layout.micro_batch), layout.seq_len)
+        self._buf = self._buf[layout.tokens_per_batch :]
+        self._consumed += layout.micro_batch * layout.world_size
         return batch
 
     def val_batches(self, n: int) -> Iterator[Batch]:
@@ -234,7 +224,7 @@ class TokenStream:
             rows = list(self._val)
             require(bool(rows), "data.val_docs", 0, "an integer >= 1 for validation batches")
             self._val_tokens = _encode(self.tokenizer, self._eos, rows)
-        return val_iter(self._val_tokens, n, self.micro_batch, self.seq_len)
+        return val_iter(self._val_tokens, n, self.layout)
 
     def state_dict(self) -> dict:
         """The epoch, each worker's stream position and the buffered tokens (at most a few documents)."""

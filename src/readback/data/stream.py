@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import numbers
 from collections.abc import Iterator
+from dataclasses import dataclass, fields
 from typing import Any
 
 import numpy as np
@@ -26,17 +27,35 @@ from readback.errors import ConfigError, require
 Batch = tuple[torch.Tensor, torch.Tensor]
 
 
-def check_layout(seq_len: int, micro_batch: int, seed: int, rank: int, world_size: int) -> None:
-    """``ConfigError`` for a batch layout no stream can serve."""
+@dataclass(frozen=True)
+class Layout:
+    """How a rank takes its batches of the one global stream (see module doc): sequences of
+    ``seq_len`` tokens, ``micro_batch`` of them per call, the order drawn from ``seed``, and this
+    rank's share among ``world_size``. Checked when made (``ConfigError``), so no stream is built on a
+    layout it cannot serve."""
 
-    def whole(x: object) -> bool:
-        return isinstance(x, numbers.Integral) and not isinstance(x, bool)
+    seq_len: int
+    micro_batch: int
+    seed: int
+    rank: int = 0
+    world_size: int = 1
 
-    require(whole(seq_len) and seq_len >= 1, "seq_len", seq_len, "an integer >= 1")
-    require(whole(micro_batch) and micro_batch >= 1, "micro_batch", micro_batch, "an integer >= 1")
-    require(whole(seed), "seed", seed, "an integer")
-    require(whole(world_size) and world_size >= 1, "world_size", world_size, "an integer >= 1")
-    require(whole(rank) and 0 <= rank < world_size, "rank", rank, f"0..{world_size - 1}")
+    def __post_init__(self) -> None:
+        def whole(x: object) -> bool:
+            return isinstance(x, numbers.Integral) and not isinstance(x, bool)
+
+        seq_len, micro_batch, seed, rank, world_size = (getattr(self, f.name) for f in fields(self))
+        require(whole(seq_len) and seq_len >= 1, "seq_len", seq_len, "an integer >= 1")
+        require(whole(micro_batch) and micro_batch >= 1, "micro_batch", micro_batch, "an integer >= 1")
+        require(whole(seed), "seed", seed, "an integer")
+        require(whole(world_size) and world_size >= 1, "world_size", world_size, "an integer >= 1")
+        require(whole(rank) and 0 <= rank < world_size, "rank", rank, f"0..{world_size - 1}")
+        for f in fields(self):  # numpy's integers too, as Python's
+            object.__setattr__(self, f.name, int(getattr(self, f.name)))
+
+    @property
+    def tokens_per_batch(self) -> int:
+        return self.micro_batch * self.seq_len
 
 
 def windows(tokens: np.ndarray, index: np.ndarray, seq_len: int) -> Batch:
@@ -66,8 +85,9 @@ def check_seq_len(seq_len: int, train: np.ndarray, val: np.ndarray) -> None:
     )
 
 
-def val_iter(tokens: np.ndarray, n: int, micro_batch: int, seq_len: int) -> Iterator[Batch]:
+def val_iter(tokens: np.ndarray, n: int, layout: Layout) -> Iterator[Batch]:
     """``n`` batches of the validation windows in order, cycling if ``n`` batches need more."""
+    micro_batch, seq_len = layout.micro_batch, layout.seq_len
     total = n_windows(tokens, seq_len)
     if total == 0:
         raise ConfigError(
@@ -106,31 +126,24 @@ class PackedStream:
         val: np.ndarray,
         *,
         vocab_size: int,
-        seq_len: int,
-        micro_batch: int,
-        seed: int,
-        rank: int = 0,
-        world_size: int = 1,
+        layout: Layout,
         fingerprint: str = "",
         tokenizer: Any = None,
     ):
-        check_layout(seq_len, micro_batch, seed, rank, world_size)
-        self.vocab_size = int(vocab_size)
-        seq_len, micro_batch = int(seq_len), int(micro_batch)
-        self.seq_len, self.micro_batch = seq_len, micro_batch
-        self.seed, self.rank, self.world_size = int(seed), int(rank), int(world_size)
-        self.tokens_per_batch = micro_batch * seq_len
+        self.vocab_size, self.layout = int(vocab_size), layout
+        self.tokens_per_batch = layout.tokens_per_batch
         self.tokenizer = tokenizer  # tokenizers.Tokenizer for text data, None for synthetic
         self.fingerprint = fingerprint
         self.train_tokens, self.val_tokens = train, val
-        check_seq_len(seq_len, train, val)
-        self.n_sequences = n_windows(train, seq_len)
+        check_seq_len(layout.seq_len, train, val)
+        self.n_sequences = n_windows(train, layout.seq_len)
         self._consumed = 0  # global entries of the sequence stream taken so far, by all ranks
         self._perms: dict[int, np.ndarray] = {}
 
     def _order(self, epoch: int) -> np.ndarray:
         if epoch not in self._perms:
-            self._perms = {epoch: np.random.default_rng([self.seed % (1 << 64), epoch]).permutation(self.n_sequences)}
+            rng = np.random.default_rng([self.layout.seed % (1 << 64), epoch])
+            self._perms = {epoch: rng.permutation(self.n_sequences)}
         return self._perms[epoch]
 
     def _window_ids(self, start: int, count: int) -> np.ndarray:
@@ -145,10 +158,11 @@ class PackedStream:
 
     def next_batch(self) -> Batch:
         """This rank's ``(x, y)`` of the next global batch; int64, shape ``(micro_batch, seq_len)``."""
-        start = self._consumed + self.rank * self.micro_batch
-        index = self._window_ids(start, self.micro_batch)
-        self._consumed += self.micro_batch * self.world_size
-        return windows(self.train_tokens, index, self.seq_len)
+        layout = self.layout
+        start = self._consumed + layout.rank * layout.micro_batch
+        index = self._window_ids(start, layout.micro_batch)
+        self._consumed += layout.micro_batch * layout.world_size
+        return windows(self.train_tokens, index, layout.seq_len)
 
     def val_batches(self, n: int) -> Iterator[Batch]:
         """``n`` validation batches in a fixed order: the same on every call and on every rank.
@@ -157,7 +171,7 @@ class PackedStream:
         ``i % world_size`` and averages the per-batch losses over all ranks.
         """
         require(isinstance(n, int) and n >= 0, "n", n, "an integer >= 0")
-        return val_iter(self.val_tokens, n, self.micro_batch, self.seq_len)
+        return val_iter(self.val_tokens, n, self.layout)
 
     def state_dict(self) -> dict:
         """Where the stream is; loading it into a stream of the same data continues identically."""
@@ -166,7 +180,7 @@ class PackedStream:
             "consumed": self._consumed,
             "epoch": epoch,
             "cursor": cursor,
-            "seed": self.seed,
+            "seed": self.layout.seed,
             "n_sequences": self.n_sequences,
             "fingerprint": self.fingerprint,
         }
@@ -174,7 +188,7 @@ class PackedStream:
     def load_state_dict(self, state: dict) -> None:
         """Resume at ``state``; the world size and micro-batch may differ, the data and seed may not."""
         saved = (state.get("fingerprint"), state.get("n_sequences"), state.get("seed"))
-        mine = (self.fingerprint, self.n_sequences, self.seed)
+        mine = (self.fingerprint, self.n_sequences, self.layout.seed)
         require(
             saved == mine,
             "data state",

@@ -13,14 +13,4 @@ __all__ = ["FOG", "ActivationStats", "FOGConfig", "Parts", "fog_config", "kurtos
 
 def fog_config(model_cfg) -> FOGConfig:
     """The ``FOGConfig`` of a run's ``model`` group."""
-    m = model_cfg
-    return FOGConfig(
-        n_layers=m.n_layers,
-        d_model=m.d_model,
-        n_heads=m.n_heads,
-        n_kv_groups=m.n_kv_groups,
-        ffn_dim=m.ffn_dim,
-        vocab_size=m.vocab_size,
-        seq_len=m.seq_len,
-        tied=m.tied,
-    )
+    return FOGConfig(**model_cfg.sizes(), tied=model_cfg.tied)

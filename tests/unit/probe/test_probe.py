@@ -7,6 +7,7 @@ import pytest
 import torch
 
 import toys
+from readback.audit_model.examples import TINY_FOG
 from readback.backends import build_model
 from readback.errors import ConfigError
 from readback.probe import check_params, compare, train_taped
@@ -209,13 +210,13 @@ def test_probe_does_not_change_the_training_trajectory(tmp_path, micro_batch):
     "pattern", ["*", "embedding", "layers.*.mlp.up.weight", "*.attn.core.*", "layers.0.attn.core.dv"]
 )
 def test_probe_patterns_naming_a_parameter_or_watched_gradient_are_kept(pattern):
-    cfg = config(*toys.TINY_FOG)
+    cfg = config(*TINY_FOG)
     check_params(dataclasses.replace(cfg.probe, params=[pattern]), build_model(cfg))
 
 
 @pytest.mark.parametrize("pattern", ["mlp.up.weight", "*.atn.*", "layers.0.attn.core.dx"])  # whole names, globs
 def test_a_probe_pattern_naming_nothing_is_refused_listing_the_parameters(pattern):
-    cfg = config(*toys.TINY_FOG)
+    cfg = config(*TINY_FOG)
     with pytest.raises(ConfigError) as error:
         check_params(dataclasses.replace(cfg.probe, params=["*", pattern]), build_model(cfg))
     line = str(error.value)
