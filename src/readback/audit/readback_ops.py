@@ -1,6 +1,6 @@
 """readback's own ops under each policy, against their straight-through replay.
 
-Forward in FP8 (E4M3, current scaling); the backward GEMMs run in FP32 (``attention_bwd="fp32"``,
+Forward in FP8 (E4M3, current scaling); the backward GEMMs run in FP32 (``attention_bwd_precision="fp32"``,
 ``override_linear_precision=(False, True, True)``), so the backward's own arithmetic does not blur
 which value it read. The op's ``numerics.tape`` gives the executed bits: the ``rounded``
 candidate, and the replay (the reference). ``fresh`` is reproduced exactly: the op's re-rounding
@@ -45,7 +45,13 @@ RECIPE = CurrentScaling(override_linear_precision=(False, True, True))
 
 def audit_numerics(policy: str, seed: int, rounding: str = "nearest", bwd_reads: str = "forward") -> Numerics:
     return numerics_for(
-        "fp8", RECIPE, policy, attention_bwd="fp32", rounding=rounding, seed=seed, attention_bwd_reads=bwd_reads
+        "fp8",
+        RECIPE,
+        policy,
+        attention_bwd_precision="fp32",
+        rounding=rounding,
+        seed=seed,
+        attention_bwd_reads=bwd_reads,
     )
 
 

@@ -33,7 +33,7 @@ from omegaconf.errors import ValidationError
 from readback.backends.converted import ConvertParts, SDPARouter, eps_of
 from readback.backends.precision import build_numerics
 from readback.errors import ConfigError, choose, require, some_of
-from readback.numerics.spec import ATTENTION_BWD, PRECISIONS
+from readback.numerics.spec import ATTENTION_BWD_PRECISIONS, PRECISIONS
 from readback.ops import Numerics, numerics_for
 from readback.policy import POLICIES
 
@@ -93,14 +93,14 @@ def _calls_sdpa(cls: type[nn.Module]) -> bool:
     return "scaled_dot_product_attention" in source or "ALL_ATTENTION_FUNCTIONS" in source
 
 
-def _numerics(precision, policy: str, attention_bwd: str, seed: int) -> Numerics:
+def _numerics(precision, policy: str, attention_bwd_precision: str, seed: int) -> Numerics:
     """The ``Numerics`` of ``precision``: ``"fp8"``, ``"bf16"``, ``"off"``, or a mapping of recipe
     keys (Transformer Engine's names), checked by the ``precision`` group's own schema."""
     from readback.backends.precision import Attention, Fp8Precision, Policy, Precision  # the checks, one line each
     from readback.fields import valid_text
 
     choose("policy", policy, POLICIES)
-    choose("attention_bwd", attention_bwd, ATTENTION_BWD)
+    choose("attention_bwd_precision", attention_bwd_precision, ATTENTION_BWD_PRECISIONS)
     if isinstance(precision, str):
         precision = {"name": precision}
     precision = dict(
@@ -108,7 +108,7 @@ def _numerics(precision, policy: str, attention_bwd: str, seed: int) -> Numerics
     )
     name = choose("precision.name", precision.pop("name", "fp8"), PRECISIONS)
     if name == "off":
-        return numerics_for("off", policy=policy, attention_bwd=attention_bwd, seed=seed)
+        return numerics_for("off", policy=policy, attention_bwd_precision=attention_bwd_precision, seed=seed)
     schema = Fp8Precision if name == "fp8" else Precision
     keys = [f.name for f in dataclasses.fields(schema) if f.name != "name"]
     for key in precision:
@@ -123,7 +123,7 @@ def _numerics(precision, policy: str, attention_bwd: str, seed: int) -> Numerics
     settings = OmegaConf.to_object(node)  # ranges and choices
     assert isinstance(settings, Precision)
     return build_numerics(
-        settings, Policy(name=policy), Attention(bwd_precision=attention_bwd, bwd_reads="forward"), seed
+        settings, Policy(name=policy), Attention(bwd_precision=attention_bwd_precision, bwd_reads="forward"), seed
     )
 
 
@@ -185,7 +185,7 @@ def convert(
     backend: str = "emulated",
     filter: Iterable[str] = (),
     attention: bool = True,
-    attention_bwd: str = "fp8",
+    attention_bwd_precision: str = "fp8",
     seed: int = 0,
 ) -> ConvertReport:
     """Swap ``model``'s linears, norms and (``attention``) SDPA cores for readback's, in place.
@@ -207,7 +207,9 @@ def convert(
         )
     filter = tuple(filter)
     _check_filter(model, filter)
-    numerics = precision if isinstance(precision, Numerics) else _numerics(precision, policy, attention_bwd, seed)
+    numerics = (
+        precision if isinstance(precision, Numerics) else _numerics(precision, policy, attention_bwd_precision, seed)
+    )
     report = ConvertReport(numerics)
     parts: ConvertParts | TEConverter
     if backend == "te":

@@ -31,7 +31,7 @@ from readback.numerics import (
 from readback.numerics.gemm import BF16_GEMMS
 from readback.numerics.spec import (
     ACCUMULATIONS,
-    ATTENTION_BWD,
+    ATTENTION_BWD_PRECISIONS,
     ATTENTION_BWD_READS,
     ATTENTION_RECIPES,
     PRECISIONS,
@@ -231,7 +231,7 @@ class Policy(Checked):
 @dataclass
 class Attention(Checked):
     KEY = "attention"
-    bwd_precision: str = one_of(ATTENTION_BWD)
+    bwd_precision: str = one_of(ATTENTION_BWD_PRECISIONS)
     bwd_reads: str = one_of(
         ATTENTION_BWD_READS
     )  # ops.attention.BWD_READS; the rules with other groups: check_bwd_reads
@@ -267,7 +267,7 @@ def build_numerics(precision: Precision, policy: Policy, attention: Attention, s
         return numerics_for(
             precision=precision.name,
             policy=policy.name,
-            attention_bwd=attention.bwd_precision,
+            attention_bwd_precision=attention.bwd_precision,
             seed=seed,
             bf16_gemm=precision.bf16_gemm,
             attention_bwd_reads=attention.bwd_reads,
@@ -276,7 +276,7 @@ def build_numerics(precision: Precision, policy: Policy, attention: Attention, s
         precision=p.name,
         recipe=p.scaling_recipe(),
         policy=policy.name,
-        attention_bwd=attention.bwd_precision,
+        attention_bwd_precision=attention.bwd_precision,
         rounding=p.rounding,
         seed=seed,
         bf16_sites=tuple(p.bf16_layers),

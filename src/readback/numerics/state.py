@@ -56,7 +56,7 @@ class Numerics:
     precision = property(lambda self: self._spec.precision)
     recipe = property(lambda self: self._spec.recipe)
     policy = property(lambda self: self._spec.policy)
-    attention_bwd = property(lambda self: self._spec.attention_bwd)
+    attention_bwd_precision = property(lambda self: self._spec.attention_bwd_precision)
     rounding = property(lambda self: self._spec.rounding)
     bf16_gemm = property(lambda self: self._spec.bf16_gemm)
     tape = property(lambda self: self._tape)

@@ -10,7 +10,13 @@ from typing import Any
 from readback.numerics import DelayedScaling, ScalingRecipe
 from readback.numerics.gemm import BF16_GEMMS
 from readback.numerics.site import Site
-from readback.numerics.spec import ATTENTION_BWD, ATTENTION_BWD_READS, PRECISIONS, NumericsSpec, resolve_accumulation
+from readback.numerics.spec import (
+    ATTENTION_BWD_PRECISIONS,
+    ATTENTION_BWD_READS,
+    PRECISIONS,
+    NumericsSpec,
+    resolve_accumulation,
+)
 from readback.numerics.spike import AmaxSpike
 from readback.numerics.state import Numerics
 from readback.ops import activation, attention, linear, norm
@@ -39,7 +45,7 @@ def numerics_spec(
     precision: str = "fp8",
     recipe: ScalingRecipe | None = None,
     policy: str = "exact",
-    attention_bwd: str = "fp8",
+    attention_bwd_precision: str = "fp8",
     rounding: str = "nearest",
     bf16_sites: tuple[str, ...] = (),
     site_margin: dict[str, int] | None = None,
@@ -59,7 +65,7 @@ def numerics_spec(
     for key, value, valid in (
         ("precision", precision, PRECISIONS),
         ("policy", policy, POLICIES),
-        ("attention_bwd", attention_bwd, ATTENTION_BWD),
+        ("attention_bwd_precision", attention_bwd_precision, ATTENTION_BWD_PRECISIONS),
         ("attention_bwd_reads", attention_bwd_reads, ATTENTION_BWD_READS),
     ):
         if value not in valid:
@@ -70,9 +76,9 @@ def numerics_spec(
         recipe=recipe,
         policy=policy,
         reads=read_rules(policy, attention_bwd_reads, recipe if precision == "fp8" else None),
-        attention_bwd={
-            "fp8": attention_bwd,
-            "bf16": "bf16" if attention_bwd == "fp8" else attention_bwd,
+        attention_bwd_precision={
+            "fp8": attention_bwd_precision,
+            "bf16": "bf16" if attention_bwd_precision == "fp8" else attention_bwd_precision,
             "off": "fp64",
         }[precision],
         rounding=rounding if precision == "fp8" else "nearest",
@@ -92,7 +98,7 @@ def numerics_for(*args: Any, seed: int = 0, **kwargs: Any) -> Numerics:
 
 
 __all__ = [
-    "ATTENTION_BWD",
+    "ATTENTION_BWD_PRECISIONS",
     "ATTENTION_BWD_READS",
     "OPS",
     "PRECISIONS",

@@ -187,7 +187,7 @@ def test_llama_with_rounding_off_equals_the_unconverted_model_and_reports_every_
 
 
 def _o_proj_audit(policy: str):
-    model, _ = converted_llama(precision=FP32_BACKWARD, policy=policy, attention_bwd="fp32")
+    model, _ = converted_llama(precision=FP32_BACKWARD, policy=policy, attention_bwd_precision="fp32")
     numerics = model.numerics
     with numerics.taping() as tape:
         seen = {}
@@ -226,7 +226,7 @@ def test_llama_probe_exact_matches_its_reference_and_reuse_rounded_does_not():
     ids, targets = tokens(4)
     errors = {}
     for policy in ("exact", "reuse_rounded"):
-        model, _ = converted_llama(precision=FP32_BACKWARD, policy=policy, attention_bwd="fp32")
+        model, _ = converted_llama(precision=FP32_BACKWARD, policy=policy, attention_bwd_precision="fp32")
         errors[policy] = toys.probe(every=1).measure(model, ids, targets)
     assert errors["exact"]["grad_error/rel_err/total"] < 1e-5
     q_proj = "grad_error/rel_err/lm.model.layers.0.self_attn.q_proj.weight"

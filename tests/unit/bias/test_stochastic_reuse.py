@@ -72,7 +72,7 @@ def measured():
         "fp8",
         CurrentScaling(),
         "reuse_rounded",
-        attention_bwd="fp32",
+        attention_bwd_precision="fp32",
         rounding="stochastic",
         site_margin={"core.output": MARGIN},
     )

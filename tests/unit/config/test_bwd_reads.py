@@ -27,7 +27,7 @@ def test_the_spec_carries_the_flavour_and_its_reads():
     for bwd_reads in ("te", "forward"):
         c = validate(compose("+experiment=reuse_rounded_bf16_bwd", f"attention.bwd_reads={bwd_reads}"))
         spec = build_numerics(c.precision, c.policy, c.attention, 0).spec
-        assert spec.attention_bwd_reads == bwd_reads and spec.attention_bwd == "bf16"
+        assert spec.attention_bwd_reads == bwd_reads and spec.attention_bwd_precision == "bf16"
         assert spec.reads == read_rules("reuse_rounded", bwd_reads)
 
 

@@ -15,7 +15,7 @@ from readback.ops.compiled import compiled
 
 CFG = FOGConfig(n_layers=1, d_model=32, n_heads=4, n_kv_groups=2, ffn_dim=48, vocab_size=64, seq_len=16)
 SETUPS = {
-    "bf16": dict(precision="bf16", policy="exact", attention_bwd="bf16"),
+    "bf16": dict(precision="bf16", policy="exact", attention_bwd_precision="bf16"),
     "reuse_rounded": dict(precision="fp8", policy="reuse_rounded"),
     "no_saved_copy": dict(precision="fp8", policy="no_saved_copy"),
     # stochastic roundings draw from generator states (readback.numerics.uniform), which trace

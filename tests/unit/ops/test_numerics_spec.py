@@ -42,7 +42,17 @@ def test_op_read_tables_are_read_only_after_import():
 
 def test_numerics_settings_and_modes_cannot_be_assigned():
     numerics = numerics_for("fp8", CurrentScaling(), "reuse_rounded")
-    for name in ("spec", "policy", "recipe", "attention_bwd", "rounding", "precision", "tape", "watched", "mechanism"):
+    for name in (
+        "spec",
+        "policy",
+        "recipe",
+        "attention_bwd_precision",
+        "rounding",
+        "precision",
+        "tape",
+        "watched",
+        "mechanism",
+    ):
         with pytest.raises(AttributeError):
             setattr(numerics, name, None)
 

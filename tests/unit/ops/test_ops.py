@@ -148,7 +148,7 @@ def _run_attention(policy: str, recipe, inputs, warmup: bool):
     """One measured forward/backward (after a warm-up step when asked); returns the gradients,
     the output, the recorded forward and what the numerics observed."""
     q0, k0, v0, d_out = inputs
-    numerics = numerics_for("fp8", recipe, policy=policy, attention_bwd="fp32")
+    numerics = numerics_for("fp8", recipe, policy=policy, attention_bwd_precision="fp32")
     if warmup:
         q, k, v = (t.clone().requires_grad_() for t in (q0, k0, v0))
         attention(q, k, v, numerics, "attn")[0].backward(d_out)
@@ -172,10 +172,10 @@ def _run_attention(policy: str, recipe, inputs, warmup: bool):
     }
 
 
-@pytest.mark.parametrize("attention_bwd", ["fp8", "bf16"])
+@pytest.mark.parametrize("attention_bwd_precision", ["fp8", "bf16"])
 @pytest.mark.parametrize("recipe", [CurrentScaling(), DelayedScaling()], ids=["current", "delayed"])
 @pytest.mark.parametrize("policy", ["reuse_rounded", "fresh_reround", "no_saved_copy"])
-def test_attention_in_query_blocks_is_the_whole_attention(monkeypatch, policy, recipe, attention_bwd):
+def test_attention_in_query_blocks_is_the_whole_attention(monkeypatch, policy, recipe, attention_bwd_precision):
     """Blocks of 5 query rows (a last partial block; GEMM operands decoded a few matrices at a
     time) give the bits of one block of all T rows: O8 and P8 (scores GEMM and softmax of each
     block are the whole matrix's), saturation counts, rowsum observations; the gradients, whose
@@ -185,7 +185,7 @@ def test_attention_in_query_blocks_is_the_whole_attention(monkeypatch, policy, r
 
     def run():
         q0, k0, v0, d_out = _attention_inputs(5)
-        numerics = numerics_for("fp8", recipe, policy=policy, attention_bwd=attention_bwd)
+        numerics = numerics_for("fp8", recipe, policy=policy, attention_bwd_precision=attention_bwd_precision)
         results = []
         for grow in (1, 1e3):  # the second step runs on delayed scales from the first: dS saturates
             q, k, v = (t.clone().requires_grad_() for t in (q0, k0, v0))
@@ -212,7 +212,7 @@ def test_attention_in_query_blocks_is_the_whole_attention(monkeypatch, policy, r
         means = {key: x for key, x in w[5].items() if "/mean/" in key}  # FP32 row sums over fewer columns
         assert w[5].keys() == b[5].keys()
         assert means == pytest.approx({key: b[5][key] for key in means}, abs=1e-6 * w[6])
-    if attention_bwd == "fp8" and isinstance(recipe, DelayedScaling):
+    if attention_bwd_precision == "fp8" and isinstance(recipe, DelayedScaling):
         assert "attn.grad_scores" in whole[1][4], whole[1][4]  # the blocks' counts add up
 
 
@@ -221,7 +221,9 @@ def test_attention_saves_no_t_by_t_tensor():
     q, k, v, _ = _attention_inputs()
     for policy in POLICIES:
         for bwd, bwd_reads in (("fp8", "forward"), ("bf16", "te")):
-            numerics = numerics_for("fp8", CurrentScaling(), policy, attention_bwd=bwd, attention_bwd_reads=bwd_reads)
+            numerics = numerics_for(
+                "fp8", CurrentScaling(), policy, attention_bwd_precision=bwd, attention_bwd_reads=bwd_reads
+            )
             o, _ = attention(q.requires_grad_(), k, v, numerics, "attn")
             shapes = [tuple(t.shape) for t in o.grad_fn.saved_tensors]
             assert (B, H, T, HD) in shapes and not [s for s in shapes if s[-2:] == (T, T)], (policy, shapes)
@@ -336,7 +338,7 @@ def test_attention_fresh_reround_is_unbiased_over_steps():
     repeats = 300
 
     def dq_samples(policy, n):
-        numerics = numerics_for("fp8", CurrentScaling(), policy=policy, attention_bwd="fp32")
+        numerics = numerics_for("fp8", CurrentScaling(), policy=policy, attention_bwd_precision="fp32")
         q = q0.clone().requires_grad_()
         out, _ = attention(q, k0, v0, numerics, "attn")
         samples = []
@@ -681,7 +683,7 @@ def test_numerics_state_dict_restores_scales_and_streams():
 @pytest.mark.parametrize("policy", list(POLICIES))
 def test_saved_bytes_per_policy(policy):
     q, k, v, _ = _attention_inputs()
-    numerics = numerics_for("fp8", CurrentScaling(), policy=policy, attention_bwd="fp32")
+    numerics = numerics_for("fp8", CurrentScaling(), policy=policy, attention_bwd_precision="fp32")
     attention(q, k, v, numerics, "attn")
     saves_out = attention_mod.READS[policy]["D"] in ("original", "fresh")
     assert ("attention.out" in numerics.saved_bytes) == saves_out
@@ -695,7 +697,7 @@ def test_saved_bytes_count_the_copies_attention_keeps():
     """Attention's backward holds FP8 copies of Q, K and V (one byte per element: K and V either
     per KV group or expanded to the query heads), never the high-precision K and V."""
     q, k, v, _ = _attention_inputs()
-    numerics = numerics_for("fp8", CurrentScaling(), policy="exact", attention_bwd="fp32")
+    numerics = numerics_for("fp8", CurrentScaling(), policy="exact", attention_bwd_precision="fp32")
     attention(q, k, v, numerics, "attn")
     assert numerics.saved_bytes["attention.q"] == B * H * T * HD
     fp8_copies = (B * G * T * HD, B * H * T * HD)
