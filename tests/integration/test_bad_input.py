@@ -121,6 +121,18 @@ CASES = [
         "attention.bwd_precision='fp16' is not valid; valid: fp8, bf16, fp32",
     ),
     (
+        "old_policy_key",
+        ["policy.name=fresh_reround"],
+        {},
+        "policy.name='fresh_reround' is not a config key any more: it is policy (e.g. policy=fresh_reround)",
+    ),
+    (
+        "old_attention_recipe_key",
+        ["precision.attention_recipe=delayed"],
+        {},
+        "precision.attention_recipe='delayed' is not a config key any more: it is attention.recipe",
+    ),
+    (
         "override_precision",
         ["precision.override_linear_precision=[true]"],
         {},
@@ -233,7 +245,7 @@ CASES = [
         ["precision.recipe=current", "precision.amax_spike={{site:attn.core.output,step:1,k:4}}"],
         {},
         "precision.amax_spike={'site': 'attn.core.output', 'step': 1, 'k': 4} is not valid; valid: null under "
-        "precision.recipe=current, or precision.attention_recipe=delayed for the attention core's sites (only "
+        "precision.recipe=current, or attention.recipe=delayed for the attention core's sites (only "
         "delayed scaling keeps an amax history to hold a spike)",
     ),
     (
@@ -321,7 +333,7 @@ EXISTING = [
         "resume_other_policy",
         ["trainer.resume=true", "policy=fresh_reround", "trainer.steps=3"],
         {},
-        "policy.name='fresh_reround' is not valid; valid: 'exact', the value",
+        "policy='fresh_reround' is not valid; valid: 'exact', the value",
     ),
     ("resume_written_by_another", ["trainer.resume=true"], {"LOCK": "1"}, "Slurm job 99 holds it (lock touched"),
     ("resume_corrupt", ["trainer.resume=true"], {"CORRUPT": "1"}, "none of the 2 in"),

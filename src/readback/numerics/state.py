@@ -3,8 +3,8 @@
 A ``Site`` (``readback.numerics.site``) is one named tensor the run rounds (``layer0.attn.output``,
 ``layer0.mlp.up.weight``, ...): it owns the tensor's format and scaling state and draws from the
 run's random streams (``readback.numerics.streams``). ``Numerics`` creates sites on first use and
-advances them together at the end of each optimizer step; ``readback.ops.numerics_for`` makes one
-with the ops' read rules resolved.
+advances them together at the end of each optimizer step. A run's spec, the ops' read rules
+resolved, is ``readback.ops.numerics_spec``'s.
 """
 
 from __future__ import annotations

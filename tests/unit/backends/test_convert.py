@@ -17,9 +17,10 @@ import toys
 from readback.audit.core import audit
 from readback.backends.converted import SDPARouter
 from readback.errors import ConfigError
-from readback.numerics.state import Site
+from readback.numerics.state import Numerics, Site
 from readback.ops import linear as linear_op
 from readback.ops import norm as norm_op
+from readback.ops import numerics_spec
 from toys import REPO
 
 # FP8 forward, FP32 backward GEMMs: what a gradient read is then told apart from GEMM round-off.
@@ -408,11 +409,10 @@ def test_readbacks_own_modules_are_not_converted_again():
     """FOG is built from the parts the converter swaps in, and a converted model has them: both
     are refused; a FOG inside another model is left as it is."""
     from readback.model import FOG, FOGConfig
-    from readback.ops import numerics_for
 
     fog = FOG(
         FOGConfig(n_layers=1, d_model=32, n_heads=2, n_kv_groups=1, ffn_dim=48, vocab_size=64, seq_len=8),
-        numerics_for("off"),
+        Numerics(numerics_spec("off")),
     )
     model = sequential()
     readback.convert(model)

@@ -34,6 +34,8 @@ from readback.numerics import (
     round_bf16,
 )
 from readback.numerics.rounding import decode, uniform
+from readback.numerics.state import Numerics
+from readback.ops import numerics_spec
 
 FORMATS = [E4M3, E5M2]
 F32_MAX = float(torch.finfo(torch.float32).max)
@@ -656,9 +658,8 @@ def test_check_scales_names_the_site_whose_own_scale_was_unusable():
     """Current scaling of an amax near FP32's max under margin 18 (allowed: 18 < E4M3's 19) gives a
     subnormal scale: counted at its site, raised once by ``check_scales``, then cleared."""
     from readback.errors import NumericsError
-    from readback.ops import numerics_for
 
-    numerics = numerics_for("fp8", recipe=CurrentScaling(margin=18))
+    numerics = Numerics(numerics_spec("fp8", recipe=CurrentScaling(margin=18)))
     numerics.site("a.input").quantize(torch.tensor([1.0, -2.0]))
     numerics.site("b.input").quantize(torch.tensor([3e38, 1.0]))
     numerics.site("a.input").quantize(torch.tensor([1.0]), scale=torch.tensor(0.0))  # a reused scale: not its own
