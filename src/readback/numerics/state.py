@@ -23,6 +23,7 @@ from readback.numerics import (
     QTensor,
 )
 from readback.numerics.observations import Observations
+from readback.numerics.scale_state import new_state
 from readback.numerics.site import ScalingState, Site, UnitScale, check_scales, site_matches
 from readback.numerics.spec import NumericsSpec
 from readback.numerics.streams import RandomStreams
@@ -190,7 +191,7 @@ class Numerics:
             else:
                 recipe = self._spec.recipe_for(name)  # the attention core's own recipe at its sites, if any
                 fmt = recipe.fp8_format.fwd if direction == "fwd" else recipe.fp8_format.bwd
-                state = recipe.new_state(fmt)
+                state = new_state(recipe, fmt)
             margin = sum(k for pattern, k in self._spec.site_margin if site_matches(name, pattern))
             self.sites[name] = Site(self.streams, name, direction, fmt, state, margin if fmt not in (None, BF16) else 0)
         return self.sites[name]
