@@ -39,7 +39,12 @@ WORKERS = 2 * (os.cpu_count() or 2)  # the processes wait on imports and disk as
 # (id, overrides, extra environment, what the line must say). ``{tmp}`` is the test's tmp dir,
 # ``{run}`` the existing run directory (a finished 2-step run with checkpoints).
 CASES = [
-    ("unknown_policy", ["policy=foo"], {}, "policy='foo' is not valid; valid: exact, fresh_reround"),
+    (
+        "unknown_policy",
+        ["policy=foo"],
+        {},
+        "policy='foo' is not valid; valid: reuse_rounded, fresh_reround, no_saved_copy, original, exact",
+    ),
     (
         "unknown_model",
         ["model=huge"],
