@@ -45,7 +45,7 @@ def train_commands(out: Path, device: str, steps: int, python: str = sys.executa
     """The multirun of the FP8 policies (``out/<policy>``) and the baseline's run (``out/bf16_baseline``)."""
     train, shared = str(ROOT / "train.py"), run_overrides(device, steps)
     policies = [python, train, "-m", "+experiment=reuse_rounded", f"policy={','.join(POLICIES)}", *shared]
-    policies += [f"hydra.sweep.dir={out}", "hydra.sweep.subdir=${policy.name}"]
+    policies += [f"hydra.sweep.dir={out}", "hydra.sweep.subdir=${policy}"]
     baseline = [python, train, f"+experiment={BASELINE}", *shared, f"hydra.run.dir={out / BASELINE}"]
     return [policies, baseline]
 

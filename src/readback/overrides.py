@@ -19,10 +19,34 @@ STUDY_AXES = {
     "model": "model.name",
     "precision": "precision.name",
     "rounding": "precision.rounding",
-    "policy": "policy.name",
+    "policy": "policy",
     "bwd_precision": "attention.bwd_precision",
     "bwd_reads": "attention.bwd_reads",
 }
+
+
+#: Config keys renamed since runs were first recorded: old dotted key -> new. A saved config or a
+#: record from before is read through it (``with_current_keys``, ``config_value``); a command line
+#: that still says the old key is refused with the new one (``readback.config``).
+RENAMED_KEYS = {"policy.name": "policy", "precision.attention_recipe": "attention.recipe"}
+
+
+def with_current_keys(saved: Mapping[str, Any]) -> dict[str, Any]:
+    """A config saved before a rename (``RENAMED_KEYS``) with its values under today's keys (a copy;
+    one saved since is returned as it was)."""
+    out = {group: dict(node) if isinstance(node, Mapping) else node for group, node in saved.items()}
+    for old, new in RENAMED_KEYS.items():
+        old_group, old_key = old.split(".")
+        node = out.get(old_group)
+        if not isinstance(node, dict) or old_key not in node:
+            continue
+        value = node.pop(old_key)
+        new_group, _, new_key = new.partition(".")
+        if new_key:
+            out.setdefault(new_group, {})[new_key] = value
+        else:
+            out[new_group] = value
+    return out
 
 
 def override_map(overrides: Sequence[str] | None) -> dict[str, str]:
@@ -54,7 +78,14 @@ def swept_keys(overrides: Sequence[str]) -> list[str]:
 
 
 def config_value(cfg: Mapping[str, Any], dotted: str) -> Any:
-    """The value at ``dotted`` (``"precision.rounding"``) of a nested config mapping, or None."""
+    """The value at ``dotted`` (``"precision.rounding"``) of a nested config mapping, or None; in a
+    config saved before a rename, the value of the key's old spelling (``RENAMED_KEYS``)."""
+    old = next((o for o, new in RENAMED_KEYS.items() if new == dotted), None)
+    found = _value_at(cfg, old) if old else None
+    return found if found is not None else _value_at(cfg, dotted)
+
+
+def _value_at(cfg: Mapping[str, Any], dotted: str) -> Any:
     node: Any = cfg
     for part in dotted.split("."):
         if not isinstance(node, Mapping) or part not in node:

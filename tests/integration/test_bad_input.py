@@ -39,7 +39,12 @@ WORKERS = 2 * (os.cpu_count() or 2)  # the processes wait on imports and disk as
 # (id, overrides, extra environment, what the line must say). ``{tmp}`` is the test's tmp dir,
 # ``{run}`` the existing run directory (a finished 2-step run with checkpoints).
 CASES = [
-    ("unknown_policy", ["policy=foo"], {}, "policy='foo' is not valid; valid: exact, fresh_reround"),
+    (
+        "unknown_policy",
+        ["policy=foo"],
+        {},
+        "policy='foo' is not valid; valid: reuse_rounded, fresh_reround, no_saved_copy, original, exact",
+    ),
     (
         "unknown_model",
         ["model=huge"],
@@ -119,6 +124,18 @@ CASES = [
         ["attention.bwd_precision=fp16"],
         {},
         "attention.bwd_precision='fp16' is not valid; valid: fp8, bf16, fp32",
+    ),
+    (
+        "old_policy_key",
+        ["policy.name=fresh_reround"],
+        {},
+        "policy.name='fresh_reround' is not a config key any more: it is policy (e.g. policy=fresh_reround)",
+    ),
+    (
+        "old_attention_recipe_key",
+        ["precision.attention_recipe=delayed"],
+        {},
+        "precision.attention_recipe='delayed' is not a config key any more: it is attention.recipe",
     ),
     (
         "override_precision",
@@ -233,7 +250,7 @@ CASES = [
         ["precision.recipe=current", "precision.amax_spike={{site:attn.core.output,step:1,k:4}}"],
         {},
         "precision.amax_spike={'site': 'attn.core.output', 'step': 1, 'k': 4} is not valid; valid: null under "
-        "precision.recipe=current, or precision.attention_recipe=delayed for the attention core's sites (only "
+        "precision.recipe=current, or attention.recipe=delayed for the attention core's sites (only "
         "delayed scaling keeps an amax history to hold a spike)",
     ),
     (
@@ -321,7 +338,7 @@ EXISTING = [
         "resume_other_policy",
         ["trainer.resume=true", "policy=fresh_reround", "trainer.steps=3"],
         {},
-        "policy.name='fresh_reround' is not valid; valid: 'exact', the value",
+        "policy='fresh_reround' is not valid; valid: 'exact', the value",
     ),
     ("resume_written_by_another", ["trainer.resume=true"], {"LOCK": "1"}, "Slurm job 99 holds it (lock touched"),
     ("resume_corrupt", ["trainer.resume=true"], {"CORRUPT": "1"}, "none of the 2 in"),

@@ -227,8 +227,8 @@ def test_a_recipe_given_at_measurement_meters_the_weights_under_it(run, tmp_path
     with pytest.raises(SystemExit) as refused:
         bias_main([str(run), "--batches", "1", "--precision", "recipe=current", "--precision", "margin=bad"])
     assert refused.value.code == 2 and "precision.margin='bad'" in capsys.readouterr().err
-    with pytest.raises(ConfigError, match=r"--precision attention_recipe='delayed'.*no amax history"):
-        load_run(run, precision={"recipe": "nvfp4", "attention_recipe": "delayed"})
+    with pytest.raises(ConfigError, match=r"attention.recipe='delayed'.*no amax history"):
+        load_run(run, precision={"recipe": "nvfp4"}, attention={"recipe": "delayed"})
 
 
 @pytest.mark.slow

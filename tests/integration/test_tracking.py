@@ -44,7 +44,7 @@ def test_wandb_runs_of_a_2x2_sweep(real_sweep):
             "precision=fp8",
             "rounding=nearest",
             f"policy={experiment}",
-            "bwd=fp8",
+            "bwd_precision=fp8",
             "bwd_reads=forward",
             f"sweep={sweep.name}",
             "ci",

@@ -24,7 +24,8 @@ from readback.numerics import (
     NVFP4Quantizer,
 )
 from readback.numerics.blockscale import COLUMNWISE
-from readback.ops import numerics_for
+from readback.numerics.state import Numerics
+from readback.ops import numerics_spec
 
 
 def rb_linear_blocks(setup: Setup, policy: str, recipe: BlockScalingRecipe) -> list[Row]:
@@ -44,7 +45,7 @@ def rb_linear_blocks(setup: Setup, policy: str, recipe: BlockScalingRecipe) -> l
         weight[::32] *= 2.0**16
         upstream.view(-1, d // 2)[::32] *= 2.0**-16
         upstream[..., ::32] *= 2.0**-16
-    numerics = numerics_for("fp8", recipe, policy, attention_bwd="fp32", seed=setup.seed)
+    numerics = Numerics(numerics_spec("fp8", recipe, policy, attention_bwd_precision="fp32"), seed=setup.seed)
     got, record, ref = linear_gradients(numerics, x, weight, upstream)
 
     def copies(tensor: str, original: torch.Tensor, executed: BlockQTensor) -> dict[str, torch.Tensor]:

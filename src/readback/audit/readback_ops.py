@@ -1,6 +1,6 @@
 """readback's own ops under each policy, against their straight-through replay.
 
-Forward in FP8 (E4M3, current scaling); the backward GEMMs run in FP32 (``attention_bwd="fp32"``,
+Forward in FP8 (E4M3, current scaling); the backward GEMMs run in FP32 (``attention_bwd_precision="fp32"``,
 ``override_linear_precision=(False, True, True)``), so the backward's own arithmetic does not blur
 which value it read. The op's ``numerics.tape`` gives the executed bits: the ``rounded``
 candidate, and the replay (the reference). ``fresh`` is reproduced exactly: the op's re-rounding
@@ -31,12 +31,13 @@ from readback.audit.harness import (
     expand_groups as expand,
 )
 from readback.numerics import CurrentScaling, QTensor, quantize
+from readback.numerics.state import Numerics
 from readback.numerics.streams import RandomStreams
-from readback.ops import Numerics, numerics_for
 from readback.ops import activation as activation_op
 from readback.ops import attention as attention_op
 from readback.ops import linear as linear_op
 from readback.ops import norm as norm_op
+from readback.ops import numerics_spec
 from readback.policy import POLICIES
 
 F32 = torch.float32
@@ -44,8 +45,11 @@ RECIPE = CurrentScaling(override_linear_precision=(False, True, True))
 
 
 def audit_numerics(policy: str, seed: int, rounding: str = "nearest", bwd_reads: str = "forward") -> Numerics:
-    return numerics_for(
-        "fp8", RECIPE, policy, attention_bwd="fp32", rounding=rounding, seed=seed, attention_bwd_reads=bwd_reads
+    return Numerics(
+        numerics_spec(
+            "fp8", RECIPE, policy, attention_bwd_precision="fp32", rounding=rounding, attention_bwd_reads=bwd_reads
+        ),
+        seed=seed,
     )
 
 

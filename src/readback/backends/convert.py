@@ -31,10 +31,12 @@ from omegaconf import OmegaConf
 from omegaconf.errors import ValidationError
 
 from readback.backends.converted import ConvertParts, SDPARouter, eps_of
-from readback.backends.precision import build_numerics
+from readback.backends.precision import spec_of
 from readback.errors import ConfigError, choose, require, some_of
-from readback.numerics.spec import ATTENTION_BWD, PRECISIONS
-from readback.ops import Numerics, numerics_for
+from readback.numerics.spec import PRECISIONS
+from readback.numerics.state import Numerics
+from readback.ops import numerics_spec
+from readback.overrides import RENAMED_KEYS
 from readback.policy import POLICIES
 
 FP8_ALIGNMENT = 16
@@ -93,14 +95,16 @@ def _calls_sdpa(cls: type[nn.Module]) -> bool:
     return "scaled_dot_product_attention" in source or "ALL_ATTENTION_FUNCTIONS" in source
 
 
-def _numerics(precision, policy: str, attention_bwd: str, seed: int) -> Numerics:
+def _numerics(
+    precision, policy: str, attention_bwd_precision: str, seed: int, attention_recipe: str | None = None
+) -> Numerics:
     """The ``Numerics`` of ``precision``: ``"fp8"``, ``"bf16"``, ``"off"``, or a mapping of recipe
     keys (Transformer Engine's names), checked by the ``precision`` group's own schema."""
-    from readback.backends.precision import Attention, Fp8Precision, Policy, Precision  # the checks, one line each
+    from readback.backends.precision import Attention, Fp8Precision, Precision  # the checks, one line each
     from readback.fields import valid_text
 
     choose("policy", policy, POLICIES)
-    choose("attention_bwd", attention_bwd, ATTENTION_BWD)
+    attention = Attention(bwd_precision=attention_bwd_precision, bwd_reads="forward", recipe=attention_recipe)
     if isinstance(precision, str):
         precision = {"name": precision}
     precision = dict(
@@ -108,10 +112,12 @@ def _numerics(precision, policy: str, attention_bwd: str, seed: int) -> Numerics
     )
     name = choose("precision.name", precision.pop("name", "fp8"), PRECISIONS)
     if name == "off":
-        return numerics_for("off", policy=policy, attention_bwd=attention_bwd, seed=seed)
+        return Numerics(numerics_spec("off", policy=policy), seed=seed)
     schema = Fp8Precision if name == "fp8" else Precision
     keys = [f.name for f in dataclasses.fields(schema) if f.name != "name"]
     for key in precision:
+        if f"precision.{key}" in RENAMED_KEYS:  # the attention core's recipe: an argument of its own now
+            raise ConfigError(f"precision.{key}", precision[key], f"not a precision key; say {key}={precision[key]!r}")
         choose("precision", key, keys)
     values = {"name": name, **precision}  # the schema holds the defaults
     try:
@@ -122,9 +128,8 @@ def _numerics(precision, policy: str, attention_bwd: str, seed: int) -> Numerics
         ) from None
     settings = OmegaConf.to_object(node)  # ranges and choices
     assert isinstance(settings, Precision)
-    return build_numerics(
-        settings, Policy(name=policy), Attention(bwd_precision=attention_bwd, bwd_reads="forward"), seed
-    )
+    attention.check_against(settings, policy)
+    return Numerics(spec_of(settings, policy, attention), seed=seed)
 
 
 def _matches(name: str, patterns: Iterable[str]) -> str | None:
@@ -185,7 +190,8 @@ def convert(
     backend: str = "emulated",
     filter: Iterable[str] = (),
     attention: bool = True,
-    attention_bwd: str = "fp8",
+    attention_bwd_precision: str = "fp8",
+    attention_recipe: str | None = None,
     seed: int = 0,
 ) -> ConvertReport:
     """Swap ``model``'s linears, norms and (``attention``) SDPA cores for readback's, in place.
@@ -193,7 +199,9 @@ def convert(
     ``precision``: ``"fp8"`` (Transformer Engine's DelayedScaling defaults), ``"bf16"``, ``"off"``
     (no rounding, FP64 GEMMs), a mapping of recipe keys (``recipe``, ``fp8_format``, ``margin``,
     ``interval``, ``amax_history_len``, ``amax_compute_algo``, ``override_linear_precision``,
-    ``rounding``), or a ``Numerics``. ``filter``: module-name patterns left in high precision
+    ``rounding``), or a ``Numerics``. ``attention_bwd_precision`` and ``attention_recipe``: the
+    ``attention`` group's ``bwd_precision`` and ``recipe`` (the core's own FP8 recipe: None, the
+    linears'; ``"delayed"``; ``"current"``). ``filter``: module-name patterns left in high precision
     (``lm_head``), with everything below them. Sets ``model.numerics``; returns the report.
     Raises ``ConfigError`` (one line) for a bad key or value.
     """
@@ -207,7 +215,11 @@ def convert(
         )
     filter = tuple(filter)
     _check_filter(model, filter)
-    numerics = precision if isinstance(precision, Numerics) else _numerics(precision, policy, attention_bwd, seed)
+    numerics = (
+        precision
+        if isinstance(precision, Numerics)
+        else _numerics(precision, policy, attention_bwd_precision, seed, attention_recipe)
+    )
     report = ConvertReport(numerics)
     parts: ConvertParts | TEConverter
     if backend == "te":

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 
-from readback.backends.precision import Fp8Precision, fp8_settings
+from readback.backends.precision import fp8_settings
 from readback.backends.settings import ModelSettings
 from readback.numerics.spec import GEMMS, in_bf16_layers, resolve_accumulation
 from readback.ops import read_rules
@@ -38,10 +38,9 @@ def attention_reads(policy: str, bwd_reads: str = "forward") -> dict[str, str]:
     return {f"attention_core.{g}": _READ_LABELS[reads[g]].format(x) for g, x in READ_OPERANDS.items()}
 
 
-def attention_core_label(p: Fp8Precision | None) -> str:
-    """readback's attention op, with ``precision.attention_recipe`` where it gives it its own recipe."""
-    own = p.attention_recipe if p is not None else None
-    return READBACK_SITES["attention_core"] + (f" (precision.attention_recipe={own})" if own else "")
+def attention_core_label(own_recipe: str | None) -> str:
+    """readback's attention op, with ``attention.recipe`` where it gives it its own recipe."""
+    return READBACK_SITES["attention_core"] + (f" (attention.recipe={own_recipe})" if own_recipe else "")
 
 
 def lm_head_in_bf16(fp8: bool, bf16_layers: Sequence[str]) -> bool:
@@ -56,9 +55,9 @@ def site_implementations(cfg: ModelSettings) -> dict[str, str]:
     tied = " (tied embedding)" if cfg.model.tied else ""
     return {
         **READBACK_SITES,
-        "attention_core": attention_core_label(p),
+        "attention_core": attention_core_label(cfg.attention.recipe),
         "lm_head": READBACK_SITES["lm_head"] + tied + (" in BF16" if head_bf16 else ""),
-        **attention_reads(cfg.policy.name, cfg.attention.bwd_reads),
+        **attention_reads(cfg.policy, cfg.attention.bwd_reads),
         **({} if p is None else accumulations(p.accumulation, p.accumulation_gemms)),
     }
 

@@ -1,10 +1,9 @@
-"""The ``precision`` group's schema: the numerics of a run, as Hydra composes them and as
-``readback.convert`` accepts them from Python (one set of types, ranges and error words for both);
-``build_numerics``, a run's ``Numerics`` from its checked config.
+"""The ``precision`` and ``attention`` groups' schemas: the numerics of a run, as Hydra composes
+them and as ``readback.convert`` accepts them from Python (one set of types, ranges and error words
+for both); ``spec_of``, a run's ``NumericsSpec`` from them and its policy, in one step.
 
 It sits with the backends because ``readback.convert`` checks its arguments with it;
 ``readback.config`` registers it with the other groups.
-``policy`` and ``attention``, the other groups ``build_numerics`` reads, live here too.
 """
 
 from __future__ import annotations
@@ -31,16 +30,15 @@ from readback.numerics import (
 from readback.numerics.gemm import BF16_GEMMS
 from readback.numerics.spec import (
     ACCUMULATIONS,
-    ATTENTION_BWD,
+    ATTENTION_BWD_PRECISIONS,
     ATTENTION_BWD_READS,
     ATTENTION_RECIPES,
     PRECISIONS,
-    is_attention_site,
+    NumericsSpec,
     resolve_accumulation,
 )
 from readback.numerics.spike import AmaxSpike
-from readback.ops import Numerics, numerics_for
-from readback.policy import POLICIES
+from readback.ops import numerics_spec
 
 # The recipe fields' defaults: Transformer Engine's default recipe, as numerics.scaling declares
 # it, and its Float8BlockScaling and NVFP4BlockScaling for the fields only those recipes have.
@@ -66,13 +64,6 @@ class Fp8Precision(Precision):
     object that the emulation and the TE mapping read."""
 
     recipe: str = one_of(RECIPES, default=TE_DEFAULT.KEY)
-    # The attention core's own recipe (TE's NVTE_DPA_FP8_RECIPE): null (the linears': per tensor from
-    # each tensor's amax under a block recipe) | delayed | current, from the fields below
-    attention_recipe: str | None = one_of(
-        ATTENTION_RECIPES,
-        default=None,
-        note="no mxfp8: how TE's MXFP8 attention rounds P and dP is inside cuDNN, not in TE's source",
-    )
     # HYBRID: E4M3 fwd, E5M2 bwd; null: the recipe's default (HYBRID per tensor, E4M3 by blocks, as TE)
     fp8_format: str | None = one_of((f.name for f in Format), default=None)
     margin: int = integer(minimum=0, default=TE_DEFAULT.margin)
@@ -124,32 +115,6 @@ class Fp8Precision(Precision):
     def format(self) -> Format:
         """``fp8_format``, or the recipe's default where it is null."""
         return Format.parse(self.fp8_format) if self.fp8_format else RECIPES[self.recipe].fp8_format
-
-    def attention_scaling_recipe(self) -> ScalingRecipe | None:
-        """The attention core's own recipe object (None without ``attention_recipe``): its class
-        with the fields of this group it has, but for the linears' own (``override_linear_precision``,
-        ``backward_override``), which keep their defaults, in ``attention_format``."""
-        if self.attention_recipe is None:
-            return None
-        cls = ATTENTION_RECIPES[self.attention_recipe]
-        linear_only = ("override_linear_precision", "backward_override")
-        fields = {f.name: getattr(self, f.name) for f in dataclasses.fields(cls) if f.name not in linear_only}
-        return cls(**{**fields, "fp8_format": self.attention_format()})
-
-    def attention_format(self) -> Format:
-        """The attention recipe's format: the linears' (``format``), which TE's attention recipe
-        reuses, but HYBRID under NVFP4, whose ``fp8_format`` is its block scales' (E4M3 only):
-        TE's attention there takes ``NVTE_DPA_FP8_FORMAT``, HYBRID by default."""
-        return Format.HYBRID if self.attention_recipe and self.recipe == "nvfp4" else self.format()
-
-    def format_at(self, site: str) -> Format:
-        """The format pair of FP8 site ``site``: the attention recipe's at the attention core's."""
-        return self.attention_format() if is_attention_site(site) else self.format()
-
-    def has_history(self, site: str) -> bool:
-        """Whether FP8 site ``site`` keeps an amax history (its recipe is delayed scaling)."""
-        own = self.attention_recipe if self.attention_recipe and is_attention_site(site) else self.recipe
-        return own == "delayed"
 
     def check(self) -> None:
         fmt = self.format()
@@ -223,31 +188,51 @@ def underflow_words(fmt: FP8Format) -> str:
 
 
 @dataclass
-class Policy(Checked):
-    KEY = "policy"
-    name: str = one_of(POLICIES)
-
-
-@dataclass
 class Attention(Checked):
-    KEY = "attention"
-    bwd_precision: str = one_of(ATTENTION_BWD)
-    bwd_reads: str = one_of(
-        ATTENTION_BWD_READS
-    )  # ops.attention.BWD_READS; the rules with other groups: check_bwd_reads
+    """The attention core's own settings: its backward's GEMM precision, what that backward reads
+    besides the policy's D read (``ops.attention.BWD_READS``), and its FP8 recipe."""
 
-    def check_bwd_reads(self, precision: Precision, policy: Policy) -> None:
-        """Refuse a flavour that cannot mean what it says: ``te`` reads what TE's BF16 backward
-        reads after an FP8 forward, so it needs both, and ``exact`` reads the forward's operands."""
+    KEY = "attention"
+    bwd_precision: str = one_of(ATTENTION_BWD_PRECISIONS)
+    bwd_reads: str = one_of(ATTENTION_BWD_READS)
+    recipe: str | None = one_of(
+        ATTENTION_RECIPES,
+        default=None,
+        note="no mxfp8: how TE's MXFP8 attention rounds P and dP is inside cuDNN, not in TE's source",
+    )
+
+    def check_against(self, precision: Precision, policy: str) -> None:
+        """The rules with the other groups: ``recipe`` is an FP8 run's; ``bwd_reads=te`` reads what
+        TE's BF16 backward reads after an FP8 forward, so it needs both, and ``exact`` reads the
+        forward's operands."""
+        fp8 = precision.name == "fp8"
+        require(self.recipe is None or fp8, self.key("recipe"), self.recipe, "null under precision=bf16 (no FP8 core)")
         if self.bwd_reads == "forward":
             return
         why = (
             (self.bwd_precision != "bf16", f"with bwd_precision={self.bwd_precision}: te is a BF16 backward's reads"),
-            (precision.name != "fp8", "with precision=bf16: without FP8 the originals are what the forward multiplied"),
-            (policy.name == "exact", "with policy=exact, which reads what the forward multiplied"),
+            (not fp8, "with precision=bf16: without FP8 the originals are what the forward multiplied"),
+            (policy == "exact", "with policy=exact, which reads what the forward multiplied"),
         )
         reason = next((text for bad, text in why if bad), None)
         require(reason is None, self.key("bwd_reads"), self.bwd_reads, f"forward ({reason})")
+
+    def scaling_recipe(self, p: Fp8Precision) -> ScalingRecipe | None:
+        """The core's own recipe object (None without ``recipe``): its class with the fields of the
+        precision group ``p`` it has, but for the linears' own (``override_linear_precision``,
+        ``backward_override``), which keep their defaults, in ``format(p)``."""
+        if self.recipe is None:
+            return None
+        cls = ATTENTION_RECIPES[self.recipe]
+        linear_only = ("override_linear_precision", "backward_override")
+        fields = {f.name: getattr(p, f.name) for f in dataclasses.fields(cls) if f.name not in linear_only}
+        return cls(**{**fields, "fp8_format": self.format(p)})
+
+    def format(self, p: Fp8Precision) -> Format:
+        """The core's format: the linears' (``p.format()``), which TE's attention recipe reuses, but
+        HYBRID under NVFP4, whose ``fp8_format`` is its block scales' (E4M3 only): TE's attention
+        there takes ``NVTE_DPA_FP8_FORMAT``, HYBRID by default."""
+        return Format.HYBRID if self.recipe and p.recipe == "nvfp4" else p.format()
 
 
 def fp8_settings(p: Precision) -> Fp8Precision | None:
@@ -260,31 +245,30 @@ def fp8_settings(p: Precision) -> Fp8Precision | None:
     return None
 
 
-def build_numerics(precision: Precision, policy: Policy, attention: Attention, seed: int) -> Numerics:
-    """The run's ``Numerics`` from the ``precision``, ``policy`` and ``attention`` groups and ``seed``."""
+def spec_of(precision: Precision, policy: str, attention: Attention) -> NumericsSpec:
+    """The run's ``NumericsSpec`` from the ``precision`` and ``attention`` groups and ``policy``
+    (``Numerics(spec, seed=...)`` runs it)."""
     p = fp8_settings(precision)
     if p is None:
-        return numerics_for(
+        return numerics_spec(
             precision=precision.name,
-            policy=policy.name,
-            attention_bwd=attention.bwd_precision,
-            seed=seed,
-            bf16_gemm=precision.bf16_gemm,
+            policy=policy,
+            attention_bwd_precision=attention.bwd_precision,
             attention_bwd_reads=attention.bwd_reads,
+            bf16_gemm=precision.bf16_gemm,
         )
-    return numerics_for(
+    return numerics_spec(
         precision=p.name,
         recipe=p.scaling_recipe(),
-        policy=policy.name,
-        attention_bwd=attention.bwd_precision,
+        policy=policy,
+        attention_bwd_precision=attention.bwd_precision,
+        attention_bwd_reads=attention.bwd_reads,
+        attention_recipe=attention.scaling_recipe(p),
         rounding=p.rounding,
-        seed=seed,
         bf16_sites=tuple(p.bf16_layers),
         site_margin=dict(p.site_margin or {}),
         accumulation=p.accumulation,
         accumulation_gemms=dict(p.accumulation_gemms or {}),
         bf16_gemm=p.bf16_gemm,
         amax_spike=amax_spike_of(p.amax_spike),
-        attention_bwd_reads=attention.bwd_reads,
-        attention_recipe=p.attention_scaling_recipe(),
     )

@@ -9,7 +9,7 @@ from typing import Protocol
 
 from omegaconf import MISSING
 
-from readback.backends.precision import Attention, Policy, Precision
+from readback.backends.precision import Attention, Precision
 from readback.fields import Checked, one_of
 from readback.model.settings import Model
 
@@ -40,7 +40,7 @@ class ModelSettings(Protocol):
     @property
     def precision(self) -> Precision: ...
     @property
-    def policy(self) -> Policy: ...
+    def policy(self) -> str: ...
     @property
     def attention(self) -> Attention: ...
     @property

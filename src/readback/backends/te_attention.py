@@ -1,5 +1,5 @@
 """What Transformer Engine's attention core runs under ``backend=te``: its per-tensor recipe (the
-linears', or ``precision.attention_recipe`` through ``NVTE_DPA_FP8_RECIPE``), the switches that
+linears', or ``attention.recipe`` through ``NVTE_DPA_FP8_RECIPE``), the switches that
 make it read what the policy's D-term reads, what each attention gradient then reads, and the
 refusals of what this TE and GPU cannot run. Pure, like ``te_plan``, which calls it.
 
@@ -25,7 +25,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from readback.backends.precision import Fp8Precision
+from readback.backends.precision import Attention, Fp8Precision
 from readback.backends.settings import ModelSettings
 from readback.backends.te_facts import SINCE, Hardware, dpa_recipe_refusal, fp8_attention_refusal, te_attention_reads
 from readback.backends.te_recipe import RECIPES, refuse_unsupported_fields
@@ -61,17 +61,18 @@ class TEAttention:
     reads: dict[str, str]
 
 
-def attention_kind(p8: Fp8Precision) -> str | None:
-    """The per-tensor recipe TE's FP8 attention would run: ``precision.attention_recipe``, else the
-    linears' where it is per tensor; None under a block recipe (TE leaves attention unquantised)."""
-    if p8.attention_recipe is not None:
-        return p8.attention_recipe
+def attention_kind(p8: Fp8Precision, group: Attention) -> str | None:
+    """The per-tensor recipe TE's FP8 attention would run: ``attention.recipe``, else the linears'
+    where it is per tensor; None under a block recipe (TE leaves attention unquantised)."""
+    if group.recipe is not None:
+        return group.recipe
     return p8.recipe if p8.recipe in PER_TENSOR else None
 
 
-def te_attention(p8: Fp8Precision | None, policy: str, bwd: str, bwd_reads: str, vt) -> TEAttention | None:
+def te_attention(p8: Fp8Precision | None, policy: str, group: Attention, vt) -> TEAttention | None:
     """TE's attention core where one of its switches reproduces the policy's D-term read under the
-    attention's recipe, else ``None`` (readback's core runs it)."""
+    attention's recipe (the ``attention`` group), else ``None`` (readback's core runs it)."""
+    bwd, bwd_reads = group.bwd_precision, group.bwd_reads
     if bwd not in ("fp8", "bf16"):
         return None  # TE's attention backward is FP8 or BF16
     if p8 is None:  # BF16 kernels compute D = rowsum(dO * O) from the BF16 O the projection multiplied
@@ -81,7 +82,7 @@ def te_attention(p8: Fp8Precision | None, policy: str, bwd: str, bwd_reads: str,
         return TEAttention(None, False, {}, "te.DotProductAttention(bf16)", _gradient_reads(reads))
     if bwd == "bf16" and bwd_reads != "te":
         return None  # a BF16 backward reading Q8, K8, V8: no TE switch
-    kind = attention_kind(p8)
+    kind = attention_kind(p8, group)
     found = _d_read(kind, policy, bwd) if kind is not None else None
     if kind is None or found is None:
         return None
@@ -91,7 +92,7 @@ def te_attention(p8: Fp8Precision | None, policy: str, bwd: str, bwd_reads: str,
     words = [recipe, *(f"{k}={v}" for k, v in switches.items()), f"D reads {o_read}"]
     label = "te.DotProductAttention(fp8_dpa; " + "; ".join(words) + ")"
     reads = _gradient_reads(te_attention_reads(o_read, "8" if bwd == "fp8" else ""))
-    return TEAttention(kind, own, {**switches, **_recipe_env(p8, kind, own, vt)}, label, reads)
+    return TEAttention(kind, own, {**switches, **_recipe_env(p8, group, kind, own, vt)}, label, reads)
 
 
 def _d_read(kind: str, policy: str, bwd: str) -> tuple[str, dict[str, str]] | None:
@@ -110,7 +111,7 @@ def _d_read(kind: str, policy: str, bwd: str) -> tuple[str, dict[str, str]] | No
     return None
 
 
-def _recipe_env(p8: Fp8Precision, kind: str, own: bool, vt) -> dict[str, str]:
+def _recipe_env(p8: Fp8Precision, group: Attention, kind: str, own: bool, vt) -> dict[str, str]:
     """``NVTE_DPA_FP8_RECIPE`` and the variables of the recipe it makes, pinned where TE reads them
     (>= 2.8) so that the environment cannot change the attention's recipe: empty (the linears')
     unless the attention has its own; then its DelayedScaling's history and algorithm from the
@@ -121,7 +122,7 @@ def _recipe_env(p8: Fp8Precision, kind: str, own: bool, vt) -> dict[str, str]:
         return {}
     env = {"NVTE_DPA_FP8_RECIPE": RECIPES[kind] if own else ""}
     if own and p8.recipe == "nvfp4":
-        env["NVTE_DPA_FP8_FORMAT"] = p8.attention_format().name
+        env["NVTE_DPA_FP8_FORMAT"] = group.format(p8).name
     if own and kind == "delayed":
         history, algo = str(p8.amax_history_len), p8.amax_compute_algo
     elif kind == "current" and p8.recipe != "delayed":
@@ -147,29 +148,27 @@ def check_te_attention(
     own on a TE or under a linear recipe that has none (``te_facts.dpa_recipe_refusal``), or with
     fields TE's attention recipe lacks; and what this GPU and shape cannot run
     (``te_facts.fp8_attention_refusal``)."""
-    key, value = (
-        ("precision.attention_recipe", p8.attention_recipe) if attention.own_recipe else ("precision.recipe", p8.recipe)
-    )
+    group = cfg.attention
+    key, value = ("attention.recipe", group.recipe) if attention.own_recipe else ("precision.recipe", p8.recipe)
     if attention.own_recipe:
         reason = dpa_recipe_refusal(vt, RECIPES[p8.recipe])
         if reason is not None:
             raise ConfigError(key, value, f"null, or backend.attention_core=readback ({where}: {reason})")
-        own = p8.attention_scaling_recipe()
+        own = group.scaling_recipe(p8)
         assert own is not None
         refuse_unsupported_fields(own, vt, where)
         if attention.kind == "delayed" and p8.margin != 0:
             raise ConfigError(
                 "precision.margin",
                 p8.margin,
-                f"0 with precision.attention_recipe=delayed under precision.recipe={p8.recipe} ({where} builds "
+                f"0 with attention.recipe=delayed under precision.recipe={p8.recipe} ({where} builds "
                 f"the attention's DelayedScaling without a margin; use backend=emulated)",
             )
         if fp8_mha:
             raise ConfigError(
                 "backend.fp8_mha",
                 fp8_mha,
-                f"false ({where}: with precision.attention_recipe the core's O8 is of another recipe than the "
-                "projection's)",
+                f"false ({where}: with attention.recipe the core's O8 is of another recipe than the projection's)",
             )
     if attention.kind == "current" and vt is not None and vt[:2] < SINCE["current_scaling_fp8_dpa"]:
         raise ConfigError(

@@ -25,7 +25,7 @@ The study's axes map onto TE where TE has a switch for them:
 * ``precision=bf16``: TE modules without FP8 (``bf16_baseline``).
 
 The attention's recipe is the linears' (``NVTE_DPA_FP8_RECIPE`` pinned empty), or
-``precision.attention_recipe`` through ``NVTE_DPA_FP8_RECIPE``: the rows above then hold for that
+``attention.recipe`` through ``NVTE_DPA_FP8_RECIPE``: the rows above then hold for that
 recipe under any linear recipe TE switches it under; where they do not, readback's core runs it.
 """
 
@@ -94,7 +94,7 @@ def te_plan(cfg: ModelSettings, te_version: str | None = INSTALLED, hardware: Ha
     cannot run on this GPU as configured, instead of failing inside TE."""
     version, hw, vt, where = resolve_target(te_version, hardware)
 
-    p, policy, bwd, bwd_reads = cfg.precision, cfg.policy.name, cfg.attention.bwd_precision, cfg.attention.bwd_reads
+    p, policy, bwd_reads = cfg.precision, cfg.policy, cfg.attention.bwd_reads
     te_backend = cfg.backend if isinstance(cfg.backend, TeBackend) else None
     core_choice = choose("backend.attention_core", te_backend.attention_core if te_backend else "auto", ATTENTION_CORES)
     fp8_mha = te_backend.fp8_mha if te_backend else False
@@ -104,7 +104,7 @@ def te_plan(cfg: ModelSettings, te_version: str | None = INSTALLED, hardware: Ha
     recipe = te_recipe_plan(scaling, p8.rounding, version, hw) if p8 is not None else None
     fp8 = p8 is not None
 
-    attention = None if core_choice == "readback" else te_attention(p8, policy, bwd, bwd_reads, vt)
+    attention = None if core_choice == "readback" else te_attention(p8, policy, cfg.attention, vt)
     if attention is not None and p8 is not None:
         check_te_attention(cfg, p8, attention, fp8_mha, vt, hw, where)
     if fp8_mha and (attention is None or not fp8):
@@ -126,7 +126,7 @@ def te_plan(cfg: ModelSettings, te_version: str | None = INSTALLED, hardware: Ha
     else:
         env, attention_label, attention_reads = (
             {},
-            attention_core_label(p8),
+            attention_core_label(cfg.attention.recipe),
             readback_attention_reads(policy, bwd_reads),
         )
 

@@ -54,12 +54,12 @@ ROWS = [
     ("`precision.recipe=blockwise`", ("+experiment=reuse_rounded", "precision.recipe=blockwise")),
     ("`precision.recipe=nvfp4`", ("+experiment=reuse_rounded", "precision.recipe=nvfp4")),
     (
-        "`reuse_rounded precision.recipe=current precision.attention_recipe=delayed`",
-        ("+experiment=reuse_rounded", "precision.recipe=current", "precision.attention_recipe=delayed"),
+        "`reuse_rounded precision.recipe=current attention.recipe=delayed`",
+        ("+experiment=reuse_rounded", "precision.recipe=current", "attention.recipe=delayed"),
     ),
     (
-        "`reuse_rounded precision.recipe=nvfp4 precision.attention_recipe=delayed`",
-        ("+experiment=reuse_rounded", "precision.recipe=nvfp4", "precision.attention_recipe=delayed"),
+        "`reuse_rounded precision.recipe=nvfp4 attention.recipe=delayed`",
+        ("+experiment=reuse_rounded", "precision.recipe=nvfp4", "attention.recipe=delayed"),
     ),
 ]
 

@@ -50,16 +50,19 @@ from readback.errors import ConfigError, require
 from readback.probe.settings import DTYPES
 
 
-def load_run(path: Path, site_margin: dict[str, int] | None = None, precision: dict | None = None):
+def load_run(
+    path: Path, site_margin: dict[str, int] | None = None, precision: dict | None = None, attention: dict | None = None
+):
     """``(model, stream, step, run_dir)`` from a checkpoint or a run directory's newest one; with
     ``site_margin`` the model's numerics are built from the run's config with its
     ``precision.site_margin`` replaced by that mapping (``ConfigError`` if a pattern matches no
     site the run rounded at); with ``precision`` (e.g. ``{accumulation: NAME}``, ``{recipe:
-    nvfp4}``) those keys replaced, checked as the config checks them; under another recipe the
-    scaling states start fresh (module docstring)."""
+    nvfp4}``) those keys replaced, and so the ``attention`` group's with ``attention``, checked as
+    the config checks them; under another recipe the scaling states start fresh (module docstring)."""
     from readback.backends import build_model
     from readback.config import check_site_margin, from_saved
     from readback.data import build_data
+    from readback.overrides import with_current_keys
     from readback.train.checkpoint import load_checkpoint
     from readback.train.checkpoint_dirs import (
         checkpoint_dir,
@@ -86,13 +89,18 @@ def load_run(path: Path, site_margin: dict[str, int] | None = None, precision: d
     if site_margin is not None:  # a new config whose margins replace the run's (a merge would add them)
         check_site_margin(site_margin, cfg, list(numerics_state["sites"]), key="--site-margin")  # the run's sites
         replaced["site_margin"] = dict(site_margin)
-    if replaced:
-        cfg = from_saved({**saved, "precision": {**saved["precision"], **replaced}})
+    if replaced or attention:
+        saved = with_current_keys(saved)
+        groups = {
+            "precision": {**saved["precision"], **replaced},
+            "attention": {**saved["attention"], **(attention or {})},
+        }
+        cfg = from_saved({**saved, **groups})
     stream = build_data(cfg.data, cfg.layout(rank=0, world_size=1))
     model = build_model(cfg)
     model.load_state_dict(state["model"])
     recipe = cfg.precision.recipe if hasattr(cfg.precision, "recipe") else None
-    if recipe == saved["precision"].get("recipe"):
+    if recipe == saved["precision"].get("recipe") and not attention:
         model.numerics.load_state_dict(numerics_state)
     else:
         _start_histories(model, stream, recipe)
@@ -113,8 +121,12 @@ def _start_histories(model, stream, recipe: str | None) -> None:
     recipes = [spec.recipe, *(spec.recipe_for(f"core.{site}") for site in ATTENTION_SITES)] if spec.recipe else []
     delayed = [r for r in recipes if isinstance(r, DelayedScaling)]
     if any(r.amax_history_len > 1 for r in delayed):
-        key, value = ("recipe", recipe) if isinstance(spec.recipe, DelayedScaling) else ("attention_recipe", "delayed")
-        raise ConfigError(f"--precision {key}", value, "another than delayed (this run has no amax history to give)")
+        key, value = (
+            ("--precision recipe", recipe)
+            if isinstance(spec.recipe, DelayedScaling)
+            else ("attention.recipe", "delayed")
+        )
+        raise ConfigError(key, value, "another than delayed (this run has no amax history to give)")
     if delayed:
         inputs, targets = next(iter(stream.val_batches(1)))
         model(inputs, targets).backward()

@@ -81,7 +81,7 @@ def variants(numerics) -> list[Variant]:
 
 def _rounds_backward(numerics, op: str) -> bool:
     if op == "attention":
-        return numerics.attention_bwd in ("fp8", "bf16")
+        return numerics.attention_bwd_precision in ("fp8", "bf16")
     return numerics.precision == "fp8" and "fp8" in (
         numerics.linear_precision("dgrad"),
         numerics.linear_precision("wgrad"),

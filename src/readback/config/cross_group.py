@@ -8,9 +8,9 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-from readback.backends.precision import Fp8Precision, amax_spike_of, underflow_words
+from readback.backends.precision import Fp8Precision, amax_spike_of, spec_of, underflow_words
 from readback.errors import ConfigError, require
-from readback.numerics import RECIPES, BlockScalingRecipe
+from readback.numerics import RECIPES, BlockScalingRecipe, DelayedScaling
 from readback.train.settings import Config
 
 FP8_ALIGNMENT = 16  # FP8 GEMMs need every dimension divisible by 16
@@ -32,7 +32,7 @@ def check_between_groups(cfg: Config) -> None:
         m.vocab_size,
         f"null (the data's) or an integer >= data.vocab_size={cfg.data.vocab_size}",
     )
-    cfg.attention.check_bwd_reads(cfg.precision, cfg.policy)
+    cfg.attention.check_against(cfg.precision, cfg.policy)
     if isinstance(cfg.precision, Fp8Precision):
         _check_fp8(cfg, cfg.precision)
 
@@ -54,7 +54,7 @@ def _check_fp8(cfg: Config, p: Fp8Precision) -> None:
         check_site_margin(p.site_margin, cfg, sites)
     _check_amax_spike(cfg, p, sites)
     if p.site_margin is not None or p.amax_spike is not None:
-        _check_margin_sums(p, sites)
+        _check_margin_sums(cfg, p, sites)
     require(
         cfg.backend.name == "emulated" or (p.accumulation == "native" and not p.accumulation_gemms),
         "precision.accumulation",
@@ -119,8 +119,8 @@ def require_margin(key: str, margin: object) -> None:
 def _check_amax_spike(cfg: Config, p: Fp8Precision, sites: list[str]) -> None:
     """An amax spike needs an amax history to hold it (delayed scaling, readback's own sites), a
     step after which the run still trains, and a pattern that matches FP8 ``sites`` of the model
-    that keep a history (BF16 sites, and sites scaled otherwise under another
-    ``precision.attention_recipe``, it also matches are left alone, as by ``precision.site_margin``)."""
+    that keep a history (BF16 sites, and sites scaled otherwise under another ``attention.recipe``,
+    it also matches are left alone, as by ``precision.site_margin``)."""
     from readback.numerics.site import require_site_pattern
     from readback.numerics.spec import in_bf16_layers
 
@@ -129,10 +129,10 @@ def _check_amax_spike(cfg: Config, p: Fp8Precision, sites: list[str]) -> None:
         return
     value = dict(p.amax_spike)
     require(
-        "delayed" in (p.recipe, p.attention_recipe),
+        "delayed" in (p.recipe, cfg.attention.recipe),
         "precision.amax_spike",
         value,
-        f"null under precision.recipe={p.recipe}, or precision.attention_recipe=delayed for the attention "
+        f"null under precision.recipe={p.recipe}, or attention.recipe=delayed for the attention "
         "core's sites (only delayed scaling keeps an amax history to hold a spike)",
     )
     require(
@@ -150,6 +150,7 @@ def _check_amax_spike(cfg: Config, p: Fp8Precision, sites: list[str]) -> None:
         f"and trainer.steps={steps}",
     )
     require_site_pattern("precision.amax_spike.site", spike.site, sites)
+    spec = spec_of(p, cfg.policy, cfg.attention)  # which recipe, and so which history, each site has
     fp8_sites = [s for s in sites if not in_bf16_layers(s, p.bf16_layers)]
     require_site_pattern(
         "precision.amax_spike.site",
@@ -160,13 +161,13 @@ def _check_amax_spike(cfg: Config, p: Fp8Precision, sites: list[str]) -> None:
     require_site_pattern(
         "precision.amax_spike.site",
         spike.site,
-        [s for s in fp8_sites if p.has_history(s)],
+        [s for s in fp8_sites if isinstance(spec.recipe_for(s), DelayedScaling)],
         f"site patterns (globs) matching sites with an amax history (precision.recipe={p.recipe}, "
-        f"precision.attention_recipe={p.attention_recipe}):",
+        f"attention.recipe={cfg.attention.recipe}):",
     )
 
 
-def _check_margin_sums(p: Fp8Precision, sites: list[str]) -> None:
+def _check_margin_sums(cfg: Config, p: Fp8Precision, sites: list[str]) -> None:
     """``precision.margin`` plus the site margins matching a site, and an amax spike's ``k``
     there (for ``amax_history_len`` steps it lowers the scale as a margin of ``k`` would), against
     the bound of the site's format (``FP8Format.zero_margin``); the largest of them is refused."""
@@ -175,10 +176,11 @@ def _check_margin_sums(p: Fp8Precision, sites: list[str]) -> None:
     from readback.numerics.spec import in_bf16_layers
 
     spike = amax_spike_of(p.amax_spike)
+    spec = spec_of(p, cfg.policy, cfg.attention)
     for site in sites:
         if in_bf16_layers(site, p.bf16_layers):
             continue  # BF16 sites are unscaled: no margin applies
-        fmt = p.format_at(site)  # the attention recipe's at the attention core's sites
+        fmt = spec.recipe_for(site).fp8_format  # the attention recipe's at the attention core's sites
         site_fmt = fmt.bwd if is_gradient_site(site) else fmt.fwd
         margins = {pattern: k for pattern, k in (p.site_margin or {}).items() if site_matches(site, pattern)}
         spiked = spike.k if spike is not None and site_matches(site, spike.site) else 0

@@ -30,11 +30,13 @@ from readback.config.refusals import (
     first_undeclared_key,
     from_composition_error,
     from_schema_error,
+    old_spelling,
     unknown_key,
 )
 from readback.config.store import OPTION_SCHEMAS
 from readback.data.settings import ShakespeareData
 from readback.errors import ConfigError
+from readback.overrides import with_current_keys
 from readback.train.settings import Config
 
 # Run directories that existed, not empty, before Hydra started (never removed on an error), with
@@ -71,9 +73,10 @@ def typed(cfg: DictConfig) -> Config:
 def from_saved(saved: Mapping[str, Any]) -> Config:
     """The typed config a run saved (``plain_config``, in its checkpoints), checked again. It is
     laid over today's defaults of the options it names, so a key added since the run was saved
-    takes its default (the behaviour the run had)."""
+    takes its default (the behaviour the run had), and a key renamed since is read under its new name."""
     from hydra import compose, initialize_config_dir
 
+    saved = with_current_keys(saved)
     options = [
         f"{group}={saved[group]['name']}"
         for group in OPTION_SCHEMAS
@@ -139,6 +142,9 @@ def exit_on_bad_config(argv: list[str]) -> None:
     Skipped when Hydra flags (``-m``, ``--cfg``, ...) are present: a sweep's jobs are checked
     one by one when they start.
     """
+    renamed = old_spelling(argv)
+    if renamed is not None:
+        _exit(str(renamed))
     if any(a.startswith("-") for a in argv):
         return
     from hydra import compose, initialize_config_dir

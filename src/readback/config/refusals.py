@@ -18,6 +18,7 @@ from omegaconf.errors import ConfigAttributeError, ConfigKeyError, MissingMandat
 from readback.config.store import OPTION_SCHEMAS, schema_keys
 from readback.errors import ConfigError
 from readback.fields import valid_text
+from readback.overrides import RENAMED_KEYS, override_map
 
 CONF_DIR = Path(__file__).resolve().parents[3] / "conf"
 
@@ -91,6 +92,24 @@ def unknown_key(key: str, value: object, overrides: list[str]) -> UnknownKey:
     return UnknownKey(
         key, value, "a config key" + (f"; did you mean {hint[0]}?" if hint else "; see python train.py --cfg job")
     )
+
+
+def old_spelling(overrides: list[str]) -> ConfigError | None:
+    """A key that was renamed (``RENAMED_KEYS``) on the command line, or a group that became a key
+    (``policy``) still picked in an experiment file's defaults, refused naming the new key."""
+    given = override_map(overrides)
+    for old, new in RENAMED_KEYS.items():
+        if old in given:
+            return UnknownKey(old, given[old], f"a config key any more: it is {new} (e.g. {new}={given[old]})")
+    groups_now_keys = {old.removesuffix(".name") for old in RENAMED_KEYS if old.endswith(".name")}
+    experiment = CONF_DIR / "experiment" / f"{given.get('experiment')}.yaml"
+    overlay = OmegaConf.to_container(OmegaConf.load(experiment)) if experiment.is_file() else {}
+    for entry in overlay.get("defaults", []) if isinstance(overlay, dict) else []:
+        for choice, option in entry.items() if isinstance(entry, dict) else []:
+            group = str(choice).removeprefix("override /")
+            if group in groups_now_keys:
+                return ConfigError(f"{experiment.stem}: override /{group}", option, f"{group}: {option} (a key now)")
+    return None
 
 
 def _default_option(group: str) -> str:

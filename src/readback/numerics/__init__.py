@@ -7,6 +7,7 @@ from readback.numerics.formats import BF16, E2M1, E4M3, E5M2, Format, FP8Format
 from readback.numerics.gemm import GEMM_PRECISIONS, PRECISION_DTYPES, SplitK, decoded, fp8_mm, matmul
 from readback.numerics.nvfp4 import NVFP4Quantizer, NVFP4Tensor
 from readback.numerics.rounding import ROUNDINGS, QTensor, pinned, quantize, round_bf16, round_stochastic
+from readback.numerics.scale_state import CurrentScalingState, DelayedScalingState, abs_max, compute_scale, new_state
 from readback.numerics.scaling import (
     AMAX_COMPUTE_ALGOS,
     BACKWARD_OVERRIDES,
@@ -14,15 +15,11 @@ from readback.numerics.scaling import (
     RECIPES,
     BlockScalingRecipe,
     CurrentScaling,
-    CurrentScalingState,
     DelayedScaling,
-    DelayedScalingState,
     Float8BlockScaling,
     MXFP8BlockScaling,
     NVFP4BlockScaling,
     ScalingRecipe,
-    abs_max,
-    compute_scale,
 )
 
 __all__ = [
@@ -60,6 +57,7 @@ __all__ = [
     "decoded",
     "fp8_mm",
     "matmul",
+    "new_state",
     "pinned",
     "quantize",
     "round_bf16",

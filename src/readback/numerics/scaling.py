@@ -1,22 +1,18 @@
-"""Scaling recipes (Transformer Engine's field names and defaults) and their per-tensor state.
+"""Scaling recipes: Transformer Engine's field names and defaults, one frozen object each.
 
 A recipe says how scales are chosen: per tensor (delayed, current) or per block (MXFP8,
 Float8BlockScaling, NVFP4: ``BlockScalingRecipe``, whose quantisers are ``blockscale``'s and
-``nvfp4``'s); a
-``ScalingState`` holds one tensor's scale (and, for delayed scaling, its amax history) and is
-what a checkpoint saves.
+``nvfp4``'s); a per-tensor recipe's scale lives in a ``scale_state`` object.
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any, ClassVar
-
-import torch
+from typing import ClassVar
 
 from readback.numerics.blockscale import Float8BlockQuantizer, MXFP8Quantizer
-from readback.numerics.formats import Format, FP8Format
+from readback.numerics.formats import Format
 from readback.numerics.nvfp4 import NVFP4Quantizer
 
 AMAX_COMPUTE_ALGOS = ("max", "most_recent")
@@ -27,31 +23,6 @@ AMAX_COMPUTE_ALGOS = ("max", "most_recent")
 BACKWARD_OVERRIDES = ("high_precision", "dequantized")
 # The tensors of a linear a recipe quantises (a site's last name component)
 LINEAR_TENSORS = ("input", "weight", "grad_output")
-
-
-def abs_max(x: torch.Tensor) -> torch.Tensor:
-    """``x.abs().amax()`` (NaN if ``x`` holds one), in ``x``'s dtype, from one pass that allocates nothing."""
-    low, high = torch.aminmax(x.detach())
-    return torch.maximum(-low, high).abs()  # abs: an all-zero x gives +0, as x.abs().amax() does
-
-
-def compute_scale(
-    amax: torch.Tensor, fmt: FP8Format, margin: int = 0, previous: torch.Tensor | float = 1.0
-) -> torch.Tensor:
-    """``(fmt.max * 2**-margin) / amax``, one correctly rounded FP32 division as Transformer
-    Engine's scale update computes it (``scaled_max / amax``). A Python number over a tensor would
-    not do: torch evaluates it as a reciprocal times the number, two roundings, one ulp off for
-    about a quarter of amaxes.
-
-    Where that is not a usable scale (amax zero or non-finite, or a scale that overflows fp32)
-    the ``previous`` scale is kept, as Transformer Engine does: an all-zero tensor or one NaN must
-    not poison every later step with an inf/NaN scale.
-    """
-    amax = torch.as_tensor(amax, dtype=torch.float32)
-    previous = torch.as_tensor(previous, dtype=torch.float32, device=amax.device)
-    scale = amax.new_tensor(fmt.max * 2.0**-margin) / amax
-    usable = (amax > 0) & torch.isfinite(amax) & torch.isfinite(scale)
-    return torch.where(usable, scale, previous)
 
 
 @dataclass(frozen=True)
@@ -81,11 +52,6 @@ class ScalingRecipe:
         if self.backward_override not in (None, *BACKWARD_OVERRIDES):
             raise ValueError(f"backward_override={self.backward_override!r}; valid: {[None, *BACKWARD_OVERRIDES]}")
 
-    def new_state(self, fmt: FP8Format) -> DelayedScalingState | CurrentScalingState:
-        """One tensor's scaling state: scaled by its own amax when it is quantised, unless the
-        recipe keeps a history (``DelayedScaling``)."""
-        return CurrentScalingState(self, fmt)
-
 
 @dataclass(frozen=True)
 class DelayedScaling(ScalingRecipe):
@@ -109,9 +75,6 @@ class DelayedScaling(ScalingRecipe):
         if self.backward_override is not None:  # TE: "Delayed scaling only supports backward_override=None."
             raise ValueError(f"backward_override={self.backward_override!r}: delayed scaling allows only None")
 
-    def new_state(self, fmt: FP8Format) -> DelayedScalingState:
-        return DelayedScalingState(self, fmt)
-
 
 @dataclass(frozen=True)
 class CurrentScaling(ScalingRecipe):
@@ -127,7 +90,7 @@ class BlockScalingRecipe(ScalingRecipe):
     (``ops.linear``) quantise by it. Its block scales take no margin.
 
     readback's other ops do not scale by blocks: the sites they own in such a run (its attention
-    core) scale per tensor from their own amax, as ``CurrentScaling`` does (``new_state``).
+    core) scale per tensor from their own amax, as ``CurrentScaling`` does (``scale_state.new_state``).
     """
 
     def quantizer(self, tensor: str) -> MXFP8Quantizer | Float8BlockQuantizer | NVFP4Quantizer:
@@ -224,89 +187,3 @@ class NVFP4BlockScaling(BlockScalingRecipe):
 RECIPES: dict[str, type[ScalingRecipe]] = {
     r.KEY: r for r in (DelayedScaling, CurrentScaling, MXFP8BlockScaling, Float8BlockScaling, NVFP4BlockScaling)
 }
-
-
-class DelayedScalingState:
-    """One tensor's amax history (a ring buffer) and scale.
-
-    Within a step every quantization uses the same scale and the step's amax is the max over
-    them; ``end_step`` writes that amax into the history and, every ``interval`` steps,
-    recomputes the scale from the history. A step here is one optimizer step (``Numerics.end_step``
-    runs once after it), all its micro-batches' amaxes in one entry: the history holds
-    ``amax_history_len`` optimizer steps, where Transformer Engine writes one entry per forward
-    (micro-batch), so with ``accum`` micro-batches a TE history of ``L`` spans ``L / accum`` steps.
-    """
-
-    def __init__(self, recipe: DelayedScaling, fmt: FP8Format):
-        self.recipe, self.fmt = recipe, fmt
-        self.history = torch.zeros(recipe.amax_history_len)
-        self.scale = torch.ones(())
-        self.steps = 0  # steps recorded so far; the newest amax sits at (steps - 1) % len
-        self.pending_amax = torch.zeros(())  # this step's amax so far, written at end_step
-
-    def scale_for(self, x: torch.Tensor, amax: torch.Tensor | None = None) -> torch.Tensor:
-        """The step's scale; ``x``'s amax (``abs_max(x)``, computed here unless given) joins the step's."""
-        if self.scale.device != x.device:  # follow the model to its device, once
-            self.history, self.scale, self.pending_amax = (
-                t.to(x.device) for t in (self.history, self.scale, self.pending_amax)
-            )
-        amax = abs_max(x) if amax is None else amax
-        torch.maximum(self.pending_amax, amax.float(), out=self.pending_amax)  # in place: a compiled backward can
-        return self.scale
-
-    def end_step(self) -> None:
-        """Tensors change in place: a compiled step reads them as its inputs, and a new tensor
-        object would have it compiled again."""
-        self.history[self.steps % len(self.history)] = self.pending_amax
-        self.steps += 1
-        self.pending_amax.zero_()
-        if self.steps % self.recipe.interval == 0:
-            self.scale.copy_(compute_scale(self.history_amax(), self.fmt, self.recipe.margin, self.scale))
-
-    def history_amax(self) -> torch.Tensor:
-        """The amax the scale is computed from: the history's max (``max``) or its newest entry
-        (``most_recent``). With ``interval`` 1 it is the amax behind the scale in use."""
-        if self.recipe.amax_compute_algo == "max":
-            return self.history.max()
-        return self.history[(self.steps - 1) % len(self.history)]
-
-    def state_dict(self) -> dict[str, Any]:
-        return {"history": self.history.clone(), "scale": self.scale.clone(), "steps": self.steps}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        if "history" not in state:
-            raise ValueError("the checkpoint holds no amax history for this delayed-scaling tensor (another recipe's)")
-        if state["history"].shape != self.history.shape:
-            raise ValueError(
-                f"amax history length {len(state['history'])} in checkpoint, {len(self.history)} in recipe"
-            )
-        self.history.copy_(state["history"])
-        self.scale.copy_(state["scale"])
-        self.steps = int(state["steps"])
-        self.pending_amax.zero_()
-
-
-class CurrentScalingState:
-    """Scale of the tensor being quantized now; keeps the last scale as the fallback."""
-
-    def __init__(self, recipe: ScalingRecipe, fmt: FP8Format):
-        self.recipe, self.fmt = recipe, fmt
-        self.scale = torch.ones(())
-
-    def scale_for(self, x: torch.Tensor, amax: torch.Tensor | None = None) -> torch.Tensor:
-        amax = (abs_max(x) if amax is None else amax).float()
-        scale = compute_scale(amax, self.fmt, self.recipe.margin, self.scale.to(amax.device))
-        if self.scale.device == scale.device:  # kept in place (a compiled backward cannot rebind it)
-            self.scale.copy_(scale)
-        else:
-            self.scale = scale.clone()
-        return scale
-
-    def end_step(self) -> None:
-        pass
-
-    def state_dict(self) -> dict[str, Any]:
-        return {"scale": self.scale.clone()}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.scale.copy_(state["scale"])

@@ -19,7 +19,7 @@ from readback.numerics.scaling import CurrentScaling, DelayedScaling, ScalingRec
 from readback.numerics.spike import AmaxSpike
 
 PRECISIONS = ("fp8", "bf16", "off")
-ATTENTION_BWD = GEMM_PRECISIONS[:3]  # what a run may choose: fp8, bf16, fp32 (fp64 is the "off" spec's)
+ATTENTION_BWD_PRECISIONS = GEMM_PRECISIONS[:3]  # what a run may choose: fp8, bf16, fp32 (fp64 is the "off" spec's)
 # attention.bwd_reads: which operands the attention backward reads besides the policy's D read;
 # ops.attention.BWD_READS says what each reads ("te": Transformer Engine's BF16 backward's).
 ATTENTION_BWD_READS = ("forward", "te")
@@ -86,7 +86,7 @@ class NumericsSpec:
     """``precision``: ``fp8`` (``recipe`` required), ``bf16`` (every site rounds to BF16, no
     scaling) or ``off`` (no rounding, FP64 GEMMs: gradcheck and references). ``policy`` names
     the saved-activation policy that ``reads`` (``{op: {gradient: mode}}``) were resolved from.
-    ``attention_bwd``: the attention backward's GEMM precision as it runs (a BF16 run's FP8
+    ``attention_bwd_precision``: the attention backward's GEMM precision as it runs (a BF16 run's FP8
     choice runs in BF16, an ``off`` run's in FP64). ``rounding``: the forward's roundings
     (``nearest`` or ``stochastic``; always ``nearest`` without FP8). ``bf16_sites``: name prefixes of sites kept in BF16
     under FP8 (the study's LM head). ``site_margin``: ``((site pattern, k), ...)``, an extra margin
@@ -108,7 +108,7 @@ class NumericsSpec:
     recipe: ScalingRecipe | None
     policy: str
     reads: Reads
-    attention_bwd: str = "fp8"
+    attention_bwd_precision: str = "fp8"
     rounding: str = "nearest"
     bf16_sites: tuple[str, ...] = ()
     site_margin: tuple[tuple[str, int], ...] = field(default=())
@@ -132,10 +132,10 @@ class NumericsSpec:
         histories = [r for r in (self.recipe, self.attention_recipe) if isinstance(r, DelayedScaling)]
         if self.amax_spike is not None and not histories:
             raise ValueError("an amax spike needs delayed scaling: only an amax history holds it")
-        if self.attention_bwd_reads != "forward" and self.attention_bwd == "fp8":
+        if self.attention_bwd_reads != "forward" and self.attention_bwd_precision == "fp8":
             raise ValueError(f"attention_bwd_reads={self.attention_bwd_reads!r} needs a bf16, fp32 or fp64 backward")
         for key, value, valid in (
-            ("attention_bwd", self.attention_bwd, GEMM_PRECISIONS),
+            ("attention_bwd_precision", self.attention_bwd_precision, GEMM_PRECISIONS),
             ("rounding", self.rounding, ROUNDINGS),
             ("bf16_gemm", self.bf16_gemm, BF16_GEMMS),
             ("attention_bwd_reads", self.attention_bwd_reads, ATTENTION_BWD_READS),
@@ -160,7 +160,7 @@ class NumericsSpec:
             self.recipe,
             self.policy,
             plain,
-            self.attention_bwd,
+            self.attention_bwd_precision,
             self.rounding,
             self.bf16_sites,
             self.site_margin,
@@ -222,7 +222,7 @@ class NumericsSpec:
     def with_exact_backward(self, op: str) -> NumericsSpec:
         """This spec with ``op``'s (``attention`` or ``linear``) backward GEMMs in FP32, no gradient roundings."""
         if op == "attention":
-            return replace(self, attention_bwd="fp32")
+            return replace(self, attention_bwd_precision="fp32")
         assert self.recipe is not None  # only FP8 linears round their backward
         fprop = self.recipe.override_linear_precision[0]
         return replace(self, recipe=replace(self.recipe, override_linear_precision=(fprop, True, True)))

@@ -29,7 +29,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from readback.numerics.scaling import DelayedScalingState
+from readback.numerics.scale_state import DelayedScalingState
 from readback.numerics.site import site_matches
 
 if TYPE_CHECKING:

@@ -3,8 +3,8 @@
 A ``Site`` (``readback.numerics.site``) is one named tensor the run rounds (``layer0.attn.output``,
 ``layer0.mlp.up.weight``, ...): it owns the tensor's format and scaling state and draws from the
 run's random streams (``readback.numerics.streams``). ``Numerics`` creates sites on first use and
-advances them together at the end of each optimizer step; ``readback.ops.numerics_for`` makes one
-with the ops' read rules resolved.
+advances them together at the end of each optimizer step. A run's spec, the ops' read rules
+resolved, is ``readback.ops.numerics_spec``'s.
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ from readback.numerics import (
     QTensor,
 )
 from readback.numerics.observations import Observations
+from readback.numerics.scale_state import new_state
 from readback.numerics.site import ScalingState, Site, UnitScale, check_scales, site_matches
 from readback.numerics.spec import NumericsSpec
 from readback.numerics.streams import RandomStreams
@@ -56,7 +57,7 @@ class Numerics:
     precision = property(lambda self: self._spec.precision)
     recipe = property(lambda self: self._spec.recipe)
     policy = property(lambda self: self._spec.policy)
-    attention_bwd = property(lambda self: self._spec.attention_bwd)
+    attention_bwd_precision = property(lambda self: self._spec.attention_bwd_precision)
     rounding = property(lambda self: self._spec.rounding)
     bf16_gemm = property(lambda self: self._spec.bf16_gemm)
     tape = property(lambda self: self._tape)
@@ -190,7 +191,7 @@ class Numerics:
             else:
                 recipe = self._spec.recipe_for(name)  # the attention core's own recipe at its sites, if any
                 fmt = recipe.fp8_format.fwd if direction == "fwd" else recipe.fp8_format.bwd
-                state = recipe.new_state(fmt)
+                state = new_state(recipe, fmt)
             margin = sum(k for pattern, k in self._spec.site_margin if site_matches(name, pattern))
             self.sites[name] = Site(self.streams, name, direction, fmt, state, margin if fmt not in (None, BF16) else 0)
         return self.sites[name]

@@ -2,19 +2,15 @@
 
 Import the functions from their modules: ``readback.ops.linear.linear``,
 ``readback.ops.norm.rms_norm``, ``readback.ops.attention.attention``, ``readback.ops.activation.xielu``.
-``numerics_for`` makes a run's ``Numerics`` with the ops' read rules resolved for its policy.
+``numerics_spec`` resolves a run's settings, the ops' read rules under its policy among them, into
+the frozen ``NumericsSpec`` that ``Numerics(spec, seed=...)`` runs.
 """
-
-from typing import Any
 
 from readback.numerics import DelayedScaling, ScalingRecipe
 from readback.numerics.gemm import BF16_GEMMS
-from readback.numerics.site import Site
-from readback.numerics.spec import ATTENTION_BWD, ATTENTION_BWD_READS, PRECISIONS, NumericsSpec, resolve_accumulation
+from readback.numerics.spec import ATTENTION_BWD_READS, NumericsSpec, resolve_accumulation
 from readback.numerics.spike import AmaxSpike
-from readback.numerics.state import Numerics
 from readback.ops import activation, attention, linear, norm
-from readback.policy import POLICIES
 
 # Every op module (with its READS table), by the name policy tables and the audit use.
 OPS = {"linear": linear, "rms_norm": norm, "attention": attention, "xielu": activation}
@@ -28,6 +24,12 @@ def read_rules(
     (``linear.recipe_reads``: a block recipe's own copies, a backward_override's) over the
     linear's. ``exact`` takes neither: it is every gradient reading what its forward used,
     whatever the backward reads otherwise."""
+    for key, value, valid in (
+        ("policy", policy, attention.READS),
+        ("attention_bwd_reads", attention_bwd_reads, attention.BWD_READS),
+    ):
+        if value not in valid:
+            raise ValueError(f"{key}={value!r}; valid: {list(valid)}")
     rules = {name: dict(op.READS[policy]) for name, op in OPS.items()}
     if policy != "exact":
         rules["attention"] |= attention.BWD_READS[attention_bwd_reads]
@@ -39,7 +41,9 @@ def numerics_spec(
     precision: str = "fp8",
     recipe: ScalingRecipe | None = None,
     policy: str = "exact",
-    attention_bwd: str = "fp8",
+    attention_bwd_precision: str = "fp8",
+    attention_bwd_reads: str = ATTENTION_BWD_READS[0],
+    attention_recipe: ScalingRecipe | None = None,
     rounding: str = "nearest",
     bf16_sites: tuple[str, ...] = (),
     site_margin: dict[str, int] | None = None,
@@ -47,59 +51,40 @@ def numerics_spec(
     accumulation_gemms: dict[str, str] | None = None,
     bf16_gemm: str = BF16_GEMMS[0],
     amax_spike: AmaxSpike | None = None,
-    attention_bwd_reads: str = ATTENTION_BWD_READS[0],
-    attention_recipe: ScalingRecipe | None = None,
 ) -> NumericsSpec:
-    """The spec of a run: ``policy``'s reads resolved from the ops' tables, the choices made
-    concrete (an FP8 run without a recipe gets ``DelayedScaling()``; a BF16 run's FP8 attention
-    backward runs in BF16, an ``off`` run's in FP64; only FP8 rounds stochastically; the linears'
-    accumulation, ``spec.resolve_accumulation``, applies to FP8 GEMMs only; ``attention_bwd_reads``
-    lays the attention backward's flavour over the policy's reads; ``attention_recipe``, the
-    attention core's own per-tensor recipe, is an FP8 run's only)."""
-    for key, value, valid in (
-        ("precision", precision, PRECISIONS),
-        ("policy", policy, POLICIES),
-        ("attention_bwd", attention_bwd, ATTENTION_BWD),
-        ("attention_bwd_reads", attention_bwd_reads, ATTENTION_BWD_READS),
-    ):
-        if value not in valid:
-            raise ValueError(f"{key}={value!r}; valid: {list(valid)}")
-    recipe = DelayedScaling() if precision == "fp8" and recipe is None else recipe
+    """The spec of a run, each argument the config key of the same name (``policy``,
+    ``attention.bwd_precision`` as ``attention_bwd_precision``, ...): ``policy``'s reads resolved
+    from the ops' tables, the choices made concrete (an FP8 run without a recipe gets
+    ``DelayedScaling()``; a BF16 run's FP8 attention backward runs in BF16, an ``off`` run's in
+    FP64; only FP8 rounds stochastically; the linears' accumulation, ``spec.resolve_accumulation``,
+    applies to FP8 GEMMs only; ``attention_bwd_reads`` lays the attention backward's flavour over
+    the policy's reads; ``attention_recipe``, the attention core's own per-tensor recipe, is an FP8
+    run's only). The spec checks its own values."""
+    fp8 = precision == "fp8"
+    recipe = DelayedScaling() if fp8 and recipe is None else recipe
     return NumericsSpec(
         precision=precision,
         recipe=recipe,
         policy=policy,
-        reads=read_rules(policy, attention_bwd_reads, recipe if precision == "fp8" else None),
-        attention_bwd={
-            "fp8": attention_bwd,
-            "bf16": "bf16" if attention_bwd == "fp8" else attention_bwd,
-            "off": "fp64",
-        }[precision],
-        rounding=rounding if precision == "fp8" else "nearest",
+        reads=read_rules(policy, attention_bwd_reads, recipe if fp8 else None),
+        attention_bwd_precision=_backward_as_run(precision, attention_bwd_precision),
+        rounding=rounding if fp8 else "nearest",
         bf16_sites=bf16_sites,
         site_margin=tuple((site_margin or {}).items()),
         accumulation=resolve_accumulation(accumulation, accumulation_gemms),
         bf16_gemm=bf16_gemm,
         amax_spike=amax_spike,
         attention_bwd_reads=attention_bwd_reads,
-        attention_recipe=attention_recipe if precision == "fp8" else None,
+        attention_recipe=attention_recipe if fp8 else None,
     )
 
 
-def numerics_for(*args: Any, seed: int = 0, **kwargs: Any) -> Numerics:
-    """A run's ``Numerics``: ``numerics_spec(*args, **kwargs)`` and the random streams of ``seed``."""
-    return Numerics(numerics_spec(*args, **kwargs), seed=seed)
+def _backward_as_run(precision: str, attention_bwd_precision: str) -> str:
+    """The attention backward's precision as a ``precision`` run runs it: a BF16 run's FP8 choice in
+    BF16, an ``off`` run's in FP64."""
+    if precision == "off":
+        return "fp64"
+    return "bf16" if precision == "bf16" and attention_bwd_precision == "fp8" else attention_bwd_precision
 
 
-__all__ = [
-    "ATTENTION_BWD",
-    "ATTENTION_BWD_READS",
-    "OPS",
-    "PRECISIONS",
-    "Numerics",
-    "NumericsSpec",
-    "Site",
-    "numerics_for",
-    "numerics_spec",
-    "read_rules",
-]
+__all__ = ["OPS", "numerics_spec", "read_rules"]

@@ -4,7 +4,7 @@ Forward: Q, K, V rounded (E4M3), ``S = c Q8 K8^T``, ``P = softmax(S)``, P rounde
 ``O = P8 V8``, and O rounded to O8 (``rounding`` nearest or stochastic), which is returned for the
 output projection to multiply and save.
 
-Backward (``attention_bwd`` fp8: dO and dS rounded to E5M2 before their GEMMs; bf16/fp32: not)::
+Backward (``attention_bwd_precision`` fp8: dO and dS rounded to E5M2 before their GEMMs; bf16/fp32: not)::
 
     dV = P8^T dO     dP = dO V8^T     D = rowsum(dO * O_read)  or  rowsum(P * dP)
     dS = P * (dP - D)                 dQ = c dS K8             dK = c dS^T Q8

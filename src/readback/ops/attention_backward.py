@@ -7,7 +7,7 @@ says which value each gradient reads)::
 Each block recomputes its P from what the forward saved: the forward's scores GEMM and softmax
 of Q8 and K8 (the same bits), rounded to P8 with the forward's scale and keyed draws (the very
 codes the PV GEMM multiplied), or rebuilt from the original Q, K and the forward's LSE (flavour
-``te``). Under ``attention_bwd`` fp8 dO and dS are rounded to E5M2 before their GEMMs; under
+``te``). Under ``attention_bwd_precision`` fp8 dO and dS are rounded to E5M2 before their GEMMs; under
 bf16 dS is held in BF16. dQ's rows are one GEMM per block; dK and dV add every block's products
 in one FP32 accumulator each (``numerics.SplitK``), rounded once at the end.
 
@@ -45,7 +45,7 @@ def backward(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """dQ, dK, dV (B, H, T, hd; K's and V's per query head) from dO (``grad``, B, T, H hd); ``ctx``
     carries the forward's shape, softmax scale, GEMM, rounding and mechanism switch."""
-    precision, dtype, bf16_gemm = numerics.attention_bwd, numerics.dtype, numerics.bf16_gemm
+    precision, dtype, bf16_gemm = numerics.attention_bwd_precision, numerics.dtype, numerics.bf16_gemm
     reads = numerics.spec.reads["attention"]
     batch, heads, seq, dim = ctx.shape
     # held as held says (BF16 for flavour te's BF16 backward), in dtype block by block

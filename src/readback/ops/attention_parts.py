@@ -150,7 +150,7 @@ def value(t: torch.Tensor | QTensor, dtype: torch.dtype) -> torch.Tensor:
 def held(numerics: Numerics) -> torch.dtype:
     """The dtype the backward holds its non-FP8 reads in: BF16 under flavour ``te`` in a BF16
     backward (as TE holds them), else the run's (FP32; FP64 without rounding)."""
-    bf16 = numerics.spec.attention_bwd_reads == "te" and numerics.attention_bwd == "bf16"
+    bf16 = numerics.spec.attention_bwd_reads == "te" and numerics.attention_bwd_precision == "bf16"
     return torch.bfloat16 if bf16 else numerics.dtype
 
 

@@ -25,8 +25,6 @@ from typing import Any
 
 from readback.overrides import STUDY_AXES, config_value, is_setting, override_map, swept_keys
 
-#: A study axis's tag where it is not the axis's name (``bwd=fp8``).
-TAG_NAMES = {"bwd_precision": "bwd"}
 _MAX_TAG = 64  # wandb rejects longer tags
 PACKAGE = Path(__file__).resolve().parents[1]  # readback's own folder, whose commit a run records
 
@@ -163,7 +161,7 @@ def run_identity(
     swept = [f"{k}={values[k]}" for k in axes if k in values]
     label = " ".join([experiment, *swept])
     sweep = launch.get("sweep")
-    study = {TAG_NAMES.get(axis, axis): _dotted(config, key) for axis, key in STUDY_AXES.items()}
+    study = {axis: _dotted(config, key) for axis, key in STUDY_AXES.items()}
     tags = [experiment] + [f"{tag}={v}" for tag, v in study.items() if v is not None]
     tags += swept + ([f"sweep={sweep}"] if sweep else []) + [str(t) for t in user_tags or []]
     return RunIdentity(

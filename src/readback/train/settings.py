@@ -15,13 +15,15 @@ from typing import Any
 
 from omegaconf import MISSING
 
-from readback.backends.precision import Attention, Policy, Precision
+from readback.backends.precision import Attention, Precision
 from readback.backends.settings import Backend
 from readback.data.settings import Data
 from readback.data.stream import Layout
 from readback.errors import ConfigError
 from readback.fields import Checked, integer, items, number, one_of
 from readback.model.settings import Model
+from readback.overrides import with_current_keys
+from readback.policy import POLICIES
 from readback.probe.settings import Probe
 
 DEVICES = ("auto", "cpu", "cuda")
@@ -152,7 +154,7 @@ class Config(Checked):
     seed: int = integer(minimum=0)
     model: Model = MISSING
     precision: Precision = MISSING
-    policy: Policy = MISSING
+    policy: str = one_of(POLICIES)  # readback.policy: which value each gradient reads
     attention: Attention = MISSING
     data: Data = MISSING
     backend: Backend = MISSING
@@ -177,6 +179,7 @@ def config_changes(saved_config: Mapping[str, Any] | None, cfg: Config) -> list[
     :data:`RESOLVED_KEYS` (``model.vocab_size: null`` takes the data's when the run starts)."""
     if not isinstance(saved_config, Mapping):
         return []
+    saved_config = with_current_keys(saved_config)  # a checkpoint from before a key's rename
     changes = []
     for key, now in _leaves(cfg):
         was = _saved_value(saved_config, key)

@@ -17,9 +17,10 @@ import toys
 from readback.audit.core import audit
 from readback.backends.converted import SDPARouter
 from readback.errors import ConfigError
-from readback.numerics.state import Site
+from readback.numerics.state import Numerics, Site
 from readback.ops import linear as linear_op
 from readback.ops import norm as norm_op
+from readback.ops import numerics_spec
 from toys import REPO
 
 # FP8 forward, FP32 backward GEMMs: what a gradient read is then told apart from GEMM round-off.
@@ -187,7 +188,7 @@ def test_llama_with_rounding_off_equals_the_unconverted_model_and_reports_every_
 
 
 def _o_proj_audit(policy: str):
-    model, _ = converted_llama(precision=FP32_BACKWARD, policy=policy, attention_bwd="fp32")
+    model, _ = converted_llama(precision=FP32_BACKWARD, policy=policy, attention_bwd_precision="fp32")
     numerics = model.numerics
     with numerics.taping() as tape:
         seen = {}
@@ -226,7 +227,7 @@ def test_llama_probe_exact_matches_its_reference_and_reuse_rounded_does_not():
     ids, targets = tokens(4)
     errors = {}
     for policy in ("exact", "reuse_rounded"):
-        model, _ = converted_llama(precision=FP32_BACKWARD, policy=policy, attention_bwd="fp32")
+        model, _ = converted_llama(precision=FP32_BACKWARD, policy=policy, attention_bwd_precision="fp32")
         errors[policy] = toys.probe(every=1).measure(model, ids, targets)
     assert errors["exact"]["grad_error/rel_err/total"] < 1e-5
     q_proj = "grad_error/rel_err/lm.model.layers.0.self_attn.q_proj.weight"
@@ -408,11 +409,10 @@ def test_readbacks_own_modules_are_not_converted_again():
     """FOG is built from the parts the converter swaps in, and a converted model has them: both
     are refused; a FOG inside another model is left as it is."""
     from readback.model import FOG, FOGConfig
-    from readback.ops import numerics_for
 
     fog = FOG(
         FOGConfig(n_layers=1, d_model=32, n_heads=2, n_kv_groups=1, ffn_dim=48, vocab_size=64, seq_len=8),
-        numerics_for("off"),
+        Numerics(numerics_spec("off")),
     )
     model = sequential()
     readback.convert(model)

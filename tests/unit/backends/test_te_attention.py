@@ -1,4 +1,4 @@
-"""backend=te with ``precision.attention_recipe``: TE's ``NVTE_DPA_FP8_RECIPE`` (v2.8; under MXFP8
+"""backend=te with ``attention.recipe``: TE's ``NVTE_DPA_FP8_RECIPE`` (v2.8; under MXFP8
 linears v2.15) gives DotProductAttention its own recipe, with its variables pinned from the
 precision group; where TE's attention under that recipe reads for D what the policy asks, it runs,
 else readback's core runs the same recipe; what TE cannot run is refused in one line."""
@@ -31,7 +31,7 @@ def config(*overrides: str, experiment: str = "reuse_rounded"):
 def test_delayed_attention_under_current_linears_runs_on_sm90_with_the_groups_history():
     cfg = config(
         "precision.recipe=current",
-        "precision.attention_recipe=delayed",
+        "attention.recipe=delayed",
         "precision.amax_history_len=16",
         "precision.amax_compute_algo=most_recent",
     )
@@ -55,7 +55,7 @@ def test_delayed_attention_under_current_linears_runs_on_sm90_with_the_groups_hi
 
 
 def test_current_attention_under_delayed_linears_reads_the_f16_o_for_original():
-    plan = te_plan(config("policy=original", "precision.attention_recipe=current"), "2.8.0", B200)
+    plan = te_plan(config("policy=original", "attention.recipe=current"), "2.8.0", B200)
     assert plan.attention_core == "te" and plan.recipe_kwargs["fp8_dpa"] is True
     # S and dP take the linears' DelayedScaling: no NVTE_DPA_FP8DS_* variable is read
     assert plan.env == {
@@ -66,15 +66,13 @@ def test_current_attention_under_delayed_linears_reads_the_f16_o_for_original():
     }
     assert plan.sites["attention_core.D"] == "original O (F16)"
     assert plan.sites["attention_core"].endswith("NVTE_DPA_FP8CS_O_in_F16=1; D reads original O (F16))")
-    mxfp8 = te_plan(
-        config("policy=original", "precision.recipe=mxfp8", "precision.attention_recipe=current"), "2.15.0", B200
-    )
+    mxfp8 = te_plan(config("policy=original", "precision.recipe=mxfp8", "attention.recipe=current"), "2.15.0", B200)
     assert mxfp8.env["NVTE_DPA_FP8DS_AMAX_HISTLEN"] == "1"  # S, dP: TE's own DelayedScaling, history 1
 
 
 @pytest.mark.parametrize("recipe, version", [("nvfp4", "2.8.0"), ("mxfp8", "2.15.0")])
 def test_block_linears_get_fp8_attention_through_their_own_switches(recipe, version):
-    plan = te_plan(config(f"precision.recipe={recipe}", "precision.attention_recipe=delayed"), version, B200)
+    plan = te_plan(config(f"precision.recipe={recipe}", "attention.recipe=delayed"), version, B200)
     assert plan.attention_core == "te" and plan.recipe_kwargs["fp8_dpa"] is True
     assert plan.env["NVTE_DPA_FP8_RECIPE"] == "DelayedScaling"
     assert plan.env.get("NVTE_DPA_FP8_FORMAT") == ("HYBRID" if recipe == "nvfp4" else None)  # else the linears'
@@ -83,9 +81,7 @@ def test_block_linears_get_fp8_attention_through_their_own_switches(recipe, vers
 def test_naming_the_linears_own_recipe_plans_as_null():
     for recipe in ("delayed", "current"):
         null = te_plan(config(f"precision.recipe={recipe}"), "2.8.0", B200)
-        assert (
-            te_plan(config(f"precision.recipe={recipe}", f"precision.attention_recipe={recipe}"), "2.8.0", B200) == null
-        )
+        assert te_plan(config(f"precision.recipe={recipe}", f"attention.recipe={recipe}"), "2.8.0", B200) == null
         assert null.env["NVTE_DPA_FP8_RECIPE"] == ""  # pinned: no variable in the environment switches it
         # current: TE's S and dP take a DelayedScaling from these variables, pinned to the emulation's
         pinned = {"NVTE_DPA_FP8DS_AMAX_HISTLEN": "1", "NVTE_DPA_FP8DS_AMAX_ALGO": "most_recent"}
@@ -96,15 +92,15 @@ def test_naming_the_linears_own_recipe_plans_as_null():
 @pytest.mark.parametrize(
     "overrides",
     [
-        ("policy=original", "precision.attention_recipe=delayed"),  # delayed attention reads O8
-        ("precision.recipe=current", "policy=fresh_reround", "precision.attention_recipe=delayed"),
-        ("precision.recipe=mxfp8", "precision.attention_recipe=current", "attention.bwd_precision=bf16"),
+        ("policy=original", "attention.recipe=delayed"),  # delayed attention reads O8
+        ("precision.recipe=current", "policy=fresh_reround", "attention.recipe=delayed"),
+        ("precision.recipe=mxfp8", "attention.recipe=current", "attention.bwd_precision=bf16"),
     ],
 )
 def test_a_d_read_te_has_no_switch_for_runs_on_readbacks_core_under_the_same_recipe(overrides):
     plan = te_plan(config(*overrides), "2.15.0", B200)
     assert plan.attention_core == "readback" and plan.env == {}
-    assert plan.sites["attention_core"].startswith("readback.ops.attention (precision.attention_recipe=")
+    assert plan.sites["attention_core"].startswith("readback.ops.attention (attention.recipe=")
     assert plan.recipe_kwargs.get("fp8_dpa", False) is False
 
 
@@ -120,49 +116,49 @@ def _refusal(*overrides: str, version: str = "2.8.0", hardware: Hardware = B200)
     "overrides, version, hardware, start, reason",
     [
         (
-            ("precision.recipe=current", "precision.attention_recipe=delayed"),
+            ("precision.recipe=current", "attention.recipe=delayed"),
             "2.7.0",
             B200,
-            "precision.attention_recipe='delayed' is not valid; valid: null, or backend.attention_core=readback",
+            "attention.recipe='delayed' is not valid; valid: null, or backend.attention_core=readback",
             "NVTE_DPA_FP8_RECIPE, attention's own recipe under Float8CurrentScaling, needs >= 2.8",
         ),
         (
-            ("precision.recipe=mxfp8", "precision.attention_recipe=delayed"),
+            ("precision.recipe=mxfp8", "attention.recipe=delayed"),
             "2.14.0",
             B200,
-            "precision.attention_recipe='delayed'",
+            "attention.recipe='delayed'",
             "under MXFP8BlockScaling, needs >= 2.15",
         ),
         (
-            ("precision.recipe=blockwise", "precision.attention_recipe=delayed"),
+            ("precision.recipe=blockwise", "attention.recipe=delayed"),
             "2.20.0",
             B200,
-            "precision.attention_recipe='delayed'",
+            "attention.recipe='delayed'",
             "no FP8 attention under Float8BlockScaling, which asserts fp8_dpa off",
         ),
         (
-            ("policy=original", "precision.attention_recipe=current"),
+            ("policy=original", "attention.recipe=current"),
             "2.8.0",
             H100,
-            "precision.attention_recipe='current'",
+            "attention.recipe='current'",
             "FP8 attention under current scaling needs sm100 or newer",
         ),
         (
-            ("precision.recipe=mxfp8", "precision.margin=2", "precision.attention_recipe=delayed"),
+            ("precision.recipe=mxfp8", "precision.margin=2", "attention.recipe=delayed"),
             "2.15.0",
             B200,
             "precision.margin=2",
             "the attention's DelayedScaling without a margin",
         ),
         (
-            ("precision.recipe=current", "precision.interval=2", "precision.attention_recipe=delayed"),
+            ("precision.recipe=current", "precision.interval=2", "attention.recipe=delayed"),
             "2.8.0",
             B200,
             "precision.interval=2",
             "has no DelayedScaling.interval",
         ),
         (
-            ("precision.recipe=current", "precision.attention_recipe=delayed", "backend.fp8_mha=true"),
+            ("precision.recipe=current", "attention.recipe=delayed", "backend.fp8_mha=true"),
             "2.8.0",
             B200,
             "backend.fp8_mha=True",
@@ -177,9 +173,7 @@ def test_what_te_attention_cannot_run_under_its_own_recipe_is_refused(overrides,
 
 def test_readbacks_core_is_the_way_out_of_every_attention_refusal():
     for recipe in ("blockwise", "mxfp8"):
-        cfg = config(
-            f"precision.recipe={recipe}", "precision.attention_recipe=delayed", "backend.attention_core=readback"
-        )
+        cfg = config(f"precision.recipe={recipe}", "attention.recipe=delayed", "backend.attention_core=readback")
         assert te_plan(cfg, "2.14.0", B200).attention_core == "readback"
 
 

@@ -24,6 +24,7 @@ from readback.model import ActivationStats
 from readback.model.fog import AttentionCore
 from readback.model.fog import Linear as ReadbackLinear
 from readback.numerics import E4M3, CurrentScalingState, MXFP8BlockScaling
+from readback.numerics.scale_state import new_state
 from toys import REPO
 from toys import config as typed_config
 
@@ -218,7 +219,7 @@ def test_mxfp8_is_te_only_with_readback_attention_on_per_tensor_scaling():
     assert plan.recipe == "MXFP8BlockScaling" and plan.recipe_kwargs == dict(fp8_format="E4M3")  # TE's default there
     recipe = te_backend.readback_numerics(cfg).recipe  # the one recipe object, read by readback's sites too
     assert plan.attention_core == "readback" and isinstance(recipe, MXFP8BlockScaling)
-    assert isinstance(recipe.new_state(E4M3), CurrentScalingState)  # readback's own ops scale per tensor
+    assert isinstance(new_state(recipe, E4M3), CurrentScalingState)  # readback's own ops scale per tensor
     with_margin = te_plan(config("reuse_rounded", "precision.recipe=mxfp8", "precision.margin=2"), TE2)
     assert with_margin.recipe_kwargs["margin"] == 2
 

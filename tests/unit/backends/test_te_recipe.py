@@ -15,10 +15,11 @@ import pytest
 
 from readback.backends import convert_te, te_facts, te_plan, te_recipe
 from readback.backends import te as te_backend
-from readback.backends.precision import build_numerics
+from readback.backends.precision import spec_of
 from readback.backends.te_facts import Hardware
 from readback.errors import ConfigError
 from readback.numerics import DelayedScaling
+from readback.numerics.state import Numerics
 from toys import REPO
 from toys import config as compose
 
@@ -70,7 +71,9 @@ def test_converted_model_gets_the_fog_runs_te_recipe(monkeypatch, overrides, ver
     cfg = compose("+experiment=fresh_reround", "backend=te", *overrides)
 
     fog = _built(lambda: te_backend.make_recipe(te_plan.te_plan(cfg, version, H100).te_recipe, version))
-    converted = _built(lambda: convert_te.te_recipe(build_numerics(cfg.precision, cfg.policy, cfg.attention, cfg.seed)))
+    converted = _built(
+        lambda: convert_te.te_recipe(Numerics(spec_of(cfg.precision, cfg.policy, cfg.attention), seed=cfg.seed))
+    )
     assert converted == fog
 
 

@@ -20,7 +20,8 @@ import torch
 
 from readback.bias import measure_bias
 from readback.numerics import E4M3, CurrentScaling
-from readback.ops import numerics_for
+from readback.numerics.state import Numerics
+from readback.ops import numerics_spec
 from readback.ops.attention import attention
 
 ROWS, HEADS, DIM = 32, 2, 8
@@ -68,13 +69,15 @@ class PlantedCurvature(torch.nn.Module):
 
 @pytest.fixture(scope="module")
 def measured():
-    numerics = numerics_for(
-        "fp8",
-        CurrentScaling(),
-        "reuse_rounded",
-        attention_bwd="fp32",
-        rounding="stochastic",
-        site_margin={"core.output": MARGIN},
+    numerics = Numerics(
+        numerics_spec(
+            "fp8",
+            CurrentScaling(),
+            "reuse_rounded",
+            attention_bwd_precision="fp32",
+            rounding="stochastic",
+            site_margin={"core.output": MARGIN},
+        )
     )
     model = PlantedCurvature(numerics)
     expected = model.expected_q_error()

@@ -50,7 +50,7 @@ def test_experiment_composes_validates_and_sets_only_the_study_axes(experiment):
 )
 def test_experiment_axes(experiment, precision, policy, bwd):
     cfg = compose(f"+experiment={experiment}")
-    assert (cfg.precision.name, cfg.policy.name, cfg.attention.bwd_precision) == (precision, policy, bwd)
+    assert (cfg.precision.name, cfg.policy, cfg.attention.bwd_precision) == (precision, policy, bwd)
 
 
 def test_the_study_recipe_is_transformer_engine_default_delayed_scaling():

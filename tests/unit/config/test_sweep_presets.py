@@ -12,7 +12,7 @@ PRESETS = sorted(p.stem for p in (REPO / "conf" / "sweep").glob("*.yaml"))
 @pytest.mark.parametrize("preset", PRESETS)
 def test_a_sweep_preset_composes_and_passes_the_schema(preset):
     cfg = config(f"+sweep={preset}", "+experiment=reuse_rounded")
-    assert cfg.trainer.steps > 0 and cfg.policy.name == "reuse_rounded"
+    assert cfg.trainer.steps > 0 and cfg.policy == "reuse_rounded"
 
 
 def test_the_width_preset_trains_the_shapes_its_script_sets():

@@ -1,4 +1,4 @@
-"""``precision.attention_recipe``: the attention core's own per-tensor recipe (TE's
+"""``attention.recipe``: the attention core's own per-tensor recipe (TE's
 ``NVTE_DPA_FP8_RECIPE``). Its sites, and only its, take it, by their names; null is the linears'
 recipe, as before the key existed (per tensor from the tensor's own amax under a block recipe)."""
 
@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from readback.backends import build_model
-from readback.backends.precision import build_numerics
+from readback.backends.precision import spec_of
 from readback.numerics import (
     E4M3,
     E5M2,
@@ -22,7 +22,8 @@ from readback.numerics import (
     MXFP8BlockScaling,
 )
 from readback.numerics.spec import is_attention_site
-from readback.ops import numerics_for
+from readback.numerics.state import Numerics
+from readback.ops import numerics_spec
 from readback.ops.attention import attention
 from readback.ops.linear import linear
 from toys import config, train_on_one_batch
@@ -91,9 +92,7 @@ def test_null_is_the_linears_recipe_as_before(recipe, core_states, linear_state)
     assert null.numerics.spec.attention_recipe is None
     if recipe == "mxfp8":
         return
-    losses, model = _trained(
-        f"precision.recipe={recipe}", "precision.amax_history_len=4", f"precision.attention_recipe={recipe}"
-    )
+    losses, model = _trained(f"precision.recipe={recipe}", "precision.amax_history_len=4", f"attention.recipe={recipe}")
     assert losses == null_losses and _states(model) == states
     own = model.numerics.spec.attention_recipe
     assert own is not None and recipe == own.KEY
@@ -106,7 +105,7 @@ def test_a_current_scaling_core_scales_p_and_ds_by_te_delayed_scaling(linears):
     format, without margin. After two steps their scale is the first step's amax's, while Q and
     O are scaled by their own amax."""
     overrides = ("precision.amax_history_len=4", "precision.margin=1") if linears == "delayed" else ()
-    _, model = _trained(f"precision.recipe={linears}", "precision.attention_recipe=current", *overrides)
+    _, model = _trained(f"precision.recipe={linears}", "attention.recipe=current", *overrides)
     sites = model.numerics.sites
     linear_recipe = model.numerics.spec.recipe
     fmt = Format.HYBRID if linears in ("nvfp4", "delayed", "current") else Format.E4M3
@@ -133,7 +132,7 @@ def test_delayed_attention_under_a_block_recipe_keeps_an_amax_history(recipe):
         "precision.amax_history_len=4",
         "precision.amax_compute_algo=most_recent",
     )
-    losses, model = _trained(*overrides, "precision.attention_recipe=delayed")
+    losses, model = _trained(*overrides, "attention.recipe=delayed")
     null_losses, _ = _trained(*overrides)
     sites = model.numerics.sites
     output = sites[f"{CORE}.output"]
@@ -159,7 +158,7 @@ def test_the_linears_read_nothing_of_the_attention_recipe():
     q, k, v = (torch.randn(2, 2, 32, 16, generator=g) * 4 for _ in range(3))
     outputs = []
     for own in (None, DelayedScaling(fp8_format=Format.E4M3, amax_history_len=2)):
-        numerics = numerics_for(recipe=MXFP8BlockScaling(), attention_recipe=own)
+        numerics = Numerics(numerics_spec(recipe=MXFP8BlockScaling(), attention_recipe=own))
         for _ in range(2):
             y = linear(x, w, numerics, "layers.0.mlp.up")
             o, _ = attention(q, k, v, numerics, CORE)
@@ -173,11 +172,11 @@ def test_a_checkpoint_restores_the_attention_sites_with_their_own_recipe():
     """``load_state_dict`` makes the sites from their names before any op runs: the core's get
     the attention recipe's state back, history and all."""
     spec_kwargs = dict(recipe=MXFP8BlockScaling(), attention_recipe=DelayedScaling(amax_history_len=3))
-    numerics = numerics_for(**spec_kwargs)
+    numerics = Numerics(numerics_spec(**spec_kwargs))
     numerics.site(f"{CORE}.output").quantize(torch.linspace(-3, 2, 16))
     numerics.site("layers.0.mlp.up.input").quantize(torch.ones(4))
     numerics.end_step()
-    resumed = numerics_for(**spec_kwargs)
+    resumed = Numerics(numerics_spec(**spec_kwargs))
     resumed.load_state_dict(numerics.state_dict())
     state = resumed.sites[f"{CORE}.output"].state
     assert isinstance(state, DelayedScalingState) and state.history.tolist() == [3.0, 0.0, 0.0]
@@ -185,22 +184,22 @@ def test_a_checkpoint_restores_the_attention_sites_with_their_own_recipe():
 
 
 def test_the_spec_takes_a_per_tensor_attention_recipe_of_an_fp8_run_and_pickles_it():
-    spec = numerics_for(recipe=CurrentScaling(), attention_recipe=DelayedScaling(amax_history_len=5)).spec
+    spec = Numerics(numerics_spec(recipe=CurrentScaling(), attention_recipe=DelayedScaling(amax_history_len=5))).spec
     assert pickle.loads(pickle.dumps(spec)).attention_recipe == DelayedScaling(amax_history_len=5)
     assert spec.recipe_for(f"{CORE}.q").KEY == "delayed" and spec.recipe_for("layers.0.attn.qkv.input").KEY == "current"
     with pytest.raises(ValueError, match="attention_recipe"):
-        numerics_for(recipe=CurrentScaling(), attention_recipe=MXFP8BlockScaling())  # not emulated
-    assert numerics_for("bf16", attention_recipe=DelayedScaling()).spec.attention_recipe is None  # FP8 only
+        Numerics(numerics_spec(recipe=CurrentScaling(), attention_recipe=MXFP8BlockScaling()))  # not emulated
+    assert Numerics(numerics_spec("bf16", attention_recipe=DelayedScaling())).spec.attention_recipe is None  # FP8 only
 
 
 def test_an_amax_spike_needs_a_history_somewhere():
     from readback.numerics.spike import AmaxSpike
 
     spike = AmaxSpike("attn.core.output", 2, 3)
-    numerics_for(recipe=CurrentScaling(), attention_recipe=DelayedScaling(), amax_spike=spike)
-    numerics_for(recipe=DelayedScaling(), attention_recipe=CurrentScaling(), amax_spike=spike)
+    Numerics(numerics_spec(recipe=CurrentScaling(), attention_recipe=DelayedScaling(), amax_spike=spike))
+    Numerics(numerics_spec(recipe=DelayedScaling(), attention_recipe=CurrentScaling(), amax_spike=spike))
     with pytest.raises(ValueError, match="delayed scaling"):
-        numerics_for(recipe=CurrentScaling(), attention_recipe=CurrentScaling(), amax_spike=spike)
+        Numerics(numerics_spec(recipe=CurrentScaling(), attention_recipe=CurrentScaling(), amax_spike=spike))
 
 
 def test_the_recipe_object_takes_the_groups_fields_but_the_linears_own():
@@ -213,8 +212,8 @@ def test_the_recipe_object_takes_the_groups_fields_but_the_linears_own():
         "precision.backward_override=dequantized",
         "precision.margin=2",
         "precision.amax_history_len=8",
-        "precision.attention_recipe=delayed",
+        "attention.recipe=delayed",
     )
-    own = build_numerics(cfg.precision, cfg.policy, cfg.attention, 0).spec.attention_recipe
+    own = spec_of(cfg.precision, cfg.policy, cfg.attention).attention_recipe
     assert own == DelayedScaling(margin=2, fp8_format=Format.E4M3, amax_history_len=8)
-    assert build_numerics(cfg.precision, cfg.policy, cfg.attention, 0).recipe.backward_override == "dequantized"
+    assert spec_of(cfg.precision, cfg.policy, cfg.attention).recipe.backward_override == "dequantized"

@@ -34,6 +34,9 @@ from readback.numerics import (
     round_bf16,
 )
 from readback.numerics.rounding import decode, uniform
+from readback.numerics.scale_state import new_state
+from readback.numerics.state import Numerics
+from readback.ops import numerics_spec
 
 FORMATS = [E4M3, E5M2]
 F32_MAX = float(torch.finfo(torch.float32).max)
@@ -419,7 +422,7 @@ def _run(state, amaxes: list[float]) -> list[float]:
 
 
 def test_delayed_max_over_a_window_of_three():
-    state = DelayedScaling(amax_history_len=3).new_state(E4M3)
+    state = new_state(DelayedScaling(amax_history_len=3), E4M3)
     assert isinstance(state, DelayedScalingState)
     used = _run(state, [2, 8, 1, 0.5, 0.25, 4])
     assert used == [
@@ -434,7 +437,7 @@ def test_delayed_max_over_a_window_of_three():
 
 
 def test_delayed_most_recent():
-    state = DelayedScaling(amax_compute_algo="most_recent").new_state(E4M3)
+    state = new_state(DelayedScaling(amax_compute_algo="most_recent"), E4M3)
     used = _run(state, [2, 8, 1, 0.0, 4])
     assert used == [
         1.0,
@@ -448,7 +451,7 @@ def test_delayed_most_recent():
 
 def test_delayed_interval_two():
     """History recorded every step, scale recomputed only at the end of every second step."""
-    state = DelayedScaling(interval=2, amax_history_len=2).new_state(E4M3)
+    state = new_state(DelayedScaling(interval=2, amax_history_len=2), E4M3)
     used = _run(state, [8, 1, 2, 1, 0.5, 0.5])
     assert used == [
         1.0,
@@ -462,20 +465,20 @@ def test_delayed_interval_two():
 
 
 def test_delayed_margin_one():
-    state = DelayedScaling(margin=1).new_state(E4M3)
+    state = new_state(DelayedScaling(margin=1), E4M3)
     assert _run(state, [2, 0.5]) == [1.0, 112.0, 112.0]  # (448/2)/2; then max(2, .5) = 2 again
-    state = DelayedScaling(margin=1).new_state(E5M2)
+    state = new_state(DelayedScaling(margin=1), E5M2)
     assert _run(state, [4]) == [1.0, 7168.0]  # (57344/4)/2
 
 
 def test_delayed_several_calls_in_one_step_share_one_scale():
-    state = DelayedScaling().new_state(E4M3)
+    state = new_state(DelayedScaling(), E4M3)
     _run(state, [1])  # scale 448 from now on
     scales = [state.scale_for(_tensor_with_amax(a)) for a in (1, 4, 2)]
     assert [float(s) for s in scales] == [448.0, 448.0, 448.0]
     state.end_step()
     assert float(state.scale) == 112.0  # step amax = max(1, 4, 2) = 4 -> 448/4
-    state = DelayedScaling(amax_compute_algo="most_recent").new_state(E4M3)
+    state = new_state(DelayedScaling(amax_compute_algo="most_recent"), E4M3)
     for a in (1, 4, 2):
         state.scale_for(_tensor_with_amax(a))
     state.end_step()
@@ -484,10 +487,10 @@ def test_delayed_several_calls_in_one_step_share_one_scale():
 
 def test_delayed_state_dict_round_trip():
     recipe = DelayedScaling(amax_history_len=4, interval=2)
-    original = recipe.new_state(E4M3)
+    original = new_state(recipe, E4M3)
     _run(original, [2, 8, 1, 0.5, 16])
     saved = original.state_dict()
-    restored = recipe.new_state(E4M3)
+    restored = new_state(recipe, E4M3)
     restored.load_state_dict(saved)
     assert float(restored.scale) == float(original.scale) and restored.steps == original.steps == 5
     more = [0.25, 4, 1, 2, 0.125, 0.125, 1]
@@ -495,24 +498,24 @@ def test_delayed_state_dict_round_trip():
     assert _run(restored, more) == want
     assert torch.equal(restored.history, original.history)
     # the saved dict is a copy: the steps both states took since did not change it
-    again = recipe.new_state(E4M3)
+    again = new_state(recipe, E4M3)
     again.load_state_dict(saved)
     assert _run(again, more) == want
     with pytest.raises(ValueError, match="history"):
-        DelayedScaling(amax_history_len=5).new_state(E4M3).load_state_dict(saved)
+        new_state(DelayedScaling(amax_history_len=5), E4M3).load_state_dict(saved)
 
 
 def test_current_scaling_state_uses_the_tensors_own_amax():
-    state = CurrentScaling().new_state(E4M3)
+    state = new_state(CurrentScaling(), E4M3)
     assert isinstance(state, CurrentScalingState)
     assert float(state.scale_for(_tensor_with_amax(2))) == 224.0
     assert float(state.scale_for(_tensor_with_amax(8))) == 56.0  # same step, own amax
     state.end_step()
     assert float(state.scale_for(_tensor_with_amax(0.5))) == 896.0
     assert float(state.scale_for(torch.zeros(3))) == 896.0  # all zero: previous scale kept
-    state = CurrentScaling(margin=1).new_state(E5M2)
+    state = new_state(CurrentScaling(margin=1), E5M2)
     assert float(state.scale_for(_tensor_with_amax(4))) == 7168.0  # (57344/4)/2
-    restored = CurrentScaling(margin=1).new_state(E5M2)
+    restored = new_state(CurrentScaling(margin=1), E5M2)
     restored.load_state_dict(state.state_dict())
     assert float(restored.scale) == 7168.0
 
@@ -656,9 +659,8 @@ def test_check_scales_names_the_site_whose_own_scale_was_unusable():
     """Current scaling of an amax near FP32's max under margin 18 (allowed: 18 < E4M3's 19) gives a
     subnormal scale: counted at its site, raised once by ``check_scales``, then cleared."""
     from readback.errors import NumericsError
-    from readback.ops import numerics_for
 
-    numerics = numerics_for("fp8", recipe=CurrentScaling(margin=18))
+    numerics = Numerics(numerics_spec("fp8", recipe=CurrentScaling(margin=18)))
     numerics.site("a.input").quantize(torch.tensor([1.0, -2.0]))
     numerics.site("b.input").quantize(torch.tensor([3e38, 1.0]))
     numerics.site("a.input").quantize(torch.tensor([1.0]), scale=torch.tensor(0.0))  # a reused scale: not its own

@@ -12,7 +12,8 @@ import torch
 
 from readback.numerics import E4M3, CurrentScaling, DelayedScaling, compute_scale
 from readback.numerics.spike import AmaxSpike
-from readback.ops import numerics_for
+from readback.numerics.state import Numerics
+from readback.ops import numerics_spec
 
 SPIKED, OTHER = "layers.0.attn.core.output", "layers.0.attn.core.q"  # matched by attn.core.output, and not
 STEPS = 24
@@ -20,7 +21,7 @@ STEPS = 24
 
 def _numerics(spike: AmaxSpike | None, history: int = 8, algo: str = "max"):
     recipe = DelayedScaling(amax_history_len=history, amax_compute_algo=algo)
-    return numerics_for(recipe=recipe, amax_spike=spike)
+    return Numerics(numerics_spec(recipe=recipe, amax_spike=spike))
 
 
 def _tensors(constant: bool) -> list[torch.Tensor]:
@@ -115,9 +116,9 @@ def test_a_run_resumed_at_any_step_injects_once_and_matches_the_uninterrupted_on
 
 def test_a_spike_needs_delayed_scaling_and_steps_and_k_from_1():
     with pytest.raises(ValueError, match="delayed scaling"):
-        numerics_for(recipe=CurrentScaling(), amax_spike=AmaxSpike("attn.core.output", 5, 3))
+        Numerics(numerics_spec(recipe=CurrentScaling(), amax_spike=AmaxSpike("attn.core.output", 5, 3)))
     with pytest.raises(ValueError, match="delayed scaling"):
-        numerics_for("bf16", amax_spike=AmaxSpike("attn.core.output", 5, 3))
+        Numerics(numerics_spec("bf16", amax_spike=AmaxSpike("attn.core.output", 5, 3)))
     for step, k in ((0, 3), (5, 0)):
         with pytest.raises(ValueError, match="must be >= 1"):
             AmaxSpike("attn.core.output", step, k)

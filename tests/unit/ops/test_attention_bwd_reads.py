@@ -9,7 +9,8 @@ import torch
 
 from readback.bias.variants import spec_of, variants
 from readback.numerics import CurrentScaling
-from readback.ops import numerics_for, read_rules
+from readback.numerics.state import Numerics
+from readback.ops import numerics_spec, read_rules
 from readback.ops.attention import BWD_READS, attention
 
 C = 0.125
@@ -33,7 +34,9 @@ def _inputs(seed: int = 0) -> dict[str, torch.Tensor]:
 
 def _run(policy: str, bwd: str, bwd_reads: str, x: dict[str, torch.Tensor]):
     """The op's (dQ, dK, dV) and its forward's record."""
-    numerics = numerics_for("fp8", CurrentScaling(), policy, attention_bwd=bwd, attention_bwd_reads=bwd_reads)
+    numerics = Numerics(
+        numerics_spec("fp8", CurrentScaling(), policy, attention_bwd_precision=bwd, attention_bwd_reads=bwd_reads)
+    )
     q, k, v = (x[n].clone().requires_grad_() for n in ("q", "k", "v"))
     with numerics.taping() as tape:
         o, _ = attention(q, k, v, numerics, "attn", C)
@@ -102,11 +105,19 @@ def test_the_flavour_is_laid_over_every_policy_but_exact():
         assert reads["D"] == read_rules(policy)["attention"]["D"]  # D stays the policy's
     assert read_rules("exact", "te") == read_rules("exact")
     with pytest.raises(ValueError, match="attention_bwd_reads='te' needs"):
-        numerics_for("fp8", CurrentScaling(), "reuse_rounded", attention_bwd="fp8", attention_bwd_reads="te")
+        Numerics(
+            numerics_spec(
+                "fp8", CurrentScaling(), "reuse_rounded", attention_bwd_precision="fp8", attention_bwd_reads="te"
+            )
+        )
 
 
 def test_bias_variants_switch_each_te_read_alone():
-    numerics = numerics_for("fp8", CurrentScaling(), "reuse_rounded", attention_bwd="bf16", attention_bwd_reads="te")
+    numerics = Numerics(
+        numerics_spec(
+            "fp8", CurrentScaling(), "reuse_rounded", attention_bwd_precision="bf16", attention_bwd_reads="te"
+        )
+    )
     names = {v.name: v for v in variants(numerics)}
     for gradient in ("D", "dQ", "dK", "dP", "dV", "dS"):
         spec = spec_of(names[f"exact_read.attention.{gradient}"], numerics.spec)
@@ -123,7 +134,11 @@ def test_each_variant_backward_runs_and_changes_the_gradient(gradient):
     """Every mixture a variant makes (one read back to the forward's) runs; switching the read
     changes the gradient."""
     x = _inputs(2)
-    numerics = numerics_for("fp8", CurrentScaling(), "reuse_rounded", attention_bwd="fp32", attention_bwd_reads="te")
+    numerics = Numerics(
+        numerics_spec(
+            "fp8", CurrentScaling(), "reuse_rounded", attention_bwd_precision="fp32", attention_bwd_reads="te"
+        )
+    )
     spec = spec_of(next(v for v in variants(numerics) if v.name == f"exact_read.attention.{gradient}"), numerics.spec)
     grads = {}
     for label, s in (("te", numerics.spec), ("switched", spec)):

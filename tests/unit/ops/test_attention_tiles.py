@@ -12,7 +12,9 @@ import frozen_attention
 from readback.numerics import CurrentScaling, DelayedScaling, MXFP8BlockScaling, QTensor
 from readback.numerics.formats import E4M3
 from readback.numerics.rounding import KeyedDraws, quantize
-from readback.ops import Site, attention_parts, numerics_for
+from readback.numerics.site import Site
+from readback.numerics.state import Numerics
+from readback.ops import attention_parts, numerics_spec
 from readback.ops.attention import attention, replay
 from readback.policy import POLICIES
 
@@ -89,8 +91,15 @@ def test_every_code_and_gradient_is_the_untiled_ops(monkeypatch, seq, recipe, bw
             continue
         runs = []
         for op in (frozen_attention.attention, attention):
-            numerics = numerics_for(
-                "fp8", linears, policy, attention_bwd=bwd, attention_bwd_reads=bwd_reads, attention_recipe=core
+            numerics = Numerics(
+                numerics_spec(
+                    "fp8",
+                    linears,
+                    policy,
+                    attention_bwd_precision=bwd,
+                    attention_bwd_reads=bwd_reads,
+                    attention_recipe=core,
+                )
             )
             runs.append(_run(op, numerics, x, monkeypatch))
         (old_codes, old), (new_codes, new) = runs
@@ -109,7 +118,9 @@ def test_the_bf16_baseline_and_rounding_off_are_the_untiled_ops(precision):
         x = tuple(t.double() for t in x)
     grads = []
     for op in (frozen_attention.attention, attention):
-        numerics = numerics_for(precision, policy="exact", attention_bwd="bf16" if precision == "bf16" else "fp8")
+        numerics = Numerics(
+            numerics_spec(precision, policy="exact", attention_bwd_precision="bf16" if precision == "bf16" else "fp8")
+        )
         q, k, v = (t.clone().requires_grad_() for t in x[:3])
         o, _ = op(q, k, v, numerics, NAME)
         o.backward(x[3])
@@ -153,8 +164,9 @@ def test_stochastic_p_is_unbiased_and_its_draws_do_not_depend_on_the_blocks(monk
     def run(seed: int, rows: int, steps: int = 1):
         monkeypatch.setattr(attention_parts, "BLOCK_ELEMENTS", 0)
         monkeypatch.setattr(attention_parts, "MIN_ROWS", rows)
-        numerics = numerics_for(
-            "fp8", CurrentScaling(), "exact", attention_bwd="fp32", rounding="stochastic", seed=seed
+        numerics = Numerics(
+            numerics_spec("fp8", CurrentScaling(), "exact", attention_bwd_precision="fp32", rounding="stochastic"),
+            seed=seed,
         )
         out = []
         for _ in range(steps):
@@ -213,7 +225,7 @@ def test_exact_policies_equal_the_reference_at_t_4096_and_save_no_t_by_t_tensor(
     q0 = torch.randn(1, heads, seq, dim, generator=g) * 2
     k0, v0 = (torch.randn(1, 1, seq, dim, generator=g) for _ in range(2))
     d_out = torch.randn(1, seq, heads * dim, generator=g)
-    numerics = numerics_for("fp8", CurrentScaling(), policy, attention_bwd="fp32")
+    numerics = Numerics(numerics_spec("fp8", CurrentScaling(), policy, attention_bwd_precision="fp32"))
     q, k, v = (t.clone().requires_grad_() for t in (q0, k0, v0))
     with numerics.taping() as tape:
         o, _ = attention(q, k, v, numerics, NAME)

@@ -13,7 +13,8 @@ import pytest
 import torch
 
 from readback.numerics import CurrentScaling
-from readback.ops import OPS, numerics_for, numerics_spec, read_rules
+from readback.numerics.state import Numerics
+from readback.ops import OPS, numerics_spec, read_rules
 from readback.ops.attention import attention
 
 SRC = Path(__file__).resolve().parents[3] / "src" / "readback"
@@ -41,14 +42,24 @@ def test_op_read_tables_are_read_only_after_import():
 
 
 def test_numerics_settings_and_modes_cannot_be_assigned():
-    numerics = numerics_for("fp8", CurrentScaling(), "reuse_rounded")
-    for name in ("spec", "policy", "recipe", "attention_bwd", "rounding", "precision", "tape", "watched", "mechanism"):
+    numerics = Numerics(numerics_spec("fp8", CurrentScaling(), "reuse_rounded"))
+    for name in (
+        "spec",
+        "policy",
+        "recipe",
+        "attention_bwd_precision",
+        "rounding",
+        "precision",
+        "tape",
+        "watched",
+        "mechanism",
+    ):
         with pytest.raises(AttributeError):
             setattr(numerics, name, None)
 
 
 def test_context_managers_switch_a_mode_for_their_block_only():
-    numerics = numerics_for("fp8", CurrentScaling(), "reuse_rounded")
+    numerics = Numerics(numerics_spec("fp8", CurrentScaling(), "reuse_rounded"))
     exact = numerics.spec.with_reads("exact", read_rules("exact"))
     with numerics.using(exact):
         assert numerics.read("attention", "D") == "none" and numerics.policy == "exact"

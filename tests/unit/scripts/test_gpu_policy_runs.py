@@ -29,7 +29,7 @@ def _jobs(device: str) -> dict[str, list[str]]:
 def test_every_policy_and_the_bf16_baseline_run_once_each_in_their_own_directory():
     policies, baseline = gpu_policy_runs.train_commands(Path("/out"), "cuda", STEPS)
     assert set(_jobs("cuda")) == set(gpu_policy_runs.RUNS)
-    assert {"hydra.sweep.dir=/out", "hydra.sweep.subdir=${policy.name}"} <= set(policies)
+    assert {"hydra.sweep.dir=/out", "hydra.sweep.subdir=${policy}"} <= set(policies)
     assert baseline[-1] == "hydra.run.dir=/out/bf16_baseline"
 
 
@@ -38,7 +38,7 @@ def test_each_run_is_a_valid_head_dim_128_fog_of_20_logged_steps(run):
     overrides = _jobs("cpu")[run]
     config = validate(compose(*overrides))  # trainer.device=cuda is refused on a CPU machine: cpu here
     assert config.model.d_model // config.model.n_heads == 128
-    assert config.policy.name == ("exact" if run == "bf16_baseline" else run)
+    assert config.policy == ("exact" if run == "bf16_baseline" else run)
     assert config.precision.name == ("bf16" if run == "bf16_baseline" else "fp8")
     assert (config.trainer.steps, config.trainer.log_every, config.logger.name) == (STEPS, 1, "none")
     assert compose(*_jobs("cuda")[run]).trainer.device == "cuda"

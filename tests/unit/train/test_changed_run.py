@@ -37,7 +37,7 @@ def test_another_policy_recipe_and_length_are_refused_naming_each_change(finishe
     line = str(refused.value)
     assert "\n" not in line
     for part in (
-        "policy.name 'exact' -> 'fresh_reround'",
+        "policy 'exact' -> 'fresh_reround'",
         "precision.recipe 'delayed' -> 'current'",
         "trainer.steps 12 -> 16",
         "seed 3 -> 4",
@@ -91,5 +91,17 @@ def test_keys_the_checkpoint_lacks_or_resolves_are_not_compared():
     del saved["trainer"]["resume_changed_config"], saved["probe"]  # a checkpoint older than those keys
     saved["model"]["vocab_size"] = 24  # model.vocab_size: null, resolved when the run started
     assert config_changes(saved, cfg) == []
-    saved["model"]["d_model"], saved["policy"]["name"] = 8, "no_saved_copy"
-    assert config_changes(saved, cfg) == [("model.d_model", 8, 16), ("policy.name", "no_saved_copy", "exact")]
+    saved["model"]["d_model"], saved["policy"] = 8, "no_saved_copy"
+    assert config_changes(saved, cfg) == [("model.d_model", 8, 16), ("policy", "no_saved_copy", "exact")]
+
+
+def test_a_checkpoint_saved_before_a_key_was_renamed_is_read_under_the_new_name():
+    """``policy.name`` and ``precision.attention_recipe`` became ``policy`` and ``attention.recipe``:
+    an older checkpoint's values are compared under the new keys, not as keys gone."""
+    cfg = toys.make_cfg()
+    saved = plain_config(cfg)
+    saved["policy"] = {"name": "exact"}
+    saved["precision"]["attention_recipe"] = saved["attention"].pop("recipe")
+    assert config_changes(saved, cfg) == []
+    saved["policy"] = {"name": "original"}
+    assert config_changes(saved, cfg) == [("policy", "original", "exact")]
