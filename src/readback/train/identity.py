@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from readback.overrides import STUDY_AXES, config_value, is_setting, override_map, swept_keys
+from readback.train.distributed import slurm_job_id
 
 #: A study axis's tag where it is not the axis's name (``bwd=fp8``).
 TAG_NAMES = {"bwd_precision": "bwd"}
@@ -122,14 +123,6 @@ def code_version(package: Path = PACKAGE) -> dict[str, Any]:
         return {"commit": git("rev-parse", "HEAD"), "dirty": bool(git("status", "--porcelain", "--untracked-files=no"))}
     except (OSError, subprocess.SubprocessError):
         return {"commit": None, "dirty": None}
-
-
-def slurm_job_id() -> str | None:
-    """``<array job>_<task>`` for an array job, else ``SLURM_JOB_ID`` (None outside Slurm)."""
-    array, task = os.environ.get("SLURM_ARRAY_JOB_ID"), os.environ.get("SLURM_ARRAY_TASK_ID")
-    if array and task:
-        return f"{array}_{task}"
-    return os.environ.get("SLURM_JOB_ID")
 
 
 def sweep_overrides(sweep_dir: Path) -> list[str]:

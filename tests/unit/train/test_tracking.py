@@ -59,7 +59,7 @@ def test_sync_refuses_a_directory_without_offline_runs(tmp_path, capsys):
 
 
 def test_slurm_job_id_names_the_array_task(monkeypatch):
-    from readback.train.identity import slurm_job_id
+    from readback.train.distributed import slurm_job_id
 
     for key in ("SLURM_JOB_ID", "SLURM_ARRAY_JOB_ID", "SLURM_ARRAY_TASK_ID"):
         monkeypatch.delenv(key, raising=False)
