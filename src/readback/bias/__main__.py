@@ -60,11 +60,11 @@ def load_run(path: Path, site_margin: dict[str, int] | None = None, precision: d
     from readback.backends import build_model
     from readback.config import check_site_margin, from_saved
     from readback.data import build_data
-    from readback.train.checkpoint import load_checkpoint
-    from readback.train.checkpoint_dirs import (
+    from readback.train.checkpoint import (
         checkpoint_dir,
         is_checkpoint,
         list_checkpoints,
+        load_checkpoint,
         load_latest_checkpoint,
         verify,
     )
@@ -183,7 +183,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.batches < 1:
         parser.exit(2, f"{parser.prog}: error: --batches must be >= 1, got {args.batches}\n")
     os.environ.setdefault("MPLBACKEND", "Agg")
-    from readback.train.checkpoint_dirs import Damaged
+    from readback.train.checkpoint import Damaged
 
     try:
         args.accumulation_keys = accumulation_keys(args.accumulation, args.accumulation_gemm)

@@ -4,11 +4,7 @@
 * :mod:`~readback.train.launch` -- ``run(cfg, run_dir)``: process group, determinism, preemption guard
 * :mod:`~readback.train.trainer` -- builds the components and runs the steps
 * :mod:`~readback.train.optim` -- AdamW, its warmup-stable-decay LR, gradient norm/clip, non-finite check
-* :mod:`~readback.train.checkpoint` -- the checkpoint manager: schema, save, resume, failed saves
-* :mod:`~readback.train.checkpoint_dirs` -- commit, damage check, moving aside, pruning
-* :mod:`~readback.train.resumption` -- the resume plan, refused under a config that changes the run
-* :mod:`~readback.train.writer_lock` -- one writer per run directory: rank 0's lock, with a lease
-* :mod:`~readback.train.checkpoint_io` -- DCP files and their checksums, loading without running code, atomic files
+* :mod:`~readback.train.checkpoint` -- saving, verifying and resuming; one writer per run directory
 * :mod:`~readback.train.metrics_processor` -- loss/throughput windows, MFU, records, progress bar
 * :mod:`~readback.train.metrics` -- ``metrics.jsonl`` and a wandb wrapper that never stops a run
 * :mod:`~readback.train.validator` -- validation loss split over the ranks

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from readback.jsonl import read_jsonl
-from readback.train.checkpoint_io import atomic_write_text
+from readback.train.checkpoint import atomic_write_text
 from readback.train.identity import launch_context, run_identity
 from readback.train.settings import Logger
 from readback.train.settings import WandbLogger as WandbSettings

@@ -39,7 +39,7 @@ from readback.errors import ConfigError
 from readback.model import ActivationStats
 from readback.ops.compiled import compiled
 from readback.probe import check_params
-from readback.train.checkpoint import CheckpointManager, RNGState
+from readback.train.checkpoint import CheckpointManager, RNGState, RunDirTaken, WriterLock
 from readback.train.contract import Builders, check_model, with_vocabulary
 from readback.train.distributed import DistEnv, all_reduce_mean
 from readback.train.divergence import DivergenceDetector
@@ -52,7 +52,6 @@ from readback.train.preemption import Preempted, PreemptionGuard
 from readback.train.settings import Config
 from readback.train.summary import SummaryWriter, run_summary
 from readback.train.validator import Validator
-from readback.train.writer_lock import RunDirTaken, WriterLock
 
 log = logging.getLogger(__name__)
 

@@ -14,8 +14,7 @@ import pytest
 import torch
 
 import toys
-from readback.train.checkpoint import load_checkpoint
-from readback.train.checkpoint_dirs import list_checkpoints
+from readback.train.checkpoint import list_checkpoints, load_checkpoint
 from readback.train.metrics import read_jsonl
 from readback.train.preemption import Preempted, PreemptionGuard, exit_for_requeue, parse_signals
 
