@@ -17,7 +17,7 @@ from readback.errors import ConfigError
 from readback.numerics import E4M3, compute_scale
 from readback.train import Builders, run
 from readback.train.checkpoint import checkpoint_path, list_checkpoints, load_checkpoint
-from readback.train.metrics import read_jsonl
+from readback.train.records.metrics import read_jsonl
 from toys import TINY_FOG, config
 
 STEPS, T0, K, HISTORY = 12, 5, 8, 4

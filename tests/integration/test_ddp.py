@@ -16,7 +16,7 @@ import torch
 
 import toys
 from readback.train.checkpoint import checkpoint_path, list_checkpoints, load_checkpoint
-from readback.train.metrics import read_jsonl
+from readback.train.records.metrics import read_jsonl
 from toys import REPO
 
 TESTS = REPO / "tests"

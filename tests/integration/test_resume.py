@@ -26,7 +26,7 @@ import torch
 
 from readback.train.checkpoint import list_checkpoints, load_checkpoint
 from readback.train.checkpoint.writer_lock import lock_path
-from readback.train.metrics import read_jsonl
+from readback.train.records.metrics import read_jsonl
 from toys import REPO, TOY_RUN
 
 STEPS = 30

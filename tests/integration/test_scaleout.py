@@ -27,7 +27,7 @@ from readback.config import CONF_DIR
 from readback.errors import ConfigError
 from readback.train import run
 from readback.train.checkpoint import list_checkpoints, load_checkpoint
-from readback.train.metrics import read_jsonl
+from readback.train.records.metrics import read_jsonl
 from toys import TOY_RUN
 from toys import config as compose
 

@@ -266,7 +266,7 @@ def _measure(args, site_margin: dict[str, int] | None, out_for, shown: bool = Tr
     ``out_for(run_dir, step)``; prints the ``--show`` rows when ``shown``. ``(result, its directory)``."""
     from readback.bias import measure_bias
     from readback.bias.report import to_markdown, write
-    from readback.train.identity import code_version
+    from readback.train.records.identity import code_version
 
     model, stream, step, run_dir = load_run(
         args.path, site_margin, (args.accumulation_keys or {}) | args.precision_keys

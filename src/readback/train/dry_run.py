@@ -32,8 +32,8 @@ import torch
 
 from readback.errors import ConfigError
 from readback.train.contract import Builders, TrainableModule, check_model, with_vocabulary
+from readback.train.records.summary import write_summary
 from readback.train.settings import PARALLEL, Config
-from readback.train.summary import write_summary
 
 GB = 1e9
 

@@ -14,7 +14,7 @@ import pytest
 import toys
 from readback.errors import ConfigError
 from readback.train.checkpoint import resume_plan
-from readback.train.metrics import read_jsonl
+from readback.train.records.metrics import read_jsonl
 from readback.train.settings import config_changes, plain_config
 
 RESUME = {"trainer.resume": True}

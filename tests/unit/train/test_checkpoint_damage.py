@@ -28,7 +28,7 @@ from readback.train.checkpoint import CheckpointManager, checkpoint_path, list_c
 from readback.train.checkpoint import dirs as checkpoint_dirs
 from readback.train.checkpoint import io as checkpoint_io
 from readback.train.distributed import DistEnv
-from readback.train.metrics import read_jsonl
+from readback.train.records.metrics import read_jsonl
 
 CURVE_KEYS = ("step", "loss", "lr", "tokens", "grad_norm", "val_loss")
 SHARD, CHECKSUMS = "__0_0.distcp", "__0_checksums.json"

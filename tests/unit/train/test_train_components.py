@@ -26,11 +26,11 @@ from readback.train.checkpoint.dirs import (
 )
 from readback.train.distributed import DistEnv
 from readback.train.divergence import DivergenceDetector
-from readback.train.identity import RunIdentity
-from readback.train.metrics import JsonlWriter, MetricsLogger, read_jsonl
 from readback.train.optim import WSDSchedule, build_optimizer, clip_gradients, nonfinite_grad_names, param_groups
+from readback.train.records.identity import RunIdentity
+from readback.train.records.metrics import JsonlWriter, MetricsLogger, read_jsonl
+from readback.train.records.tracking import WandbLogger, resolve_wandb_mode
 from readback.train.settings import WandbLogger as WandbSettings
-from readback.train.tracking import WandbLogger, resolve_wandb_mode
 from toys import ToyModel, config, make_cfg, train
 
 

@@ -29,7 +29,7 @@ from readback.train.distributed import slurm_job_id
 #: A study axis's tag where it is not the axis's name (``bwd=fp8``).
 TAG_NAMES = {"bwd_precision": "bwd"}
 _MAX_TAG = 64  # wandb rejects longer tags
-PACKAGE = Path(__file__).resolve().parents[1]  # readback's own folder, whose commit a run records
+PACKAGE = Path(__file__).resolve().parents[2]  # readback's own folder, whose commit a run records
 
 
 @dataclass
