@@ -1,7 +1,7 @@
 """The experiment -> Transformer Engine table of docs/te_backend.md, rendered from ``te_plan`` so
 that the page and the plan cannot disagree (a test compares them).
 
-    python -m readback.backends.te_table     # prints the table that goes between the markers
+    python -m readback.backends.te.table     # prints the table that goes between the markers
 """
 
 from __future__ import annotations
@@ -9,8 +9,8 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from readback.backends.settings import ModelSettings
-from readback.backends.te_facts import PLANNING_GPU, PLANNING_GPU_NAME, PLANNING_TE, Hardware
-from readback.backends.te_plan import PINNED_BACKEND, te_plan
+from readback.backends.te.facts import PLANNING_GPU, PLANNING_GPU_NAME, PLANNING_TE, Hardware
+from readback.backends.te.plan import PINNED_BACKEND, te_plan
 from readback.errors import ConfigError
 
 START, END = "<!-- te-plan-table:start -->", "<!-- te-plan-table:end -->"
