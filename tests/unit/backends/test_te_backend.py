@@ -707,4 +707,4 @@ def test_documented_te_table_is_the_plan():
 
     text = (REPO / "docs/te_backend.md").read_text()
     documented = text.split(te_table.START, 1)[1].split(te_table.END, 1)[0].strip()
-    assert documented == te_table.render(compose_te), "regenerate with: python -m readback.backends.te.table"
+    assert documented == te_table.render(compose_te), "regenerate with: python -m readback.cli.te_table"

@@ -1,7 +1,7 @@
 """The experiment -> Transformer Engine table of docs/te_backend.md, rendered from ``te_plan`` so
 that the page and the plan cannot disagree (a test compares them).
 
-    python -m readback.backends.te.table     # prints the table that goes between the markers
+    python -m readback.cli.te_table     # prints the table that goes between the markers
 """
 
 from __future__ import annotations
@@ -112,13 +112,3 @@ def render(compose: Callable[[list[str]], ModelSettings]) -> str:
         ]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
-
-
-if __name__ == "__main__":
-    from hydra import compose as hydra_compose
-    from hydra import initialize_config_dir
-
-    from readback.config import CONF_DIR, typed
-
-    with initialize_config_dir(str(CONF_DIR), version_base="1.3"):
-        print(render(lambda overrides: typed(hydra_compose("train", overrides=overrides))))

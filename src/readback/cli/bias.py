@@ -1,4 +1,4 @@
-"""``python -m readback.bias CHECKPOINT_OR_RUN_DIR [--batches N] [--out DIR] [--dtype fp64|fp32]
+"""``python -m readback.cli.bias CHECKPOINT_OR_RUN_DIR [--batches N] [--out DIR] [--dtype fp64|fp32]
 [--site-margin PATTERN=K ...] [--sweep-margin PATTERN=K1,K2,...] [--accumulation NAME]
 [--accumulation-gemm GEMM=MODE ...]``
 
@@ -150,7 +150,7 @@ def label(text: str) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m readback.bias", description=__doc__.split("\n\n")[1])
+    parser = argparse.ArgumentParser(prog="python -m readback.cli.bias", description=__doc__.split("\n\n")[1])
     parser.add_argument("path", type=Path, metavar="CHECKPOINT_OR_RUN_DIR")
     parser.add_argument("--batches", type=int, default=8, help="validation batches to average over (default 8)")
     parser.add_argument("--out", type=Path, default=None, help="output directory")
