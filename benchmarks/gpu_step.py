@@ -47,7 +47,7 @@ BASELINES = {"te_fp8": "te_bf16", **{f"emulated_{policy}": "emulated_bf16" for p
 
 
 def _peak(device_name: str, override_tflops: float | None) -> float | None:
-    from readback.train.metrics import peak_bf16_flops
+    from readback.train.records.metrics import peak_bf16_flops
 
     return override_tflops * 1e12 if override_tflops else peak_bf16_flops(device_name)
 

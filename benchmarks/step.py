@@ -53,8 +53,8 @@ from readback.backends import build_model
 from readback.config import CONF_DIR, typed
 from readback.ops.compiled import compiled
 from readback.probe import GradientProbe, train_taped
-from readback.train.identity import cpu_model
 from readback.train.launch import keep_freed_memory
+from readback.train.records.identity import cpu_model
 
 VOCAB = 2048
 READBACK = ("bf16_baseline", "reuse_rounded", "fresh_reround", "no_saved_copy", "reuse_rounded_bf16_bwd")

@@ -1,4 +1,4 @@
-"""The dose-response of one checkpoint as a Markdown table, from ``python -m readback.bias
+"""The dose-response of one checkpoint as a Markdown table, from ``python -m readback.cli.bias
 --sweep-margin``'s ``dose.json``: per margin K, the D read's and fresh_reround's contribution to
 one group's gradient bias (bias with its floor, projection and debiased squared norm with their
 SEs) and O's underflow fraction and relative rounding error per attention layer (and, where the

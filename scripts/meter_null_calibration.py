@@ -28,10 +28,10 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from readback.bias.__main__ import load_run
 from readback.bias.estimators import group_stats
 from readback.bias.meter import group_of, variant_errors
 from readback.bias.variants import variants
+from readback.cli.bias import load_run
 from readback.jsonl import read_jsonl
 from readback.probe import reference_gradients, taped_backward
 from readback.progress import progress

@@ -3,7 +3,7 @@ from the gradient of its own executed forward, read by read (``docs/results/reci
 
     python scripts/recipe_meters.py CHECKPOINT_OR_RUN_DIR --out DIR [--batches 8] [--recipes a,b]
 
-For each recipe of ``RECIPES`` it runs ``python -m readback.bias`` with ``--precision`` set to that
+For each recipe of ``RECIPES`` it runs ``python -m readback.cli.bias`` with ``--precision`` set to that
 recipe (the checkpoint's weights; fresh block or current scales; the run's own amax history
 under its own recipe), into ``DIR/<recipe>/``, then gathers ``DIR/recipes.json``,
 ``DIR/recipes.md`` and ``DIR/recipes.png``: per recipe, the configured backward's gradient error
@@ -43,7 +43,7 @@ GROUPS = ("total", "layers.0.attn.qkv")
 
 def meter(checkpoint: Path, out: Path, batches: int, recipes: list[str]) -> dict[str, dict]:
     """Each recipe's ``bias.json``, metering the ones not yet in ``out``."""
-    from readback.bias.__main__ import main as bias_main
+    from readback.cli.bias import main as bias_main
 
     found = {}
     for name in recipes:

@@ -121,7 +121,9 @@ def run_case(tree: Path, case: Case, run_dir: Path, extra: tuple[str, ...] = ())
     if done.returncode != 0:
         raise RuntimeError(f"{case.name} in {tree} failed ({done.returncode}):\n{logs[-3000:]}")
     if case.bias_cli:
-        bias = [sys.executable, "-m", "readback.bias", str(run_dir), "--batches", "2", "--out", str(run_dir / "bias")]
+        # the bias meter's command: readback.bias in a tree from before readback.cli
+        meter = "readback.cli.bias" if (tree / "src/readback/cli/bias.py").exists() else "readback.bias"
+        bias = [sys.executable, "-m", meter, str(run_dir), "--batches", "2", "--out", str(run_dir / "bias")]
         done = subprocess.run(bias, cwd=tree, env=env, capture_output=True, text=True, timeout=900)
         if done.returncode != 0:
             raise RuntimeError(f"bias meter on {case.name} in {tree} failed:\n{done.stderr[-3000:]}")

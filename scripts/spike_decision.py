@@ -22,8 +22,7 @@ import pandas as pd
 
 from readback.analysis.files import decision_main, load_runs
 from readback.analysis.paired import mean_se, t_quantile
-from readback.train.checkpoint import load_checkpoint
-from readback.train.checkpoint_dirs import list_checkpoints
+from readback.train.checkpoint import list_checkpoints, load_checkpoint
 
 CONTROL, REUSE, FRESH = "no_saved_copy", "reuse_rounded", "fresh_reround"
 PRIMARY_K = 12

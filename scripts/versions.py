@@ -1,7 +1,7 @@
 """One line: the torch, CUDA, cuDNN and Transformer Engine versions and the GPU's capability.
 
 Needs only torch: Transformer Engine's version is read from its package metadata (not imported)
-by ``readback.backends.te_facts``, loaded from its file so that readback's other dependencies
+by ``readback.backends.te.facts``, loaded from its file so that readback's other dependencies
 need not be installed. Exits 1, with the line saying so, when torch cannot be imported.
 """
 
@@ -9,7 +9,7 @@ import importlib.util
 import sys
 from pathlib import Path
 
-FACTS = Path(__file__).resolve().parents[1] / "src" / "readback" / "backends" / "te_facts.py"
+FACTS = Path(__file__).resolve().parents[1] / "src" / "readback" / "backends" / "te" / "facts.py"
 spec = importlib.util.spec_from_file_location("te_facts", FACTS)
 facts = sys.modules["te_facts"] = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(facts)

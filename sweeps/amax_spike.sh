@@ -30,6 +30,6 @@ shopt -s nullglob
 for run in "$SWEEP"/reuse_rounded/*k:12*; do
     for step in 500 1500 2500; do
         ckpt=$(printf '%s/checkpoints/step_%07d' "$run" "$step")
-        test -f "$run/bias/step$step/bias.json" || "$PY" -m readback.bias "$ckpt" --batches 16 --out "$run/bias/step$step"
+        test -f "$run/bias/step$step/bias.json" || "$PY" -m readback.cli.bias "$ckpt" --batches 16 --out "$run/bias/step$step"
     done
 done

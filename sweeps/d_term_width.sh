@@ -41,11 +41,11 @@ for T in ${LENGTHS:-128 512 1024}; do
     done
     for run in "$SWEEP_DIR/T$T"/*/*/; do
         [ -f "$run/summary.json" ] && [ ! -f "$run/bias/width/bias.json" ] || continue
-        "$PY" -m readback.bias "$run" --batches "${BATCHES:-16}" --out "$run/bias/width"
+        "$PY" -m readback.cli.bias "$run" --batches "${BATCHES:-16}" --out "$run/bias/width"
     done
     for run in "$SWEEP_DIR/T$T"/*/*/; do
         [ -n "$DOSE" ] && [ -f "$run/summary.json" ] && [ ! -f "$run/bias/dose/dose.json" ] || continue
-        "$PY" -m readback.bias "$run" --batches 8 --sweep-margin "attn.core.output=$DOSE" \
+        "$PY" -m readback.cli.bias "$run" --batches 8 --sweep-margin "attn.core.output=$DOSE" \
             --out "$run/bias/dose"
     done
 done

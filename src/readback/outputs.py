@@ -8,7 +8,7 @@ layer, a parameter, a variant and group, with a statistic first where the family
 
 from __future__ import annotations
 
-# summary.json, in the order it is written (``readback.train.summary.run_summary``).
+# summary.json, in the order it is written (``readback.train.records.summary.run_summary``).
 SUMMARY_KEYS = {
     "status": "completed, diverged or failed (dry_run for a dry run)",
     "final_loss": "the last logged window's mean training loss (null when not finite)",

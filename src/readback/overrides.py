@@ -1,6 +1,6 @@
 """Hydra overrides as data: what a run's command line set, and which keys name a configuration.
 
-Shared by the wandb run names (:mod:`readback.train.tracking`) and the analysis groups
+Shared by the wandb run names (:mod:`readback.train.records.tracking`) and the analysis groups
 (:mod:`readback.analysis.groups`), so a wandb group and an analysis group are the same runs.
 """
 

@@ -17,9 +17,8 @@ from readback.data import build_data
 from readback.errors import ConfigError
 from readback.numerics import E4M3, compute_scale
 from readback.train import Builders, run
-from readback.train.checkpoint import load_checkpoint
-from readback.train.checkpoint_dirs import checkpoint_path, list_checkpoints
-from readback.train.metrics import read_jsonl
+from readback.train.checkpoint import checkpoint_path, list_checkpoints, load_checkpoint
+from readback.train.records.metrics import read_jsonl
 from toys import config
 
 STEPS, T0, K, HISTORY = 12, 5, 8, 4

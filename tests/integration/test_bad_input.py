@@ -23,9 +23,9 @@ import pytest
 import torch
 
 from readback.data import Layout, build_data
-from readback.train import checkpoint_io
-from readback.train.checkpoint_dirs import list_checkpoints
-from readback.train.writer_lock import lock_path, this_process
+from readback.train.checkpoint import io as checkpoint_io
+from readback.train.checkpoint import list_checkpoints
+from readback.train.checkpoint.writer_lock import lock_path, this_process
 from toys import REPO, TWO_STEP_RUN, load_data_cfg
 
 # Small enough to train in seconds; cases override what they break.

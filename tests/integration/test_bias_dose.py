@@ -1,4 +1,4 @@
-"""``python -m readback.bias`` with a stress given at measurement time: ``--site-margin`` replaces
+"""``python -m readback.cli.bias`` with a stress given at measurement time: ``--site-margin`` replaces
 the checkpoint's own margins, refuses what matches no site, and ``--sweep-margin`` writes the
 dose and response of a 2-step run's checkpoint."""
 
@@ -15,10 +15,10 @@ import sys
 import pytest
 import torch
 
-from readback.bias.__main__ import load_run
-from readback.bias.__main__ import main as bias_main
 from readback.bias.dose import D_READ, plot_dose, rows_of
 from readback.bias.shapes import main as shapes_main
+from readback.cli.bias import load_run
+from readback.cli.bias import main as bias_main
 from readback.errors import ConfigError
 from readback.numerics import CurrentScalingState, DelayedScalingState
 from toys import REPO, TWO_STEP_RUN

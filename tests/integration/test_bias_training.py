@@ -1,4 +1,4 @@
-"""The bias meter inside a real ``train.py`` run, and ``python -m readback.bias`` from its checkpoint."""
+"""The bias meter inside a real ``train.py`` run, and ``python -m readback.cli.bias`` from its checkpoint."""
 
 import json
 import subprocess
@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-from readback.bias.__main__ import main as bias_main
+from readback.cli.bias import main as bias_main
 from toys import REPO, TWO_STEP_RUN
 
 

@@ -15,9 +15,8 @@ import pytest
 import torch
 
 import toys
-from readback.train.checkpoint import load_checkpoint
-from readback.train.checkpoint_dirs import checkpoint_path, list_checkpoints
-from readback.train.metrics import read_jsonl
+from readback.train.checkpoint import checkpoint_path, list_checkpoints, load_checkpoint
+from readback.train.records.metrics import read_jsonl
 from toys import REPO
 
 TESTS = REPO / "tests"

@@ -15,9 +15,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from readback.train.checkpoint import load_checkpoint
-from readback.train.checkpoint_dirs import list_checkpoints
-from readback.train.metrics import read_jsonl
+from readback.train.checkpoint import list_checkpoints, load_checkpoint
+from readback.train.records.metrics import read_jsonl
 from toys import REPO, TOY_RUN
 
 TINY = [

@@ -13,7 +13,7 @@ import pytest
 
 from readback.analysis import final_loss_table, load_runs
 from readback.analysis.__main__ import main as cli_main
-from readback.train.identity import code_version
+from readback.train.records.identity import code_version
 from sweeps import EXPERIMENTS
 
 BROWSER = shutil.which("chromium") or shutil.which("chromium-browser")

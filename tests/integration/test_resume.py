@@ -24,10 +24,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from readback.train.checkpoint import load_checkpoint
-from readback.train.checkpoint_dirs import list_checkpoints
-from readback.train.metrics import read_jsonl
-from readback.train.writer_lock import lock_path
+from readback.train.checkpoint import list_checkpoints, load_checkpoint
+from readback.train.checkpoint.writer_lock import lock_path
+from readback.train.records.metrics import read_jsonl
 from toys import REPO, TOY_RUN
 
 STEPS = 30
@@ -179,9 +178,9 @@ def test_sigterm_and_sigusr1_checkpoint_exit_and_resume_in_the_same_wandb_run(tm
 
 KILL_AT_SAVE = """
 import os, runpy, signal, sys
-from readback.train import checkpoint
+from readback.train.checkpoint import manager
 
-calls, commit = [0], checkpoint.commit_checkpoint
+calls, commit = [0], manager.commit_checkpoint
 
 def dying_commit(*args, **kwargs):  # the shards and the index are written, not yet renamed
     calls[0] += 1
@@ -189,7 +188,7 @@ def dying_commit(*args, **kwargs):  # the shards and the index are written, not 
         os.kill(os.getpid(), signal.SIGKILL)
     return commit(*args, **kwargs)
 
-checkpoint.commit_checkpoint = dying_commit
+manager.commit_checkpoint = dying_commit
 sys.argv = ["train.py"] + sys.argv[1:]
 runpy.run_path("train.py", run_name="__main__")
 """

@@ -26,9 +26,8 @@ import torch
 from readback.config import CONF_DIR
 from readback.errors import ConfigError
 from readback.train import run
-from readback.train.checkpoint import load_checkpoint
-from readback.train.checkpoint_dirs import list_checkpoints
-from readback.train.metrics import read_jsonl
+from readback.train.checkpoint import list_checkpoints, load_checkpoint
+from readback.train.records.metrics import read_jsonl
 from toys import TOY_RUN
 from toys import config as compose
 
@@ -65,7 +64,7 @@ WORKER = textwrap.dedent(
 
     import readback.config  # registers the schema
     from readback.train import run
-    from readback.train.checkpoint_dirs import list_checkpoints
+    from readback.train.checkpoint import list_checkpoints
 
     out, conf, common = Path(sys.argv[1]), sys.argv[2], json.loads(sys.argv[3])
     dist.init_process_group("gloo")  # one group for all the runs: the trainer joins it
@@ -103,7 +102,8 @@ KILLER = textwrap.dedent(
 
     import readback.config  # registers the schema
     from readback.data import build_data
-    from readback.train import Builders, checkpoint, run
+    from readback.train import Builders, run
+    from readback.train.checkpoint import manager
 
     out, conf, overrides, (kill_batch, kill_commit) = Path(sys.argv[1]), sys.argv[2], *map(json.loads, sys.argv[3:])
     rank = int(os.environ["RANK"])
@@ -121,14 +121,14 @@ KILLER = textwrap.dedent(
         stream.next_batch = dying
         return stream
 
-    commit = checkpoint.commit_checkpoint
+    commit = manager.commit_checkpoint
 
     def dying_commit(ckpt_dir, step, keep_last):
         if rank == 0 and step == kill_commit:
             os.kill(os.getpid(), signal.SIGKILL)
         return commit(ckpt_dir, step, keep_last)
 
-    checkpoint.commit_checkpoint = dying_commit
+    manager.commit_checkpoint = dying_commit
     with initialize_config_dir(conf, version_base="1.3"):
         cfg = typed(compose("train", overrides=overrides))
     run(cfg, out, Builders(data=data))

@@ -28,7 +28,7 @@ from pathlib import Path
 
 import pytest
 
-from readback.train.checkpoint_dirs import list_checkpoints
+from readback.train.checkpoint import list_checkpoints
 from toys import REPO, compose
 
 SCRIPTS = REPO / "scripts" / "slurm"

@@ -4,7 +4,7 @@
 TE can run the experiment, readback's ops elsewhere (CUDA only). ``build_model`` builds a run's
 model with its backend's parts.
 
-Nothing here imports Transformer Engine: ``readback.backends.te`` imports it when a model is
+Nothing here imports Transformer Engine: ``readback.backends.te.parts`` imports it when a model is
 built, after the run's TE environment variables are set.
 """
 
@@ -36,7 +36,7 @@ def build_model(cfg: ModelSettings, device: str | torch.device = "cpu") -> FOG |
 
         return build_hf_model(cfg, device)
     if cfg.backend.name == "te" and torch.device(device).type != "meta":
-        from readback.backends.te import build_te_model
+        from readback.backends.te.parts import build_te_model
 
         return build_te_model(cfg, device)
     with torch.device(device):
@@ -53,7 +53,7 @@ def site_implementations(cfg: ModelSettings) -> dict[str, str]:
 
         return hf_sites(cfg)
     if cfg.backend.name == "te":
-        from readback.backends.te_plan import site_implementations as te_sites
+        from readback.backends.te.plan import site_implementations as te_sites
 
         return te_sites(cfg)
     from readback.backends.emulated import site_implementations as emulated_sites
@@ -65,8 +65,8 @@ def check_available(cfg: ModelSettings) -> None:
     """Raise ``ConfigError`` when ``cfg.backend`` cannot run on this machine, or (``te``) when
     the installed Transformer Engine cannot run ``cfg`` on this GPU as configured."""
     if cfg.backend.name == "te":
-        from readback.backends.te import check_available as te_check
-        from readback.backends.te_plan import te_plan
+        from readback.backends.te.parts import check_available as te_check
+        from readback.backends.te.plan import te_plan
 
         te_check()
         te_plan(cfg)

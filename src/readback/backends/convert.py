@@ -223,7 +223,7 @@ def convert(
     report = ConvertReport(numerics)
     parts: ConvertParts | TEConverter
     if backend == "te":
-        from readback.backends.convert_te import TEConverter
+        from readback.backends.te.convert import TEConverter
 
         parts = TEConverter(numerics, next(model.parameters()).device)
     else:
@@ -268,6 +268,6 @@ def convert(
 
 
 if TYPE_CHECKING:
-    from readback.backends.convert_te import TEConverter
+    from readback.backends.te.convert import TEConverter
 
 __all__ = ["ConfigError", "ConvertReport", "convert"]

@@ -4,7 +4,7 @@
 [--groups total,*.attn.qkv] [--contributions GLOBS] [--reference contrib.exact_read.attention.D]``
 
 Reads the bias meter's ``bias.json`` of several checkpoints (each measured by ``python -m
-readback.bias``) and writes ``attribution.md`` (one table: each ``contrib.*`` per gradient group
+readback.cli.bias``) and writes ``attribution.md`` (one table: each ``contrib.*`` per gradient group
 with its bias, floor, projection and debiased squared bias, ± SE, beside the reference read's;
 then each GEMM kind's K), ``attribution.json`` and ``attribution.png``.
 

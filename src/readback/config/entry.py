@@ -5,8 +5,8 @@ prints it as one line on stderr and exits with code 2, leaving no run directory 
 
 Before Hydra creates the run directory, :func:`exit_on_bad_config` also checks that the run
 directory can be written and, when it already holds a run, that no other process writes it
-(:mod:`readback.train.writer_lock`) and that the run can be resumed
-(:func:`readback.train.resumption.resume_plan`), so a bad resume leaves that directory as it was.
+(:mod:`readback.train.checkpoint.writer_lock`) and that the run can be resumed
+(:func:`readback.train.checkpoint.resumption.resume_plan`), so a bad resume leaves that directory as it was.
 """
 
 from __future__ import annotations
@@ -171,8 +171,7 @@ def _check_run_dir_of(cfg: DictConfig, config: Config) -> None:
     if run_dir.is_dir() and any(run_dir.iterdir()):
         PREEXISTING_RUN_DIRS[str(run_dir.resolve())] = _hydra_files(run_dir)
         if not config.trainer.dry_run:
-            from readback.train.resumption import resume_plan
-            from readback.train.writer_lock import check_not_held
+            from readback.train.checkpoint import check_not_held, resume_plan
 
             check_not_held(run_dir)  # before Hydra writes its files there
             resume_plan(run_dir, config, quiet=True)

@@ -7,7 +7,7 @@ final norm; xIELU; GQA; RoPE base 500000; no biases.
 There is one FOG. It takes its linear, norm, attention-core and activation modules from a
 ``Parts`` object (the way torchtitan's float8 converter swaps modules): ``Parts`` itself gives
 readback's ops, so the run's ``Numerics`` (precision, policy, rounding) reaches every rounding
-site; ``readback.backends.te.TEParts`` gives Transformer Engine modules where TE can run them.
+site; ``readback.backends.te.parts.TEParts`` gives Transformer Engine modules where TE can run them.
 """
 
 from __future__ import annotations

@@ -35,7 +35,7 @@ class ScalingRecipe:
 
     A recipe is the one object of a run's scaling, from the config (``precision.recipe`` names
     its class in ``RECIPES``, the fields keep their names) to the emulated kernels and to TE's
-    recipe (``backends.te_recipe``); its defaults are declared here and nowhere else.
+    recipe (``backends.te.recipe``); its defaults are declared here and nowhere else.
     """
 
     KEY: ClassVar[str]

@@ -1,21 +1,19 @@
 """The trainer: components wired by :class:`~readback.train.trainer.Trainer`.
 
+* :mod:`~readback.train.settings` -- the ``trainer`` and ``logger`` schemas and ``Config``, a run's typed config
 * :mod:`~readback.train.contract` -- what the trainer needs from a model and a data stream; the builders
 * :mod:`~readback.train.launch` -- ``run(cfg, run_dir)``: process group, determinism, preemption guard
 * :mod:`~readback.train.trainer` -- builds the components and runs the steps
 * :mod:`~readback.train.optim` -- AdamW, its warmup-stable-decay LR, gradient norm/clip, non-finite check
-* :mod:`~readback.train.checkpoint` -- the checkpoint manager: schema, save, resume, failed saves
-* :mod:`~readback.train.checkpoint_dirs` -- commit, damage check, moving aside, pruning
-* :mod:`~readback.train.resumption` -- the resume plan, refused under a config that changes the run
-* :mod:`~readback.train.writer_lock` -- one writer per run directory: rank 0's lock, with a lease
-* :mod:`~readback.train.checkpoint_io` -- DCP files and their checksums, loading without running code, atomic files
-* :mod:`~readback.train.metrics_processor` -- loss/throughput windows, MFU, records, progress bar
-* :mod:`~readback.train.metrics` -- ``metrics.jsonl`` and a wandb wrapper that never stops a run
+* :mod:`~readback.train.parallel` -- DDP or FSDP2 over the ranks
+* :mod:`~readback.train.instruments` -- the measurements a step may carry (probe, bias meter)
 * :mod:`~readback.train.validator` -- validation loss split over the ranks
-* :mod:`~readback.train.summary` -- ``summary.json``
 * :mod:`~readback.train.dry_run` -- the model's size and per-GPU memory without weights; the memory check
 * :mod:`~readback.train.divergence` -- NaN stop, loss blow-up marking, skipped updates
+* :mod:`~readback.train.preemption` -- a scheduler's signal: finish the step, checkpoint, exit for requeue
 * :mod:`~readback.train.distributed` -- torchrun/Slurm process groups (gloo on CPU, NCCL on CUDA)
+* :mod:`~readback.train.checkpoint` -- saving, verifying and resuming; one writer per run directory
+* :mod:`~readback.train.records` -- what a run writes down: ``metrics.jsonl``, wandb, ``summary.json``
 
 Entry point: ``summary = run(cfg, run_dir)``.
 """

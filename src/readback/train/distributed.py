@@ -50,6 +50,14 @@ def first_host(nodelist: str) -> str:
     return prefix + ranges.split(",")[0].split("-")[0]
 
 
+def slurm_job_id() -> str | None:
+    """``<array job>_<task>`` for an array job, else ``SLURM_JOB_ID`` (None outside Slurm)."""
+    array, task = os.environ.get("SLURM_ARRAY_JOB_ID"), os.environ.get("SLURM_ARRAY_TASK_ID")
+    if array and task:
+        return f"{array}_{task}"
+    return os.environ.get("SLURM_JOB_ID")
+
+
 def maybe_export_slurm_env() -> None:
     """Export torch.distributed variables from the Slurm environment when launched by Slurm."""
     if "RANK" in os.environ or "SLURM_JOB_ID" not in os.environ:

@@ -1,6 +1,6 @@
 """``trainer.dry_run=true``: the model built on the meta device, its size and its per-GPU memory
 under DDP and FSDP, no weights allocated, and under ``backend=te`` the Transformer Engine plan
-(for this machine's TE and GPU, or the assumed ones it names: :mod:`~readback.backends.te_dry_run`);
+(for this machine's TE and GPU, or the assumed ones it names: :mod:`~readback.backends.te.dry_run`);
 and the same memory check before a real run on GPUs allocates anything.
 
 The memory estimate: parameters, gradients, AdamW states and the activations of one micro-batch,
@@ -32,8 +32,8 @@ import torch
 
 from readback.errors import ConfigError
 from readback.train.contract import Builders, TrainableModule, check_model, with_vocabulary
+from readback.train.records.summary import write_summary
 from readback.train.settings import PARALLEL, Config
-from readback.train.summary import write_summary
 
 GB = 1e9
 
@@ -129,7 +129,7 @@ def dry_run(
     te_plan = None
     # The plan is printed before the memory check: a job that does not fit is planned too.
     if cfg.backend.name == "te":
-        from readback.backends.te_dry_run import dry_run_plan
+        from readback.backends.te.dry_run import dry_run_plan
 
         lines, te_plan = dry_run_plan(cfg)
         if rank == 0:

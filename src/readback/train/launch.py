@@ -10,6 +10,7 @@ from typing import Any
 import torch
 
 from readback.errors import ConfigError
+from readback.train.checkpoint import sole_writer
 from readback.train.contract import Builders
 from readback.train.distributed import (
     cleanup,
@@ -21,7 +22,6 @@ from readback.train.dry_run import dry_run
 from readback.train.preemption import PreemptionGuard
 from readback.train.settings import Config
 from readback.train.trainer import Trainer
-from readback.train.writer_lock import sole_writer
 
 
 def run(cfg: Config, run_dir: Path, builders: Builders | None = None) -> dict[str, Any]:
@@ -29,8 +29,8 @@ def run(cfg: Config, run_dir: Path, builders: Builders | None = None) -> dict[st
 
     ``builders`` make the model and the data (:class:`~readback.train.contract.Builders`: the FOG
     and ``build_data`` by default). Rank 0 first claims ``run_dir``
-    (:mod:`~readback.train.writer_lock`: one writer per run directory), then writes ``run_dir/metrics.jsonl``,
-    ``run_dir/checkpoints/`` and ``run_dir/summary.json``. Raises
+    (:mod:`~readback.train.checkpoint.writer_lock`: one writer per run directory), then writes
+    ``run_dir/metrics.jsonl``, ``run_dir/checkpoints/`` and ``run_dir/summary.json``. Raises
     :class:`~readback.errors.ConfigError` for trainer-level runtime misconfiguration (before
     anything is written, except for an error the data raises mid-run, which also writes
     ``status: "failed"``); any other exception writes ``status: "failed"`` and re-raises. A

@@ -85,7 +85,7 @@ class WandbLogger(Logger):
     mode: str = one_of(WANDB_MODES)
     tags: list[str] = MISSING
     init_timeout: float = number(0, low_open=True)
-    group: str | None = MISSING  # null: named by readback.train.tracking
+    group: str | None = MISSING  # null: named by readback.train.records.tracking
     job_type: str = MISSING
 
 

@@ -39,20 +39,19 @@ from readback.errors import ConfigError
 from readback.model import ActivationStats
 from readback.ops.compiled import compiled
 from readback.probe import check_params
-from readback.train.checkpoint import CheckpointManager, RNGState
+from readback.train.checkpoint import CheckpointManager, RNGState, RunDirTaken, WriterLock
 from readback.train.contract import Builders, check_model, with_vocabulary
 from readback.train.distributed import DistEnv, all_reduce_mean
 from readback.train.divergence import DivergenceDetector
 from readback.train.dry_run import check_memory
 from readback.train.instruments import TapedProbe, instruments
-from readback.train.metrics_processor import MetricsProcessor
 from readback.train.optim import WSDSchedule, build_optimizer, build_scheduler, clip_gradients, nonfinite_grad_names
 from readback.train.parallel import apply_parallelism, no_gradient_sync, whole_parameters
 from readback.train.preemption import Preempted, PreemptionGuard
+from readback.train.records.metrics_processor import MetricsProcessor
+from readback.train.records.summary import SummaryWriter, run_summary
 from readback.train.settings import Config
-from readback.train.summary import SummaryWriter, run_summary
 from readback.train.validator import Validator
-from readback.train.writer_lock import RunDirTaken, WriterLock
 
 log = logging.getLogger(__name__)
 

@@ -148,7 +148,7 @@ class StandInTE:
 
 
 def test_under_backend_te_each_conv1d_is_left_with_the_transposed_weight_reason(monkeypatch):
-    from readback.backends import convert_te
+    from readback.backends.te import convert as convert_te
 
     monkeypatch.setattr(convert_te, "TEConverter", StandInTE)  # no CUDA, no TE here
     model = gpt2()

@@ -10,9 +10,9 @@ import types
 
 import pytest
 
-from readback.backends import te as te_backend
-from readback.backends.te_facts import Hardware
-from readback.backends.te_plan import te_plan
+from readback.backends.te import parts as te_backend
+from readback.backends.te.facts import Hardware
+from readback.backends.te.plan import te_plan
 from readback.errors import ConfigError
 from toys import config as typed_config
 

@@ -16,9 +16,9 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from readback import backends
-from readback.backends import te as te_backend
-from readback.backends.te_facts import Hardware, cudnn_version, version_tuple
-from readback.backends.te_plan import te_plan
+from readback.backends.te import parts as te_backend
+from readback.backends.te.facts import Hardware, cudnn_version, version_tuple
+from readback.backends.te.plan import te_plan
 from readback.errors import ConfigError
 from readback.model import ActivationStats
 from readback.model.fog import AttentionCore
@@ -205,7 +205,7 @@ def test_te_2_15_pins_backward_override_so_the_environment_cannot_change_linear_
 
 
 def test_a_linear_read_rule_te_has_no_switch_for_is_refused(monkeypatch):
-    from readback.backends import te_linear
+    from readback.backends.te import linear as te_linear
 
     wrong = {**te_linear.LINEAR_READS, "exact": {"dgrad": "rounded", "wgrad": "original"}}
     monkeypatch.setattr(te_linear, "LINEAR_READS", wrong)  # the op's own table is read-only
@@ -636,7 +636,7 @@ def test_forward_reasserts_its_runtime_switches_on_stand_in(stand_in, monkeypatc
 
 # --------------------------------------------------------------------------- the real thing (GPU)
 
-# Head dim 128: TE's FP8 attention trains no other head dim on sm90 (te_facts.fp8_attention_refusal).
+# Head dim 128: TE's FP8 attention trains no other head dim on sm90 (backends.te.facts.fp8_attention_refusal).
 GPU_MODEL = (
     "model.vocab_size=512",
     "model.d_model=256",
@@ -701,11 +701,11 @@ def test_te_model_matches_emulated_loss_with_the_same_weights(experiment):
 
 def test_documented_te_table_is_the_plan():
 
-    from readback.backends import te_table
+    from readback.backends.te import table as te_table
 
     def compose_te(overrides):
         return typed_config(*overrides)
 
     text = (REPO / "docs/te_backend.md").read_text()
     documented = text.split(te_table.START, 1)[1].split(te_table.END, 1)[0].strip()
-    assert documented == te_table.render(compose_te), "regenerate with: python -m readback.backends.te_table"
+    assert documented == te_table.render(compose_te), "regenerate with: python -m readback.cli.te_table"

@@ -1,12 +1,12 @@
 """The dry run's ``backend=te`` plan: made for this machine's TE and GPU where it has them, for
-the planning assumptions of ``te_facts`` where not, and saying which it assumed."""
+the planning assumptions of ``backends.te.facts`` where not, and saying which it assumed."""
 
 from __future__ import annotations
 
 import pytest
 
-from readback.backends import te_dry_run
-from readback.backends.te_facts import PLANNING_GPU, PLANNING_TE, Hardware
+from readback.backends.te import dry_run as te_dry_run
+from readback.backends.te.facts import PLANNING_GPU, PLANNING_TE, Hardware
 from readback.errors import ConfigError
 from toys import config as compose
 

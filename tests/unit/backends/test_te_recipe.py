@@ -13,10 +13,13 @@ import types
 
 import pytest
 
-from readback.backends import convert_te, te_facts, te_plan, te_recipe
-from readback.backends import te as te_backend
 from readback.backends.precision import spec_of
-from readback.backends.te_facts import Hardware
+from readback.backends.te import convert as convert_te
+from readback.backends.te import facts as te_facts
+from readback.backends.te import parts as te_backend
+from readback.backends.te import plan as te_plan
+from readback.backends.te import recipe as te_recipe
+from readback.backends.te.facts import Hardware
 from readback.errors import ConfigError
 from readback.numerics import DelayedScaling
 from readback.numerics.state import Numerics

@@ -1,5 +1,5 @@
 """Resuming a run directory under another config than its checkpoints hold
-(``readback.train.resumption``): a key that changes the run is refused naming every changed key
+(``readback.train.checkpoint.resumption``): a key that changes the run is refused naming every changed key
 with its old and new value, unless ``trainer.resume_changed_config=true``; the model's shape never
 changes; keys that only say how the run is run, logged or checkpointed may change. On the toy
 model, in-process; through ``train.py`` in tests/integration/test_bad_input.py."""
@@ -13,8 +13,8 @@ import pytest
 
 import toys
 from readback.errors import ConfigError
-from readback.train.metrics import read_jsonl
-from readback.train.resumption import resume_plan
+from readback.train.checkpoint import resume_plan
+from readback.train.records.metrics import read_jsonl
 from readback.train.settings import config_changes, plain_config
 
 RESUME = {"trainer.resume": True}

@@ -24,12 +24,11 @@ from torch.distributed.checkpoint.filesystem import FileSystem
 
 import toys
 from readback.errors import ConfigError
-from readback.train import checkpoint_dirs, checkpoint_io
-from readback.train.checkpoint import CheckpointManager
-from readback.train.checkpoint_dirs import checkpoint_path, list_checkpoints, verify
+from readback.train.checkpoint import CheckpointManager, checkpoint_path, list_checkpoints, resume_plan, verify
+from readback.train.checkpoint import dirs as checkpoint_dirs
+from readback.train.checkpoint import io as checkpoint_io
 from readback.train.distributed import DistEnv
-from readback.train.metrics import read_jsonl
-from readback.train.resumption import resume_plan
+from readback.train.records.metrics import read_jsonl
 
 CURVE_KEYS = ("step", "loss", "lr", "tokens", "grad_norm", "val_loss")
 SHARD, CHECKSUMS = "__0_0.distcp", "__0_checksums.json"

@@ -14,10 +14,9 @@ import pytest
 import torch
 
 import toys
-from readback.train.checkpoint import load_checkpoint
-from readback.train.checkpoint_dirs import list_checkpoints
-from readback.train.metrics import read_jsonl
+from readback.train.checkpoint import list_checkpoints, load_checkpoint
 from readback.train.preemption import Preempted, PreemptionGuard, exit_for_requeue, parse_signals
+from readback.train.records.metrics import read_jsonl
 
 
 def test_wandb_crash_mid_run_keeps_training_and_local_metrics(tmp_path, built, monkeypatch):

@@ -8,7 +8,7 @@ import json
 
 from readback.outputs import METRIC_FAMILIES, SUMMARY_KEYS, family
 from readback.train import run
-from readback.train.metrics import read_jsonl
+from readback.train.records.metrics import read_jsonl
 from toys import TWO_STEP_RUN, config
 
 # Written only on CUDA (mfu, mem_gib), by a failed run (error) or at a non-finite step (diverged).
@@ -48,7 +48,7 @@ def test_the_families_the_readers_look_up_are_declared():
     from readback.analysis.load import SUMMARY_FIELDS
     from readback.analysis.mechanism_plots import MECHANISM
     from readback.analysis.plots import PLOTS
-    from readback.train.tracking import TOKEN_AXIS_KEYS
+    from readback.train.records.tracking import TOKEN_AXIS_KEYS
 
     looked_up = {family(prefix) for prefix, _ in MECHANISM} | {family(glob) for glob in TOKEN_AXIS_KEYS}
     looked_up |= PLOTS.keys() - {"mechanism"}  # a plot of its own families

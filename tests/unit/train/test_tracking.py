@@ -8,7 +8,7 @@ import subprocess
 import pytest
 
 from readback.overrides import swept_keys
-from readback.train.identity import run_identity
+from readback.train.records.identity import run_identity
 
 
 def test_identity_from_overrides():
@@ -59,7 +59,7 @@ def test_sync_refuses_a_directory_without_offline_runs(tmp_path, capsys):
 
 
 def test_slurm_job_id_names_the_array_task(monkeypatch):
-    from readback.train.identity import slurm_job_id
+    from readback.train.distributed import slurm_job_id
 
     for key in ("SLURM_JOB_ID", "SLURM_ARRAY_JOB_ID", "SLURM_ARRAY_TASK_ID"):
         monkeypatch.delenv(key, raising=False)
@@ -75,7 +75,7 @@ def test_launch_records_the_cpu_that_ran_the_run(tmp_path):
     """A CPU run reproduces bit for bit only on a CPU whose kernels add in the same order."""
     import torch
 
-    from readback.train.identity import cpu_model, launch_context
+    from readback.train.records.identity import cpu_model, launch_context
 
     cpuinfo = tmp_path / "cpuinfo"
     cpuinfo.write_text("processor\t: 0\nvendor_id\t: AuthenticAMD\nmodel name\t: AMD EPYC 9999 64-Core\n")
@@ -87,7 +87,7 @@ def test_launch_records_the_cpu_that_ran_the_run(tmp_path):
 @pytest.mark.skipif(shutil.which("git") is None, reason="needs git")
 def test_launch_records_the_commit_the_code_was_at(tmp_path):
     """The code version is what "all arms ran on one code version" is checked against."""
-    from readback.train.identity import code_version, launch_context
+    from readback.train.records.identity import code_version, launch_context
 
     def git(*args):
         return subprocess.run(["git", "-C", str(tmp_path), *args], capture_output=True, text=True, check=True).stdout

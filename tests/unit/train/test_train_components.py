@@ -17,9 +17,9 @@ from torch import nn
 
 from readback.errors import ConfigError
 from readback.outputs import SUMMARY_KEYS
-from readback.train import checkpoint_io
-from readback.train.checkpoint import CheckpointManager, load_checkpoint
-from readback.train.checkpoint_dirs import (
+from readback.train.checkpoint import CheckpointManager, load_checkpoint, resume_plan
+from readback.train.checkpoint import io as checkpoint_io
+from readback.train.checkpoint.dirs import (
     checkpoint_path,
     commit_checkpoint,
     list_checkpoints,
@@ -27,12 +27,11 @@ from readback.train.checkpoint_dirs import (
 )
 from readback.train.distributed import DistEnv
 from readback.train.divergence import DivergenceDetector
-from readback.train.identity import RunIdentity
-from readback.train.metrics import JsonlWriter, MetricsLogger, read_jsonl
 from readback.train.optim import WSDSchedule, build_optimizer, clip_gradients, nonfinite_grad_names, param_groups
-from readback.train.resumption import resume_plan
+from readback.train.records.identity import RunIdentity
+from readback.train.records.metrics import JsonlWriter, MetricsLogger, read_jsonl
+from readback.train.records.tracking import WandbLogger, resolve_wandb_mode
 from readback.train.settings import WandbLogger as WandbSettings
-from readback.train.tracking import WandbLogger, resolve_wandb_mode
 from toys import ToyModel, config, make_cfg, train
 
 

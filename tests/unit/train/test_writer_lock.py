@@ -1,4 +1,4 @@
-"""One writer per run directory (``readback.train.writer_lock``): a live holder refuses a second
+"""One writer per run directory (``readback.train.checkpoint.writer_lock``): a live holder refuses a second
 writer in one line naming it, a holder of the same Slurm job is waited for, a dead one (pid gone,
 pid reused, lease run out) never blocks, and a directory that cannot be written is refused.
 Two real ``train.py`` processes on one directory are in tests/integration/test_resume.py."""
@@ -16,7 +16,7 @@ import time
 import pytest
 
 from readback.errors import ConfigError
-from readback.train.writer_lock import (
+from readback.train.checkpoint.writer_lock import (
     RunDirTaken,
     check_not_held,
     claim,

@@ -1,4 +1,4 @@
-"""``python -m readback.bias CHECKPOINT_OR_RUN_DIR [--batches N] [--out DIR] [--dtype fp64|fp32]
+"""``python -m readback.cli.bias CHECKPOINT_OR_RUN_DIR [--batches N] [--out DIR] [--dtype fp64|fp32]
 [--site-margin PATTERN=K ...] [--sweep-margin PATTERN=K1,K2,...] [--accumulation NAME]
 [--accumulation-gemm GEMM=MODE ...]``
 
@@ -63,11 +63,11 @@ def load_run(
     from readback.config import check_site_margin, from_saved
     from readback.data import build_data
     from readback.overrides import with_current_keys
-    from readback.train.checkpoint import load_checkpoint
-    from readback.train.checkpoint_dirs import (
+    from readback.train.checkpoint import (
         checkpoint_dir,
         is_checkpoint,
         list_checkpoints,
+        load_checkpoint,
         load_latest_checkpoint,
         verify,
     )
@@ -155,7 +155,7 @@ def label(text: str) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m readback.bias", description=__doc__.split("\n\n")[1])
+    parser = argparse.ArgumentParser(prog="python -m readback.cli.bias", description=__doc__.split("\n\n")[1])
     parser.add_argument("path", type=Path, metavar="CHECKPOINT_OR_RUN_DIR")
     parser.add_argument("--batches", type=int, default=8, help="validation batches to average over (default 8)")
     parser.add_argument("--out", type=Path, default=None, help="output directory")
@@ -188,7 +188,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.batches < 1:
         parser.exit(2, f"{parser.prog}: error: --batches must be >= 1, got {args.batches}\n")
     os.environ.setdefault("MPLBACKEND", "Agg")
-    from readback.train.checkpoint_dirs import Damaged
+    from readback.train.checkpoint import Damaged
 
     try:
         args.accumulation_keys = accumulation_keys(args.accumulation, args.accumulation_gemm)
@@ -271,7 +271,7 @@ def _measure(args, site_margin: dict[str, int] | None, out_for, shown: bool = Tr
     ``out_for(run_dir, step)``; prints the ``--show`` rows when ``shown``. ``(result, its directory)``."""
     from readback.bias import measure_bias
     from readback.bias.report import to_markdown, write
-    from readback.train.identity import code_version
+    from readback.train.records.identity import code_version
 
     model, stream, step, run_dir = load_run(
         args.path, site_margin, (args.accumulation_keys or {}) | args.precision_keys

@@ -12,7 +12,7 @@ BF16 backward onto TE. Where no switch reproduces the policy's read, readback's 
 runs, under the same attention recipe.
 
 ``NVTE_DPA_FP8_RECIPE`` (dot_product_attention.py ``init_fp8_metadata``, v2.8 to 2.20) gives
-attention a recipe of its own under another linear recipe (``te_facts.DPA_RECIPE_SWITCH``): a
+attention a recipe of its own under another linear recipe (``facts.DPA_RECIPE_SWITCH``): a
 ``DelayedScaling`` with ``NVTE_DPA_FP8DS_AMAX_HISTLEN`` (default 1), ``NVTE_DPA_FP8DS_AMAX_ALGO``
 (``most_recent``), ``NVTE_DPA_FP8DS_REDUCE_AMAX`` (1) and no margin; or a
 ``Float8CurrentScaling`` for Q, K, V, O, dO, dQ, dK, dV, with the S (P) and dP (dS) quantizers
@@ -27,8 +27,8 @@ from dataclasses import dataclass
 
 from readback.backends.precision import Attention, Fp8Precision
 from readback.backends.settings import ModelSettings
-from readback.backends.te_facts import SINCE, Hardware, dpa_recipe_refusal, fp8_attention_refusal, te_attention_reads
-from readback.backends.te_recipe import RECIPES, refuse_unsupported_fields
+from readback.backends.te.facts import SINCE, Hardware, dpa_recipe_refusal, fp8_attention_refusal, te_attention_reads
+from readback.backends.te.recipe import RECIPES, refuse_unsupported_fields
 from readback.errors import ConfigError
 from readback.numerics.spec import DPA_DELAYED_ALGO, DPA_DELAYED_HISTORY_LEN
 from readback.ops.attention import READ_OPERANDS
@@ -145,9 +145,9 @@ def check_te_attention(
     cfg: ModelSettings, p8: Fp8Precision, attention: TEAttention, fp8_mha: bool, vt, hw: Hardware, where: str
 ) -> None:
     """Refuse, in one line, what TE's FP8 attention cannot train here: an attention recipe of its
-    own on a TE or under a linear recipe that has none (``te_facts.dpa_recipe_refusal``), or with
+    own on a TE or under a linear recipe that has none (``facts.dpa_recipe_refusal``), or with
     fields TE's attention recipe lacks; and what this GPU and shape cannot run
-    (``te_facts.fp8_attention_refusal``)."""
+    (``facts.fp8_attention_refusal``)."""
     group = cfg.attention
     key, value = ("attention.recipe", group.recipe) if attention.own_recipe else ("precision.recipe", p8.recipe)
     if attention.own_recipe:

@@ -2,10 +2,10 @@
 
 A pure function of the config, a Transformer Engine version string and the GPU (capability,
 cuDNN): it never imports Transformer Engine, so it is tested on any machine, and validation calls
-it before a run starts. ``readback.backends.te`` turns the plan into modules; what TE can run
-is ``readback.backends.te_facts``; the recipe, with its refusals, ``readback.backends.te_recipe``;
-what each linear GEMM reads under it, ``readback.backends.te_linear``; the attention core,
-``readback.backends.te_attention``.
+it before a run starts. ``readback.backends.te.parts`` turns the plan into modules; what TE can run
+is ``readback.backends.te.facts``; the recipe, with its refusals, ``readback.backends.te.recipe``;
+what each linear GEMM reads under it, ``readback.backends.te.linear``; the attention core,
+``readback.backends.te.attention``.
 
 The study's axes map onto TE where TE has a switch for them:
 
@@ -39,10 +39,10 @@ from readback.backends.emulated import accumulations as readback_accumulations
 from readback.backends.emulated import attention_reads as readback_attention_reads
 from readback.backends.precision import fp8_settings
 from readback.backends.settings import ATTENTION_CORES, ModelSettings, TeBackend
-from readback.backends.te_attention import IMPORT_TIME_ENV, check_te_attention, projection_label, te_attention
-from readback.backends.te_facts import SINCE, Hardware
-from readback.backends.te_linear import linear_label
-from readback.backends.te_recipe import INSTALLED, TERecipe, resolve_target, te_recipe_plan
+from readback.backends.te.attention import IMPORT_TIME_ENV, check_te_attention, projection_label, te_attention
+from readback.backends.te.facts import SINCE, Hardware
+from readback.backends.te.linear import linear_label
+from readback.backends.te.recipe import INSTALLED, TERecipe, resolve_target, te_recipe_plan
 from readback.errors import ConfigError, choose, require
 
 __all__ = ["IMPORT_TIME_ENV", "PINNED_BACKEND", "TEPlan", "site_implementations", "te_plan"]

@@ -3,7 +3,7 @@
 ``te.Linear`` for the GEMMs, ``te.RMSNorm`` for FOG's post-norms (a norm *after* each sub-block,
 so RMSNorm + Linear, not LayerNormLinear) and for the QK-norm (frozen gains), and
 ``te.DotProductAttention`` where a TE switch reproduces the policy's attention backward reads
-(``readback.backends.te_plan`` decides, without importing TE). Elsewhere the attention core and
+(``readback.backends.te.plan`` decides, without importing TE). Elsewhere the attention core and
 the output projection that multiplies its O8 are readback's ops, so the O8 the D-term policy is
 about is exactly the copy the projection multiplied. xIELU is readback's op (TE has no xIELU).
 readback's modules run in FP32 inside TE's autocasts (``_in_fp32``).
@@ -33,8 +33,8 @@ import torch.nn.functional as F
 
 from readback.backends.precision import spec_of
 from readback.backends.settings import ModelSettings
-from readback.backends.te_plan import IMPORT_TIME_ENV, TEPlan, site_implementations, te_plan
-from readback.backends.te_recipe import RECIPES, TERecipe
+from readback.backends.te.plan import IMPORT_TIME_ENV, TEPlan, site_implementations, te_plan
+from readback.backends.te.recipe import RECIPES, TERecipe
 from readback.errors import ConfigError
 from readback.model import FOG, fog_config
 from readback.model.fog import XIELU, AttentionCore, FOGConfig, Linear, Parts

@@ -2,8 +2,8 @@
 
 The JSONL file is the record of a run; wandb gets the same dicts. Nothing wandb does -- no
 network, no API key, a rejected key, a crash of its service -- may stop training or lose a local
-line (:class:`~readback.train.tracking.WandbLogger`). Rank 0 also writes ``launch.json``: the
-run's overrides, sweep, Slurm job id and host (:func:`~readback.train.identity.launch_context`).
+line (:class:`~readback.train.records.tracking.WandbLogger`). Rank 0 also writes ``launch.json``: the
+run's overrides, sweep, Slurm job id and host (:func:`~readback.train.records.identity.launch_context`).
 
 Non-finite numbers are written to the JSONL file as ``null`` (strict JSON).
 """
@@ -18,11 +18,11 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from readback.jsonl import read_jsonl
-from readback.train.checkpoint_io import atomic_write_text
-from readback.train.identity import launch_context, run_identity
+from readback.train.checkpoint import atomic_write_text
+from readback.train.records.identity import launch_context, run_identity
+from readback.train.records.tracking import WandbLogger
 from readback.train.settings import Logger
 from readback.train.settings import WandbLogger as WandbSettings
-from readback.train.tracking import WandbLogger
 
 log = logging.getLogger(__name__)
 

@@ -37,8 +37,7 @@ from pathlib import Path
 from typing import Any
 
 from readback.errors import ConfigError
-from readback.train.distributed import DistEnv, broadcast_object
-from readback.train.identity import slurm_job_id
+from readback.train.distributed import DistEnv, broadcast_object, slurm_job_id
 
 log = logging.getLogger(__name__)
 

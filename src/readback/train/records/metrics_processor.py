@@ -15,7 +15,7 @@ import torch
 from readback.progress import Off, Progress, progress
 from readback.train.contract import TrainableModel
 from readback.train.distributed import DistEnv
-from readback.train.metrics import MetricsLogger, build_metrics_logger, peak_bf16_flops
+from readback.train.records.metrics import MetricsLogger, build_metrics_logger, peak_bf16_flops
 from readback.train.settings import Config, plain_config
 
 log = logging.getLogger(__name__)
@@ -63,7 +63,7 @@ class MetricsProcessor:
         self.peak_flops = peak_bf16_flops(torch.cuda.get_device_name(env.device)) if env.device.type == "cuda" else None
 
     def open_logger(self, cfg: Config, run_dir: Path, *, resume_step: int, wandb_run_id: str | None) -> None:
-        """The rank's logger (:func:`~readback.train.metrics.build_metrics_logger`), its records
+        """The rank's logger (:func:`~readback.train.records.metrics.build_metrics_logger`), its records
         cut back to ``resume_step``."""
         self.logger = build_metrics_logger(
             cfg.logger,

@@ -16,10 +16,10 @@ import torch
 import torch.nn as nn
 
 from readback.backends.converted import eps_of
-from readback.backends.te import _te as te_modules
-from readback.backends.te import check_available, fp8_autocast, make_recipe
-from readback.backends.te_facts import installed_te_version
-from readback.backends.te_recipe import te_recipe_plan
+from readback.backends.te.facts import installed_te_version
+from readback.backends.te.parts import _te as te_modules
+from readback.backends.te.parts import check_available, fp8_autocast, make_recipe
+from readback.backends.te.recipe import te_recipe_plan
 from readback.errors import ConfigError
 from readback.numerics.state import Numerics
 

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from readback.errors import ConfigError
-from readback.train.checkpoint_dirs import (
+from readback.train.checkpoint.dirs import (
     CHECKPOINT_FORMAT,
     checkpoint_dir,
     list_checkpoints,

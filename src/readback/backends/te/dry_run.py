@@ -2,8 +2,8 @@
 
 A dry run plans a cluster job, often from a machine with no GPU and no Transformer Engine. The
 plan (``te_plan``) is a pure function of the config, a TE version and a GPU: where this machine
-has them it uses them, and where it has not it assumes ``te_facts.PLANNING_TE`` and
-``te_facts.PLANNING_GPU`` (the release readback's TE facts were read from, an H100) and says so.
+has them it uses them, and where it has not it assumes ``facts.PLANNING_TE`` and
+``facts.PLANNING_GPU`` (the release readback's TE facts were read from, an H100) and says so.
 What that TE cannot run on that GPU is refused in one line, as a real run would be.
 """
 
@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from readback.backends.settings import ModelSettings
-from readback.backends.te_facts import (
+from readback.backends.te.facts import (
     PLANNING_GPU,
     PLANNING_GPU_NAME,
     PLANNING_TE,
@@ -21,7 +21,7 @@ from readback.backends.te_facts import (
     installed_hardware,
     installed_te_version,
 )
-from readback.backends.te_plan import te_plan
+from readback.backends.te.plan import te_plan
 
 
 @dataclass(frozen=True)

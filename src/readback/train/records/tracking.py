@@ -1,6 +1,6 @@
 """Weights & Biases: curves against tokens, and a run wrapper that never stops training.
 
-Who a run is (name, group, tags, launch context) comes from :mod:`readback.train.identity`.
+Who a run is (name, group, tags, launch context) comes from :mod:`readback.train.records.identity`.
 Curves are plotted against ``tokens`` (``define_metric``) and the summary keeps the last and
 the minimum of ``loss``.
 
@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any, Literal, cast
 from urllib.parse import urlparse
 
-from readback.train.identity import RunIdentity
+from readback.train.records.identity import RunIdentity
 
 log = logging.getLogger(__name__)
 

@@ -1,7 +1,7 @@
 """The experiment -> Transformer Engine table of docs/te_backend.md, rendered from ``te_plan`` so
 that the page and the plan cannot disagree (a test compares them).
 
-    python -m readback.backends.te_table     # prints the table that goes between the markers
+    python -m readback.cli.te_table     # prints the table that goes between the markers
 """
 
 from __future__ import annotations
@@ -9,8 +9,8 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from readback.backends.settings import ModelSettings
-from readback.backends.te_facts import PLANNING_GPU, PLANNING_GPU_NAME, PLANNING_TE, Hardware
-from readback.backends.te_plan import PINNED_BACKEND, te_plan
+from readback.backends.te.facts import PLANNING_GPU, PLANNING_GPU_NAME, PLANNING_TE, Hardware
+from readback.backends.te.plan import PINNED_BACKEND, te_plan
 from readback.errors import ConfigError
 
 START, END = "<!-- te-plan-table:start -->", "<!-- te-plan-table:end -->"
@@ -112,13 +112,3 @@ def render(compose: Callable[[list[str]], ModelSettings]) -> str:
         ]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
-
-
-if __name__ == "__main__":
-    from hydra import compose as hydra_compose
-    from hydra import initialize_config_dir
-
-    from readback.config import CONF_DIR, typed
-
-    with initialize_config_dir(str(CONF_DIR), version_base="1.3"):
-        print(render(lambda overrides: typed(hydra_compose("train", overrides=overrides))))

@@ -1,8 +1,9 @@
 """The checkpoint component: what a checkpoint holds, saved every ``trainer.ckpt_every`` steps, and
 the run resumed from the newest intact one. Which directory that is, and what becomes of damaged
-ones, is :mod:`checkpoint_dirs`'s; how the files are written and read, :mod:`checkpoint_io`'s.
+ones, is :mod:`~readback.train.checkpoint.dirs`'s; how the files are written and read,
+:mod:`~readback.train.checkpoint.io`'s.
 
-Schema (format :data:`~readback.train.checkpoint_dirs.CHECKPOINT_FORMAT`), one DCP directory per
+Schema (format :data:`~readback.train.checkpoint.dirs.CHECKPOINT_FORMAT`), one DCP directory per
 checkpoint, every rank writing its part::
 
     model, optimizer    sharded tensors (FSDP2: each rank its shards; DDP: one copy, the
@@ -50,8 +51,8 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.checkpoint.stateful import Stateful
 
 from readback.errors import ConfigError
-from readback.train import checkpoint_io
-from readback.train.checkpoint_dirs import (
+from readback.train.checkpoint import io as checkpoint_io
+from readback.train.checkpoint.dirs import (
     CHECKPOINT_FORMAT,
     checkpoint_dir,
     commit_checkpoint,
@@ -59,8 +60,8 @@ from readback.train.checkpoint_dirs import (
     remove_stale_temp_files,
     temp_checkpoint_path,
 )
+from readback.train.checkpoint.resumption import resume_plan
 from readback.train.distributed import DistEnv, barrier, broadcast_object
-from readback.train.resumption import resume_plan
 from readback.train.settings import Config, plain_config
 
 log = logging.getLogger(__name__)

@@ -1,7 +1,7 @@
 """What Transformer Engine (TE) can run, by TE version, GPU and cuDNN: facts of TE's source.
 
 Pure data and checks (no TE, no GPU needed). Each fact names the TE file and release it was
-read from; ``readback.backends.te_plan`` refuses, in one line, what they rule out, so a run
+read from; ``readback.backends.te.plan`` refuses, in one line, what they rule out, so a run
 never fails inside TE. Paths are relative to TE's ``transformer_engine/``.
 """
 

@@ -7,8 +7,8 @@ import logging
 from pathlib import Path
 from typing import Any
 
-from readback.train.checkpoint_io import atomic_write_text
-from readback.train.metrics import json_safe
+from readback.train.checkpoint import atomic_write_text
+from readback.train.records.metrics import json_safe
 
 log = logging.getLogger(__name__)
 

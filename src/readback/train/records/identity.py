@@ -24,9 +24,10 @@ from pathlib import Path
 from typing import Any
 
 from readback.overrides import STUDY_AXES, config_value, is_setting, override_map, swept_keys
+from readback.train.distributed import slurm_job_id
 
 _MAX_TAG = 64  # wandb rejects longer tags
-PACKAGE = Path(__file__).resolve().parents[1]  # readback's own folder, whose commit a run records
+PACKAGE = Path(__file__).resolve().parents[2]  # readback's own folder, whose commit a run records
 
 
 @dataclass
@@ -120,14 +121,6 @@ def code_version(package: Path = PACKAGE) -> dict[str, Any]:
         return {"commit": git("rev-parse", "HEAD"), "dirty": bool(git("status", "--porcelain", "--untracked-files=no"))}
     except (OSError, subprocess.SubprocessError):
         return {"commit": None, "dirty": None}
-
-
-def slurm_job_id() -> str | None:
-    """``<array job>_<task>`` for an array job, else ``SLURM_JOB_ID`` (None outside Slurm)."""
-    array, task = os.environ.get("SLURM_ARRAY_JOB_ID"), os.environ.get("SLURM_ARRAY_TASK_ID")
-    if array and task:
-        return f"{array}_{task}"
-    return os.environ.get("SLURM_JOB_ID")
 
 
 def sweep_overrides(sweep_dir: Path) -> list[str]:

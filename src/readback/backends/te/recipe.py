@@ -1,6 +1,6 @@
 """The one mapping of readback's recipe object onto a Transformer Engine recipe, for
-``backend=te`` (``readback.backends.te_plan``) and ``convert(backend="te")``
-(``readback.backends.convert_te``) alike, with its refusals: a setting this TE cannot run on this
+``backend=te`` (``readback.backends.te.plan``) and ``convert(backend="te")``
+(``readback.backends.te.convert``) alike, with its refusals: a setting this TE cannot run on this
 GPU is refused in one line, never dropped. Like the plan, it never imports Transformer Engine.
 """
 
@@ -10,7 +10,7 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
-from readback.backends.te_facts import (
+from readback.backends.te.facts import (
     INTERVAL_REMOVED,
     OVERRIDE_LINEAR_PRECISION_REMOVED,
     SINCE,
@@ -129,7 +129,7 @@ def _check_fp8_recipe(recipe: ScalingRecipe, rounding: str, vt, hw: Hardware, wh
 
 
 def _block_refusal(recipe: ScalingRecipe, hw: Hardware) -> str | None:
-    """Why this GPU cannot run a block recipe's GEMMs (``te_facts``), else None."""
+    """Why this GPU cannot run a block recipe's GEMMs (``facts``), else None."""
     if isinstance(recipe, MXFP8BlockScaling):
         return mxfp8_refusal(hw)
     if isinstance(recipe, Float8BlockScaling):

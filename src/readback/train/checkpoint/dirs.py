@@ -25,8 +25,8 @@ from pathlib import Path
 from typing import Any
 
 from readback.errors import ConfigError
-from readback.train import checkpoint_io
-from readback.train.checkpoint_io import CHECKSUM, INDEX, fsync_dir
+from readback.train.checkpoint import io as checkpoint_io
+from readback.train.checkpoint.io import CHECKSUM, INDEX, fsync_dir
 
 log = logging.getLogger(__name__)
 
