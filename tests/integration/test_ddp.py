@@ -119,7 +119,7 @@ PREEMPT_WORKER = WORKER.replace(
         real_next = toys.ToyStream.next_batch
 
         def next_batch(self):  # rank 1 alone is signalled, during step 3
-            if self.rank == 1 and self.calls == 5:
+            if self.layout.rank == 1 and self.calls == 5:
                 os.kill(os.getpid(), signal.SIGTERM)
             return real_next(self)
 
