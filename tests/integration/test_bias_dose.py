@@ -232,6 +232,24 @@ def test_a_recipe_given_at_measurement_meters_the_weights_under_it(run, tmp_path
 
 
 @pytest.mark.slow
+def test_a_part_of_the_attention_backward_set_apart_at_measurement(run, capsys):
+    """``--attention round_grad_output=false`` meters the checkpoint under the FP8 backward with dO
+    left unrounded: the meter's backward rounds no dO, its history of O is the run's, and the
+    default directory names the replaced key; a bad value is refused in one line."""
+    model, *_ = load_run(run, attention={"round_grad_output": False})
+    assert not model.numerics.spec.attention_rounds("grad_output") and model.numerics.spec.attention_rounds(
+        "grad_scores"
+    )
+    assert model.numerics.sites["layers.0.attn.core.output"].state.steps == 2  # the run's own scaling states
+    assert bias_main([str(run), "--batches", "1", "--attention", "round_grad_output=false"]) == 0
+    written = json.loads((run / "bias" / "step2-attention-round_grad_output=false" / "bias.json").read_text())
+    assert written["attention_from_command_line"] == {"round_grad_output": False}
+    with pytest.raises(SystemExit) as refused:
+        bias_main([str(run), "--batches", "1", "--attention", "bwd_qkv=q8"])
+    assert refused.value.code == 2 and "attention.bwd_qkv='q8'" in capsys.readouterr().err
+
+
+@pytest.mark.slow
 def test_a_current_scaling_attention_metered_from_another_recipe_starts_p_and_ds_one_step_in(run):
     """Under ``--precision recipe=current`` the core's P and dS scale by TE's one-step delayed
     recipe: their history holds one step's amax (of the first validation batch), as in training,

@@ -22,11 +22,11 @@ import time
 from pathlib import Path
 from typing import NoReturn
 
-from readback.audit import block_ops, readback_ops, te, torch_ops
+from readback.audit import block_ops, readback_attention, readback_ops, te, torch_ops
 from readback.audit.core import TOL, Row, format_table
 from readback.audit.harness import Setup
 
-AUDITS = {**torch_ops.AUDITS, **readback_ops.AUDITS, **block_ops.AUDITS}
+AUDITS = {**torch_ops.AUDITS, **readback_ops.AUDITS, **readback_attention.AUDITS, **block_ops.AUDITS}
 
 __all__ = ["AUDITS", "Row", "Setup", "format_table", "main", "run_audit"]
 

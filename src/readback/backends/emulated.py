@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 
-from readback.backends.precision import fp8_settings
+from readback.backends.precision import Attention, fp8_settings
 from readback.backends.settings import ModelSettings
 from readback.numerics.spec import GEMMS, in_bf16_layers, resolve_accumulation
 from readback.ops import read_rules
@@ -31,10 +31,10 @@ _READ_LABELS = {
 }
 
 
-def attention_reads(policy: str, bwd_reads: str = "forward") -> dict[str, str]:
+def attention_reads(policy: str, group: Attention) -> dict[str, str]:
     """``{"attention_core.<gradient>": what it reads}`` of readback's attention op under ``policy``
-    and the backward's flavour ``bwd_reads``."""
-    reads = read_rules(policy, bwd_reads)["attention"]
+    and the ``attention`` group (the backward's flavour and the parts it sets apart)."""
+    reads = read_rules(policy, group.bwd_reads, None, group.bwd_qkv, group.bwd_probs)["attention"]
     return {f"attention_core.{g}": _READ_LABELS[reads[g]].format(x) for g, x in READ_OPERANDS.items()}
 
 
@@ -57,7 +57,7 @@ def site_implementations(cfg: ModelSettings) -> dict[str, str]:
         **READBACK_SITES,
         "attention_core": attention_core_label(cfg.attention.recipe),
         "lm_head": READBACK_SITES["lm_head"] + tied + (" in BF16" if head_bf16 else ""),
-        **attention_reads(cfg.policy, cfg.attention.bwd_reads),
+        **attention_reads(cfg.policy, cfg.attention),
         **({} if p is None else accumulations(p.accumulation, p.accumulation_gemms)),
     }
 

@@ -147,5 +147,5 @@ def site_implementations(cfg: ModelSettings) -> dict[str, str]:
             "attention_core": READBACK_SITES["attention_core"] + " (routed SDPA)",
             "embedding": "torch.nn.Embedding",
         }
-        reads = attention_reads(cfg.policy, cfg.attention.bwd_reads)
+        reads = attention_reads(cfg.policy, cfg.attention)
     return {"model": f"transformers {m.architecture}", **sites, "left_in_high_precision": ", ".join(m.filter), **reads}

@@ -31,6 +31,8 @@ from readback.numerics.gemm import BF16_GEMMS
 from readback.numerics.spec import (
     ACCUMULATIONS,
     ATTENTION_BWD_PRECISIONS,
+    ATTENTION_BWD_PROBS,
+    ATTENTION_BWD_QKV,
     ATTENTION_BWD_READS,
     ATTENTION_RECIPES,
     PRECISIONS,
@@ -200,6 +202,17 @@ class Attention(Checked):
         default=None,
         note="no mxfp8: how TE's MXFP8 attention rounds P and dP is inside cuDNN, not in TE's source",
     )
+    # The backward's parts, each set apart from what bwd_reads and bwd_precision give (null): what
+    # dQ, dK, dP read of Q, K, V; what dV, dS read of P; whether dO and dS are rounded to E5M2.
+    bwd_qkv: str | None = one_of(ATTENTION_BWD_QKV, default=None)
+    bwd_probs: str | None = one_of(ATTENTION_BWD_PROBS, default=None)
+    round_grad_output: bool | None = None
+    round_grad_scores: bool | None = None
+
+    def parts_set_apart(self) -> dict[str, Any]:
+        """The parts of the backward set apart from its flavour and precision (keys not null)."""
+        keys = ("bwd_qkv", "bwd_probs", "round_grad_output", "round_grad_scores")
+        return {k: getattr(self, k) for k in keys if getattr(self, k) is not None}
 
     def check_against(self, precision: Precision, policy: str) -> None:
         """The rules with the other groups: ``recipe`` is an FP8 run's; ``bwd_reads=te`` reads what
@@ -207,6 +220,11 @@ class Attention(Checked):
         forward's operands."""
         fp8 = precision.name == "fp8"
         require(self.recipe is None or fp8, self.key("recipe"), self.recipe, "null under precision=bf16 (no FP8 core)")
+        for key, value in self.parts_set_apart().items():
+            require(fp8, self.key(key), value, "null under precision=bf16 (no FP8 forward to read apart from)")
+            require(
+                policy != "exact", self.key(key), value, "null with policy=exact, which reads what the forward used"
+            )
         if self.bwd_reads == "forward":
             return
         why = (
@@ -264,6 +282,10 @@ def spec_of(precision: Precision, policy: str, attention: Attention) -> Numerics
         attention_bwd_precision=attention.bwd_precision,
         attention_bwd_reads=attention.bwd_reads,
         attention_recipe=attention.scaling_recipe(p),
+        attention_bwd_qkv=attention.bwd_qkv,
+        attention_bwd_probs=attention.bwd_probs,
+        attention_round_grad_output=attention.round_grad_output,
+        attention_round_grad_scores=attention.round_grad_scores,
         rounding=p.rounding,
         bf16_sites=tuple(p.bf16_layers),
         site_margin=dict(p.site_margin or {}),

@@ -94,7 +94,8 @@ def spec_of(variant: Variant, spec: NumericsSpec) -> NumericsSpec:
     policy = variant.policy or spec.policy
     if variant.policy:  # in the run's attention-backward flavour (``te``: TE's BF16 backward's reads)
         recipe = spec.recipe if spec.precision == "fp8" else None
-        spec = spec.with_reads(policy, read_rules(policy, spec.attention_bwd_reads, recipe))
+        reads = read_rules(policy, spec.attention_bwd_reads, recipe, spec.attention_bwd_qkv, spec.attention_bwd_probs)
+        spec = spec.with_reads(policy, reads)
     if variant.reads:
         unknown = [(op, g) for op, grads in variant.reads.items() for g in grads if g not in spec.reads.get(op, {})]
         if unknown:

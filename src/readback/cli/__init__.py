@@ -3,5 +3,6 @@ on top of every layer, like ``train.py``, and the library packages they drive im
 themselves.
 
 * :mod:`~readback.cli.bias` -- ``python -m readback.cli.bias CHECKPOINT_OR_RUN_DIR``: the bias meter on a checkpoint
+  (its options as data: :mod:`~readback.cli.bias_options`)
 * :mod:`~readback.cli.te_table` -- ``python -m readback.cli.te_table``: docs/te_backend.md's TE table
 """

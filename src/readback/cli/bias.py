@@ -1,6 +1,6 @@
 """``python -m readback.cli.bias CHECKPOINT_OR_RUN_DIR [--batches N] [--out DIR] [--dtype fp64|fp32]
 [--site-margin PATTERN=K ...] [--sweep-margin PATTERN=K1,K2,...] [--accumulation NAME]
-[--accumulation-gemm GEMM=MODE ...]``
+[--accumulation-gemm GEMM=MODE ...] [--precision KEY=VALUE ...] [--attention KEY=VALUE ...]``
 
 Loads a training checkpoint (its directory, or a run directory's newest intact one: each is
 verified as a resume verifies it, a damaged one skipped with a warning), and runs the bias meter at its
@@ -24,7 +24,9 @@ from fresh scaling states (block and current scales come from the tensors themse
 change to delayed scaling from another recipe, of the linears or of the attention core, is
 refused (no amax history to start from), but a one-step history (a current-scaling attention's
 P and dS) starts as in training, from one forward and backward of the first validation batch.
-Default DIR then gets ``-precision-<KEY=VALUE,...>`` appended.
+Default DIR then gets ``-precision-<KEY=VALUE,...>`` appended. ``--attention KEY=VALUE`` likewise
+replaces an ``attention`` key, e.g. ``round_grad_output=false`` (a part of the backward set apart):
+``-attention-<KEY=VALUE,...>``.
 
 ``--accumulation NAME`` and ``--accumulation-gemm GEMM=MODE`` replace the run's
 ``precision.accumulation`` and its per-GEMM overrides (``hopper``: the linears' forward GEMMs
@@ -41,12 +43,20 @@ from __future__ import annotations
 import argparse
 import fnmatch
 import os
-import re
 import sys
 import time
 from pathlib import Path
 
-from readback.errors import ConfigError, require
+from readback.cli.bias_options import (
+    accumulation_keys,
+    accumulation_label,
+    group_keys,
+    group_label,
+    label,
+    parse_margin,
+    single_margin,
+)
+from readback.errors import ConfigError
 from readback.probe.settings import DTYPES
 
 
@@ -100,7 +110,8 @@ def load_run(
     model = build_model(cfg)
     model.load_state_dict(state["model"])
     recipe = cfg.precision.recipe if hasattr(cfg.precision, "recipe") else None
-    if recipe == saved["precision"].get("recipe") and not attention:
+    same_core = cfg.attention.recipe == with_current_keys(saved)["attention"].get("recipe")
+    if recipe == saved["precision"].get("recipe") and same_core:
         model.numerics.load_state_dict(numerics_state)
     else:
         _start_histories(model, stream, recipe)
@@ -134,26 +145,6 @@ def _start_histories(model, stream, recipe: str | None) -> None:
         model.numerics.end_step()
 
 
-def parse_margin(text: str) -> tuple[str, list[int]]:
-    """``PATTERN=K`` or ``PATTERN=K1,K2,...`` -> ``(PATTERN, [K, ...])``, every K a site margin
-    (>= 0), refused before any checkpoint is read."""
-    from readback.config import require_margin
-
-    pattern, _, values = text.rpartition("=")
-    try:
-        margins = [int(v) for v in values.split(",")]
-    except ValueError:
-        margins = []
-    require(bool(pattern) and bool(margins), "--site-margin", text, "PATTERN=K, e.g. attn.core.output=12")
-    require_margin(f"--site-margin {pattern}", min(margins))
-    return pattern, margins
-
-
-def label(text: str) -> str:
-    """``text`` (site patterns and margins: ``attn.core.output=12``) as part of a directory name."""
-    return re.sub(r"[^\w.=,-]", "_", text) or "none"
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m readback.cli.bias", description=__doc__.split("\n\n")[1])
     parser.add_argument("path", type=Path, metavar="CHECKPOINT_OR_RUN_DIR")
@@ -176,6 +167,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--precision", action="append", default=[], metavar="KEY=VALUE", help="replace a precision key (repeatable)"
     )
+    parser.add_argument(
+        "--attention", action="append", default=[], metavar="KEY=VALUE", help="replace an attention key (repeatable)"
+    )
     parser.add_argument("--accumulation", default=None, metavar="NAME", help="replace precision.accumulation")
     parser.add_argument(
         "--accumulation-gemm",
@@ -192,12 +186,14 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         args.accumulation_keys = accumulation_keys(args.accumulation, args.accumulation_gemm)
-        args.precision_keys = precision_keys(args.precision)
-        given = None if args.site_margin is None else dict(_single(parse_margin(m)) for m in args.site_margin)
+        args.precision_keys = group_keys("precision", args.precision)
+        args.attention_keys = group_keys("attention", args.attention)
+        replaced = group_label("precision", args.precision) + group_label("attention", args.attention)
+        given = None if args.site_margin is None else dict(single_margin(parse_margin(m)) for m in args.site_margin)
         sweep = parse_margin(args.sweep_margin) if args.sweep_margin else None
         if sweep is None:
             suffix = "" if given is None else "-" + label(",".join(f"{p}={k}" for p, k in given.items()))
-            suffix += accumulation_label(args.accumulation_keys) + precision_label(args.precision)
+            suffix += accumulation_label(args.accumulation_keys) + replaced
             _measure(args, given, lambda run_dir, step: args.out or run_dir / "bias" / f"step{step}{suffix}")
             return 0
         pattern, margins = sweep
@@ -206,7 +202,7 @@ def main(argv: list[str] | None = None) -> int:
 
             def out_for(run_dir: Path, step: int, k: int = k) -> Path:
                 dose = f"step{step}-dose-{label(pattern)}{accumulation_label(args.accumulation_keys)}"
-                dose += precision_label(args.precision)
+                dose += replaced
                 base = args.out or run_dir / "bias" / dose
                 return base / f"margin{k}"
 
@@ -224,48 +220,6 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def accumulation_keys(name: str | None, gemms: list[str]) -> dict | None:
-    """The ``precision`` keys that ``--accumulation`` and ``--accumulation-gemm`` replace (None: neither given)."""
-    if name is None and not gemms:
-        return None
-    pairs = [g.partition("=") for g in gemms]
-    for text, (gemm, sep, mode) in zip(gemms, pairs):
-        require(bool(gemm and sep and mode), "--accumulation-gemm", text, "GEMM=MODE, e.g. dgrad=ieee")
-    keys: dict = {"accumulation_gemms": {gemm: mode for gemm, _, mode in pairs} or None}
-    return keys | ({"accumulation": name} if name is not None else {})
-
-
-def precision_keys(pairs: list[str]) -> dict:
-    """``--precision KEY=VALUE`` as ``{KEY: VALUE}``, VALUE read as YAML (``true``, ``1``, ``[a, b]``)."""
-    import yaml
-
-    keys = {}
-    for text in pairs:
-        key, sep, value = text.partition("=")
-        require(bool(key and sep), "--precision", text, "KEY=VALUE, e.g. recipe=nvfp4")
-        keys[key] = yaml.safe_load(value)
-    return keys
-
-
-def precision_label(pairs: list[str]) -> str:
-    """The default directory's suffix for replaced precision keys (``-precision-recipe=nvfp4``)."""
-    return "-precision-" + label(",".join(pairs)) if pairs else ""
-
-
-def accumulation_label(keys: dict | None) -> str:
-    """The default directory's suffix for replaced accumulation keys (``-acc-hopper``)."""
-    if keys is None:
-        return ""
-    gemms = ",".join(f"{g}={m}" for g, m in (keys["accumulation_gemms"] or {}).items())
-    return "-acc-" + label("".join(filter(None, [keys.get("accumulation"), gemms and f"({gemms})"])))
-
-
-def _single(parsed: tuple[str, list[int]]) -> tuple[str, int]:
-    pattern, margins = parsed
-    require(len(margins) == 1, "--site-margin", f"{pattern}={margins}", "one K per pattern (a sweep: --sweep-margin)")
-    return pattern, margins[0]
-
-
 def _measure(args, site_margin: dict[str, int] | None, out_for, shown: bool = True):
     """The meter on ``args.path`` under ``site_margin`` (None: the run's own), written to
     ``out_for(run_dir, step)``; prints the ``--show`` rows when ``shown``. ``(result, its directory)``."""
@@ -273,9 +227,8 @@ def _measure(args, site_margin: dict[str, int] | None, out_for, shown: bool = Tr
     from readback.bias.report import to_markdown, write
     from readback.train.records.identity import code_version
 
-    model, stream, step, run_dir = load_run(
-        args.path, site_margin, (args.accumulation_keys or {}) | args.precision_keys
-    )
+    precision = (args.accumulation_keys or {}) | args.precision_keys
+    model, stream, step, run_dir = load_run(args.path, site_margin, precision, args.attention_keys)
     start = time.perf_counter()
     result = measure_bias(model, list(stream.val_batches(args.batches)), dtype=DTYPES[args.dtype])
     result.info = {
@@ -284,6 +237,7 @@ def _measure(args, site_margin: dict[str, int] | None, out_for, shown: bool = Tr
         "site_margin_from": "checkpoint" if site_margin is None else "command line",
         "accumulation": list(model.numerics.spec.accumulation),
         "precision_from_command_line": args.precision_keys,
+        "attention_from_command_line": args.attention_keys,
         "code": code_version(),
     }
     out = out_for(run_dir, step)

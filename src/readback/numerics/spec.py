@@ -23,6 +23,12 @@ ATTENTION_BWD_PRECISIONS = GEMM_PRECISIONS[:3]  # what a run may choose: fp8, bf
 # attention.bwd_reads: which operands the attention backward reads besides the policy's D read;
 # ops.attention.BWD_READS says what each reads ("te": Transformer Engine's BF16 backward's).
 ATTENTION_BWD_READS = ("forward", "te")
+# The parts of the attention backward that attention.bwd_reads and bwd_precision set together, each
+# a setting of its own too: what dQ, dK, dP read of Q, K, V (bwd_qkv); what dV, dS read of P
+# (bwd_probs); and which gradients the backward rounds to its FP8 format before their GEMMs.
+ATTENTION_BWD_QKV = ("forward", "original")  # forward: what the FP8 forward multiplied (Q8, K8, V8)
+ATTENTION_BWD_PROBS = ("forward", "rebuilt")  # forward: the forward's P8 (dV) and P (dS)
+ATTENTION_BWD_ROUNDED = ("grad_output", "grad_scores")
 # The sites an attention core rounds at, ``<op>.q``, ... (``ops.attention.SITES``); every model names
 # its attention op ``<module>.core`` (FOG: ``layers.<i>.attn.core``; ``readback.convert``: the SDPA
 # caller's name plus ``.core``), so a site is the core's by its name alone (``is_attention_site``).
@@ -97,7 +103,12 @@ class NumericsSpec:
     ``amax_spike``: an amax multiplied by ``2**k`` at one step at the sites a pattern matches
     (``readback.numerics.spike``; delayed scaling only), or None. ``attention_bwd_reads``: the
     attention backward's flavour (``ATTENTION_BWD_READS``), already laid into ``reads``; kept so
-    that a backward under another policy (a bias-meter variant) reads in the same flavour. A
+    that a backward under another policy (a bias-meter variant) reads in the same flavour;
+    ``attention_bwd_qkv`` and ``attention_bwd_probs`` likewise, a part of the flavour set apart
+    (``ATTENTION_BWD_QKV``, ``ATTENTION_BWD_PROBS``; None: the flavour's). ``attention_bwd_rounds``:
+    ``((gradient, rounds), ...)`` of ``ATTENTION_BWD_ROUNDED`` set apart from the backward's own
+    rule (an FP8 backward rounds dO and dS to its format, the others neither:
+    ``attention_rounds``). A
     flavour other than ``forward`` reads operands that are no FP8 codes: no FP8 backward.
     ``attention_recipe``: the attention core's own per-tensor recipe (``ATTENTION_RECIPES``;
     ``precision.attention_recipe``, TE's ``NVTE_DPA_FP8_RECIPE``), which its sites
@@ -117,6 +128,9 @@ class NumericsSpec:
     amax_spike: AmaxSpike | None = None
     attention_bwd_reads: str = ATTENTION_BWD_READS[0]
     attention_recipe: ScalingRecipe | None = None
+    attention_bwd_qkv: str | None = None
+    attention_bwd_probs: str | None = None
+    attention_bwd_rounds: tuple[tuple[str, bool], ...] = ()
 
     def __post_init__(self) -> None:
         if self.precision not in PRECISIONS:
@@ -139,6 +153,8 @@ class NumericsSpec:
             ("rounding", self.rounding, ROUNDINGS),
             ("bf16_gemm", self.bf16_gemm, BF16_GEMMS),
             ("attention_bwd_reads", self.attention_bwd_reads, ATTENTION_BWD_READS),
+            ("attention_bwd_qkv", self.attention_bwd_qkv, (None, *ATTENTION_BWD_QKV)),
+            ("attention_bwd_probs", self.attention_bwd_probs, (None, *ATTENTION_BWD_PROBS)),
         ):
             if value not in valid:
                 raise ValueError(f"{key}={value!r}; valid: {list(valid)}")
@@ -149,6 +165,10 @@ class NumericsSpec:
         object.__setattr__(self, "reads", frozen_reads(self.reads))
         object.__setattr__(self, "bf16_sites", tuple(self.bf16_sites))
         object.__setattr__(self, "site_margin", tuple((str(p), int(k)) for p, k in self.site_margin))
+        rounds = tuple((str(g), bool(r)) for g, r in self.attention_bwd_rounds)
+        if not {g for g, _ in rounds} <= set(ATTENTION_BWD_ROUNDED):
+            raise ValueError(f"attention_bwd_rounds={rounds!r}: gradients of {ATTENTION_BWD_ROUNDED}")
+        object.__setattr__(self, "attention_bwd_rounds", rounds)
 
     def __deepcopy__(self, memo: dict[int, object]) -> NumericsSpec:
         return self  # immutable: a copied model shares its spec
@@ -169,6 +189,9 @@ class NumericsSpec:
             self.amax_spike,
             self.attention_bwd_reads,
             self.attention_recipe,
+            self.attention_bwd_qkv,
+            self.attention_bwd_probs,
+            self.attention_bwd_rounds,
         )
 
     def read(self, op: str, gradient: str) -> str:
@@ -211,6 +234,12 @@ class NumericsSpec:
             return DelayedScaling(fp8_format=recipe.fp8_format, amax_history_len=history, amax_compute_algo=algo)
         return recipe
 
+    def attention_rounds(self, gradient: str) -> bool:
+        """Whether the attention backward rounds ``gradient`` (``grad_output``: dO, ``grad_scores``:
+        dS) to its FP8 format before the GEMMs that read it: as ``attention_bwd_rounds`` says, else
+        under an FP8 backward."""
+        return dict(self.attention_bwd_rounds).get(gradient, self.attention_bwd_precision == "fp8")
+
     def is_bf16_site(self, name: str) -> bool:
         """Whether site ``name`` rounds to BF16 (the one rule: a BF16 run, or a ``bf16_sites`` prefix)."""
         return self.precision == "bf16" or (self.precision == "fp8" and in_bf16_layers(name, self.bf16_sites))
@@ -222,7 +251,7 @@ class NumericsSpec:
     def with_exact_backward(self, op: str) -> NumericsSpec:
         """This spec with ``op``'s (``attention`` or ``linear``) backward GEMMs in FP32, no gradient roundings."""
         if op == "attention":
-            return replace(self, attention_bwd_precision="fp32")
+            return replace(self, attention_bwd_precision="fp32", attention_bwd_rounds=())
         assert self.recipe is not None  # only FP8 linears round their backward
         fprop = self.recipe.override_linear_precision[0]
         return replace(self, recipe=replace(self.recipe, override_linear_precision=(fprop, True, True)))

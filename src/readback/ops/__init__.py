@@ -17,13 +17,18 @@ OPS = {"linear": linear, "rms_norm": norm, "attention": attention, "xielu": acti
 
 
 def read_rules(
-    policy: str, attention_bwd_reads: str = "forward", recipe: ScalingRecipe | None = None
+    policy: str,
+    attention_bwd_reads: str = "forward",
+    recipe: ScalingRecipe | None = None,
+    qkv: str | None = None,
+    probs: str | None = None,
 ) -> dict[str, dict[str, str]]:
     """``{op: {gradient: read mode}}`` of every op under ``policy``, with the attention backward's
-    flavour (``attention.BWD_READS``) laid over attention's row and the reads ``recipe`` sets
-    (``linear.recipe_reads``: a block recipe's own copies, a backward_override's) over the
-    linear's. ``exact`` takes neither: it is every gradient reading what its forward used,
-    whatever the backward reads otherwise."""
+    flavour (``attention.BWD_READS``) and its parts set apart (``qkv``: what dQ, dK, dP read of Q,
+    K, V; ``probs``: what dV, dS read of P) laid over attention's row, and the reads ``recipe``
+    sets (``linear.recipe_reads``: a block recipe's own copies, a backward_override's) over the
+    linear's. ``exact`` takes none: it is every gradient reading what its forward used, whatever
+    the backward reads otherwise."""
     for key, value, valid in (
         ("policy", policy, attention.READS),
         ("attention_bwd_reads", attention_bwd_reads, attention.BWD_READS),
@@ -32,7 +37,11 @@ def read_rules(
             raise ValueError(f"{key}={value!r}; valid: {list(valid)}")
     rules = {name: dict(op.READS[policy]) for name, op in OPS.items()}
     if policy != "exact":
-        rules["attention"] |= attention.BWD_READS[attention_bwd_reads]
+        laid = dict(attention.BWD_READS[attention_bwd_reads])
+        for gradients, part in ((attention.QKV_READERS, qkv), (attention.P_READERS, probs)):
+            if part is not None:  # "forward": the policy's own read, whatever the flavour
+                laid |= {g: rules["attention"][g] if part == "forward" else part for g in gradients}
+        rules["attention"] |= laid
         rules["linear"] |= linear.recipe_reads(recipe)
     return rules
 
@@ -44,6 +53,10 @@ def numerics_spec(
     attention_bwd_precision: str = "fp8",
     attention_bwd_reads: str = ATTENTION_BWD_READS[0],
     attention_recipe: ScalingRecipe | None = None,
+    attention_bwd_qkv: str | None = None,
+    attention_bwd_probs: str | None = None,
+    attention_round_grad_output: bool | None = None,
+    attention_round_grad_scores: bool | None = None,
     rounding: str = "nearest",
     bf16_sites: tuple[str, ...] = (),
     site_margin: dict[str, int] | None = None,
@@ -58,15 +71,17 @@ def numerics_spec(
     ``DelayedScaling()``; a BF16 run's FP8 attention backward runs in BF16, an ``off`` run's in
     FP64; only FP8 rounds stochastically; the linears' accumulation, ``spec.resolve_accumulation``,
     applies to FP8 GEMMs only; ``attention_bwd_reads`` lays the attention backward's flavour over
-    the policy's reads; ``attention_recipe``, the attention core's own per-tensor recipe, is an FP8
-    run's only). The spec checks its own values."""
+    the policy's reads, and ``attention_bwd_qkv``, ``attention_bwd_probs`` a part of it each;
+    ``attention_round_grad_output`` and ``_scores``, None, follow the backward's precision;
+    ``attention_recipe``, the attention core's own per-tensor recipe, is an FP8 run's only). The
+    spec checks its own values."""
     fp8 = precision == "fp8"
     recipe = DelayedScaling() if fp8 and recipe is None else recipe
     return NumericsSpec(
         precision=precision,
         recipe=recipe,
         policy=policy,
-        reads=read_rules(policy, attention_bwd_reads, recipe if fp8 else None),
+        reads=read_rules(policy, attention_bwd_reads, recipe if fp8 else None, attention_bwd_qkv, attention_bwd_probs),
         attention_bwd_precision=_backward_as_run(precision, attention_bwd_precision),
         rounding=rounding if fp8 else "nearest",
         bf16_sites=bf16_sites,
@@ -76,6 +91,16 @@ def numerics_spec(
         amax_spike=amax_spike,
         attention_bwd_reads=attention_bwd_reads,
         attention_recipe=attention_recipe if fp8 else None,
+        attention_bwd_qkv=attention_bwd_qkv,
+        attention_bwd_probs=attention_bwd_probs,
+        attention_bwd_rounds=tuple(
+            (gradient, rounds)
+            for gradient, rounds in (
+                ("grad_output", attention_round_grad_output),
+                ("grad_scores", attention_round_grad_scores),
+            )
+            if rounds is not None
+        ),
     )
 
 

@@ -7,9 +7,13 @@ says which value each gradient reads)::
 Each block recomputes its P from what the forward saved: the forward's scores GEMM and softmax
 of Q8 and K8 (the same bits), rounded to P8 with the forward's scale and keyed draws (the very
 codes the PV GEMM multiplied), or rebuilt from the original Q, K and the forward's LSE (flavour
-``te``). Under ``attention_bwd_precision`` fp8 dO and dS are rounded to E5M2 before their GEMMs; under
-bf16 dS is held in BF16. dQ's rows are one GEMM per block; dK and dV add every block's products
-in one FP32 accumulator each (``numerics.SplitK``), rounded once at the end.
+``te``). dO and dS are rounded to E5M2 before their GEMMs where the spec says so
+(``NumericsSpec.attention_rounds``: under an FP8 backward unless a part is set apart); a BF16
+backward holds an unrounded dS in BF16. An FP8 backward's GEMM one of whose operands is no FP8
+code (a part set apart: the original Q, K or V, a rebuilt P, an unrounded dO or dS) multiplies
+the values in FP32, as no kernel multiplies FP8 codes by a wider type. dQ's rows are one GEMM
+per block; dK and dV add every block's products in one FP32 accumulator each
+(``numerics.SplitK``), rounded once at the end.
 
 Passes over the blocks, each block one scores GEMM, one softmax (or P rebuilt), P's rounding
 where a gradient reads P8, and the dP GEMM:
@@ -25,6 +29,7 @@ scores, P, dP and dS (B x H x rows x its keys each) and the FP32 accumulators of
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -46,17 +51,28 @@ def backward(
     """dQ, dK, dV (B, H, T, hd; K's and V's per query head) from dO (``grad``, B, T, H hd); ``ctx``
     carries the forward's shape, softmax scale, GEMM, rounding and mechanism switch."""
     precision, dtype, bf16_gemm = numerics.attention_bwd_precision, numerics.dtype, numerics.bf16_gemm
-    reads = numerics.spec.reads["attention"]
+    reads, spec = numerics.spec.reads["attention"], numerics.spec
+    coded = {"dO": spec.attention_rounds("grad_output"), "dS": spec.attention_rounds("grad_scores")}
+    coded |= {g: reads[g] == "rounded" for g in ("dQ", "dK", "dP", "dV")}
+
+    def gemm_of(*operands: str) -> str:
+        """The precision of a GEMM of ``operands`` (``coded``'s names): FP32 in an FP8 backward
+        where one of them is no FP8 code."""
+        return "fp32" if precision == "fp8" and not all(coded[x] for x in operands) else precision
+
     batch, heads, seq, dim = ctx.shape
     # held as held says (BF16 for flavour te's BF16 backward), in dtype block by block
     grad = grad.to(parts.held(numerics)).reshape(batch, seq, heads, dim).transpose(1, 2)
     d_out: torch.Tensor | QTensor = grad
-    if precision == "fp8":
+    losses = {g: mechanism.GradientRounding(f"{name}.{g}") for g in ("grad_output", "grad_scores") if ctx.mechanism}
+    if coded["dO"]:
         d_out = numerics.site(f"{name}.grad_output", "bwd").quantize(grad.to(dtype))
+        if losses:
+            losses["grad_output"].add(grad, d_out)
     o_read = parts.d_term_o(numerics, name, saved)  # None: D = rowsum(P * dP)
 
-    def mm(a: torch.Tensor | QTensor, b: torch.Tensor | QTensor) -> torch.Tensor:
-        return matmul(a, b, precision, bf16_gemm=bf16_gemm)
+    def mm(*operands: str) -> Callable[[Any, Any], torch.Tensor]:
+        return lambda a, b: matmul(a, b, gemm_of(*operands), bf16_gemm=bf16_gemm)
 
     operands: dict[str, Any] = {}  # every block reads K and V's first rows (O(T hd) each): decoded once
 
@@ -89,7 +105,7 @@ def backward(
             lse = saved["lse"][:, :, rows]
             by_mode["rebuilt"] = parts.rebuilt(q_rows, keys, lse, ctx.scale, rows.start, precision).to(dtype)
         probs = parts.value(by_mode[reads["dS"]], dtype)
-        d_p = parts.by_group(d_out_rows, parts.prefix(gemm_operand["dP"], rows).mT, mm)
+        d_p = parts.by_group(d_out_rows, parts.prefix(gemm_operand["dP"], rows).mT, mm("dO", "dP"))
         if o_read is None:
             row_term = (probs * d_p).sum(-1, keepdim=True)
         else:
@@ -101,13 +117,14 @@ def backward(
         return by_mode[reads["dV"]], d_p.sub_(row_term).mul_(probs)  # P (dP - D), in dP's place
 
     blocks = parts.query_blocks(batch, heads, seq)
-    site = numerics.site(f"{name}.grad_scores", "bwd") if precision == "fp8" else None
+    site = numerics.site(f"{name}.grad_scores", "bwd") if coded["dS"] else None
     # a scale computed from the whole of dS (current scaling) needs its amax before any block
     amax = None
     if site and site.reads_amax_first:
         amax = torch.stack([abs_max(block(rows, parts.rows_decoded(d_out, rows, dtype))[1]) for rows in blocks]).amax()
     d_q: torch.Tensor | None = None
-    d_k, d_v = (SplitK((batch, heads, seq, dim), precision, saved["oq"].data.device) for _ in range(2))
+    device = saved["oq"].data.device
+    d_k, d_v = (SplitK((batch, heads, seq, dim), gemm_of(*x), device) for x in (("dS", "dK"), ("dV", "dO")))
     rowsums: list[torch.Tensor] = []
     d_term = None
     if ctx.mechanism:
@@ -119,11 +136,14 @@ def backward(
         # dQ's and dK's GEMMs both read the block of dS: its codes (FP8, or BF16 values) decoded once
         d_s_operand: torch.Tensor | QTensor = d_s
         if site is not None:
-            d_s_operand = decoded(site.quantize(d_s, amax=amax))
+            d_s_q = site.quantize(d_s, amax=amax)
+            if losses:
+                losses["grad_scores"].add(d_s, d_s_q)
+            d_s_operand = decoded(d_s_q)
         elif precision == "bf16":
             ones = torch.ones((), device=d_s.device)
             d_s_operand = decoded(QTensor(d_s.to(torch.bfloat16), ones, BF16), bf16_gemm)
-        d_q_rows = parts.by_group(d_s_operand, parts.prefix(gemm_operand["dQ"], rows), mm)
+        d_q_rows = parts.by_group(d_s_operand, parts.prefix(gemm_operand["dQ"], rows), mm("dS", "dQ"))
         if d_q is None:
             d_q = torch.empty(batch, heads, seq, dim, dtype=d_q_rows.dtype, device=d_q_rows.device)
         d_q[:, :, rows] = d_q_rows * ctx.scale
@@ -133,5 +153,7 @@ def backward(
     numerics.observe(f"attn_rowsum/{name}", torch.cat(rowsums, -1))
     if d_term is not None:
         d_term.observe(numerics, name)
+    for loss in losses.values():
+        loss.observe(numerics)
     assert d_q is not None
     return d_q, d_k.result().mul_(ctx.scale), d_v.result()

@@ -94,8 +94,10 @@ def rebuilt(
     """``P = exp(c Q K^T - LSE)`` of query rows ``first_row ...``: a backward's P recomputed from
     the Q, K it holds with the statistics ``lse`` of the forward's own scores. When the forward
     multiplied other values (Q8, K8), its rows do not sum to one. A BF16 backward keeps S in its
-    FP32 accumulator (BF16 operands, FP32 sums, no rounding of S), as a fused kernel does."""
-    s = by_group(q, k.mT, lambda a, b: matmul(a, b, "fp32" if precision == "bf16" else precision)) * softmax_scale
+    FP32 accumulator (BF16 operands, FP32 sums, no rounding of S), as a fused kernel does; an FP8
+    backward's likewise (its Q, K are no FP8 codes)."""
+    gemm = "fp64" if precision == "fp64" else "fp32"
+    s = by_group(q, k.mT, lambda a, b: matmul(a, b, gemm)) * softmax_scale
     return torch.exp(causal(s, first_row) - lse[..., None])
 
 
@@ -148,10 +150,12 @@ def value(t: torch.Tensor | QTensor, dtype: torch.dtype) -> torch.Tensor:
 
 
 def held(numerics: Numerics) -> torch.dtype:
-    """The dtype the backward holds its non-FP8 reads in: BF16 under flavour ``te`` in a BF16
-    backward (as TE holds them), else the run's (FP32; FP64 without rounding)."""
-    bf16 = numerics.spec.attention_bwd_reads == "te" and numerics.attention_bwd_precision == "bf16"
-    return torch.bfloat16 if bf16 else numerics.dtype
+    """The dtype the backward holds its non-FP8 reads in: BF16 in a BF16 backward that reads the
+    originals (flavour ``te``, or ``bwd_qkv``, ``bwd_probs`` set apart), as TE holds them, else
+    the run's (FP32; FP64 without rounding)."""
+    spec = numerics.spec
+    departs = spec.attention_bwd_reads == "te" or {spec.attention_bwd_qkv, spec.attention_bwd_probs} - {None, "forward"}
+    return torch.bfloat16 if departs and numerics.attention_bwd_precision == "bf16" else numerics.dtype
 
 
 def d_term_o(numerics: Numerics, name: str, saved: dict[str, Any]) -> torch.Tensor | QTensor | None:

@@ -6,6 +6,8 @@ between dQ's D-term component and the mean attended key. Since ``dS = P * (dP - 
 D-term part is ``-c * D_i * kbar_i`` with ``kbar_i = sum_j P_ij K_j``, the direction a biased D
 pushes every query along; its cosine with ``kbar`` over a whole layer (flattened) is near 0 when
 D's errors have no sign, and goes to -1 or +1 when they do. Per row it would be just -sign(D_i).
+And what rounding dO and dS to E5M2 loses (``GradientRounding``): dS's range grows as P's entries
+shrink like 1/T.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from readback.numerics import QTensor
-from readback.numerics.site import rounding_figures
+from readback.numerics.site import rounding_figures, underflow_counts
 
 if TYPE_CHECKING:
     from readback.numerics.state import Numerics
@@ -74,3 +76,33 @@ class DTermCosine:
         dot, d_norm2, k_norm2 = self.sums
         cosine = dot / (d_norm2 * k_norm2).sqrt().clamp_min(1e-30)
         numerics.observe(f"attn_dq_dterm_cos/{name}", cosine)
+
+
+class GradientRounding:
+    """What rounding a backward gradient (dO or dS, site ``name``) to its FP8 format loses, added
+    over the blocks it is rounded in: ``attn_grad_flushed`` (the share of its nonzero elements
+    rounded to zero), ``attn_grad_subnormal`` (to a subnormal: with the flushed, the site's
+    ``fp8_underflow``) and ``attn_grad_amax_to_rms`` (max|x| / rms(x)), one value per layer and step."""
+
+    def __init__(self, name: str):
+        self.name = name
+        self.counts: list[torch.Tensor] = []  # per block: nonzero, flushed, underflowed, sum of squares, amax
+        self.size = 0  # elements added
+
+    def add(self, x: torch.Tensor, q: QTensor) -> None:
+        x = x.detach()
+        underflowed, nonzero = underflow_counts(x, q)
+        flushed = nonzero - torch.count_nonzero(q.data.view(torch.uint8) & 0x7F)  # a zero code: all but the sign 0
+        squares, amax = x.double().square().sum(), x.abs().amax().double()
+        self.counts.append(torch.stack([nonzero.double(), flushed.double(), underflowed.double(), squares, amax]))
+        self.size += x.numel()
+
+    def observe(self, numerics: Numerics) -> None:
+        if not self.counts:
+            return
+        counts = torch.stack(self.counts)
+        nonzero, flushed, underflowed, squares = counts[:, :4].sum(0)
+        rms = (squares / self.size).sqrt()
+        numerics.observe(f"attn_grad_flushed/{self.name}", flushed / nonzero.clamp_min(1))
+        numerics.observe(f"attn_grad_subnormal/{self.name}", (underflowed - flushed) / nonzero.clamp_min(1))
+        numerics.observe(f"attn_grad_amax_to_rms/{self.name}", counts[:, 4].amax() / rms.clamp_min(1e-300))

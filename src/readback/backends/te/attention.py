@@ -73,8 +73,8 @@ def te_attention(p8: Fp8Precision | None, policy: str, group: Attention, vt) -> 
     """TE's attention core where one of its switches reproduces the policy's D-term read under the
     attention's recipe (the ``attention`` group), else ``None`` (readback's core runs it)."""
     bwd, bwd_reads = group.bwd_precision, group.bwd_reads
-    if bwd not in ("fp8", "bf16"):
-        return None  # TE's attention backward is FP8 or BF16
+    if bwd not in ("fp8", "bf16") or group.parts_set_apart():
+        return None  # TE's attention backward is FP8 or BF16, each whole: no switch sets a part apart
     if p8 is None:  # BF16 kernels compute D = rowsum(dO * O) from the BF16 O the projection multiplied
         if policy not in ("exact", "reuse_rounded"):
             return None

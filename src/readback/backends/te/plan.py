@@ -94,7 +94,7 @@ def te_plan(cfg: ModelSettings, te_version: str | None = INSTALLED, hardware: Ha
     cannot run on this GPU as configured, instead of failing inside TE."""
     version, hw, vt, where = resolve_target(te_version, hardware)
 
-    p, policy, bwd_reads = cfg.precision, cfg.policy, cfg.attention.bwd_reads
+    p, policy = cfg.precision, cfg.policy
     te_backend = cfg.backend if isinstance(cfg.backend, TeBackend) else None
     core_choice = choose("backend.attention_core", te_backend.attention_core if te_backend else "auto", ATTENTION_CORES)
     fp8_mha = te_backend.fp8_mha if te_backend else False
@@ -127,7 +127,7 @@ def te_plan(cfg: ModelSettings, te_version: str | None = INSTALLED, hardware: Ha
         env, attention_label, attention_reads = (
             {},
             attention_core_label(cfg.attention.recipe),
-            readback_attention_reads(policy, bwd_reads),
+            readback_attention_reads(policy, cfg.attention),
         )
 
     if recipe is not None:
