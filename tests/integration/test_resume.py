@@ -237,6 +237,28 @@ SAVE_INSTANTS = {
 }
 
 
+# A save held 50 ms at each of the instants above, so that a poll of the run directory finds each
+# one on a loaded machine too: the kill still comes from outside, at whatever the save has reached.
+HELD_SAVES = """
+import runpy, sys, time
+from torch.distributed.checkpoint import FileSystemWriter
+from readback.train.checkpoint import io, manager
+
+def held(function):
+    def after_a_hold(*args, **kwargs):
+        time.sleep(0.05)
+        return function(*args, **kwargs)
+    return after_a_hold
+
+io._ChecksummedWriter.write_data = held(io._ChecksummedWriter.write_data)  # the directory made, empty
+io.crc32_of = held(io.crc32_of)  # the shard written, its checksums not yet
+io._ChecksummedWriter.finish = held(FileSystemWriter.finish)  # the checksums written, the index not yet
+manager.commit_checkpoint = held(manager.commit_checkpoint)  # the index written, not yet renamed
+sys.argv = ["train.py"] + sys.argv[1:]
+runpy.run_path("train.py", run_name="__main__")
+"""
+
+
 @pytest.mark.parametrize("asynchronous", [False, True], ids=["sync", "async"])
 def test_sigkill_at_any_instant_of_a_save_resumes_from_the_newest_complete_checkpoint(
     tmp_path, reference, asynchronous
@@ -253,13 +275,15 @@ def test_sigkill_at_any_instant_of_a_save_resumes_from_the_newest_complete_check
             any(s > max(after, _last_step(run_dir)) for s, _ in list_checkpoints(ckpts)) and _last_step(run_dir) > after
         ),
     }
+    held = tmp_path / "held_saves.py"
+    held.write_text(HELD_SAVES)
     left_mid_save = []
     for name, reached in instants.items():
         # past the newest checkpoint and any save the last kill left unfinished (cleared on resume)
         start = max(
             [s for s, _ in list_checkpoints(ckpts)] + [_step_of(p) for p in ckpts.glob(".step_*.tmp")], default=0
         )
-        proc = _start(run_dir, *extra)
+        proc = _start(run_dir, *extra, script=str(held))
         _signal_when(proc, run_dir, signal.SIGKILL, lambda reached=reached, start=start: reached(start))
         assert _finish(proc)[0] == -signal.SIGKILL, name
         assert lock_path(run_dir).exists()  # the killed run's lock, which must not block the resume
