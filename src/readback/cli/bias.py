@@ -1,6 +1,7 @@
 """``python -m readback.cli.bias CHECKPOINT_OR_RUN_DIR [--batches N] [--out DIR] [--dtype fp64|fp32]
 [--site-margin PATTERN=K ...] [--sweep-margin PATTERN=K1,K2,...] [--accumulation NAME]
-[--accumulation-gemm GEMM=MODE ...] [--precision KEY=VALUE ...] [--attention KEY=VALUE ...]``
+[--accumulation-gemm GEMM=MODE ...] [--precision KEY=VALUE ...] [--attention KEY=VALUE ...]
+[--parts [BACKWARD,...]]``
 
 Loads a training checkpoint (its directory, or a run directory's newest intact one: each is
 verified as a resume verifies it, a damaged one skipped with a warning), and runs the bias meter at its
@@ -34,6 +35,12 @@ add as Hopper's fast accumulation, dgrad and wgrad as its split one); the meter 
 the backward GEMMs' accumulation (``contrib.ieee_acc.dgrad``, ``contrib.ieee_acc.wgrad``).
 Default DIR then gets ``-acc-<NAME>`` appended.
 
+``--parts`` meters the reuse against each part of the attention backward instead of the reads
+one at a time (``readback.bias.backward_parts``): ``reuse_rounded`` and ``fresh_reround`` under
+TE's FP8 and BF16 backwards and under each backward between them that ``--parts`` names (default
+all: each part switched alone from either end, and D's dO for D's 2 x 2), with each part's
+interaction with the reuse paired within the batch. Default DIR then gets ``-parts`` appended.
+
 Exit code 2, one line on stderr, when there is no intact checkpoint to read or a margin is refused (a
 pattern that matches no site of the run, a K below 0, a run without FP8 sites).
 """
@@ -56,7 +63,7 @@ from readback.cli.bias_options import (
     parse_margin,
     single_margin,
 )
-from readback.errors import ConfigError
+from readback.errors import ConfigError, require
 from readback.probe.settings import DTYPES
 
 
@@ -170,6 +177,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--attention", action="append", default=[], metavar="KEY=VALUE", help="replace an attention key (repeatable)"
     )
+    parser.add_argument(
+        "--parts",
+        nargs="?",
+        const="",
+        default=None,
+        metavar="BACKWARD,...",
+        help="meter the reuse under each part of the attention backward (default all backwards)",
+    )
     parser.add_argument("--accumulation", default=None, metavar="NAME", help="replace precision.accumulation")
     parser.add_argument(
         "--accumulation-gemm",
@@ -189,6 +204,8 @@ def main(argv: list[str] | None = None) -> int:
         args.precision_keys = group_keys("precision", args.precision)
         args.attention_keys = group_keys("attention", args.attention)
         replaced = group_label("precision", args.precision) + group_label("attention", args.attention)
+        replaced += "" if args.parts is None else "-parts"
+        args.part_variants = _part_variants(args.parts)
         given = None if args.site_margin is None else dict(single_margin(parse_margin(m)) for m in args.site_margin)
         sweep = parse_margin(args.sweep_margin) if args.sweep_margin else None
         if sweep is None:
@@ -220,17 +237,34 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def _part_variants(parts: str | None):
+    """``--parts``' variants (None: not given; ``""``: every backward)."""
+    if parts is None:
+        return None
+    from readback.bias.backward_parts import backwards, part_variants
+
+    names = parts.split(",") if parts else None
+    unknown = ",".join(n for n in names or [] if n not in backwards())
+    require(not unknown, "--parts", unknown, f"a comma-separated list of {backwards()}")
+    return part_variants(names)
+
+
 def _measure(args, site_margin: dict[str, int] | None, out_for, shown: bool = True):
     """The meter on ``args.path`` under ``site_margin`` (None: the run's own), written to
     ``out_for(run_dir, step)``; prints the ``--show`` rows when ``shown``. ``(result, its directory)``."""
     from readback.bias import measure_bias
+    from readback.bias.backward_parts import part_contrasts
     from readback.bias.report import to_markdown, write
     from readback.train.records.identity import code_version
 
     precision = (args.accumulation_keys or {}) | args.precision_keys
     model, stream, step, run_dir = load_run(args.path, site_margin, precision, args.attention_keys)
     start = time.perf_counter()
-    result = measure_bias(model, list(stream.val_batches(args.batches)), dtype=DTYPES[args.dtype])
+    batches = list(stream.val_batches(args.batches))
+    if args.part_variants is None:
+        result = measure_bias(model, batches, dtype=DTYPES[args.dtype])
+    else:
+        result = measure_bias(model, batches, args.part_variants, DTYPES[args.dtype], contrasts=part_contrasts)
     result.info = {
         "checkpoint_step": step,
         "run_dir": str(run_dir),

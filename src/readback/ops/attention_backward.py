@@ -65,8 +65,7 @@ def backward(
     # held as held says (BF16 for flavour te's BF16 backward), in dtype block by block
     grad = grad.to(parts.held(numerics)).reshape(batch, seq, heads, dim).transpose(1, 2)
     losses = {g: mechanism.GradientRounding(f"{name}.{g}") for g in ("grad_output", "grad_scores") if ctx.mechanism}
-    o_read = parts.d_term_o(numerics, name, saved)  # None: D = rowsum(P * dP)
-    rounded_in_d = o_read is not None and spec.attention_rounds("grad_output_in_d")
+    rounded_in_d = reads["D"] != "none" and spec.attention_rounds("grad_output_in_d")  # D reads dO8
     d_out8 = None  # dO8: one rounding, whichever reads it
     if coded["dO"] or rounded_in_d:
         d_out8 = numerics.site(f"{name}.grad_output", "bwd").quantize(grad.to(dtype))
@@ -74,6 +73,7 @@ def backward(
             losses["grad_output"].add(grad, d_out8)
     d_out: torch.Tensor | QTensor = d_out8 if coded["dO"] and d_out8 is not None else grad
     d_out_in_d = d_out8 if rounded_in_d and d_out8 is not None else grad  # the dO that D reads
+    o_read = parts.d_term_o(numerics, name, saved)  # None: D = rowsum(P * dP)
 
     def mm(*operands: str) -> Callable[[Any, Any], torch.Tensor]:
         return lambda a, b: matmul(a, b, gemm_of(*operands), bf16_gemm=bf16_gemm)
