@@ -259,9 +259,10 @@ def test_the_parts_meter_at_a_longer_sequence(run, capsys):
     assert bias_main([str(run), "--batches", "4", "--parts", "fp8-grad_scores", "--seq-len", "32"]) == 0
     written = json.loads((run / "bias" / "step2-parts-T32" / "bias.json").read_text())
     assert written["seq_len_from_command_line"] == 32
-    assert [v["name"] for v in written["variants"]][-2:] == [
+    assert [v["name"] for v in written["variants"]][-3:] == [
         "reuse_rounded@fp8-grad_scores",
         "fresh_reround@fp8-grad_scores",
+        "no_saved_copy@fp8-grad_scores",
     ]
     interaction = written["stats"]["interaction.fp8-grad_scores"]["total"]
     assert interaction["rel_err"] > 0 and not math.isnan(interaction["debiased_sq_se"])

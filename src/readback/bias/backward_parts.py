@@ -8,16 +8,18 @@ backward with ``<part>`` put back as the FP8 one has it (leave-one-out from both
 joint cause shows). Both ends spell their reads out part by part (``attention.bwd_reads`` stays
 ``forward``): ``bf16`` is ``bwd_reads=te``'s backward bit for bit.
 
-Under each backward ``b`` the meter runs ``reuse_rounded`` and ``fresh_reround``; per batch,
-``reuse_effect@b = e_reuse@b - e_fresh@b`` (what reading O8 for D costs against a fresh draw,
-under ``b``), and each part's **interaction** with the reuse, the reuse effect that the part's
-FP8 form adds over its BF16 form: ``interaction.fp8-<part> = reuse_effect@fp8 -
-reuse_effect@fp8-<part>`` and ``interaction.bf16+<part> = reuse_effect@bf16+<part> -
-reuse_effect@bf16``. D's own inputs run as a 2 x 2, {O8, O} (``reuse_rounded``, ``original``) x
-{dO8, dO} (``fp8``, ``fp8-grad_output_in_d``): ``d_2x2 = (e_reuse - e_original)@fp8 -
-(e_reuse - e_original)@fp8-grad_output_in_d``. Each contrast is paired within the batch, so the
-statistics of :mod:`readback.bias.estimators` (bias, projection, debiased squared bias, SEs)
-apply to it as to an error.
+Under each backward ``b`` the meter runs ``reuse_rounded``, ``fresh_reround`` and
+``no_saved_copy`` (the control); per batch, ``reuse_vs_fresh@b = e_reuse@b - e_fresh@b`` (what
+reading O8 for D costs against a fresh draw, the study's contrast) and ``reuse_vs_control@b =
+e_reuse@b - e_control@b`` (against D = rowsum(P * dP): no fresh draw's noise), and each part's
+**interaction** with the reuse, the reuse effect that the part's FP8 form adds over its BF16 form:
+``interaction.fp8-<part> = reuse_vs_fresh@fp8 - reuse_vs_fresh@fp8-<part>``,
+``interaction.bf16+<part> = reuse_vs_fresh@bf16+<part> - reuse_vs_fresh@bf16``, and
+``interaction_vs_control.<b>`` likewise of ``reuse_vs_control``. D's own inputs run as a 2 x 2,
+{O8, O} (``reuse_rounded``, ``original``) x {dO8, dO} (``fp8``, ``fp8-grad_output_in_d``):
+``d_2x2 = (e_reuse - e_original)@fp8 - (e_reuse - e_original)@fp8-grad_output_in_d``. Each
+contrast is paired within the batch, so the statistics of :mod:`readback.bias.estimators` (bias,
+projection, debiased squared bias, SEs) apply to it as to an error.
 """
 
 from __future__ import annotations
@@ -59,13 +61,13 @@ def backwards() -> list[str]:
 
 
 def part_variants(names: list[str] | None = None) -> list[Variant]:
-    """The variants of the backwards ``names`` (default all; both ends always): ``reuse_rounded``
-    and ``fresh_reround`` under each, and ``original`` under ``fp8`` and ``fp8-grad_output_in_d``
-    where the 2 x 2 is asked for."""
+    """The variants of the backwards ``names`` (default all; both ends always): ``reuse_rounded``,
+    ``fresh_reround`` and ``no_saved_copy`` under each, and ``original`` under ``fp8`` and
+    ``fp8-grad_output_in_d`` where the 2 x 2 is asked for."""
     names = list(dict.fromkeys(["fp8", "bf16", *(names or backwards())]))
     out = []
     for b in names:
-        policies = ["reuse_rounded", "fresh_reround"]
+        policies = ["reuse_rounded", "fresh_reround", "no_saved_copy"]
         if b in ("fp8", "fp8-grad_output_in_d") and "fp8-grad_output_in_d" in names:
             policies.append("original")
         what = f"the attention backward {b}"
@@ -81,13 +83,16 @@ def part_contrasts(errors: dict[str, list[dict]]) -> dict[str, list[dict]]:
         return [{n: x[n] - y[n] for n in x} for x, y in zip(a, b)]
 
     measured = [name.partition("@")[2] for name in errors if name.startswith("reuse_rounded@")]
-    effect = {b: diff(errors[f"reuse_rounded@{b}"], errors[f"fresh_reround@{b}"]) for b in measured}
-    out = {f"reuse_effect@{b}": e for b, e in effect.items()}
-    for b in measured:
-        if b.startswith("fp8-"):
-            out[f"interaction.{b}"] = diff(effect["fp8"], effect[b])
-        elif b.startswith("bf16+"):
-            out[f"interaction.{b}"] = diff(effect[b], effect["bf16"])
+    out = {}
+    for comparator, label in (("fresh_reround", "fresh"), ("no_saved_copy", "control")):
+        effect = {b: diff(errors[f"reuse_rounded@{b}"], errors[f"{comparator}@{b}"]) for b in measured}
+        out |= {f"reuse_vs_{label}@{b}": e for b, e in effect.items()}
+        name = "interaction" if label == "fresh" else "interaction_vs_control"
+        for b in measured:
+            if b.startswith("fp8-"):
+                out[f"{name}.{b}"] = diff(effect["fp8"], effect[b])
+            elif b.startswith("bf16+"):
+                out[f"{name}.{b}"] = diff(effect[b], effect["bf16"])
     if "original@fp8-grad_output_in_d" in errors:
         with_d8, with_d = ("fp8", "fp8-grad_output_in_d")
         out["d_2x2"] = diff(

@@ -36,7 +36,7 @@ the backward GEMMs' accumulation (``contrib.ieee_acc.dgrad``, ``contrib.ieee_acc
 Default DIR then gets ``-acc-<NAME>`` appended.
 
 ``--parts`` meters the reuse against each part of the attention backward instead of the reads
-one at a time (``readback.bias.backward_parts``): ``reuse_rounded`` and ``fresh_reround`` under
+one at a time (``readback.bias.backward_parts``): ``reuse_rounded``, ``fresh_reround`` and ``no_saved_copy`` under
 TE's FP8 and BF16 backwards and under each backward between them that ``--parts`` names (default
 all: each part switched alone from either end, and D's dO for D's 2 x 2), with each part's
 interaction with the reuse paired within the batch. Default DIR then gets ``-parts`` appended.

@@ -60,12 +60,10 @@ def test_a_switched_part_differs_from_its_end_in_that_part_alone(part):
 
 def test_part_variants_and_names_are_checked():
     names = [v.name for v in part_variants(["fp8-gemms"])]
-    assert names == ["reuse_rounded@fp8", "fresh_reround@fp8", "reuse_rounded@bf16", "fresh_reround@bf16"] + [
-        "reuse_rounded@fp8-gemms",
-        "fresh_reround@fp8-gemms",
-    ]
+    policies = ("reuse_rounded", "fresh_reround", "no_saved_copy")
+    assert names == [f"{p}@{b}" for b in ("fp8", "bf16", "fp8-gemms") for p in policies]
     every = [v.name for v in part_variants()]
-    assert "original@fp8" in every and "original@fp8-grad_output_in_d" in every and len(every) == 2 * 13 + 2
+    assert "original@fp8" in every and "original@fp8-grad_output_in_d" in every and len(every) == 3 * 13 + 2
     with pytest.raises(ValueError, match="no backward 'fp8\\+qkv'"):
         backward("fp8+qkv")
     with pytest.raises(ConfigError, match=r"--parts.*fp8-dO.*is not valid"):
@@ -82,9 +80,12 @@ def test_the_contrasts_are_the_differences_they_are_defined_as():
 
     for b in range(2):
         effect = {n: e(f"reuse_rounded@{n}", b) - e(f"fresh_reround@{n}", b) for n in backwards()}
-        assert torch.equal(out["reuse_effect@bf16"][b]["w"], effect["bf16"])
+        cost = {n: e(f"reuse_rounded@{n}", b) - e(f"no_saved_copy@{n}", b) for n in backwards()}
+        assert torch.equal(out["reuse_vs_fresh@bf16"][b]["w"], effect["bf16"])
+        assert torch.equal(out["reuse_vs_control@fp8-probs"][b]["w"], cost["fp8-probs"])
         assert torch.equal(out["interaction.fp8-qkv"][b]["w"], effect["fp8"] - effect["fp8-qkv"])
         assert torch.equal(out["interaction.bf16+gemms"][b]["w"], effect["bf16+gemms"] - effect["bf16"])
+        assert torch.equal(out["interaction_vs_control.fp8-grad_scores"][b]["w"], cost["fp8"] - cost["fp8-grad_scores"])
         cells = {n: e(f"reuse_rounded@{n}", b) - e(f"original@{n}", b) for n in ("fp8", "fp8-grad_output_in_d")}
         assert torch.equal(out["d_2x2"][b]["w"], cells["fp8"] - cells["fp8-grad_output_in_d"])
     assert "interaction.fp8" not in out and "interaction.bf16" not in out
@@ -99,6 +100,6 @@ def test_the_meter_runs_the_parts_on_a_model(tiny_cfg):
     batches = [tuple(torch.randint(0, 64, (2, 16), generator=g) for _ in range(2)) for _ in range(4)]
     result = measure_bias(model, batches, part_variants(["fp8-grad_scores"]), contrasts=part_contrasts)
     stats = result.stats
-    assert set(stats) >= {"reuse_effect@fp8", "reuse_effect@fp8-grad_scores", "interaction.fp8-grad_scores"}
+    assert set(stats) >= {"reuse_vs_fresh@fp8", "reuse_vs_control@fp8-grad_scores", "interaction.fp8-grad_scores"}
     assert stats["interaction.fp8-grad_scores"]["total"]["rel_err"] > 0
     assert all(v == v for v in stats["interaction.fp8-grad_scores"]["total"].values())
