@@ -250,6 +250,28 @@ def test_a_part_of_the_attention_backward_set_apart_at_measurement(run, capsys):
 
 
 @pytest.mark.slow
+def test_the_parts_meter_at_a_longer_sequence(run, capsys):
+    """``--parts fp8-grad_scores --seq-len 32`` meters the 16-token run at 32 tokens under the two
+    ends and the one backward named: the reuse effect under each and the part's interaction, in a
+    directory named for both; a backward that is not one is refused in one line."""
+    _, stream, *_ = load_run(run, seq_len=32)
+    assert next(iter(stream.val_batches(1)))[0].shape[-1] == 32
+    assert bias_main([str(run), "--batches", "4", "--parts", "fp8-grad_scores", "--seq-len", "32"]) == 0
+    written = json.loads((run / "bias" / "step2-parts-T32" / "bias.json").read_text())
+    assert written["seq_len_from_command_line"] == 32
+    assert [v["name"] for v in written["variants"]][-3:] == [
+        "reuse_rounded@fp8-grad_scores",
+        "fresh_reround@fp8-grad_scores",
+        "no_saved_copy@fp8-grad_scores",
+    ]
+    interaction = written["stats"]["interaction.fp8-grad_scores"]["total"]
+    assert interaction["rel_err"] > 0 and not math.isnan(interaction["debiased_sq_se"])
+    with pytest.raises(SystemExit) as refused:
+        bias_main([str(run), "--batches", "1", "--parts", "fp8-dO"])
+    assert refused.value.code == 2 and "--parts='fp8-dO'" in capsys.readouterr().err
+
+
+@pytest.mark.slow
 def test_a_current_scaling_attention_metered_from_another_recipe_starts_p_and_ds_one_step_in(run):
     """Under ``--precision recipe=current`` the core's P and dS scale by TE's one-step delayed
     recipe: their history holds one step's amax (of the first validation batch), as in training,

@@ -41,6 +41,7 @@ from readback.numerics.spec import (
 )
 from readback.numerics.spike import AmaxSpike
 from readback.ops import numerics_spec
+from readback.ops.attention import READS
 
 # The recipe fields' defaults: Transformer Engine's default recipe, as numerics.scaling declares
 # it, and its Float8BlockScaling and NVFP4BlockScaling for the fields only those recipes have.
@@ -203,15 +204,17 @@ class Attention(Checked):
         note="no mxfp8: how TE's MXFP8 attention rounds P and dP is inside cuDNN, not in TE's source",
     )
     # The backward's parts, each set apart from what bwd_reads and bwd_precision give (null): what
-    # dQ, dK, dP read of Q, K, V; what dV, dS read of P; whether dO and dS are rounded to E5M2.
+    # dQ, dK, dP read of Q, K, V; what dV, dS read of P; whether dO and dS are rounded to E5M2, and
+    # whether the dO that D = rowsum(dO * O) reads is (null: as round_grad_output).
     bwd_qkv: str | None = one_of(ATTENTION_BWD_QKV, default=None)
     bwd_probs: str | None = one_of(ATTENTION_BWD_PROBS, default=None)
     round_grad_output: bool | None = None
     round_grad_scores: bool | None = None
+    round_grad_output_in_d: bool | None = None
 
     def parts_set_apart(self) -> dict[str, Any]:
         """The parts of the backward set apart from its flavour and precision (keys not null)."""
-        keys = ("bwd_qkv", "bwd_probs", "round_grad_output", "round_grad_scores")
+        keys = ("bwd_qkv", "bwd_probs", "round_grad_output", "round_grad_scores", "round_grad_output_in_d")
         return {k: getattr(self, k) for k in keys if getattr(self, k) is not None}
 
     def check_against(self, precision: Precision, policy: str) -> None:
@@ -225,6 +228,9 @@ class Attention(Checked):
             require(
                 policy != "exact", self.key(key), value, "null with policy=exact, which reads what the forward used"
             )
+        in_d, d_reads_no_o = self.round_grad_output_in_d, READS.get(policy, {}).get("D") == "none"
+        no_o = f"null with policy={policy}, whose D = rowsum(P * dP) reads no O and no dO of its own"
+        require(in_d is None or not d_reads_no_o, self.key("round_grad_output_in_d"), in_d, no_o)
         if self.bwd_reads == "forward":
             return
         why = (
@@ -286,6 +292,7 @@ def spec_of(precision: Precision, policy: str, attention: Attention) -> Numerics
         attention_bwd_probs=attention.bwd_probs,
         attention_round_grad_output=attention.round_grad_output,
         attention_round_grad_scores=attention.round_grad_scores,
+        attention_round_grad_output_in_d=attention.round_grad_output_in_d,
         rounding=p.rounding,
         bf16_sites=tuple(p.bf16_layers),
         site_margin=dict(p.site_margin or {}),

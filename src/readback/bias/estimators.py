@@ -11,7 +11,8 @@ jackknife, which recomputes ``G`` too. Cost: O(N x elements), nothing quadratic 
 * ``bias_se = sqrt(S / N) / |G|`` (the spread of ``e_b``), and ``floor``, the same number under
   the name of what it is: the root mean square of ``bias`` when the true bias is zero.
 * ``cosine`` of ``ē`` with ``G``; ``cosine_se`` the delete-one jackknife over batches.
-* ``rel_err``: the mean over batches of ``|e_b| / |r_b|`` (bias and noise together).
+* ``rel_err``: the mean over batches of ``|e_b| / |r_b|`` (bias and noise together), and
+  ``rel_err_max`` its largest, the tail over batches.
 * ``projection = -ē.G / |G|^2``, the share of the gradient the bias removes (negative: it adds);
   the mean of the per-batch ``p_b = -e_b.G / |G|^2``, so unbiased for ``-E e.G / |G|^2``, and
   ``projection_se = sd(p_b) / sqrt(N)`` (sd with N - 1).
@@ -50,6 +51,7 @@ STATS = (
     "cosine",
     "cosine_se",
     "rel_err",
+    "rel_err_max",
     "projection",
     "projection_se",
     "debiased_sq",
@@ -67,10 +69,12 @@ def group_stats(e: torch.Tensor, r: torch.Tensor, guard: bool = True) -> dict[st
     mean_error, mean_grad = e.mean(0), r.mean(0)
     scale = mean_grad.norm().clamp_min(TINY)
     per_batch_projection = -(e @ mean_grad) / scale**2
+    relative = e.norm(dim=1) / r.norm(dim=1).clamp_min(TINY)  # |e_b| / |g_b|
     stats = {
         "bias": (mean_error.norm() / scale).item(),
         "cosine": _cosine(mean_error[None], mean_grad[None]).item(),
-        "rel_err": (e.norm(dim=1) / r.norm(dim=1).clamp_min(TINY)).mean().item(),
+        "rel_err": relative.mean().item(),
+        "rel_err_max": relative.max().item(),
         "projection": per_batch_projection.mean().item(),
         **dict.fromkeys(("bias_se", "cosine_se", "projection_se", "debiased_sq", "debiased_sq_se", "floor"), math.nan),
     }

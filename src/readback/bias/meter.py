@@ -91,9 +91,11 @@ class BiasResult:
         }
 
 
-def measure_bias(model, batches, which: list[Variant] | None = None, dtype=torch.float64) -> BiasResult:
-    """The meter over ``batches`` (``(inputs, targets)`` pairs). Leaves the model's gradients and
-    its numerics (scales, histories, random streams, counts) as they were."""
+def measure_bias(model, batches, which: list[Variant] | None = None, dtype=torch.float64, contrasts=None) -> BiasResult:
+    """The meter over ``batches`` (``(inputs, targets)`` pairs). ``contrasts``: ``errors`` ->
+    ``{name: per-batch differences}`` in place of the ``contrib.*`` ones (e.g.
+    ``backward_parts.part_contrasts``). Leaves the model's gradients and its numerics (scales,
+    histories, random streams, counts) as they were."""
     numerics = model.numerics
     which = variants(numerics) if which is None else which
     params = {n: p for n, p in model.named_parameters() if p.requires_grad}
@@ -123,7 +125,8 @@ def measure_bias(model, batches, which: list[Variant] | None = None, dtype=torch
     seconds = (time.perf_counter() - start) / max(n_batches, 1)
     groups = list(dict.fromkeys(group_of(n) for n in references[0]))
     stats = {v.name: _statistics(errors[v.name], references, groups) for v in which}
-    for name, pairs in _contributions(which, errors, numerics.policy).items():
+    paired = contrasts(errors) if contrasts else _contributions(which, errors, numerics.policy)
+    for name, pairs in paired.items():
         stats[name] = _statistics(pairs, references, groups)
     return BiasResult(
         which,

@@ -26,8 +26,8 @@ def to_markdown(result: BiasResult, groups: list[str] | None = None) -> str:
         f"site margins {margins}.",
         "",
         "| variant | group | bias / mean exact gradient | floor | cosine with it | projection "
-        "| debiased bias² | rel. error per batch |",
-        "|---|---|---|---|---|---|---|---|",
+        "| debiased bias² | rel. error per batch | its largest |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for variant, stats in result.stats.items():
         for group in groups:
@@ -35,7 +35,7 @@ def to_markdown(result: BiasResult, groups: list[str] | None = None) -> str:
             lines.append(
                 f"| {variant} | {group} | {_pm(s['bias'], s['bias_se'])} | {s['floor']:.4f} | "
                 f"{_pm(s['cosine'], s['cosine_se'], 3)} | {_pm(s['projection'], s['projection_se'])} | "
-                f"{_pm(s['debiased_sq'], s['debiased_sq_se'], 5)} | {s['rel_err']:.4f} |"
+                f"{_pm(s['debiased_sq'], s['debiased_sq_se'], 5)} | {s['rel_err']:.4f} | {s['rel_err_max']:.4f} |"
             )
     if result.o_rounding:
         lines += [

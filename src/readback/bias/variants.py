@@ -16,7 +16,9 @@ class Variant:
     """A backward to compare with the reference. ``policy`` None keeps the configured one;
     ``reads`` ``{op: {gradient: mode}}`` overrides entries of it; ``exact_bwd`` names the ops
     (``attention``, ``linear``) whose backward runs in FP32 with no gradient rounding;
-    ``accumulation`` ``{gemm: mode}`` overrides how the linears' ``dgrad``/``wgrad`` GEMMs add."""
+    ``accumulation`` ``{gemm: mode}`` overrides how the linears' ``dgrad``/``wgrad`` GEMMs add;
+    ``backward`` ``{spec field: value}`` replaces the attention backward's precision, flavour and
+    parts (``readback.bias.backward_parts``)."""
 
     name: str
     what: str
@@ -24,6 +26,7 @@ class Variant:
     reads: dict = field(default_factory=dict)
     exact_bwd: tuple[str, ...] = ()
     accumulation: dict = field(default_factory=dict)
+    backward: dict = field(default_factory=dict)
 
 
 def variants(numerics) -> list[Variant]:
@@ -92,7 +95,9 @@ def spec_of(variant: Variant, spec: NumericsSpec) -> NumericsSpec:
     """The spec ``variant``'s backward runs under, made from the run's ``spec`` (a new one: no
     table of the ops or of the policies changes)."""
     policy = variant.policy or spec.policy
-    if variant.policy:  # in the run's attention-backward flavour (``te``: TE's BF16 backward's reads)
+    if variant.backward:
+        spec = replace(spec, **variant.backward)
+    if variant.policy or variant.backward:  # in the run's (or the variant's) attention-backward flavour
         recipe = spec.recipe if spec.precision == "fp8" else None
         reads = read_rules(policy, spec.attention_bwd_reads, recipe, spec.attention_bwd_qkv, spec.attention_bwd_probs)
         spec = spec.with_reads(policy, reads)

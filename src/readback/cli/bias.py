@@ -1,6 +1,7 @@
 """``python -m readback.cli.bias CHECKPOINT_OR_RUN_DIR [--batches N] [--out DIR] [--dtype fp64|fp32]
 [--site-margin PATTERN=K ...] [--sweep-margin PATTERN=K1,K2,...] [--accumulation NAME]
-[--accumulation-gemm GEMM=MODE ...] [--precision KEY=VALUE ...] [--attention KEY=VALUE ...]``
+[--accumulation-gemm GEMM=MODE ...] [--precision KEY=VALUE ...] [--attention KEY=VALUE ...]
+[--parts [BACKWARD,...]]``
 
 Loads a training checkpoint (its directory, or a run directory's newest intact one: each is
 verified as a resume verifies it, a damaged one skipped with a warning), and runs the bias meter at its
@@ -34,6 +35,14 @@ add as Hopper's fast accumulation, dgrad and wgrad as its split one); the meter 
 the backward GEMMs' accumulation (``contrib.ieee_acc.dgrad``, ``contrib.ieee_acc.wgrad``).
 Default DIR then gets ``-acc-<NAME>`` appended.
 
+``--parts`` meters the reuse against each part of the attention backward instead of the reads
+one at a time (``readback.bias.backward_parts``): ``reuse_rounded``, ``fresh_reround`` and ``no_saved_copy`` under
+TE's FP8 and BF16 backwards and under each backward between them that ``--parts`` names (default
+all: each part switched alone from either end, and D's dO for D's 2 x 2), with each part's
+interaction with the reuse paired within the batch. Default DIR then gets ``-parts`` appended.
+``--seq-len T`` meters at sequences of T tokens (the model's positions are rotary: any T runs;
+the scaling states are still the run's, from its own T): ``-T<T>``.
+
 Exit code 2, one line on stderr, when there is no intact checkpoint to read or a margin is refused (a
 pattern that matches no site of the run, a K below 0, a run without FP8 sites).
 """
@@ -56,19 +65,24 @@ from readback.cli.bias_options import (
     parse_margin,
     single_margin,
 )
-from readback.errors import ConfigError
+from readback.errors import ConfigError, require
 from readback.probe.settings import DTYPES
 
 
 def load_run(
-    path: Path, site_margin: dict[str, int] | None = None, precision: dict | None = None, attention: dict | None = None
+    path: Path,
+    site_margin: dict[str, int] | None = None,
+    precision: dict | None = None,
+    attention: dict | None = None,
+    seq_len: int | None = None,
 ):
     """``(model, stream, step, run_dir)`` from a checkpoint or a run directory's newest one; with
     ``site_margin`` the model's numerics are built from the run's config with its
     ``precision.site_margin`` replaced by that mapping (``ConfigError`` if a pattern matches no
     site the run rounded at); with ``precision`` (e.g. ``{accumulation: NAME}``, ``{recipe:
     nvfp4}``) those keys replaced, and so the ``attention`` group's with ``attention``, checked as
-    the config checks them; under another recipe the scaling states start fresh (module docstring)."""
+    the config checks them; under another recipe the scaling states start fresh (module docstring);
+    with ``seq_len`` the model reads (and the stream serves) sequences of that length."""
     from readback.backends import build_model
     from readback.config import check_site_margin, from_saved
     from readback.data import build_data
@@ -92,6 +106,8 @@ def load_run(
         path = found[0]
     state = load_checkpoint(path)
     saved, numerics_state = state["config"], state["ranks"][0]["numerics"]
+    if seq_len is not None:
+        saved = {**saved, "model": {**saved["model"], "seq_len": seq_len}}
     cfg = from_saved(saved)
     replaced = dict(precision or {})
     if "recipe" in replaced and "fp8_format" not in replaced:
@@ -170,6 +186,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--attention", action="append", default=[], metavar="KEY=VALUE", help="replace an attention key (repeatable)"
     )
+    parser.add_argument("--seq-len", type=int, default=None, metavar="T", help="meter at sequences of T tokens")
+    parser.add_argument(
+        "--parts",
+        nargs="?",
+        const="",
+        default=None,
+        metavar="BACKWARD,...",
+        help="meter the reuse under each part of the attention backward (default all backwards)",
+    )
     parser.add_argument("--accumulation", default=None, metavar="NAME", help="replace precision.accumulation")
     parser.add_argument(
         "--accumulation-gemm",
@@ -181,6 +206,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.batches < 1:
         parser.exit(2, f"{parser.prog}: error: --batches must be >= 1, got {args.batches}\n")
+    if args.seq_len is not None and args.seq_len < 2:
+        parser.exit(2, f"{parser.prog}: error: --seq-len must be >= 2, got {args.seq_len}\n")
     os.environ.setdefault("MPLBACKEND", "Agg")
     from readback.train.checkpoint import Damaged
 
@@ -189,6 +216,9 @@ def main(argv: list[str] | None = None) -> int:
         args.precision_keys = group_keys("precision", args.precision)
         args.attention_keys = group_keys("attention", args.attention)
         replaced = group_label("precision", args.precision) + group_label("attention", args.attention)
+        replaced += "" if args.parts is None else "-parts"
+        replaced += "" if args.seq_len is None else f"-T{args.seq_len}"
+        args.part_variants = _part_variants(args.parts)
         given = None if args.site_margin is None else dict(single_margin(parse_margin(m)) for m in args.site_margin)
         sweep = parse_margin(args.sweep_margin) if args.sweep_margin else None
         if sweep is None:
@@ -220,17 +250,34 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def _part_variants(parts: str | None):
+    """``--parts``' variants (None: not given; ``""``: every backward)."""
+    if parts is None:
+        return None
+    from readback.bias.backward_parts import backwards, part_variants
+
+    names = parts.split(",") if parts else None
+    unknown = ",".join(n for n in names or [] if n not in backwards())
+    require(not unknown, "--parts", unknown, f"a comma-separated list of {backwards()}")
+    return part_variants(names)
+
+
 def _measure(args, site_margin: dict[str, int] | None, out_for, shown: bool = True):
     """The meter on ``args.path`` under ``site_margin`` (None: the run's own), written to
     ``out_for(run_dir, step)``; prints the ``--show`` rows when ``shown``. ``(result, its directory)``."""
     from readback.bias import measure_bias
+    from readback.bias.backward_parts import part_contrasts
     from readback.bias.report import to_markdown, write
     from readback.train.records.identity import code_version
 
     precision = (args.accumulation_keys or {}) | args.precision_keys
-    model, stream, step, run_dir = load_run(args.path, site_margin, precision, args.attention_keys)
+    model, stream, step, run_dir = load_run(args.path, site_margin, precision, args.attention_keys, args.seq_len)
     start = time.perf_counter()
-    result = measure_bias(model, list(stream.val_batches(args.batches)), dtype=DTYPES[args.dtype])
+    batches = list(stream.val_batches(args.batches))
+    if args.part_variants is None:
+        result = measure_bias(model, batches, dtype=DTYPES[args.dtype])
+    else:
+        result = measure_bias(model, batches, args.part_variants, DTYPES[args.dtype], contrasts=part_contrasts)
     result.info = {
         "checkpoint_step": step,
         "run_dir": str(run_dir),
@@ -238,6 +285,7 @@ def _measure(args, site_margin: dict[str, int] | None, out_for, shown: bool = Tr
         "accumulation": list(model.numerics.spec.accumulation),
         "precision_from_command_line": args.precision_keys,
         "attention_from_command_line": args.attention_keys,
+        "seq_len_from_command_line": args.seq_len,
         "code": code_version(),
     }
     out = out_for(run_dir, step)

@@ -28,7 +28,8 @@ ATTENTION_BWD_READS = ("forward", "te")
 # (bwd_probs); and which gradients the backward rounds to its FP8 format before their GEMMs.
 ATTENTION_BWD_QKV = ("forward", "original")  # forward: what the FP8 forward multiplied (Q8, K8, V8)
 ATTENTION_BWD_PROBS = ("forward", "rebuilt")  # forward: the forward's P8 (dV) and P (dS)
-ATTENTION_BWD_ROUNDED = ("grad_output", "grad_scores")
+# grad_output_in_d: the dO that D = rowsum(dO * O) reads, apart from the dO of the dV and dP GEMMs
+ATTENTION_BWD_ROUNDED = ("grad_output", "grad_scores", "grad_output_in_d")
 # The sites an attention core rounds at, ``<op>.q``, ... (``ops.attention.SITES``); every model names
 # its attention op ``<module>.core`` (FOG: ``layers.<i>.attn.core``; ``readback.convert``: the SDPA
 # caller's name plus ``.core``), so a site is the core's by its name alone (``is_attention_site``).
@@ -237,8 +238,11 @@ class NumericsSpec:
     def attention_rounds(self, gradient: str) -> bool:
         """Whether the attention backward rounds ``gradient`` (``grad_output``: dO, ``grad_scores``:
         dS) to its FP8 format before the GEMMs that read it: as ``attention_bwd_rounds`` says, else
-        under an FP8 backward."""
-        return dict(self.attention_bwd_rounds).get(gradient, self.attention_bwd_precision == "fp8")
+        under an FP8 backward; ``grad_output_in_d``, whether D reads dO8, else as ``grad_output``."""
+        rounds = dict(self.attention_bwd_rounds)
+        if gradient == "grad_output_in_d" and gradient not in rounds:
+            return self.attention_rounds("grad_output")
+        return rounds.get(gradient, self.attention_bwd_precision == "fp8")
 
     def is_bf16_site(self, name: str) -> bool:
         """Whether site ``name`` rounds to BF16 (the one rule: a BF16 run, or a ``bf16_sites`` prefix)."""

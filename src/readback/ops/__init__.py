@@ -57,6 +57,7 @@ def numerics_spec(
     attention_bwd_probs: str | None = None,
     attention_round_grad_output: bool | None = None,
     attention_round_grad_scores: bool | None = None,
+    attention_round_grad_output_in_d: bool | None = None,
     rounding: str = "nearest",
     bf16_sites: tuple[str, ...] = (),
     site_margin: dict[str, int] | None = None,
@@ -72,7 +73,8 @@ def numerics_spec(
     FP64; only FP8 rounds stochastically; the linears' accumulation, ``spec.resolve_accumulation``,
     applies to FP8 GEMMs only; ``attention_bwd_reads`` lays the attention backward's flavour over
     the policy's reads, and ``attention_bwd_qkv``, ``attention_bwd_probs`` a part of it each;
-    ``attention_round_grad_output`` and ``_scores``, None, follow the backward's precision;
+    ``attention_round_grad_output`` and ``_scores``, None, follow the backward's precision, and
+    ``attention_round_grad_output_in_d`` (the dO that D reads), None, ``attention_round_grad_output``;
     ``attention_recipe``, the attention core's own per-tensor recipe, is an FP8 run's only). The
     spec checks its own values."""
     fp8 = precision == "fp8"
@@ -98,6 +100,7 @@ def numerics_spec(
             for gradient, rounds in (
                 ("grad_output", attention_round_grad_output),
                 ("grad_scores", attention_round_grad_scores),
+                ("grad_output_in_d", attention_round_grad_output_in_d),
             )
             if rounds is not None
         ),

@@ -8,12 +8,13 @@ Each block recomputes its P from what the forward saved: the forward's scores GE
 of Q8 and K8 (the same bits), rounded to P8 with the forward's scale and keyed draws (the very
 codes the PV GEMM multiplied), or rebuilt from the original Q, K and the forward's LSE (flavour
 ``te``). dO and dS are rounded to E5M2 before their GEMMs where the spec says so
-(``NumericsSpec.attention_rounds``: under an FP8 backward unless a part is set apart); a BF16
-backward holds an unrounded dS in BF16. An FP8 backward's GEMM one of whose operands is no FP8
-code (a part set apart: the original Q, K or V, a rebuilt P, an unrounded dO or dS) multiplies
-the values in FP32, as no kernel multiplies FP8 codes by a wider type. dQ's rows are one GEMM
-per block; dK and dV add every block's products in one FP32 accumulator each
-(``numerics.SplitK``), rounded once at the end.
+(``NumericsSpec.attention_rounds``: under an FP8 backward unless a part is set apart); D reads
+the dO the dV and dP GEMMs read, or the other one where ``grad_output_in_d`` is set apart (dO8
+rounded for D alone, or dO). A BF16 backward holds an unrounded dS in BF16. An FP8 backward's
+GEMM one of whose operands is no FP8 code (a part set apart: the original Q, K or V, a rebuilt
+P, an unrounded dO or dS) multiplies the values in FP32, as no kernel multiplies FP8 codes by a
+wider type. dQ's rows are one GEMM per block; dK and dV add every block's products in one FP32
+accumulator each (``numerics.SplitK``), rounded once at the end.
 
 Passes over the blocks, each block one scores GEMM, one softmax (or P rebuilt), P's rounding
 where a gradient reads P8, and the dP GEMM:
@@ -63,12 +64,15 @@ def backward(
     batch, heads, seq, dim = ctx.shape
     # held as held says (BF16 for flavour te's BF16 backward), in dtype block by block
     grad = grad.to(parts.held(numerics)).reshape(batch, seq, heads, dim).transpose(1, 2)
-    d_out: torch.Tensor | QTensor = grad
     losses = {g: mechanism.GradientRounding(f"{name}.{g}") for g in ("grad_output", "grad_scores") if ctx.mechanism}
-    if coded["dO"]:
-        d_out = numerics.site(f"{name}.grad_output", "bwd").quantize(grad.to(dtype))
+    rounded_in_d = reads["D"] != "none" and spec.attention_rounds("grad_output_in_d")  # D reads dO8
+    d_out8 = None  # dO8: one rounding, whichever reads it
+    if coded["dO"] or rounded_in_d:
+        d_out8 = numerics.site(f"{name}.grad_output", "bwd").quantize(grad.to(dtype))
         if losses:
-            losses["grad_output"].add(grad, d_out)
+            losses["grad_output"].add(grad, d_out8)
+    d_out: torch.Tensor | QTensor = d_out8 if coded["dO"] and d_out8 is not None else grad
+    d_out_in_d = d_out8 if rounded_in_d and d_out8 is not None else grad  # the dO that D reads
     o_read = parts.d_term_o(numerics, name, saved)  # None: D = rowsum(P * dP)
 
     def mm(*operands: str) -> Callable[[Any, Any], torch.Tensor]:
@@ -109,9 +113,8 @@ def backward(
         if o_read is None:
             row_term = (probs * d_p).sum(-1, keepdim=True)
         else:
-            row_term = (parts.value(d_out_rows, dtype) * parts.o_rows(numerics, o_read, rows, heads)).sum(
-                -1, keepdim=True
-            )
+            d_rows = d_out_rows if d_out_in_d is d_out else parts.rows_decoded(d_out_in_d, rows, dtype)
+            row_term = (parts.value(d_rows, dtype) * parts.o_rows(numerics, o_read, rows, heads)).sum(-1, keepdim=True)
         if d_term is not None:
             d_term.add(probs, row_term)
         return by_mode[reads["dV"]], d_p.sub_(row_term).mul_(probs)  # P (dP - D), in dP's place

@@ -22,7 +22,10 @@ def _definitions(e: torch.Tensor, r: torch.Tensor) -> dict[str, float]:
     trace = sum(((row - e.mean(0)) ** 2).sum() for row in e) / (n - 1)
     debiased = (e.mean(0).pow(2).sum() - trace / n) / grad.pow(2).sum()
     projections = torch.stack([-(row @ grad) / grad.pow(2).sum() for row in e])
+    relative = [(a.norm() / b.norm()).item() for a, b in zip(e, r)]
     return {
+        "rel_err": sum(relative) / n,
+        "rel_err_max": max(relative),
         "projection": -(e.mean(0) @ grad).item() / grad.pow(2).sum().item(),
         "projection_se": projections.std().item() / math.sqrt(n),
         "debiased_sq": debiased.item(),

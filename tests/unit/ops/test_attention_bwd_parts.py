@@ -12,7 +12,7 @@ from readback.backends.precision import Attention, Precision
 from readback.errors import ConfigError
 from readback.numerics import E5M2, DelayedScaling, quantize
 from readback.numerics.state import Numerics
-from readback.ops import numerics_spec
+from readback.ops import attention_parts, numerics_spec
 from readback.ops.attention import P_READERS, QKV_READERS, attention
 from readback.ops.mechanism import GradientRounding
 
@@ -153,3 +153,29 @@ def test_the_backward_logs_what_rounding_do_and_ds_loses_on_mechanism_steps():
         for kind in ("attn_grad_flushed", "attn_grad_subnormal", "attn_grad_amax_to_rms"):
             assert 0 <= stats[f"{kind}/mean/attn.core.{gradient}"] < float("inf")
     assert stats["attn_grad_amax_to_rms/mean/attn.core.grad_scores"] > 1
+
+
+@pytest.mark.parametrize("end", [FP8_END, BF16_END], ids=["fp8", "bf16"])
+def test_the_do_that_d_reads_is_a_part_of_its_own(monkeypatch, end):
+    """``round_grad_output_in_d``: D's dO apart from the GEMMs' (D's inputs as {O8, O} x {dO8, dO}).
+    Its default is the GEMMs' dO; set the other way it moves dQ and dK but not dV, which reads no
+    D; and with D held at zero it moves nothing: it acts through D alone."""
+    follows = end is FP8_END  # the FP8 end rounds the dO that its GEMMs and D read
+    grads, _ = _run(**end)
+    assert _same(grads, _run(**end, attention_round_grad_output_in_d=follows)[0])
+    other, sites = _run(**end, attention_round_grad_output_in_d=not follows)
+    assert torch.equal(other[2], grads[2]) and not torch.equal(other[0], grads[0])
+    assert not torch.equal(other[1], grads[1])
+    assert "attn.core.grad_output" in sites  # rounded for the GEMMs, or for D alone
+    monkeypatch.setattr(attention_parts, "o_rows", lambda numerics, o, rows, heads: torch.zeros(()))
+    assert _same(_run(**end)[0], _run(**end, attention_round_grad_output_in_d=not follows)[0])
+
+
+def test_the_config_refuses_a_d_read_of_do_where_d_reads_no_o():
+    Attention(bwd_precision="fp8", bwd_reads="forward", round_grad_output_in_d=False).check_against(
+        Precision(name="fp8"), "reuse_rounded"
+    )
+    with pytest.raises(ConfigError, match=r"attention\.round_grad_output_in_d=False.*policy=no_saved_copy"):
+        Attention(bwd_precision="fp8", bwd_reads="forward", round_grad_output_in_d=False).check_against(
+            Precision(name="fp8"), "no_saved_copy"
+        )
