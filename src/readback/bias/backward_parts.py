@@ -83,7 +83,7 @@ def part_contrasts(errors: dict[str, list[dict]]) -> dict[str, list[dict]]:
         return [{n: x[n] - y[n] for n in x} for x, y in zip(a, b)]
 
     measured = [name.partition("@")[2] for name in errors if name.startswith("reuse_rounded@")]
-    out = {}
+    out: dict[str, list[dict]] = {}
     for comparator, label in (("fresh_reround", "fresh"), ("no_saved_copy", "control")):
         effect = {b: diff(errors[f"reuse_rounded@{b}"], errors[f"{comparator}@{b}"]) for b in measured}
         out |= {f"reuse_vs_{label}@{b}": e for b, e in effect.items()}
