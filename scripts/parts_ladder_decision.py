@@ -34,7 +34,11 @@ def read_cells(ladder: Path) -> list[dict[str, Any]]:
             continue
         data = json.loads(path.read_text())
         contrasts = ("reuse_vs_", "interaction", "d_2x2")
-        stats = {name: groups["total"] for name, groups in data["stats"].items() if name.startswith(contrasts)}
+        stats = {  # a statistic its batches could not give is written as null: NaN here
+            name: {k: math.nan if v is None else v for k, v in groups["total"].items()}
+            for name, groups in data["stats"].items()
+            if name.startswith(contrasts)
+        }
         cells.append(
             {
                 "checkpoint": path.parent.parent.parent.name,

@@ -21,8 +21,8 @@ train() {  # NAME OVERRIDES...
     local name=$1
     shift
     test -f "$ROOT/$name/summary.json" && return 0
-    "$PY" train.py +sweep=parts_ladder +experiment=reuse_rounded seed=400 trainer.resume=true \
-        trainer.progress=false hydra.run.dir="$ROOT/$name" "$@"
+    "$PY" train.py --multirun hydra.sweep.dir="$ROOT" hydra.sweep.subdir="$name" +sweep=parts_ladder \
+        +experiment=reuse_rounded seed=400 trainer.resume=true trainer.progress=false "$@"
 }
 
 meter() {  # NAME T BATCHES ROUNDING PARTS LABEL [EXTRA...]   (PARTS "": every backward)

@@ -37,7 +37,9 @@ def test_detection_and_growth_use_three_standard_errors():
 
 
 def test_no_reuse_effect_calls_nothing(tmp_path):
+    unmeasured = {**_stats(5.0), "debiased_sq_se": None}  # fewer than 4 batches: written as null
     _cell(tmp_path, "d2", 4096, "nearest", "all", {"interaction.fp8-qkv": _stats(10.0, projection=1.0)})
+    _cell(tmp_path, "d4", 4096, "nearest", "fp8_end", {"reuse_vs_fresh@fp8": unmeasured})
     decision = decide(tmp_path)
     assert decision["call"].startswith("no reuse effect") and decision["loss_test_arms"] == []
 
