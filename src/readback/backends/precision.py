@@ -203,9 +203,8 @@ class Attention(Checked):
         default=None,
         note="no mxfp8: how TE's MXFP8 attention rounds P and dP is inside cuDNN, not in TE's source",
     )
-    # The backward's parts, each set apart from what bwd_reads and bwd_precision give (null): what
-    # dQ, dK, dP read of Q, K, V; what dV, dS read of P; whether dO and dS are rounded to E5M2, and
-    # whether the dO that D = rowsum(dO * O) reads is (null: as round_grad_output).
+    # The backward's parts, each apart from what bwd_reads and bwd_precision give (null): dQ's, dK's, dP's
+    # read of Q, K, V; dV's, dS's of P; dO's and dS's E5M2 rounding, and that of the dO D reads.
     bwd_qkv: str | None = one_of(ATTENTION_BWD_QKV, default=None)
     bwd_probs: str | None = one_of(ATTENTION_BWD_PROBS, default=None)
     round_grad_output: bool | None = None
@@ -218,19 +217,17 @@ class Attention(Checked):
         return {k: getattr(self, k) for k in keys if getattr(self, k) is not None}
 
     def check_against(self, precision: Precision, policy: str) -> None:
-        """The rules with the other groups: ``recipe`` is an FP8 run's; ``bwd_reads=te`` reads what
-        TE's BF16 backward reads after an FP8 forward, so it needs both, and ``exact`` reads the
-        forward's operands."""
+        """The rules with the other groups: ``recipe`` and the parts are an FP8 run's; ``bwd_reads=te``
+        reads as TE's BF16 backward after an FP8 forward; ``exact`` reads the forward's operands."""
         fp8 = precision.name == "fp8"
         require(self.recipe is None or fp8, self.key("recipe"), self.recipe, "null under precision=bf16 (no FP8 core)")
         for key, value in self.parts_set_apart().items():
             require(fp8, self.key(key), value, "null under precision=bf16 (no FP8 forward to read apart from)")
-            require(
-                policy != "exact", self.key(key), value, "null with policy=exact, which reads what the forward used"
-            )
-        in_d, d_reads_no_o = self.round_grad_output_in_d, READS.get(policy, {}).get("D") == "none"
-        no_o = f"null with policy={policy}, whose D = rowsum(P * dP) reads no O and no dO of its own"
-        require(in_d is None or not d_reads_no_o, self.key("round_grad_output_in_d"), in_d, no_o)
+            require(policy != "exact", self.key(key), value, "null with policy=exact (it reads the forward's operands)")
+        in_d, no_o = self.round_grad_output_in_d, READS.get(policy, {}).get("D") == "none"  # D = rowsum(P * dP)
+        require(
+            in_d is None or not no_o, self.key("round_grad_output_in_d"), in_d, f"null: policy={policy}'s D reads no O"
+        )
         if self.bwd_reads == "forward":
             return
         why = (

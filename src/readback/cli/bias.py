@@ -63,9 +63,10 @@ from readback.cli.bias_options import (
     group_label,
     label,
     parse_margin,
+    part_variants_of,
     single_margin,
 )
-from readback.errors import ConfigError, require
+from readback.errors import ConfigError
 from readback.probe.settings import DTYPES
 
 
@@ -218,7 +219,7 @@ def main(argv: list[str] | None = None) -> int:
         replaced = group_label("precision", args.precision) + group_label("attention", args.attention)
         replaced += "" if args.parts is None else "-parts"
         replaced += "" if args.seq_len is None else f"-T{args.seq_len}"
-        args.part_variants = _part_variants(args.parts)
+        args.part_variants = part_variants_of(args.parts)
         given = None if args.site_margin is None else dict(single_margin(parse_margin(m)) for m in args.site_margin)
         sweep = parse_margin(args.sweep_margin) if args.sweep_margin else None
         if sweep is None:
@@ -248,18 +249,6 @@ def main(argv: list[str] | None = None) -> int:
     paths = write_dose(combine(pattern, points), dose_dir)
     print(f"wrote {', '.join(str(p) for p in paths.values())}")
     return 0
-
-
-def _part_variants(parts: str | None):
-    """``--parts``' variants (None: not given; ``""``: every backward)."""
-    if parts is None:
-        return None
-    from readback.bias.backward_parts import backwards, part_variants
-
-    names = parts.split(",") if parts else None
-    unknown = ",".join(n for n in names or [] if n not in backwards())
-    require(not unknown, "--parts", unknown, f"a comma-separated list of {backwards()}")
-    return part_variants(names)
 
 
 def _measure(args, site_margin: dict[str, int] | None, out_for, shown: bool = True):

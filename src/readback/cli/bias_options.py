@@ -68,3 +68,15 @@ def single_margin(parsed: tuple[str, list[int]]) -> tuple[str, int]:
     pattern, margins = parsed
     require(len(margins) == 1, "--site-margin", f"{pattern}={margins}", "one K per pattern (a sweep: --sweep-margin)")
     return pattern, margins[0]
+
+
+def part_variants_of(parts: str | None) -> list | None:
+    """``--parts``' variants (None: not given; ``""``: every backward), a name that is no backward refused."""
+    if parts is None:
+        return None
+    from readback.bias.backward_parts import backwards, part_variants
+
+    names = parts.split(",") if parts else None
+    unknown = ",".join(n for n in names or [] if n not in backwards())
+    require(not unknown, "--parts", unknown, f"a comma-separated list of {backwards()}")
+    return part_variants(names)

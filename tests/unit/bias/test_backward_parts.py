@@ -10,7 +10,7 @@ import torch
 from readback.backends import build_model
 from readback.bias import Variant, measure_bias, spec_of
 from readback.bias.backward_parts import PARTS, backward, backwards, part_contrasts, part_variants
-from readback.cli.bias import _part_variants
+from readback.cli.bias_options import part_variants_of
 from readback.errors import ConfigError
 from readback.ops import numerics_spec
 
@@ -67,7 +67,7 @@ def test_part_variants_and_names_are_checked():
     with pytest.raises(ValueError, match="no backward 'fp8\\+qkv'"):
         backward("fp8+qkv")
     with pytest.raises(ConfigError, match=r"--parts.*fp8-dO.*is not valid"):
-        _part_variants("fp8-dO,fp8-qkv")
+        part_variants_of("fp8-dO,fp8-qkv")
 
 
 def test_the_contrasts_are_the_differences_they_are_defined_as():
