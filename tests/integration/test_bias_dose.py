@@ -272,6 +272,19 @@ def test_the_parts_meter_at_a_longer_sequence(run, capsys):
 
 
 @pytest.mark.slow
+def test_the_parts_meter_refuses_a_run_without_an_fp8_forward(tmp_path, capsys):
+    """A BF16 run has no FP8 backward to take apart: ``--parts`` is refused in one line, exit 2."""
+    run = tmp_path / "bf16"
+    overrides = [*TWO_STEP_RUN, "trainer.ckpt_every=2", "+experiment=bf16_baseline", f"hydra.run.dir={run}"]
+    subprocess.run([sys.executable, "train.py", *overrides], cwd=REPO, check=True, capture_output=True, timeout=300)
+    with pytest.raises(SystemExit) as refused:
+        bias_main([str(run), "--batches", "1", "--parts"])
+    err = capsys.readouterr().err
+    assert refused.value.code == 2 and "--parts='every backward'" in err and "not bf16" in err
+    assert not (run / "bias").exists()
+
+
+@pytest.mark.slow
 def test_a_current_scaling_attention_metered_from_another_recipe_starts_p_and_ds_one_step_in(run):
     """Under ``--precision recipe=current`` the core's P and dS scale by TE's one-step delayed
     recipe: their history holds one step's amax (of the first validation batch), as in training,

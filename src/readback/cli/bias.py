@@ -66,7 +66,7 @@ from readback.cli.bias_options import (
     part_variants_of,
     single_margin,
 )
-from readback.errors import ConfigError
+from readback.errors import ConfigError, require
 from readback.probe.settings import DTYPES
 
 
@@ -265,7 +265,11 @@ def _measure(args, site_margin: dict[str, int] | None, out_for, shown: bool = Tr
     batches = list(stream.val_batches(args.batches))
     if args.part_variants is None:
         result = measure_bias(model, batches, dtype=DTYPES[args.dtype])
-    else:
+    else:  # the backwards between TE's two are an FP8 forward's
+        precision = model.numerics.spec.precision
+        require(
+            precision == "fp8", "--parts", args.parts or "every backward", f"a run with an FP8 forward, not {precision}"
+        )
         result = measure_bias(model, batches, args.part_variants, DTYPES[args.dtype], contrasts=part_contrasts)
     result.info = {
         "checkpoint_step": step,
