@@ -7,7 +7,8 @@ validation loss and again on the final train loss; then the meter's secondary fi
 
 Each contrast pairs two arms by seed over the seeds whose five arms all ended. A diverged run
 counts with its last value, and the calls are made again on the seeds without a diverged run;
-where the two calls differ, the call is "inconclusive" (as registered). ``--out`` writes
+where the two calls differ, the call is "inconclusive" (as registered). A test whose runs span
+CPU kinds (``launch.json``'s model and ISA) is not called: kinds differ in bits. ``--out`` writes
 ``decision.md`` and ``decision.json`` there.
 """
 
@@ -99,13 +100,16 @@ def judged(runs: pd.DataFrame, test: str, column: str) -> dict:
     with_diverged, without = finals(runs, column, True), finals(runs, column, False)
     c = contrasts(with_diverged)
     first, second = call(test, c), call(test, contrasts(without))
-    if len(with_diverged) < 2:
+    kinds = sorted(set(runs["cpu"].dropna()))
+    if len(kinds) > 1:
+        verdict = f"not decided: its runs span CPU kinds ({'; '.join(kinds)})"
+    elif len(with_diverged) < 2:
         verdict = "not decided: fewer than 2 seeds have all five arms ended"
     elif first == second:
         verdict = first
     else:
         verdict = f"inconclusive: the calls with and without diverged runs differ ({first}; {second})"
-    return {"seeds": [int(s) for s in with_diverged.index], "contrasts": c, "call": verdict}
+    return {"seeds": [int(s) for s in with_diverged.index], "cpu": kinds, "contrasts": c, "call": verdict}
 
 
 def meter_figures(runs: pd.DataFrame, wide: pd.DataFrame) -> dict:
@@ -158,7 +162,7 @@ def report(d: dict) -> str:
         for loss in ("val_loss", "train_loss"):
             v = d[test][loss]
             lines += [
-                f"**{loss}** (final, paired by seed, seeds {v['seeds']}): {v['call']}.",
+                f"**{loss}** (final, paired by seed, seeds {v['seeds']}, on {' and '.join(v['cpu'])}): {v['call']}.",
                 "",
                 f"| contrast | n | mean | SE | t | 95 % interval | 90 % interval | equivalent within ±{MARGIN} |",
                 "|---|---|---|---|---|---|---|---|",

@@ -24,8 +24,9 @@ loaded; the wandb run path for wandb runs). Columns:
   ``val_loss``, ``steps`` and ``tokens`` come from the last logged records;
 * ``diverged``: ``status == "diverged"`` or a ``diverged_at_step``;
 * ``last_step``: the last step in ``metrics.jsonl``; ``bad_lines``: unreadable lines in it;
-  ``overrides``: the run's Hydra overrides (``k=v,...``); ``command``, ``machine`` and ``code``:
-  what started it, where, and at which commit (``launch.json``); ``path``: the run directory
+  ``overrides``: the run's Hydra overrides (``k=v,...``); ``command``, ``machine``, ``cpu`` and
+  ``code``: what started it, where, on which CPU kind (model and ISA: runs of one test share one,
+  as kinds differ in bits) and at which commit (``launch.json``); ``path``: the run directory
   (``None`` for wandb runs).
 
 ``runs.metrics``: the long table of every logged number, one row per (run, step, key):
@@ -69,6 +70,7 @@ SUMMARY_COLUMNS = (
     "overrides",
     "command",
     "machine",
+    "cpu",
     "code",
     "path",
 )

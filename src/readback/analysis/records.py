@@ -40,6 +40,7 @@ def runs_from_records(entries: Iterable[Mapping[str, Any]], keys: Sequence[str] 
         row["overrides"] = ",".join(f"{k}={v}" for k, v in sorted(overrides[row["run"]].items()))
         row["command"] = _command(launch)
         row["machine"] = _machine(launch)
+        row["cpu"] = _cpu(launch)
         row["code"] = _code(launch)
         if len(long):
             frames.append(long)
@@ -85,6 +86,13 @@ def _machine(launch: Mapping[str, Any]) -> str | None:
         f"{launch['host']}: {launch.get('cpus')} CPUs, {gpus}; {launch.get('platform')}; "
         f"torch {launch.get('torch')}, Python {launch.get('python')}"
     )
+
+
+def _cpu(launch: Mapping[str, Any]) -> str | None:
+    """The CPU kind, model and ISA (e.g. ``AMD EPYC, AVX512``): kinds differ in a run's bits."""
+    if not launch.get("cpu_model"):
+        return None
+    return f"{launch['cpu_model']}, {launch.get('cpu_capability')}"
 
 
 def _code(launch: Mapping[str, Any]) -> str | None:

@@ -366,3 +366,16 @@ def test_a_torn_and_repeated_log_counts_each_step_once(tmp_path):
     assert "no_saved_copy" in format_final_loss_table(table)
     paths = write_report(runs, tmp_path / "out")
     assert is_png(paths["loss"])
+
+
+def test_each_run_carries_its_cpu_kind_from_launch_json():
+    """Kinds differ in bits: a test's runs are checked for one kind by this column."""
+    launches = {"amd": {"cpu_model": "AMD EPYC", "cpu_capability": "AVX512"}, "old": {"host": "vm"}}
+    runs = runs_from_records(
+        [
+            dict(run_id=r, config=config("reuse_rounded", 0), summary=None, records=[], launch=launch)
+            for r, launch in launches.items()
+        ]
+    )
+    assert runs.summary.loc["amd", "cpu"] == "AMD EPYC, AVX512"
+    assert pd.isna(runs.summary.loc["old", "cpu"])

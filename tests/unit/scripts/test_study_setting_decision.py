@@ -63,11 +63,17 @@ def test_contrasts_are_seed_paired_t_with_7_df_and_tost_uses_the_90_percent_inte
         assert q["equivalent"] is bool(q["ci90"][0] > -MARGIN and q["ci90"][1] < MARGIN)
 
 
-def _runs(table: pd.DataFrame, statuses: dict | None = None) -> pd.DataFrame:
-    statuses = statuses or {}
+def _runs(table: pd.DataFrame, statuses: dict | None = None, cpus: dict | None = None) -> pd.DataFrame:
+    statuses, cpus = statuses or {}, cpus or {}
     return pd.DataFrame(
         [
-            {"seed": s, "experiment": arm, "status": statuses.get((s, arm), "completed"), "val_loss": table.loc[s, arm]}
+            {
+                "seed": s,
+                "experiment": arm,
+                "status": statuses.get((s, arm), "completed"),
+                "cpu": cpus.get((s, arm), "AMD EPYC, AVX512"),
+                "val_loss": table.loc[s, arm],
+            }
             for s in table.index
             for arm in ARMS
         ]
@@ -85,6 +91,13 @@ def test_a_diverged_run_counts_with_its_last_value_and_a_changed_call_is_inconcl
     assert 301 not in unmoved["seeds"] and unmoved["call"].startswith("neither fix helps")
     one_seed = _runs(_table(0.014, 0.0, 0.014, 0.014).loc[[300]])
     assert judged(one_seed, "S14", "val_loss")["call"].startswith("not decided")
+
+
+def test_a_test_whose_runs_span_cpu_kinds_is_not_called():
+    table = _table(0.014, 0.0, 0.014, 0.014)
+    assert judged(_runs(table), "S14", "val_loss")["cpu"] == ["AMD EPYC, AVX512"]
+    mixed = judged(_runs(table, cpus={(303, FRESH): "Intel Xeon, AVX512"}), "S14", "val_loss")
+    assert mixed["call"] == "not decided: its runs span CPU kinds (AMD EPYC, AVX512; Intel Xeon, AVX512)"
 
 
 def test_meter_figures_are_plain_json_per_arm_layer_and_step():
