@@ -162,7 +162,7 @@ def report(d: dict) -> str:
         for loss in ("val_loss", "train_loss"):
             v = d[test][loss]
             lines += [
-                f"**{loss}** (final, paired by seed, seeds {v['seeds']}, on {' and '.join(v['cpu'])}): {v['call']}.",
+                f"**{loss}** (final, paired by seed, seeds {v['seeds']}, on {' and '.join(v['cpu']) or 'no CPU: no run'}): {v['call']}.",
                 "",
                 f"| contrast | n | mean | SE | t | 95 % interval | 90 % interval | equivalent within ±{MARGIN} |",
                 "|---|---|---|---|---|---|---|---|",
