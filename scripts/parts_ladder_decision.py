@@ -46,6 +46,7 @@ def read_cells(ladder: Path) -> list[dict[str, Any]]:
                 "rounding": match[2],
                 "label": match[3],
                 "batches": data["batches"],
+                "cpu": data.get("cpu"),
                 "stats": stats,
             }
         )
@@ -151,15 +152,15 @@ def report(decision: dict[str, Any]) -> str:
         f"Reuse effect detected at T {LONGEST} in: {', '.join(decision['reuse_effect_detected_in']) or 'no cell'}.",
         f"Loss test arms: {', '.join(decision['loss_test_arms']) or 'none (no called part grows with T or depth)'}.",
         "",
-        "| checkpoint | T | rounding | cell | batches | contrast | debiased bias² | projection | floor "
+        "| checkpoint | T | rounding | cell | batches | CPU | contrast | debiased bias² | projection | floor "
         "| largest per batch |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for c in decision["cells"]:
         for name, s in c["stats"].items():
             mark = " (detected)" if detected(s) else ""
             lines.append(
-                f"| {c['checkpoint']} | {c['T']} | {c['rounding']} | {c['label']} | {c['batches']} | {name}{mark} | "
+                f"| {c['checkpoint']} | {c['T']} | {c['rounding']} | {c['label']} | {c['batches']} | {c['cpu']} | {name}{mark} | "
                 f"{_pm(s, 'debiased_sq', 3)} | {_pm(s, 'projection', 3)} | {s['floor']:.3g} | {s['rel_err_max']:.3g} |"
             )
     return "\n".join(lines)

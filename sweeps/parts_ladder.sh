@@ -6,7 +6,8 @@
 # Stage by stage in the registered order (the cheapest complete answer first); resumable: a
 # finished checkpoint is skipped by trainer.resume=true, a finished meter by its bias.json.
 #
-#   sweeps/parts_ladder.sh [train|meter|all]     (default all)
+#   sweeps/parts_ladder.sh [train|meter|all] [NAME...]    (default all; NAMEs: only those checkpoints,
+#                                                          e.g. one stream a core: "train d2_t4096")
 #
 # Checkpoints land in multirun/parts_ladder/<name>/, meters in <name>/bias/; the decision:
 #   python scripts/parts_ladder_decision.py multirun/parts_ladder
@@ -15,11 +16,17 @@ cd "$(dirname "$0")/.."
 PY=${PYTHON:-$(test -x .venv/bin/python && echo .venv/bin/python || echo python3)}
 ROOT=${LADDER_DIR:-multirun/parts_ladder}
 STAGE=${1:-all}
+ONLY=" ${*:2} "
+
+wanted() {  # NAME: trained and metered in this call?
+    [[ $ONLY == "  " || $ONLY == *" $1 "* ]]
+}
 FP8_END=fp8-qkv,fp8-probs,fp8-grad_output,fp8-grad_scores,fp8-gemms,fp8-grad_output_in_d
 
 train() {  # NAME OVERRIDES...
     local name=$1
     shift
+    wanted "$name" || return 0
     test -f "$ROOT/$name/summary.json" && return 0
     "$PY" train.py --multirun hydra.sweep.dir="$ROOT" hydra.sweep.subdir="$name" +sweep=parts_ladder \
         +experiment=reuse_rounded seed=400 trainer.resume=true trainer.progress=false "$@"
@@ -28,6 +35,7 @@ train() {  # NAME OVERRIDES...
 meter() {  # NAME T BATCHES ROUNDING PARTS LABEL [EXTRA...]   (PARTS "": every backward)
     local name=$1 t=$2 batches=$3 rounding=$4 parts=$5 label=$6
     shift 6
+    wanted "$name" || return 0
     local out="$ROOT/$name/bias/T$t-$rounding-$label"
     test -f "$out/bias.json" && return 0
     "$PY" -m readback.cli.bias "$ROOT/$name" --batches "$batches" --seq-len "$t" \

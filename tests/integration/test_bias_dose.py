@@ -21,6 +21,7 @@ from readback.cli.bias import load_run
 from readback.cli.bias import main as bias_main
 from readback.errors import ConfigError
 from readback.numerics import CurrentScalingState, DelayedScalingState
+from readback.train.records.identity import cpu_kind
 from toys import REPO, TWO_STEP_RUN
 
 OWN_MARGIN = 4  # the run's own precision.site_margin at attn.core.output
@@ -221,6 +222,7 @@ def test_a_recipe_given_at_measurement_meters_the_weights_under_it(run, tmp_path
     written = _o_rounding(run, tmp_path / "nvfp4", "--precision", "recipe=nvfp4")
     assert written["precision_from_command_line"] == {"recipe": "nvfp4"}
     assert set(written["code"]) == {"commit", "dirty"}  # the code version that metered it
+    assert written["cpu"] == cpu_kind()  # and the CPU kind, whose bits it has
     assert "contrib.exact_read.linear.wgrad" in written["stats"] and D_READ in written["stats"]
     assert bias_main([str(run), "--batches", "1", "--precision", "recipe=nvfp4"]) == 0
     assert (run / "bias" / "step2-precision-recipe=nvfp4" / "bias.json").exists()

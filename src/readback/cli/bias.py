@@ -257,7 +257,7 @@ def _measure(args, site_margin: dict[str, int] | None, out_for, shown: bool = Tr
     from readback.bias import measure_bias
     from readback.bias.backward_parts import part_contrasts
     from readback.bias.report import to_markdown, write
-    from readback.train.records.identity import code_version
+    from readback.train.records.identity import code_version, cpu_kind
 
     precision = (args.accumulation_keys or {}) | args.precision_keys
     model, stream, step, run_dir = load_run(args.path, site_margin, precision, args.attention_keys, args.seq_len)
@@ -280,6 +280,7 @@ def _measure(args, site_margin: dict[str, int] | None, out_for, shown: bool = Tr
         "attention_from_command_line": args.attention_keys,
         "seq_len_from_command_line": args.seq_len,
         "code": code_version(),
+        "cpu": cpu_kind(),  # kinds differ in bits: one meter's variants all run on this one
     }
     out = out_for(run_dir, step)
     paths = write(result, out)

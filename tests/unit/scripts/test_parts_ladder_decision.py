@@ -28,7 +28,7 @@ def _cell(root, checkpoint, t, rounding, label, contrasts: dict) -> None:
     stats["reuse_rounded@fp8"] = {"total": _stats(100.0)}  # a variant, not a contrast: never read
     out = root / checkpoint / "bias" / f"T{t}-{rounding}-{label}"
     out.mkdir(parents=True)
-    (out / "bias.json").write_text(json.dumps({"batches": 8, "stats": stats}))
+    (out / "bias.json").write_text(json.dumps({"batches": 8, "cpu": f"CPU of {checkpoint}, AVX512", "stats": stats}))
 
 
 def test_detection_and_growth_use_three_standard_errors():
@@ -42,6 +42,7 @@ def test_no_reuse_effect_calls_nothing(tmp_path):
     _cell(tmp_path, "d4", 4096, "nearest", "fp8_end", {"reuse_vs_fresh@fp8": unmeasured})
     decision = decide(tmp_path)
     assert decision["call"].startswith("no reuse effect") and decision["loss_test_arms"] == []
+    assert "| d4 | 4096 | nearest | fp8_end | 8 | CPU of d4, AVX512 |" in report(decision)  # each cell's kind
 
 
 @pytest.mark.parametrize("bf16_sign", [1.0, -1.0])
@@ -68,7 +69,7 @@ def test_a_part_is_called_from_both_ends_and_tested_only_if_it_grows(tmp_path, b
         assert decision["growth"]["probs"]["with_T"] and decision["loss_test_arms"] == ["fp8-probs"]
     else:
         assert decision["parts_called"] == [] and decision["call"] == "the fix acts through none of the parts"
-    assert "| d2 | 4096 | nearest | all | 8 | interaction.fp8-probs (detected) |" in report(decision)
+    assert "| d2 | 4096 | nearest | all | 8 | CPU of d2, AVX512 | interaction.fp8-probs (detected) |" in report(decision)
 
 
 def test_a_reuse_effect_that_the_bf16_end_removes_is_a_joint_cause(tmp_path):

@@ -97,6 +97,14 @@ def _devices() -> dict[str, Any]:
     }
 
 
+def cpu_kind() -> str:
+    """The CPU's model and the vector unit torch dispatches to, in one line (``AMD EPYC, AVX512``),
+    as the analysis names a run's kind from ``launch.json``."""
+    import torch
+
+    return f"{cpu_model()}, {torch.backends.cpu.get_cpu_capability()}"
+
+
 def cpu_model(cpuinfo: Path = Path("/proc/cpuinfo")) -> str:
     """The CPU's model name (Linux's ``/proc/cpuinfo``), else the platform's word for it."""
     if cpuinfo.is_file():
