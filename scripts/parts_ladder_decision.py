@@ -160,7 +160,8 @@ def report(decision: dict[str, Any]) -> str:
         for name, s in c["stats"].items():
             mark = " (detected)" if detected(s) else ""
             lines.append(
-                f"| {c['checkpoint']} | {c['T']} | {c['rounding']} | {c['label']} | {c['batches']} | {c['cpu']} | {name}{mark} | "
+                f"| {c['checkpoint']} | {c['T']} | {c['rounding']} | {c['label']} | {c['batches']} | {c['cpu']} "
+                f"| {name}{mark} | "
                 f"{_pm(s, 'debiased_sq', 3)} | {_pm(s, 'projection', 3)} | {s['floor']:.3g} | {s['rel_err_max']:.3g} |"
             )
     return "\n".join(lines)

@@ -161,8 +161,9 @@ def report(d: dict) -> str:
         lines += [f"## {title}", ""]
         for loss in ("val_loss", "train_loss"):
             v = d[test][loss]
+            kinds = " and ".join(v["cpu"]) or "no CPU: no run"
             lines += [
-                f"**{loss}** (final, paired by seed, seeds {v['seeds']}, on {' and '.join(v['cpu']) or 'no CPU: no run'}): {v['call']}.",
+                f"**{loss}** (final, paired by seed, seeds {v['seeds']}, on {kinds}): {v['call']}.",
                 "",
                 f"| contrast | n | mean | SE | t | 95 % interval | 90 % interval | equivalent within ±{MARGIN} |",
                 "|---|---|---|---|---|---|---|---|",
