@@ -1,0 +1,32 @@
+"""The committed decisions are what their committed records give: each results folder's
+``runs.tar.xz``, extracted and passed through its decision script, writes the committed
+``decision.json`` again. A page may say no more than its records show, so a record or a decision
+edited by hand, or a script changed after its call, fails here."""
+
+from __future__ import annotations
+
+import json
+import tarfile
+from pathlib import Path
+
+import pytest
+
+import parts_ladder_decision
+import study_setting_decision
+
+RESULTS = Path(__file__).resolve().parents[2] / "docs" / "results" / "d_term"
+
+CASES = [
+    ("parts_ladder", parts_ladder_decision, "multirun/parts_ladder"),
+    ("study_setting", study_setting_decision, "multirun/study_setting"),
+]
+
+
+@pytest.mark.parametrize(("folder", "script", "sweep"), CASES, ids=[c[0] for c in CASES])
+def test_the_committed_decision_is_its_records(tmp_path, folder, script, sweep):
+    with tarfile.open(RESULTS / folder / "runs.tar.xz") as tar:
+        tar.extractall(tmp_path, filter="data")
+    decision = script.decide(tmp_path / sweep)
+
+    assert json.loads(json.dumps(decision)) == json.loads((RESULTS / folder / "decision.json").read_text())
+    assert script.report(decision).rstrip("\n") == (RESULTS / folder / "decision.md").read_text().rstrip("\n")
