@@ -175,12 +175,24 @@ class Parts:
         return contextlib.nullcontext()
 
 
+_ROTATIONS: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
+
+
+def rotation(seq: int, dim: int, base: float, device: torch.device, dtype: torch.dtype):
+    """RoPE's ``(cos, sin)`` tables (T, dim / 2) in ``dtype``, computed in FP64 once per shape and
+    kept: a compiled graph reads them as constants instead of recomputing an FP64 power, cosine
+    and sine for every element of q and k (about a seventh of a compiled small-FOG step)."""
+    key = (seq, dim, base, device, dtype)
+    if key not in _ROTATIONS:
+        inv_freq = base ** (-torch.arange(0, dim, 2, device=device, dtype=torch.float64) / dim)
+        angles = torch.outer(torch.arange(seq, device=device, dtype=torch.float64), inv_freq)
+        _ROTATIONS[key] = angles.cos().to(dtype), angles.sin().to(dtype)
+    return _ROTATIONS[key]
+
+
 def rope(x: torch.Tensor, base: float) -> torch.Tensor:
     """Rotary position embedding over the last dimension of ``x`` (B, heads, T, hd)."""
-    seq, dim = x.shape[-2], x.shape[-1]
-    inv_freq = base ** (-torch.arange(0, dim, 2, device=x.device, dtype=torch.float64) / dim)
-    angles = torch.outer(torch.arange(seq, device=x.device, dtype=torch.float64), inv_freq)
-    cos, sin = angles.cos().to(x.dtype), angles.sin().to(x.dtype)
+    cos, sin = rotation(x.shape[-2], x.shape[-1], base, x.device, x.dtype)
     x1, x2 = x[..., 0::2], x[..., 1::2]
     return torch.stack((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1).flatten(-2)
 

@@ -7,7 +7,7 @@ import torch
 
 from readback.backends import build_model
 from readback.model import ActivationStats, kurtosis
-from readback.model.fog import FOG, FOGConfig, Parts, rope, rounding_owners
+from readback.model.fog import FOG, FOGConfig, Parts, rope, rotation, rounding_owners
 from readback.numerics.state import Numerics
 from readback.ops import numerics_spec
 from readback.ops.activation import BETA, EPS
@@ -235,3 +235,15 @@ def test_rounding_owners_are_the_ops_whose_sites_a_step_rounds(tied):
     owners = rounding_owners(model.cfg.n_layers)
     assert all(any(s.startswith(o + ".") for o in owners) for s in sites), sites
     assert all(any(s.startswith(o + ".") for s in sites) for o in owners), owners
+
+
+def test_rope_tables_are_computed_once_per_shape_and_are_the_fp64_formula():
+    first = rotation(7, 8, 500000.0, torch.device("cpu"), torch.float32)
+    again = rotation(7, 8, 500000.0, torch.device("cpu"), torch.float32)
+    assert all(a is b for a, b in zip(first, again))  # kept, not recomputed
+    angles = torch.outer(
+        torch.arange(7.0, dtype=torch.float64), 500000.0 ** (-torch.arange(0, 8, 2.0, dtype=torch.float64) / 8)
+    )
+    assert torch.equal(first[0], angles.cos().float()) and torch.equal(first[1], angles.sin().float())
+    bf16 = rotation(7, 8, 500000.0, torch.device("cpu"), torch.bfloat16)
+    assert bf16[0].dtype == torch.bfloat16 and torch.equal(bf16[0], angles.cos().bfloat16())  # one rounding from FP64
