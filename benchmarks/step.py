@@ -17,6 +17,8 @@ table gives the median, min and max over the rounds. GFLOP/s use one formula for
 like tokens/s. The plain GPT has FOG's dimensions (width, depth, heads, KV groups, FFN width,
 sequence, tied vocabulary) and none of its numerics: pre-norm LayerNorm, GELU MLP, torch's
 ``scaled_dot_product_attention``, learned positions; it runs in FP32 and under BF16 autocast.
+``plain_fog`` is FOG itself in FP32 without readback's numerics (``peers.plain_fog``): against it,
+what the emulation costs; against the GPT, what FOG's own blocks cost.
 ``probe`` is a reuse_rounded training step with the gradient probe (one repeat) as the trainer
 runs it in one process: the step's taped backward is the probe's repeat 0, and the probe adds
 the reference (plain autograd over the replayed forward) and the comparison. ``--compile`` adds
@@ -45,10 +47,9 @@ from contextlib import nullcontext
 from pathlib import Path
 
 import torch
-import torch.nn as nn
-import torch.nn.functional as F
 from hydra import compose, initialize_config_dir
 
+from peers import PlainGPT, plain_fog
 from readback.backends import build_model
 from readback.config import CONF_DIR, typed
 from readback.ops.compiled import compiled
@@ -58,7 +59,8 @@ from readback.train.records.identity import cpu_model
 
 VOCAB = 2048
 READBACK = ("bf16_baseline", "reuse_rounded", "fresh_reround", "no_saved_copy", "reuse_rounded_bf16_bwd")
-PLAIN = ("plain_fp32", "plain_bf16")
+PLAIN = ("plain_fp32", "plain_bf16")  # the GPT peer
+PLAIN_FOG = "plain_fog"  # FOG in FP32 without readback's numerics (peers.plain_fog)
 PEER = "plain_fp32"  # what every variant's GFLOP/s is a fraction of
 # the settings that keep torch, oneDNN (its BF16 GEMM) and MKL (its FP32 GEMM) below the CPU's own ISA
 ISA_LIMITS = ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA", "MKL_ENABLE_INSTRUCTIONS")
@@ -79,43 +81,6 @@ def cpu_description(cpuinfo: str = "/proc/cpuinfo") -> str:
     )
 
 
-class PlainBlock(nn.Module):
-    def __init__(self, c):
-        super().__init__()
-        self.c = c
-        hd = c.head_dim
-        self.norm1, self.norm2 = nn.LayerNorm(c.d_model, bias=False), nn.LayerNorm(c.d_model, bias=False)
-        self.qkv = nn.Linear(c.d_model, (c.n_heads + 2 * c.n_kv_groups) * hd, bias=False)
-        self.proj = nn.Linear(c.n_heads * hd, c.d_model, bias=False)
-        self.up, self.down = nn.Linear(c.d_model, c.ffn_dim, bias=False), nn.Linear(c.ffn_dim, c.d_model, bias=False)
-
-    def forward(self, x):
-        c, (batch, seq, _) = self.c, x.shape
-        q, k, v = self.qkv(self.norm1(x)).split([c.n_heads * c.head_dim, *[c.n_kv_groups * c.head_dim] * 2], -1)
-        q, k, v = (t.view(batch, seq, -1, c.head_dim).transpose(1, 2) for t in (q, k, v))
-        o = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
-        x = x + self.proj(o.transpose(1, 2).reshape(batch, seq, -1))
-        return x + self.down(F.gelu(self.up(self.norm2(x))))
-
-
-class PlainGPT(nn.Module):
-    """A pre-norm GPT with FOG's dimensions, for the throughput comparison."""
-
-    def __init__(self, c):
-        super().__init__()
-        self.embedding = nn.Embedding(c.vocab_size, c.d_model)
-        self.position = nn.Embedding(c.seq_len, c.d_model)
-        self.layers = nn.ModuleList(PlainBlock(c) for _ in range(c.n_layers))
-        self.norm = nn.LayerNorm(c.d_model, bias=False)
-
-    def forward(self, idx, targets):
-        x = self.embedding(idx) + self.position(torch.arange(idx.shape[1]))
-        for layer in self.layers:
-            x = layer(x)
-        logits = self.norm(x) @ self.embedding.weight.t()  # tied
-        return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
-
-
 COMPILED = "+compile"
 RECIPE = "@"  # ``<experiment>@<recipe>``: the experiment under ``precision.recipe=<recipe>`` (e.g. reuse_rounded@mxfp8)
 
@@ -134,7 +99,7 @@ def build(variant: str, size: str, batch: int, overrides: tuple[str, ...] = ()):
     fog = build_model(cfg)
     x = torch.randint(0, VOCAB, (batch, cfg.model.seq_len))
     y = x.roll(-1, 1)
-    model = PlainGPT(fog.cfg) if variant in PLAIN else fog
+    model = PlainGPT(fog.cfg) if variant in PLAIN else plain_fog(fog.cfg, fog.numerics) if variant == PLAIN_FOG else fog
     autocast = torch.autocast("cpu", torch.bfloat16) if variant == "plain_bf16" else nullcontext()
 
     forward = model
@@ -232,7 +197,7 @@ def main() -> None:
     parser.add_argument("--threads", type=int, nargs="+", default=[1, 2])
     parser.add_argument("--batch", type=int, nargs="+", default=[8, 4], help="micro-batch per size")
     parser.add_argument("--rounds", type=int, default=5)
-    parser.add_argument("--variants", nargs="+", default=[*READBACK, *PLAIN, "probe"])
+    parser.add_argument("--variants", nargs="+", default=[*READBACK, *PLAIN, PLAIN_FOG, "probe"])
     parser.add_argument("--overrides", nargs="*", default=[], help="config overrides of readback's variants")
     parser.add_argument("--compile", action="store_true", help="also time each variant compiled (not the probe)")
     parser.add_argument("--no-memory", action="store_true", help="skip the peak-RSS processes")

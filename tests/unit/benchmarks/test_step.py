@@ -4,18 +4,23 @@ from __future__ import annotations
 
 import sys
 
+import torch
+
+import peers
 import step
 from readback.train.launch import keep_freed_memory
 
 
 def test_one_round_prints_the_cpu_and_every_variant_against_the_fp32_peer(monkeypatch, capsys):
     argv = ["step.py", "--sizes", "tiny", "--threads", "1", "--rounds", "1", "--no-memory"]
-    monkeypatch.setattr(sys, "argv", [*argv, "--variants", "bf16_baseline", "reuse_rounded@mxfp8", "plain_fp32"])
+    monkeypatch.setattr(
+        sys, "argv", [*argv, "--variants", "bf16_baseline", "reuse_rounded@mxfp8", "plain_fog", "plain_fp32"]
+    )
     step.main()
     out = capsys.readouterr().out
     assert out.startswith("CPU: ") and "dispatches" in out
     rows = {line.split()[0]: line.split() for line in out.splitlines() if line.startswith("  ")}
-    assert {"bf16_baseline", "reuse_rounded@mxfp8", "plain_fp32"} <= set(rows)
+    assert {"bf16_baseline", "reuse_rounded@mxfp8", "plain_fog", "plain_fp32"} <= set(rows)
     assert rows["plain_fp32"][6] == "1.00"  # the peer against itself; the header's 7th column is "/ fp32"
 
 
@@ -29,3 +34,16 @@ def test_the_cpu_description_names_the_isa_and_its_limits(tmp_path, monkeypatch)
 
 def test_glibc_keeps_freed_memory():
     assert keep_freed_memory()  # both mallopt settings accepted (this runs on glibc)
+
+
+def test_the_plain_fog_is_fog_without_readbacks_numerics():
+    """The same architecture: FOG's parameters by name and shape (the frozen QK-norm gains
+    excepted, which readback holds as buffers), and a finite loss that trains."""
+    _, fog = step.build("reuse_rounded", "tiny", 2)
+    plain = peers.plain_fog(fog.cfg, fog.numerics)
+    shapes = {n: p.shape for n, p in plain.named_parameters() if p.requires_grad}
+    assert shapes == {n: p.shape for n, p in fog.named_parameters()}
+    x = torch.randint(0, fog.cfg.vocab_size, (2, fog.cfg.seq_len))
+    loss = plain(x, x.roll(-1, 1))
+    loss.backward()
+    assert torch.isfinite(loss) and all(p.grad is not None for p in plain.parameters() if p.requires_grad)
