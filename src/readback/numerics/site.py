@@ -235,9 +235,10 @@ def underflow_counts(
     reading the codes there makes the compiler convert every element to FP8 a second time inside
     the counting loop, about a tenth of a compiled small-FOG FP8 step."""
     nonzero = torch.count_nonzero(x.detach())
-    if nearest and torch.compiler.is_compiling() and isinstance(q, QTensor) and q.data.dtype in FP8_DTYPES:
+    fmt = q.fmt if isinstance(q, QTensor) and q.data.dtype in FP8_DTYPES else None
+    if nearest and fmt is not None and torch.compiler.is_compiling():
         scaled = x.detach().to(torch.float32) * q.scale  # quantize's own product
-        return nonzero - (~(scaled.abs() < normal_threshold(q.fmt))).sum(), nonzero  # NaN: a normal code
+        return nonzero - (~(scaled.abs() < normal_threshold(fmt))).sum(), nonzero  # NaN: a normal code
     normal = torch.count_nonzero(q.data.view(torch.uint8) & EXPONENT_BITS[q.data.dtype])
     return nonzero - normal, nonzero
 
