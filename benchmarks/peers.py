@@ -9,13 +9,11 @@ rounded, scaled or counted.
 
 from __future__ import annotations
 
-import math
-
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from readback.model.fog import FOG, FOGConfig, Parts
+from readback.model.fog import FOG, XIELU, FOGConfig, Linear, Parts, RMSNorm
 from readback.ops.activation import BETA, replay
 
 
@@ -56,30 +54,17 @@ class PlainGPT(nn.Module):
         return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
 
 
-class _Linear(nn.Linear):
-    def __init__(self, d_in: int, d_out: int, std: float):
-        super().__init__(d_in, d_out, bias=False)
-        nn.init.normal_(self.weight, std=std)
-
+class _Linear(Linear):
     def forward(self, x, x_q=None):
-        return super().forward(x)
+        return F.linear(x, self.weight)
 
 
-class _RMSNorm(nn.Module):
-    def __init__(self, dim: int, gain: float, eps: float):
-        super().__init__()
-        self.gain, self.eps = nn.Parameter(torch.full((dim,), gain)), eps
-
+class _RMSNorm(RMSNorm):
     def forward(self, x):
         return F.rms_norm(x, self.gain.shape, self.gain, self.eps)
 
 
-class _XIELU(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.p = nn.Parameter(torch.tensor([math.log(math.expm1(0.8))]))  # alpha_p, alpha_n 0.8, as FOG's
-        self.n = nn.Parameter(torch.tensor([math.log(math.expm1(0.8 - BETA))]))
-
+class _XIELU(XIELU):
     def forward(self, x):
         return replay(x, F.softplus(self.p), BETA + F.softplus(self.n))
 
@@ -95,19 +80,20 @@ class _Attention(nn.Module):
 
 
 class PlainParts(Parts):
-    """FOG's modules in plain FP32 PyTorch (the sites' names are not used)."""
+    """FOG's modules, built as FOG builds them, running plain FP32 PyTorch (their sites and
+    ``numerics`` are held, not used)."""
 
     def linear(self, d_in, d_out, name, std):
-        return _Linear(d_in, d_out, std)
+        return _Linear(d_in, d_out, name, self.numerics, std)
 
     def norm(self, dim, gain, name, eps, frozen=False):
-        return _RMSNorm(dim, gain, eps).requires_grad_(not frozen)
+        return _RMSNorm(dim, gain, name, self.numerics, eps, frozen)
 
     def attention_core(self, cfg, name, index):
         return _Attention(cfg.softmax_scale)
 
     def activation(self):
-        return _XIELU()
+        return _XIELU(self.numerics)
 
     def tied_head(self, x, embedding):
         return x @ embedding.t()

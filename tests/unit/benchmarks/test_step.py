@@ -37,13 +37,12 @@ def test_glibc_keeps_freed_memory():
 
 
 def test_the_plain_fog_is_fog_without_readbacks_numerics():
-    """The same architecture: FOG's parameters by name and shape (the frozen QK-norm gains
-    excepted, which readback holds as buffers), and a finite loss that trains."""
+    """The same architecture: FOG's parameters by name and shape, and a finite loss that trains."""
     _, fog = step.build("reuse_rounded", "tiny", 2)
     plain = peers.plain_fog(fog.cfg, fog.numerics)
-    shapes = {n: p.shape for n, p in plain.named_parameters() if p.requires_grad}
+    shapes = {n: p.shape for n, p in plain.named_parameters()}
     assert shapes == {n: p.shape for n, p in fog.named_parameters()}
     x = torch.randint(0, fog.cfg.vocab_size, (2, fog.cfg.seq_len))
     loss = plain(x, x.roll(-1, 1))
     loss.backward()
-    assert torch.isfinite(loss) and all(p.grad is not None for p in plain.parameters() if p.requires_grad)
+    assert torch.isfinite(loss) and all(p.grad is not None for p in plain.parameters())
