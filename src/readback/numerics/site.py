@@ -234,12 +234,13 @@ def underflow_counts(
     (per tensor) is counted on ``x * scale`` instead, the same count (``normal_threshold``):
     reading the codes there makes the compiler convert every element to FP8 a second time inside
     the counting loop, about a tenth of a compiled small-FOG FP8 step."""
-    nonzero = torch.count_nonzero(x.detach())
+    x = x.detach()
+    nonzero = count_nonzero(x)
     fmt = q.fmt if isinstance(q, QTensor) and q.data.dtype in FP8_DTYPES else None
     if nearest and fmt is not None and torch.compiler.is_compiling():
-        scaled = x.detach().to(torch.float32) * q.scale  # quantize's own product
-        return nonzero - (~(scaled.abs() < normal_threshold(fmt))).sum(), nonzero  # NaN: a normal code
-    normal = torch.count_nonzero(q.data.view(torch.uint8) & EXPONENT_BITS[q.data.dtype])
+        scaled = x.to(torch.float32) * q.scale  # quantize's own product
+        return nonzero - count_nonzero(~(scaled.abs() < normal_threshold(fmt))), nonzero  # NaN: a normal code
+    normal = count_nonzero(q.data.view(torch.uint8) & EXPONENT_BITS[q.data.dtype])
     return nonzero - normal, nonzero
 
 
@@ -257,7 +258,17 @@ def _count_saturated(x: torch.Tensor, amax: torch.Tensor, scale: torch.Tensor, f
     reading that flag would stall the device, so the count is always taken."""
     if x.device.type == "cpu" and not torch.compiler.is_compiling() and bool(amax * scale <= fmt.max):
         return 0
-    return (x.detach().abs() * scale > fmt.max).sum()
+    return count_nonzero(x.detach().abs() * scale > fmt.max)
+
+
+def count_nonzero(x: torch.Tensor) -> torch.Tensor:
+    """``torch.count_nonzero(x)``; in a compiled graph summed in int32 where that cannot overflow.
+    The compiler fuses each of a site's counts into the loop that rounds, where an int64
+    accumulator takes two vector registers: with int32 counts a compiled small-FOG FP8 step is
+    about a twentieth shorter."""
+    if torch.compiler.is_compiling() and x.numel() < 2**31:
+        return (x != 0).sum(dtype=torch.int32)
+    return torch.count_nonzero(x)
 
 
 def site_matches(name: str, pattern: str) -> bool:

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from readback.numerics import E4M3, E5M2, quantize
-from readback.numerics.site import EXPONENT_BITS, normal_threshold, underflow_counts
+from readback.numerics.site import EXPONENT_BITS, _count_saturated, count_nonzero, normal_threshold, underflow_counts
 
 
 def _around_the_threshold(fmt) -> torch.Tensor:
@@ -51,3 +51,18 @@ def test_a_compiled_count_is_the_eager_count():
     q = quantize(x, E4M3, 1.0)
     compiled = torch.compile(lambda x, q: underflow_counts(x, q, nearest=True), dynamic=False)
     assert [int(n) for n in compiled(x, q)] == [int(n) for n in underflow_counts(x, q, nearest=True)]
+
+
+def test_compiled_counts_are_int32_and_the_eager_counts():
+    """A compiled graph sums each count in int32 (``count_nonzero``): the same numbers as torch's
+    int64 counts, the saturation count included (eager, the CPU skips it when the amax shows none)."""
+    x = _around_the_threshold(E5M2) * 1e4
+    scale, amax = torch.tensor(2.0), x.abs().amax()
+
+    def counts(x):
+        return count_nonzero(x), _count_saturated(x, amax, scale, E5M2)
+
+    compiled = torch.compile(counts, dynamic=False)(x)
+    assert [t.dtype for t in compiled] == [torch.int32, torch.int32]
+    saturated = int((x.abs() * scale > E5M2.max).sum())
+    assert [int(n) for n in compiled] == [int(torch.count_nonzero(x)), saturated] and saturated > 0
