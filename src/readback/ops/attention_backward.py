@@ -103,7 +103,9 @@ def backward(
             by_mode["original"] = parts.softmax(s, rows.start, dtype)
         if "rounded" in modes:
             probs, start, scale = by_mode["original"], saved["p8_draws"], saved["p8_scale"]
-            by_mode["rounded"] = parts.round_probs(probs_site, probs, rows, seq, ctx.rounding, start, scale=scale)
+            # decoded once: dS reads P8's values, and dV's GEMM its transpose as they lie
+            p8 = parts.round_probs(probs_site, probs, rows, seq, ctx.rounding, start, scale=scale)
+            by_mode["rounded"] = decoded(p8)
         if "rebuilt" in modes:
             q_rows, keys = parts.rows_of(saved["q"], rows), parts.prefix(operand("k"), rows)
             lse = saved["lse"][:, :, rows]
