@@ -179,22 +179,28 @@ _ROTATIONS: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
 
 
 def rotation(seq: int, dim: int, base: float, device: torch.device, dtype: torch.dtype):
-    """RoPE's ``(cos, sin)`` tables (T, dim / 2) in ``dtype``, computed in FP64 once per shape and
-    kept: a compiled graph reads them as constants instead of recomputing an FP64 power, cosine
-    and sine for every element of q and k (about a seventh of a compiled small-FOG step)."""
+    """RoPE's tables ``(cos, signed_sin)`` (T, dim) in ``dtype``, laid out as the pairs they
+    rotate: ``cos`` repeats each angle's cosine twice, ``signed_sin`` holds ``(-sin, +sin)``.
+    Computed in FP64 once per shape and kept: a compiled graph reads them as constants instead
+    of recomputing an FP64 power, cosine and sine for every element of q and k (about a seventh
+    of a compiled small-FOG step)."""
     key = (seq, dim, base, device, dtype)
     if key not in _ROTATIONS:
         inv_freq = base ** (-torch.arange(0, dim, 2, device=device, dtype=torch.float64) / dim)
         angles = torch.outer(torch.arange(seq, device=device, dtype=torch.float64), inv_freq)
-        _ROTATIONS[key] = angles.cos().to(dtype), angles.sin().to(dtype)
+        cos, sin = angles.cos().to(dtype), angles.sin().to(dtype)
+        _ROTATIONS[key] = torch.stack((cos, cos), -1).flatten(-2), torch.stack((-sin, sin), -1).flatten(-2)
     return _ROTATIONS[key]
 
 
 def rope(x: torch.Tensor, base: float) -> torch.Tensor:
-    """Rotary position embedding over the last dimension of ``x`` (B, heads, T, hd)."""
-    cos, sin = rotation(x.shape[-2], x.shape[-1], base, x.device, x.dtype)
-    x1, x2 = x[..., 0::2], x[..., 1::2]
-    return torch.stack((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1).flatten(-2)
+    """Rotary position embedding over the last dimension of ``x`` (B, heads, T, hd): each pair
+    ``(x1, x2)`` becomes ``(x1 cos - x2 sin, x2 cos + x1 sin)``, written as ``x cos + swap(x)
+    signed_sin`` so that the compiled backward is one vectorised loop, not strided slices' scalar
+    loops (the same products and sums, so the same bits)."""
+    cos, signed_sin = rotation(x.shape[-2], x.shape[-1], base, x.device, x.dtype)
+    swapped = x.unflatten(-1, (-1, 2)).flip(-1).flatten(-2)
+    return x * cos + swapped * signed_sin
 
 
 class Attention(nn.Module):

@@ -121,6 +121,23 @@ def test_rope_rotates_pairs_and_keeps_norms():
     assert torch.allclose(y[..., 1, :2], rotated)
 
 
+def test_rope_is_the_pairwise_rotation_bit_for_bit_and_so_is_its_gradient():
+    """The swap form computes the same products and sums as rotating each pair from slices."""
+    x = torch.randn(2, 3, 16, 8, requires_grad=True)
+    angles = torch.outer(
+        torch.arange(16.0, dtype=torch.float64), 500000.0 ** (-torch.arange(0, 8, 2.0, dtype=torch.float64) / 8)
+    )
+    cos, sin = angles.cos().float(), angles.sin().float()
+    x1, x2 = x[..., 0::2], x[..., 1::2]
+    pairwise = torch.stack((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1).flatten(-2)
+    y = rope(x, 500000.0)
+    assert torch.equal(y.view(torch.int32), pairwise.view(torch.int32))
+    dy = torch.randn_like(y)
+    (grad,) = torch.autograd.grad(y, x, dy)
+    (pairwise_grad,) = torch.autograd.grad(pairwise, x, dy)
+    assert torch.equal(grad, pairwise_grad)  # values (a zero's sign may differ: slices' backward adds +0)
+
+
 def test_gqa_groups_and_no_biases():
     model = _tiny()
     qkv = model.layers[0].attn.qkv.weight
@@ -244,6 +261,8 @@ def test_rope_tables_are_computed_once_per_shape_and_are_the_fp64_formula():
     angles = torch.outer(
         torch.arange(7.0, dtype=torch.float64), 500000.0 ** (-torch.arange(0, 8, 2.0, dtype=torch.float64) / 8)
     )
-    assert torch.equal(first[0], angles.cos().float()) and torch.equal(first[1], angles.sin().float())
+    cos, sin = angles.cos().float(), angles.sin().float()
+    assert torch.equal(first[0][:, 0::2], cos) and torch.equal(first[0][:, 1::2], cos)
+    assert torch.equal(first[1][:, 0::2], -sin) and torch.equal(first[1][:, 1::2], sin)
     bf16 = rotation(7, 8, 500000.0, torch.device("cpu"), torch.bfloat16)
-    assert bf16[0].dtype == torch.bfloat16 and torch.equal(bf16[0], angles.cos().bfloat16())  # one rounding from FP64
+    assert bf16[0].dtype == torch.bfloat16 and torch.equal(bf16[0][:, 1::2], angles.cos().bfloat16())  # one rounding from FP64
