@@ -265,4 +265,5 @@ def test_rope_tables_are_computed_once_per_shape_and_are_the_fp64_formula():
     assert torch.equal(first[0][:, 0::2], cos) and torch.equal(first[0][:, 1::2], cos)
     assert torch.equal(first[1][:, 0::2], -sin) and torch.equal(first[1][:, 1::2], sin)
     bf16 = rotation(7, 8, 500000.0, torch.device("cpu"), torch.bfloat16)
-    assert bf16[0].dtype == torch.bfloat16 and torch.equal(bf16[0][:, 1::2], angles.cos().bfloat16())  # one rounding from FP64
+    # one rounding from FP64
+    assert bf16[0].dtype == torch.bfloat16 and torch.equal(bf16[0][:, 1::2], angles.cos().bfloat16())
