@@ -197,7 +197,7 @@ def rope(x: torch.Tensor, base: float) -> torch.Tensor:
     """Rotary position embedding over the last dimension of ``x`` (B, heads, T, hd): each pair
     ``(x1, x2)`` becomes ``(x1 cos - x2 sin, x2 cos + x1 sin)``, written as ``x cos + swap(x)
     signed_sin`` so that the compiled backward is one vectorised loop, not strided slices' scalar
-    loops (the same products and sums, so the same bits)."""
+    loops (the same products and sums: the slice form's bits forward, its values backward)."""
     cos, signed_sin = rotation(x.shape[-2], x.shape[-1], base, x.device, x.dtype)
     swapped = x.unflatten(-1, (-1, 2)).flip(-1).flatten(-2)
     return x * cos + swapped * signed_sin

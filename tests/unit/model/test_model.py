@@ -121,12 +121,16 @@ def test_rope_rotates_pairs_and_keeps_norms():
     assert torch.allclose(y[..., 1, :2], rotated)
 
 
+def _rope_angles(seq: int, dim: int) -> torch.Tensor:
+    """RoPE's angles (T, dim / 2) in FP64 at base 500000, from the formula."""
+    positions = torch.arange(float(seq), dtype=torch.float64)
+    return torch.outer(positions, 500000.0 ** (-torch.arange(0, dim, 2.0, dtype=torch.float64) / dim))
+
+
 def test_rope_is_the_pairwise_rotation_bit_for_bit_and_so_is_its_gradient():
     """The swap form computes the same products and sums as rotating each pair from slices."""
     x = torch.randn(2, 3, 16, 8, requires_grad=True)
-    angles = torch.outer(
-        torch.arange(16.0, dtype=torch.float64), 500000.0 ** (-torch.arange(0, 8, 2.0, dtype=torch.float64) / 8)
-    )
+    angles = _rope_angles(16, 8)
     cos, sin = angles.cos().float(), angles.sin().float()
     x1, x2 = x[..., 0::2], x[..., 1::2]
     pairwise = torch.stack((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1).flatten(-2)
@@ -258,9 +262,7 @@ def test_rope_tables_are_computed_once_per_shape_and_are_the_fp64_formula():
     first = rotation(7, 8, 500000.0, torch.device("cpu"), torch.float32)
     again = rotation(7, 8, 500000.0, torch.device("cpu"), torch.float32)
     assert all(a is b for a, b in zip(first, again))  # kept, not recomputed
-    angles = torch.outer(
-        torch.arange(7.0, dtype=torch.float64), 500000.0 ** (-torch.arange(0, 8, 2.0, dtype=torch.float64) / 8)
-    )
+    angles = _rope_angles(7, 8)
     cos, sin = angles.cos().float(), angles.sin().float()
     assert torch.equal(first[0][:, 0::2], cos) and torch.equal(first[0][:, 1::2], cos)
     assert torch.equal(first[1][:, 0::2], -sin) and torch.equal(first[1][:, 1::2], sin)
