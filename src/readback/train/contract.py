@@ -12,7 +12,7 @@ import dataclasses
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
-from typing import Any, Protocol, cast, runtime_checkable
+from typing import Any, Protocol, cast
 
 import torch
 
@@ -22,7 +22,6 @@ from readback.progress import shown
 from readback.train.settings import Config
 
 
-@runtime_checkable
 class RunNumerics(Protocol):
     """The model's rounding state: scaling states, random streams, counters not yet logged."""
 
@@ -41,7 +40,6 @@ class RunNumerics(Protocol):
     def pop_observations(self) -> dict[str, float]: ...
 
 
-@runtime_checkable
 class TrainableModel(Protocol):
     """An ``nn.Module`` whose ``model(idx, targets)`` is the mean loss, with its numerics, its
     size, and its blocks (FSDP shards each one; ``readback.model.ActivationStats`` hooks them)."""
@@ -60,7 +58,6 @@ class TrainableModule(torch.nn.Module, TrainableModel):
     :class:`TrainableModel` (for annotations; models need not inherit from it)."""
 
 
-@runtime_checkable
 class DataStream(Protocol):
     """Training batches of this rank, the validation batches (the same on every rank), a position."""
 
@@ -106,13 +103,42 @@ def with_vocabulary(cfg: Config, stream: DataStream) -> Config:
     return dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, vocab_size=stream.vocab_size))
 
 
+def protocol_members(protocol: type) -> dict[str, bool]:
+    """The public members ``protocol`` declares, each with whether it is a method (to be called)
+    rather than a property or attribute."""
+    declared = {name: callable(value) for name, value in vars(protocol).items() if not name.startswith("_")}
+    return {**dict.fromkeys(vars(protocol).get("__annotations__", {}), False), **declared}
+
+
+def lacking(obj: object, protocol: type) -> list[str]:
+    """The members of ``protocol`` that ``obj`` lacks, each looked up as the trainer will use it.
+
+    Not ``isinstance`` against a runtime-checkable Protocol: since Python 3.12 that looks members
+    up with ``inspect.getattr_static``, which misses what ``nn.Module`` keeps in ``_modules``,
+    ``_parameters`` and ``_buffers`` (a model's ``layers``), so every real model would fail it."""
+    missing = []
+    for name, is_method in protocol_members(protocol).items():
+        try:
+            value = getattr(obj, name)
+        except AttributeError:
+            missing.append(name)
+            continue
+        if is_method and not callable(value):
+            missing.append(name)
+    return missing
+
+
 def check_model(model: object) -> TrainableModule:
-    """``model`` itself, or a ``TypeError`` when it is not an ``nn.Module`` satisfying
-    :class:`TrainableModel` (with :class:`RunNumerics`)."""
-    if not (
-        isinstance(model, torch.nn.Module)
-        and isinstance(model, TrainableModel)
-        and isinstance(model.numerics, RunNumerics)
-    ):
-        raise TypeError(f"{type(model).__name__} is not an nn.Module satisfying readback.train.contract.TrainableModel")
+    """``model`` itself, or a ``TypeError`` naming what it lacks when it is not an ``nn.Module``
+    satisfying :class:`TrainableModel` (with :class:`RunNumerics`)."""
+    name = type(model).__name__
+    if not isinstance(model, torch.nn.Module):
+        raise TypeError(f"{name} is not an nn.Module, which readback.train.contract.TrainableModel needs")
+    missing = lacking(model, TrainableModel)
+    if not missing:
+        missing = [f"numerics.{member}" for member in lacking(model.numerics, RunNumerics)]
+    if missing:
+        raise TypeError(
+            f"{name} does not satisfy readback.train.contract.TrainableModel: it lacks {', '.join(missing)}"
+        )
     return cast(TrainableModule, model)
