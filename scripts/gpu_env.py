@@ -49,8 +49,10 @@ class Part:
     modules: tuple[str, ...]
 
 
-# In the order gpu_check.sh runs them; the TE parts last.
+# In the order gpu_check.sh runs them: a few training steps first (an import-time error stops the
+# check there, before the long parts), the TE parts last.
 PARTS = (
+    Part("first_steps", "cuda", CONFIG),
     Part("emulated_tests", "fp8", TESTS),
     Part("accumulation", "fp8", TESTS),
     Part("policy_runs", "cuda", CONFIG),

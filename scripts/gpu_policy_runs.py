@@ -4,6 +4,7 @@ logged loss finite; one line per run says so (final loss, validation loss, secon
 
     python scripts/gpu_policy_runs.py --out DIR                           # on CUDA (gpu_check.sh)
     python scripts/gpu_policy_runs.py --out DIR --device cpu --steps 2    # the same runs on a CPU
+    python scripts/gpu_policy_runs.py --out DIR --steps 3 --runs reuse_rounded   # gpu_check.sh's first steps
 
 The FP8 policies run as one Hydra multirun (one process, one run directory per policy), the
 baseline as one run. Exits 1 when a run failed or logged a non-finite loss.
@@ -41,13 +42,20 @@ def run_overrides(device: str, steps: int) -> list[str]:
     ]
 
 
-def train_commands(out: Path, device: str, steps: int, python: str = sys.executable) -> list[list[str]]:
-    """The multirun of the FP8 policies (``out/<policy>``) and the baseline's run (``out/bf16_baseline``)."""
+def train_commands(
+    out: Path, device: str, steps: int, runs: tuple[str, ...] = RUNS, python: str = sys.executable
+) -> list[list[str]]:
+    """The multirun of the FP8 policies among ``runs`` (``out/<policy>``) and, if asked for, the
+    baseline's run (``out/bf16_baseline``)."""
     train, shared = str(ROOT / "train.py"), run_overrides(device, steps)
-    policies = [python, train, "-m", "+experiment=reuse_rounded", f"policy={','.join(POLICIES)}", *shared]
-    policies += [f"hydra.sweep.dir={out}", "hydra.sweep.subdir=${policy}"]
-    baseline = [python, train, f"+experiment={BASELINE}", *shared, f"hydra.run.dir={out / BASELINE}"]
-    return [policies, baseline]
+    swept = [p for p in POLICIES if p in runs]
+    commands = []
+    if swept:
+        policies = [python, train, "-m", "+experiment=reuse_rounded", f"policy={','.join(swept)}", *shared]
+        commands.append([*policies, f"hydra.sweep.dir={out}", "hydra.sweep.subdir=${policy}"])
+    if BASELINE in runs:
+        commands.append([python, train, f"+experiment={BASELINE}", *shared, f"hydra.run.dir={out / BASELINE}"])
+    return commands
 
 
 def check_run(run_dir: Path, steps: int) -> str | None:
@@ -69,10 +77,10 @@ def check_run(run_dir: Path, steps: int) -> str | None:
     return None
 
 
-def report(out: Path, steps: int) -> tuple[list[str], int]:
+def report(out: Path, steps: int, runs: tuple[str, ...] = RUNS) -> tuple[list[str], int]:
     """One line per run and the number of runs that failed."""
     lines, failed = [], 0
-    for name in RUNS:
+    for name in runs:
         problem = check_run(out / name, steps)
         if problem is None:
             summary = json.loads((out / name / "summary.json").read_text())
@@ -91,11 +99,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, required=True, help="the run directories go here")
     parser.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
     parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--runs", nargs="+", choices=RUNS, default=list(RUNS), help="default: every run")
     args = parser.parse_args(argv)
-    for command in train_commands(args.out.resolve(), args.device, args.steps):
+    runs = tuple(args.runs)
+    for command in train_commands(args.out.resolve(), args.device, args.steps, runs):
         print("$ " + " ".join(command), flush=True)
         subprocess.run(command, cwd=ROOT)  # a failed run is reported below, with the others
-    lines, failed = report(args.out, args.steps)
+    lines, failed = report(args.out, args.steps, runs)
     print("\n".join(lines))
     return 1 if failed else 0
 

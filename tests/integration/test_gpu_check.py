@@ -1,11 +1,13 @@
-"""scripts/gpu_check.sh as a process: on this machine's CPU torch it says in one line that it
-needs a CUDA torch and runs nothing; under a stand-in Python that plays a GPU machine's plan and
-parts, it runs the parts marked run, reports the others as not run, and counts failures. And the
-policy runs' own train.py commands, trained on the CPU."""
+"""scripts/gpu_check.sh as a process: on this machine's CPU torch it prints the versions, says in
+one line that it needs a CUDA torch and runs nothing; under a stand-in Python that plays a GPU
+machine's plan and parts, it runs the parts marked run, reports the others as not run, counts
+failures, and stops after the first training steps when they fail. And the policy runs' own
+train.py commands, trained on the CPU."""
 
 from __future__ import annotations
 
 import os
+import platform
 import subprocess
 import sys
 from pathlib import Path
@@ -23,7 +25,7 @@ SCRIPT = REPO / "scripts" / "gpu_check.sh"
 FAKE_PYTHON = """#!/usr/bin/env bash
 case "$1" in
   scripts/gpu_env.py) cat "$FAKE_PLAN" ;;
-  scripts/versions.py) echo "torch 2.11.0+cu130, CUDA 13.0, GPU NVIDIA H200 sm90" ;;
+  scripts/versions.py) echo "Python 3.12.3, torch 2.11.0+cu130, CUDA 13.0, GPU NVIDIA H200 sm90" ;;
   *) echo "ran $*"; [ "$2" = pytest ] && echo "3 passed"; [[ -n "$FAKE_FAIL" && "$*" == *"$FAKE_FAIL"* ]] && exit 1 ;;
 esac
 exit 0
@@ -36,16 +38,19 @@ def _check(tmp_path: Path, python: str, **env: str) -> subprocess.CompletedProce
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="on a GPU machine the check runs for real")
-def test_without_a_cuda_torch_it_says_so_in_one_line_and_runs_nothing(tmp_path):
+def test_without_a_cuda_torch_it_prints_the_versions_says_so_in_one_line_and_runs_nothing(tmp_path):
     result = _check(tmp_path, sys.executable)
     line = (
         f"gpu_check: needs a CUDA build of torch; {sys.executable} has torch {torch.__version__}, "
         "a CPU-only build: nothing run\n"
     )
-    assert (result.returncode, result.stdout, result.stderr) == (100, line, "")
-    out = tmp_path / "out"  # nothing else ran: no versions line, no plan, no part's log
-    assert sorted(p.name for p in out.iterdir()) == ["gpu_env.log", "summary.txt"]
+    versions, refusal = result.stdout.splitlines(keepends=True)
+    assert versions.startswith(f"Python {platform.python_version()}, torch {torch.__version__}, ")
+    assert (result.returncode, refusal, result.stderr) == (100, line, "")
+    out = tmp_path / "out"  # nothing else ran: no plan, no part's log
+    assert sorted(p.name for p in out.iterdir()) == ["gpu_env.log", "summary.txt", "versions.txt"]
     assert (out / "summary.txt").read_text() == line and (out / "gpu_env.log").read_text() == ""
+    assert (out / "versions.txt").read_text() == versions
 
 
 @pytest.fixture
@@ -71,11 +76,11 @@ def test_without_te_it_runs_the_other_parts_and_names_the_ones_that_did_not_run(
     summary = (tmp_path / "out" / "summary.txt").read_text().splitlines()
     assert result.returncode == 0, result.stdout
     assert [line.split(":")[0] for line in summary[:-1]] == [p.name for p in gpu_env.PARTS]
-    for name in ("emulated_tests", "accumulation", "policy_runs", "audit", "benchmark"):
+    for name in ("first_steps", "emulated_tests", "accumulation", "policy_runs", "audit", "benchmark"):
         assert (tmp_path / "out" / f"{name}.log").read_text().startswith("ran "), name
     assert "te_tests: not run: Transformer Engine (transformer_engine)" in summary
     assert summary[-1].endswith(
-        ": 5 part(s) ran, 0 failed; not run: te_tests (Transformer Engine (transformer_engine)); "
+        ": 6 part(s) ran, 0 failed; not run: te_tests (Transformer Engine (transformer_engine)); "
         "te_benchmark (Transformer Engine (transformer_engine))"
     )
     assert not (tmp_path / "out" / "te_tests.log").exists()
@@ -85,7 +90,17 @@ def test_without_te_it_runs_the_other_parts_and_names_the_ones_that_did_not_run(
 def test_the_exit_code_counts_the_failed_parts(tmp_path, fake_python):
     result = _check(tmp_path, fake_python, FAKE_PLAN=_plan(tmp_path, TE_MISSING), FAKE_FAIL="readback.audit")
     summary = (tmp_path / "out" / "summary.txt").read_text()
-    assert result.returncode == 1 and "audit: FAILED rc=1" in summary and "5 part(s) ran, 1 failed" in summary
+    assert result.returncode == 1 and "audit: FAILED rc=1" in summary and "6 part(s) ran, 1 failed" in summary
+
+
+def test_failed_first_steps_stop_the_check_before_the_long_parts(tmp_path, fake_python):
+    result = _check(tmp_path, fake_python, FAKE_PLAN=_plan(tmp_path, {}), FAKE_FAIL="--runs reuse_rounded")
+    summary = (tmp_path / "out" / "summary.txt").read_text().splitlines()
+    assert result.returncode == 1
+    assert summary[0].startswith("first_steps: FAILED rc=1")
+    assert summary[1:] == ["gpu_check: the first training steps failed (first_steps.log): no other part run"]
+    assert "--steps 3 --runs reuse_rounded" in (tmp_path / "out" / "first_steps.log").read_text()
+    assert not (tmp_path / "out" / "emulated_tests.log").exists()
 
 
 def test_a_check_that_ran_no_part_fails(tmp_path, fake_python):

@@ -21,6 +21,7 @@ from toys import REPO, compose
 PYPROJECT = tomllib.loads((REPO / "pyproject.toml").read_text())
 EXTRAS = set(PYPROJECT["project"]["optional-dependencies"])
 DOCKER_INSTRUCTIONS = {"FROM", "ARG", "RUN", "COPY", "WORKDIR", "ENV", "LABEL", "CMD", "ENTRYPOINT", "USER"}
+FULL_PYTHON = "3.12"  # environment.yml's, which CI runs `make test` on
 APPTAINER_SECTIONS = {"files", "post", "environment", "test", "help", "labels", "runscript", "arguments"}
 
 
@@ -78,12 +79,14 @@ def test_apptainer_definition_parses_copies_what_exists_and_names_defined_extras
     assert _named_extras(text) == {"dev"} <= EXTRAS
 
 
-def test_versions_line_names_torch_cuda_cudnn_te_and_the_gpu():
+def test_versions_line_names_python_torch_cuda_cudnn_triton_te_and_the_gpu():
     out = subprocess.run(
         [sys.executable, str(REPO / "scripts" / "versions.py")], capture_output=True, text=True, timeout=120, check=True
     ).stdout
     assert len(out.splitlines()) == 1
-    assert re.fullmatch(r"torch \S+, CUDA .+, cuDNN .+, Transformer Engine .+, GPU .+\n", out)
+    assert re.fullmatch(
+        r"Python 3\.\d+\.\d+, torch \S+, CUDA .+, cuDNN .+, Triton \S+, Transformer Engine .+, GPU .+\n", out
+    )
 
 
 def test_slurm_apptainer_launcher_composes_and_sources_an_existing_script(monkeypatch):
@@ -143,3 +146,24 @@ def test_srun_of_a_job_runs_the_image_python_with_the_checkout(tmp_path, image_e
     assert srun_call.startswith("srun --unbuffered --output /o/%j.out --error /o/%j.err apptainer exec --nv ")
     assert apptainer_call.startswith(f"apptainer exec --nv {image} env PYTHONPATH=/repo/src")
     assert "/host/bin/python3" not in srun_call
+
+
+def test_every_place_names_the_same_pythons_and_ci_runs_each():
+    """requires-python, the classifiers, environment.yml, the README and .ci/run agree, and pip
+    refuses the versions just outside them."""
+    classified = sorted(
+        (c.rsplit(" ", 1)[1] for c in PYPROJECT["project"]["classifiers"] if re.fullmatch(r".*:: 3\.\d+", c)),
+        key=lambda v: tuple(map(int, v.split("."))),
+    )
+    low, high = classified[0], classified[-1]
+    assert len(classified) == int(high.split(".")[1]) - int(low.split(".")[1]) + 1  # no version skipped
+    upper = f"3.{int(high.split('.')[1]) + 1}"
+    assert PYPROJECT["project"]["requires-python"] == f">={low},<{upper}"
+    env = yaml.safe_load((REPO / "environment.yml").read_text())
+    assert next(d for d in env["dependencies"] if str(d).startswith("python=")) == f"python={FULL_PYTHON}"
+    assert f"(Python {low} to {high})" in (REPO / "README.md").read_text()
+    ci = (REPO / ".ci" / "run").read_text()
+    assert re.search(rf"^FULL_PYTHON={re.escape(FULL_PYTHON)}$", ci, re.M)
+    smoke = re.search(r'^SMOKE_PYTHONS="([\d. ]+)"$', ci, re.M)[1].split()
+    assert sorted([FULL_PYTHON, *smoke]) == sorted(classified)
+    assert 'make test PYTHON="$python"' in ci and 'make smoke PYTHON="$python"' in ci

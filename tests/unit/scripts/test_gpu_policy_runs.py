@@ -33,6 +33,15 @@ def test_every_policy_and_the_bf16_baseline_run_once_each_in_their_own_directory
     assert baseline[-1] == "hydra.run.dir=/out/bf16_baseline"
 
 
+def test_the_first_steps_are_one_reuse_rounded_run_and_its_report_names_it_alone(tmp_path):
+    """gpu_check.sh's first part: ``--runs reuse_rounded`` trains that policy only."""
+    (command,) = gpu_policy_runs.train_commands(tmp_path, "cuda", 3, ("reuse_rounded",))
+    assert "policy=reuse_rounded" in command and "trainer.steps=3" in command
+    _write_run(tmp_path / "reuse_rounded", [5.0] * 3, steps=3)
+    lines, failed = gpu_policy_runs.report(tmp_path, 3, ("reuse_rounded",))
+    assert (failed, len(lines)) == (0, 1)
+
+
 @pytest.mark.parametrize("run", gpu_policy_runs.RUNS)
 def test_each_run_is_a_valid_head_dim_128_fog_of_20_logged_steps(run):
     overrides = _jobs("cpu")[run]

@@ -42,7 +42,7 @@ def test_a_model_that_is_not_a_module_is_refused():
     lookalike = types.SimpleNamespace(
         numerics=toy.numerics, layers=toy.layers, n_params=toy.n_params, flops_per_token=toy.flops_per_token
     )
-    with pytest.raises(TypeError, match="SimpleNamespace is not an nn.Module"):
+    with pytest.raises(TypeError, match=r"SimpleNamespace is not an nn\.Module"):
         check_model(lookalike)
 
 
@@ -56,7 +56,7 @@ def test_a_module_without_layers_is_refused_by_name():
 def test_a_member_that_is_not_callable_is_refused():
     toy = ToyModel(vocab=8)
     toy.n_params = 7  # type: ignore[assignment,method-assign]
-    with pytest.raises(TypeError, match="it lacks n_params$"):
+    with pytest.raises(TypeError, match=r"it lacks n_params$"):
         check_model(toy)
 
 
@@ -66,10 +66,10 @@ def test_numerics_without_a_method_is_refused_with_its_path():
 
     toy = ToyModel(vocab=8)
     toy.numerics = NoEndStep()
-    with pytest.raises(TypeError, match="it lacks numerics.end_step$"):
+    with pytest.raises(TypeError, match=r"it lacks numerics\.end_step$"):
         check_model(toy)
 
 
 def test_a_plain_module_lacks_everything_but_its_own_members():
-    with pytest.raises(TypeError, match="it lacks numerics, layers, n_params, flops_per_token$"):
+    with pytest.raises(TypeError, match=r"it lacks numerics, layers, n_params, flops_per_token$"):
         check_model(nn.Linear(2, 2))
