@@ -26,6 +26,8 @@ import io
 import json
 import os
 import pickle
+import platform
+import sys
 import tempfile
 import warnings
 import zlib
@@ -138,6 +140,14 @@ class _IndexUnpickler(pickle.Unpickler):
     """Unpickles DCP's index: its metadata dataclasses, sizes, dtypes and paths, nothing else."""
 
     def find_class(self, module: str, name: str) -> Any:
+        if module == "pathlib._local":  # where Python 3.13 pickles paths; pathlib exports them too
+            if sys.version_info < (3, 13):  # and torch's own reading of the index would fail here
+                raise ConfigError(
+                    "trainer.resume",
+                    "a checkpoint written by Python 3.13 or newer",
+                    f"a checkpoint this Python {platform.python_version()} can read: resume it on Python 3.13+",
+                )
+            module = "pathlib"
         known = module == "torch" or module in _INDEX_MODULES
         found = getattr(__import__(module, fromlist=[name]), name, None) if known else None
         allowed = (
