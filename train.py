@@ -38,9 +38,14 @@ def _made_by_this_job(run_dir: Path) -> bool:
 
 
 def _config_error(error: ConfigError, run_dir: Path) -> None:
-    """One line on stderr; the run directory removed if this job made it; exit 2 (in a sweep the
+    """One line on stderr; the run directory removed if this job made it, else its Hydra files put
+    back, unless another run took it over (nothing more written there); exit 2 (in a sweep the
     sweep goes on, and the process exits 2 at its end)."""
-    if _made_by_this_job(run_dir):
+    from readback.train.checkpoint import RunDirTaken
+
+    if isinstance(error, RunDirTaken):
+        pass
+    elif _made_by_this_job(run_dir):
         shutil.rmtree(run_dir, ignore_errors=True)
     else:
         restore_hydra_files(run_dir)

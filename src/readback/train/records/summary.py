@@ -7,7 +7,7 @@ import logging
 from pathlib import Path
 from typing import Any
 
-from readback.train.checkpoint import atomic_write_text
+from readback.train.checkpoint import RunDirTaken, WriterLock, atomic_write_text
 from readback.train.records.metrics import json_safe
 
 log = logging.getLogger(__name__)
@@ -60,10 +60,11 @@ def run_summary(
 
 
 class SummaryWriter:
-    """Rank 0's summary of a run; the other ranks' calls do nothing."""
+    """Rank 0's summary of a run, written while ``owner`` (the run directory's lock) holds the
+    directory; the other ranks' calls do nothing."""
 
-    def __init__(self, run_dir: Path, *, is_main: bool) -> None:
-        self.run_dir, self.is_main = Path(run_dir), is_main
+    def __init__(self, run_dir: Path, *, is_main: bool, owner: WriterLock | None = None) -> None:
+        self.run_dir, self.is_main, self.owner = Path(run_dir), is_main, owner
 
     def clear(self) -> None:
         """A resumed run is not over until it says so again."""
@@ -72,6 +73,8 @@ class SummaryWriter:
 
     def write(self, summary: dict[str, Any]) -> None:
         if self.is_main:
+            if self.owner is not None:
+                self.owner.check()
             write_summary(self.run_dir, summary)
 
     def write_failed(self, summary: dict[str, Any], error: BaseException) -> None:
@@ -79,6 +82,10 @@ class SummaryWriter:
         if not self.is_main:
             return
         try:
+            if self.owner is not None:
+                self.owner.check()
             write_summary(self.run_dir, {**summary, "status": "failed", "error": f"{type(error).__name__}: {error}"})
+        except RunDirTaken:  # another run's directory now: no word of this one's failure there
+            pass
         except Exception as write_error:
             log.error("could not write summary.json: %s", write_error)
