@@ -12,6 +12,7 @@ import errno
 import hashlib
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -180,22 +181,6 @@ def test_a_disk_that_fills_while_the_log_is_written_is_one_line_and_the_run_resu
     _assert_complete(run_dir)
 
 
-def test_a_log_that_is_not_a_file_is_refused_in_one_line(tmp_path):
-    """A directory in ``metrics.jsonl``'s place (a copy gone wrong): the resume refuses it in one
-    line, before the first step, and leaves the run as it was."""
-    run_dir = tmp_path / "run"
-    rc, output = _finish(_start(run_dir, "trainer.steps=4"))
-    assert rc == 0, output[-3000:]
-    (run_dir / "metrics.jsonl").unlink()
-    (run_dir / "metrics.jsonl").mkdir()
-    before = _snapshot(run_dir)
-    rc, output = _finish(_start(run_dir, "trainer.steps=4", "trainer.resume=true"))
-    _assert_short_error(
-        rc, output, f"a run directory whose metrics.jsonl is a file: {run_dir / 'metrics.jsonl'} is not"
-    )
-    assert _snapshot(run_dir) == before
-
-
 TIMING_KEYS = {"tokens_per_s", "mfu", "mem_gib"}  # wall-clock measurements, not results
 
 
@@ -203,13 +188,33 @@ def _results(run_dir: Path) -> list[dict]:
     return [{k: v for k, v in r.items() if k not in TIMING_KEYS} for r in read_jsonl(run_dir / "metrics.jsonl")]
 
 
-def test_a_log_behind_its_checkpoint_is_named_and_can_be_rebuilt(tmp_path):
+@pytest.fixture(scope="module")
+def finished(tmp_path_factory) -> Path:
+    """A completed run with checkpoints at steps 4, 8 and 12; tests change copies of it."""
+    run_dir = tmp_path_factory.mktemp("finished") / "run"
+    rc, output = _finish(_start(run_dir, "trainer.keep_last=3"))
+    assert rc == 0, output[-3000:]
+    return run_dir
+
+
+def test_a_log_that_is_not_a_file_is_refused_in_one_line(tmp_path, finished):
+    """A directory in ``metrics.jsonl``'s place (a copy gone wrong): the resume refuses it in one
+    line, before the first step, and leaves the run as it was."""
+    run_dir = shutil.copytree(finished, tmp_path / "run")
+    (run_dir / "metrics.jsonl").unlink()
+    (run_dir / "metrics.jsonl").mkdir()
+    before = _snapshot(run_dir)
+    rc, output = _finish(_start(run_dir, "trainer.keep_last=3", "trainer.resume=true"))
+    says = f"a run directory whose metrics.jsonl is a file: {run_dir / 'metrics.jsonl'} is not"
+    _assert_short_error(rc, output, says)
+    assert _snapshot(run_dir) == before
+
+
+def test_a_log_behind_its_checkpoint_is_named_and_can_be_rebuilt(tmp_path, finished):
     """``metrics.jsonl`` cut short behind the checkpoints (a node crash loses lines never synced,
     not the fsynced checkpoint): the resume names the missing steps and the checkpoint the log
     covers; resumed from that one, the run logs them again, the same records as before."""
-    run_dir = tmp_path / "run"
-    rc, output = _finish(_start(run_dir, "trainer.keep_last=3"))
-    assert rc == 0, output[-3000:]
+    run_dir = shutil.copytree(finished, tmp_path / "run")
     whole = _results(run_dir)
     lines = (run_dir / "metrics.jsonl").read_text().splitlines(keepends=True)
     (run_dir / "metrics.jsonl").write_text("".join(lines[:5]))  # steps 1-5 kept
