@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -227,3 +228,21 @@ def test_a_lock_dated_in_the_future_is_watched_not_trusted(tmp_path, caplog):
     claim(tmp_path, poll_s=0.05).release()  # untouched now: taken over after its 0.5 s lease
     assert 0.5 <= time.monotonic() - t0 < 5
     assert "dated 3601 s ahead of this host's clock, was not touched for its 0.5 s lease" in caplog.text
+
+
+def test_a_lock_that_is_no_file_is_refused_in_one_line(tmp_path):
+    lock_path(tmp_path).mkdir(parents=True)
+    for attempt in (lambda: claim(tmp_path), lambda: check_not_held(tmp_path)):
+        with pytest.raises(ConfigError) as refused:
+            attempt()
+        assert f"a run directory whose .writer.lock is a file: {lock_path(tmp_path)} is not" in str(refused.value)
+
+
+def test_a_run_directory_removed_under_its_holder_stops_it(tmp_path):
+    """A cleanup that removes a running run's directory: the holder's next write stops it in one
+    line, rather than training on into files nobody can read."""
+    lock = claim(tmp_path / "run", lease_s=30)
+    shutil.rmtree(tmp_path / "run")
+    with pytest.raises(RunDirTaken, match="it was removed while this run wrote it; this run stopped"):
+        lock.check()
+    lock.release()

@@ -240,3 +240,15 @@ def newest_intact(ckpt_dir: Path) -> str:
     except (OSError, ConfigError):
         newest = None
     return f"{newest[0]}, which trainer.resume=true continues from" if newest else "none"
+
+
+def refuse_non_file(path: Path) -> None:
+    """``ConfigError`` (one line) unless ``path``, one of the run directory's files, is absent or a
+    regular file: a directory, a dangling link or a pipe (whose read would hang) in its place."""
+    path = Path(path)
+    if os.path.lexists(path) and not path.is_file():
+        raise ConfigError(
+            "hydra.run.dir",
+            str(path.parent),
+            f"a run directory whose {path.name} is a file: {path} is not (move it away)",
+        )

@@ -46,6 +46,7 @@ from pathlib import Path
 from typing import Any
 
 from readback.errors import ConfigError
+from readback.train.checkpoint.dirs import refuse_non_file
 from readback.train.checkpoint.lock_holder import (
     LEASE_S,
     SKEW_S,
@@ -113,6 +114,7 @@ def _same_job(holder: dict[str, Any]) -> bool:
 def check_not_held(run_dir: Path, lease_s: float = LEASE_S) -> None:
     """The entry point's look ahead: ``ConfigError`` if a live process of another job holds
     ``run_dir`` (one of this Slurm job, or a lock dated in the future, is left to :func:`claim`)."""
+    refuse_non_file(lock_path(run_dir))
     found = read_lock(lock_path(run_dir))
     if found is None or found[1] < -SKEW_S:
         return
@@ -150,7 +152,9 @@ class WriterLock:
             found = read_lock(self.path)
             mine = found is not None and found[0].get("token") == self.record["token"]
             stopped = f"this run's lease of {self.lease_s:g} s ran out (was this process stopped?)"
-            if not mine and found is not None and found[0]:
+            if found is None and not self.path.parent.is_dir():
+                self.lost = "it was removed while this run wrote it"
+            elif not mine and found is not None and found[0]:
                 self.lost = f"{describe(found[0])} took it over while {stopped}"
             elif not mine and lapsed_s > self.lease_s:
                 gone = "is gone" if found is None else "is garbled"
@@ -239,6 +243,7 @@ def claim(run_dir: Path, *, lease_s: float = LEASE_S, wait_s: float | None = Non
             pass
         except OSError as e:
             raise unwritable(run_dir, e) from None
+        refuse_non_file(path)
         found = read_lock(path)
         if found is None:
             continue

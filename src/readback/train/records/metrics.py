@@ -14,7 +14,6 @@ import contextlib
 import json
 import logging
 import math
-import os
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any, BinaryIO
@@ -22,7 +21,7 @@ from typing import Any, BinaryIO
 from readback.errors import ConfigError
 from readback.jsonl import read_jsonl
 from readback.train.checkpoint import WriterLock, atomic_write_text, checkpoint_dir
-from readback.train.checkpoint.dirs import newest_intact
+from readback.train.checkpoint.dirs import newest_intact, refuse_non_file
 from readback.train.records.identity import launch_context, run_identity
 from readback.train.records.tracking import WandbLogger
 from readback.train.settings import Logger
@@ -68,6 +67,18 @@ def json_safe(value: Any) -> Any:
     return f if math.isfinite(f) else None
 
 
+def write_refused(path: Path, what: str, error: OSError) -> ConfigError:
+    """The one line of a run's record that the file system refused (a full disk, a quota, an I/O
+    error): the cause, the file and the newest intact checkpoint, which a resume continues from."""
+    newest = newest_intact(checkpoint_dir(path.parent))
+    return ConfigError(
+        "hydra.run.dir",
+        str(path.parent),
+        f"a directory {path.name} can be written in: {what} {path} failed "
+        f"({' '.join(str(error).split())}); the newest intact checkpoint is {newest}",
+    )
+
+
 class JsonlWriter:
     """Appends one JSON object per line to ``path``, each written through at once; with an
     ``owner`` (the run directory's lock), only while this run still holds the directory.
@@ -94,27 +105,16 @@ class JsonlWriter:
             yield
         except OSError as e:
             self.close()
-            newest = newest_intact(checkpoint_dir(self.path.parent))
-            raise ConfigError(
-                "hydra.run.dir",
-                str(self.path.parent),
-                f"a directory {self.path.name} can be written in: {what} {self.path} failed "
-                f"({' '.join(str(e).split())}); the newest intact checkpoint is {newest}",
-            ) from e
+            raise write_refused(self.path, what, e) from e
 
     def truncate_after(self, step: int) -> None:
         """Make the log consistent with a resume from ``step``: the records of steps up to it, each
         step once (its last record: a step logged twice, by a run that resumed without this or by
         two writers, counts once), no torn line; the resumed run appends the rest."""
         self.close()
-        if not os.path.lexists(self.path):
+        refuse_non_file(self.path)
+        if not self.path.exists():
             return
-        if not self.path.is_file():  # a directory, a dangling link, a pipe (whose read would hang)
-            raise ConfigError(
-                "hydra.run.dir",
-                str(self.path.parent),
-                f"a run directory whose {self.path.name} is a file: {self.path} is not (move it away)",
-            )
         self._check_owner()
         keep: dict[int, dict[str, Any]] = {}
         with self._writing(f"cutting back to step {step}"):

@@ -8,7 +8,8 @@ from pathlib import Path
 from typing import Any
 
 from readback.train.checkpoint import RunDirTaken, WriterLock, atomic_write_text
-from readback.train.records.metrics import json_safe
+from readback.train.checkpoint.dirs import refuse_non_file
+from readback.train.records.metrics import json_safe, write_refused
 
 log = logging.getLogger(__name__)
 
@@ -69,13 +70,18 @@ class SummaryWriter:
     def clear(self) -> None:
         """A resumed run is not over until it says so again."""
         if self.is_main:
+            refuse_non_file(summary_path(self.run_dir))
             summary_path(self.run_dir).unlink(missing_ok=True)
 
     def write(self, summary: dict[str, Any]) -> None:
+        """Write ``summary``; a file system that refuses it is one line (the checkpoints hold the run)."""
         if self.is_main:
             if self.owner is not None:
                 self.owner.check()
-            write_summary(self.run_dir, summary)
+            try:
+                write_summary(self.run_dir, summary)
+            except OSError as e:
+                raise write_refused(summary_path(self.run_dir), "writing", e) from e
 
     def write_failed(self, summary: dict[str, Any], error: BaseException) -> None:
         """``status: failed`` with the error; a failure to write is logged, never raised over it."""
