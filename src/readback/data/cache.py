@@ -47,12 +47,28 @@ def digest(parts: Iterable[bytes | str]) -> str:
     return h.hexdigest()[:16]
 
 
+def unwritable_cache(directory: Path, error: OSError) -> ConfigError:
+    """The one line for a cache that cannot be written: no permission, a full disk, a parent that
+    is a file."""
+    where, why = error.filename or directory, error.strerror or str(error)
+    return ConfigError(
+        "data.cache_dir", str(directory), f"a cache directory this run can write ({where}: {why}); set another"
+    )
+
+
 @contextlib.contextmanager
 def build_lock(directory: Path) -> Iterator[None]:
     """Hold an exclusive lock on ``directory`` while building what goes into it."""
-    directory.mkdir(parents=True, exist_ok=True)
-    with FileLock(str(directory / ".build.lock")):
+    lock = FileLock(str(directory / ".build.lock"))
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+        lock.acquire()
+    except OSError as e:
+        raise unwritable_cache(directory, e) from None
+    try:
         yield
+    finally:
+        lock.release()
 
 
 def atomic_write(
@@ -63,9 +79,9 @@ def atomic_write(
     ``write`` receives an open binary file, or (``by_name=True``) the temporary file's name for
     writers that only take a path, such as ``tokenizers.Tokenizer.save``.
     """
-    path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp")
     try:
+        path.parent.mkdir(parents=True, exist_ok=True)
         if by_name:
             write(str(tmp))  # type: ignore[arg-type]
         else:
@@ -74,8 +90,10 @@ def atomic_write(
                 f.flush()
                 os.fsync(f.fileno())
         os.replace(tmp, path)
+    except OSError as e:
+        raise unwritable_cache(path.parent, e) from None
     finally:
-        with contextlib.suppress(FileNotFoundError):
+        with contextlib.suppress(OSError):
             tmp.unlink()
 
 

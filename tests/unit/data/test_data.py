@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import re
 import socket
@@ -444,6 +445,17 @@ def test_missing_or_empty_files_raise_config_error(tmp_path):
             cfg = load_data_cfg("shakespeare", files=files, cache_dir=str(tmp_path / "cache"))
             build_data(cfg, Layout(seq_len=16, micro_batch=2, seed=0))
         assert info.value.key == "data.files" and files[0].split("/")[-1] in str(info.value)
+
+
+def test_a_cache_that_cannot_be_written_is_one_line(tmp_path):
+    """A ``data.cache_dir`` under a file (or read-only, or on a full disk): one line naming it."""
+    (tmp_path / "file").write_text("")
+    cfg = dataclasses.replace(_small_text_cfg(tmp_path), cache_dir=str(tmp_path / "file" / "cache"))
+    with pytest.raises(ConfigError) as refused:
+        build_data(cfg, Layout(seq_len=16, micro_batch=2, seed=0))
+    line = str(refused.value)
+    assert refused.value.key == "data.cache_dir" and "\n" not in line
+    assert "valid: a cache directory this run can write (" in line and "Not a directory); set another" in line
 
 
 def _small_text_cfg(tmp_path):
