@@ -6,6 +6,7 @@ naming the file and the newest intact checkpoint."""
 from __future__ import annotations
 
 import errno
+import json
 import os
 
 import pytest
@@ -58,3 +59,21 @@ def test_a_directory_in_a_records_place_is_refused_in_one_line(tmp_path, name):
             SummaryWriter(tmp_path, is_main=True).clear()
     assert f"a run directory whose {name} is a file: {tmp_path / name} is not (move it away)" in str(refused.value)
     assert (tmp_path / name).is_dir()
+
+
+@pytest.mark.parametrize("change", ["removed", "replaced"])
+def test_a_log_removed_or_replaced_under_the_run_is_written_again_with_a_warning(tmp_path, caplog, change):
+    """Records written into a file nobody can read any more would be lost without a word."""
+    log = tmp_path / "metrics.jsonl"
+    writer = JsonlWriter(log)
+    writer.write({"step": 1})
+    log.unlink()
+    if change == "replaced":
+        log.write_text('{"step": 0}\n')
+    writer.write({"step": 2})
+    writer.write({"step": 3})
+    writer.close()
+    kept = [] if change == "removed" else [0]
+    assert [json.loads(line)["step"] for line in log.read_text().splitlines()] == [*kept, 2, 3]
+    assert f"{log} was removed or replaced while this run wrote it: its records before step 2" in caplog.text
+    assert caplog.text.count("was removed or replaced") == 1

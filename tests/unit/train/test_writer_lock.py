@@ -243,6 +243,6 @@ def test_a_run_directory_removed_under_its_holder_stops_it(tmp_path):
     line, rather than training on into files nobody can read."""
     lock = claim(tmp_path / "run", lease_s=30)
     shutil.rmtree(tmp_path / "run")
-    with pytest.raises(RunDirTaken, match="it was removed while this run wrote it; this run stopped"):
+    with pytest.raises(RunDirTaken, match="it was removed or moved while this run wrote it; this run stopped"):
         lock.check()
     lock.release()

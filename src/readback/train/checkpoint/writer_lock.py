@@ -153,7 +153,7 @@ class WriterLock:
             mine = found is not None and found[0].get("token") == self.record["token"]
             stopped = f"this run's lease of {self.lease_s:g} s ran out (was this process stopped?)"
             if found is None and not self.path.parent.is_dir():
-                self.lost = "it was removed while this run wrote it"
+                self.lost = "it was removed or moved while this run wrote it"
             elif not mine and found is not None and found[0]:
                 self.lost = f"{describe(found[0])} took it over while {stopped}"
             elif not mine and lapsed_s > self.lease_s:

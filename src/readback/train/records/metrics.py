@@ -14,6 +14,7 @@ import contextlib
 import json
 import logging
 import math
+import os
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any, BinaryIO
@@ -128,10 +129,27 @@ class JsonlWriter:
         self._check_owner()
         line = memoryview((json.dumps(json_safe(dict(record)), allow_nan=False) + "\n").encode())
         with self._writing(f"writing the record of step {record.get('step')} to"):
+            if self._f is not None and not self._still_at_path(self._f):
+                log.warning(
+                    "%s was removed or replaced while this run wrote it: its records before step %s are not in "
+                    "the new file (a resume names them and the checkpoint that logs them again)",
+                    self.path,
+                    record.get("step"),
+                )
+                self.close()
             if self._f is None:
                 self._f = open(self.path, "ab", buffering=0)  # noqa: SIM115 - kept open across writes; close() closes it
             while line:
                 line = line[self._f.write(line) :]
+
+    def _still_at_path(self, f: BinaryIO) -> bool:
+        """Whether the open log is still the file at :attr:`path` (one stat a record): records
+        written into a removed file would be lost without a word."""
+        try:
+            here, there = os.fstat(f.fileno()), os.stat(self.path)
+        except FileNotFoundError:
+            return False
+        return (here.st_dev, here.st_ino) == (there.st_dev, there.st_ino)
 
     def close(self) -> None:
         if self._f is not None:
