@@ -11,6 +11,7 @@ it held a run before); ``128 + signal`` after a preemption signal, once the chec
 (under submitit the job is requeued instead, see ``readback.train.preemption``).
 """
 
+import logging
 import os
 import shutil
 import sys
@@ -83,6 +84,7 @@ def main(cfg: DictConfig) -> None:
 
 
 if __name__ == "__main__":
+    logging.raiseExceptions = False  # a log file on a full disk: its lines are lost, no traceback for each
     exit_on_bad_config(sys.argv[1:])
     main()
     if _SWEEP_CONFIG_ERRORS:
