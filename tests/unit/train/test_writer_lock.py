@@ -238,6 +238,17 @@ def test_a_lock_that_is_no_file_is_refused_in_one_line(tmp_path):
         assert f"a run directory whose .writer.lock is a file: {lock_path(tmp_path)} is not" in str(refused.value)
 
 
+def test_a_lock_replaced_by_a_directory_under_its_holder_stops_it_after_its_lease(tmp_path):
+    lock = claim(tmp_path, lease_s=0.2)
+    lock_path(tmp_path).unlink()
+    lock_path(tmp_path).mkdir()
+    time.sleep(0.5)
+    with pytest.raises(RunDirTaken, match="its lock is garbled after this run's lease of 0.2 s ran out"):
+        lock.check()
+    lock.release()
+    assert lock_path(tmp_path).is_dir()
+
+
 def test_a_run_directory_removed_under_its_holder_stops_it(tmp_path):
     """A cleanup that removes a running run's directory: the holder's next write stops it in one
     line, rather than training on into files nobody can read."""

@@ -85,11 +85,15 @@ def why_gone(holder: dict[str, Any], age_s: float, lease_s: float = LEASE_S) -> 
 
 def read_lock(path: Path) -> tuple[dict[str, Any], float] | None:
     """The holder a lock names and how long ago, on this host's clock, it was touched (negative:
-    dated in the future); ``None``: no lock. An empty or garbled one names nobody: ``{}``."""
+    dated in the future); ``None``: no lock. An empty or garbled one names nobody: ``{}``; so does
+    one that cannot be read (an I/O error, no file: its holder cannot confirm it, a newcomer
+    refuses it), touched, as far as anyone can tell, now."""
     try:
         text, mtime = Path(path).read_text(errors="replace"), Path(path).stat().st_mtime
     except FileNotFoundError:
         return None
+    except OSError:
+        return {}, 0.0
     try:
         holder = json.loads(text)
     except json.JSONDecodeError:
