@@ -243,7 +243,7 @@ def test_a_lock_replaced_by_a_directory_under_its_holder_stops_it_after_its_leas
     lock_path(tmp_path).unlink()
     lock_path(tmp_path).mkdir()
     time.sleep(0.5)
-    with pytest.raises(RunDirTaken, match="its lock is garbled after this run's lease of 0.2 s ran out"):
+    with pytest.raises(RunDirTaken, match=r"its lock is garbled after this run's lease of 0\.2 s ran out"):
         lock.check()
     lock.release()
     assert lock_path(tmp_path).is_dir()
