@@ -12,8 +12,9 @@ import os
 import pytest
 
 from readback.errors import ConfigError
-from readback.train.records.metrics import JsonlWriter
+from readback.train.records.metrics import JsonlWriter, build_metrics_logger
 from readback.train.records.summary import SummaryWriter, summary_path
+from readback.train.settings import Logger
 
 FULL = os.strerror(errno.ENOSPC)
 
@@ -49,14 +50,18 @@ def test_a_full_disk_under_the_summary_is_one_line_naming_it(tmp_path, full_disk
     assert not summary_path(tmp_path).exists()
 
 
-@pytest.mark.parametrize("name", ["metrics.jsonl", "summary.json"])
+@pytest.mark.parametrize("name", ["metrics.jsonl", "summary.json", "launch.json"])
 def test_a_directory_in_a_records_place_is_refused_in_one_line(tmp_path, name):
     (tmp_path / name).mkdir()
     with pytest.raises(ConfigError) as refused:
         if name == "metrics.jsonl":
             JsonlWriter(tmp_path / name).truncate_after(3)
-        else:
+        elif name == "summary.json":
             SummaryWriter(tmp_path, is_main=True).clear()
+        else:
+            build_metrics_logger(
+                Logger(name="none"), tmp_path, is_main=True, resume_step=0, config={}, wandb_run_id=None
+            )
     assert f"a run directory whose {name} is a file: {tmp_path / name} is not (move it away)" in str(refused.value)
     assert (tmp_path / name).is_dir()
 

@@ -210,8 +210,12 @@ def build_metrics_logger(
         owner.check()
     jsonl = JsonlWriter(Path(run_dir) / "metrics.jsonl", owner)
     jsonl.truncate_after(resume_step)
-    launch = launch_context(Path(run_dir))
-    atomic_write_text(Path(run_dir) / "launch.json", json.dumps(json_safe(launch), indent=2) + "\n")
+    launch, launch_path = launch_context(Path(run_dir)), Path(run_dir) / "launch.json"
+    refuse_non_file(launch_path)
+    try:
+        atomic_write_text(launch_path, json.dumps(json_safe(launch), indent=2) + "\n")
+    except OSError as e:
+        raise write_refused(launch_path, "writing", e) from e
     wb = None
     if isinstance(logger_cfg, WandbSettings):
         identity = run_identity(
