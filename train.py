@@ -11,6 +11,7 @@ it held a run before); ``128 + signal`` after a preemption signal, once the chec
 (under submitit the job is requeued instead, see ``readback.train.preemption``).
 """
 
+import logging
 import os
 import shutil
 import sys
@@ -38,9 +39,14 @@ def _made_by_this_job(run_dir: Path) -> bool:
 
 
 def _config_error(error: ConfigError, run_dir: Path) -> None:
-    """One line on stderr; the run directory removed if this job made it; exit 2 (in a sweep the
+    """One line on stderr; the run directory removed if this job made it, else its Hydra files put
+    back, unless another run took it over (nothing more written there); exit 2 (in a sweep the
     sweep goes on, and the process exits 2 at its end)."""
-    if _made_by_this_job(run_dir):
+    from readback.train.checkpoint import RunDirTaken
+
+    if isinstance(error, RunDirTaken):
+        pass
+    elif _made_by_this_job(run_dir):
         shutil.rmtree(run_dir, ignore_errors=True)
     else:
         restore_hydra_files(run_dir)
@@ -78,6 +84,7 @@ def main(cfg: DictConfig) -> None:
 
 
 if __name__ == "__main__":
+    logging.raiseExceptions = False  # a log file on a full disk: its lines are lost, no traceback for each
     exit_on_bad_config(sys.argv[1:])
     main()
     if _SWEEP_CONFIG_ERRORS:

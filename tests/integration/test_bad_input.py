@@ -25,7 +25,8 @@ import torch
 from readback.data import Layout, build_data
 from readback.train.checkpoint import io as checkpoint_io
 from readback.train.checkpoint import list_checkpoints
-from readback.train.checkpoint.writer_lock import lock_path, this_process
+from readback.train.checkpoint.lock_holder import this_process
+from readback.train.checkpoint.writer_lock import lock_path
 from toys import REPO, TWO_STEP_RUN, load_data_cfg
 
 # Small enough to train in seconds; cases override what they break.

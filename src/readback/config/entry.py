@@ -173,7 +173,7 @@ def _check_run_dir_of(cfg: DictConfig, config: Config) -> None:
         if not config.trainer.dry_run:
             from readback.train.checkpoint import check_not_held, resume_plan
 
-            check_not_held(run_dir)  # before Hydra writes its files there
+            check_not_held(run_dir, config.trainer.lock_lease_s)  # before Hydra writes its files there
             resume_plan(run_dir, config, quiet=True)
 
 

@@ -7,6 +7,10 @@ must happen once and nobody may ever read a half-written file:
   and re-check the cache after taking it, so the other ranks wait and then load;
 * files are written by :func:`atomic_write` (temporary file in the same directory, then
   ``os.replace``), so a reader that skips the lock sees either nothing or the whole file.
+
+A cached file can still be wrong (cut short by a copy or a full disk, written by another
+version, edited): :func:`check_token_arrays` refuses token ids that a run could not train on,
+naming the file, before the first step.
 """
 
 from __future__ import annotations
@@ -19,7 +23,10 @@ from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import BinaryIO
 
+import numpy as np
 from filelock import FileLock
+
+from readback.errors import ConfigError
 
 DEFAULT_CACHE = "~/.cache/readback"
 CACHE_ENV = "READBACK_CACHE"
@@ -40,12 +47,28 @@ def digest(parts: Iterable[bytes | str]) -> str:
     return h.hexdigest()[:16]
 
 
+def unwritable_cache(directory: Path, error: OSError) -> ConfigError:
+    """The one line for a cache that cannot be written: no permission, a full disk, a parent that
+    is a file."""
+    where, why = error.filename or directory, error.strerror or str(error)
+    return ConfigError(
+        "data.cache_dir", str(directory), f"a cache directory this run can write ({where}: {why}); set another"
+    )
+
+
 @contextlib.contextmanager
 def build_lock(directory: Path) -> Iterator[None]:
     """Hold an exclusive lock on ``directory`` while building what goes into it."""
-    directory.mkdir(parents=True, exist_ok=True)
-    with FileLock(str(directory / ".build.lock")):
+    lock = FileLock(str(directory / ".build.lock"))
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+        lock.acquire()
+    except OSError as e:
+        raise unwritable_cache(directory, e) from None
+    try:
         yield
+    finally:
+        lock.release()
 
 
 def atomic_write(
@@ -56,9 +79,9 @@ def atomic_write(
     ``write`` receives an open binary file, or (``by_name=True``) the temporary file's name for
     writers that only take a path, such as ``tokenizers.Tokenizer.save``.
     """
-    path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp")
     try:
+        path.parent.mkdir(parents=True, exist_ok=True)
         if by_name:
             write(str(tmp))  # type: ignore[arg-type]
         else:
@@ -67,6 +90,44 @@ def atomic_write(
                 f.flush()
                 os.fsync(f.fileno())
         os.replace(tmp, path)
+    except OSError as e:
+        raise unwritable_cache(path.parent, e) from None
     finally:
-        with contextlib.suppress(FileNotFoundError):
+        with contextlib.suppress(OSError):
             tmp.unlink()
+
+
+def bad_cache_file(path: Path, what: str) -> ConfigError:
+    """The one-line refusal of a cached file: which one, what is wrong with it, and the fix."""
+    return ConfigError(
+        "data.cache_dir", str(path), f"a cache file this run can read, and {what}; delete it to rebuild it"
+    )
+
+
+def check_token_arrays(
+    path: Path, vocab_size: int, ids: np.ndarray, offsets: np.ndarray, block_doc: np.ndarray
+) -> None:
+    """Refuse, naming ``path``, cached token ids a run cannot train on, whatever stores them:
+    ``ids`` (all blocks back to back), ``offsets`` (block ``i`` is ``ids[offsets[i]:offsets[i+1]]``)
+    and ``block_doc`` (each block's document). Integer arrays of one dimension, offsets that
+    start at 0, never decrease and end at the number of ids (fewer: cut short), and every id in
+    ``[0, vocab_size)`` (an embedding lookup fails on a negative id and reads another token for
+    one beyond). A float cache (a NaN included) is refused by its dtype, before any comparison."""
+    for name, array in (("ids", ids), ("offsets", offsets), ("block_doc", block_doc)):
+        if not np.issubdtype(array.dtype, np.integer):
+            raise bad_cache_file(path, f"its {name} are {array.dtype}, not integers: not a token file of this version")
+        if array.ndim != 1:
+            raise bad_cache_file(path, f"its {name} have shape {array.shape}, not one dimension")
+    if len(offsets) != len(block_doc) + 1 or offsets[0] != 0 or bool(np.any(np.diff(offsets) < 0)):
+        what = f"its {len(offsets)} offsets do not index its {len(block_doc)} blocks from 0 in order"
+        raise bad_cache_file(path, f"{what}: not a token file of this version")
+    if offsets[-1] != len(ids):
+        raise bad_cache_file(path, f"it is truncated: it holds {len(ids)} token ids, its offsets count {offsets[-1]}")
+    if not len(ids):
+        return
+    if (low := int(ids.min())) < 0:
+        raise bad_cache_file(path, f"token {int(np.argmin(ids))} is id {low}, negative")
+    if (top := int(ids.max())) >= vocab_size:
+        raise bad_cache_file(
+            path, f"token {int(np.argmax(ids))} is id {top}, outside the vocabulary of {vocab_size} ids"
+        )

@@ -24,9 +24,8 @@ from typing import Any
 import numpy as np
 
 from readback.data import corpus
-from readback.data.cache import atomic_write, build_lock, cache_root, digest
+from readback.data.cache import atomic_write, bad_cache_file, build_lock, cache_root, check_token_arrays, digest
 from readback.data.settings import ShakespeareData
-from readback.errors import ConfigError
 from readback.progress import progress as progress_of
 
 EOS = "<|endoftext|>"
@@ -126,34 +125,24 @@ def _load(tok_path: Path, ids_path: Path, key: str, vocab_size: int) -> Tokenize
     try:
         tok = Tokenizer.from_file(str(tok_path))
     except Exception as e:  # a cut or garbled tokenizer.json
-        raise _bad_cache_file(tok_path, f"it does not load ({' '.join(str(e).split())[:120]})") from None
+        raise bad_cache_file(tok_path, f"it does not load ({' '.join(str(e).split())[:120]})") from None
     ids, offsets, block_doc = read_token_shard(ids_path, vocab_size)
     eos = tok.token_to_id(EOS)
     if eos is None:  # not a tokenizer this module trained
-        raise _bad_cache_file(tok_path, f"it has no {EOS} token, so readback did not train it")
+        raise bad_cache_file(tok_path, f"it has no {EOS} token, so readback did not train it")
     return TokenizedCorpus(tok, ids, offsets, block_doc, key, eos)
 
 
 def read_token_shard(path: Path, vocab_size: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """``(ids, offsets, block_doc)`` of a cached token file, or a ``ConfigError`` naming it and
-    what is wrong: cut short (not a whole archive, or fewer ids than its offsets count), or ids
-    outside the vocabulary (an embedding lookup would fail mid-run, or read another token)."""
+    what is wrong: not a whole archive of those arrays, or arrays a run cannot train on
+    (:func:`~readback.data.cache.check_token_arrays`)."""
     try:
         with np.load(path) as z:
             ids, offsets, block_doc = z["ids"], z["offsets"], z["block_doc"]
     except (OSError, ValueError, EOFError, KeyError, zipfile.BadZipFile) as e:
-        raise _bad_cache_file(path, f"it is truncated or not a token file ({type(e).__name__}: {e})") from None
-    whole = len(offsets) == len(block_doc) + 1 and len(offsets) > 0 and offsets[0] == 0
-    if not whole or offsets[-1] != len(ids) or bool(np.any(np.diff(offsets) < 0)):
-        counted = int(offsets[-1]) if len(offsets) else "no"
-        raise _bad_cache_file(path, f"it is truncated: it holds {len(ids)} token ids, its offsets count {counted}")
-    if len(ids) and (top := int(ids.max())) >= vocab_size:
-        where = int(np.argmax(ids))
-        raise _bad_cache_file(path, f"token {where} is id {top}, outside the vocabulary of {vocab_size} ids")
+        raise bad_cache_file(
+            path, f"it is truncated or not a token file ({type(e).__name__}: {' '.join(str(e).split())})"
+        ) from None
+    check_token_arrays(path, vocab_size, ids, offsets, block_doc)
     return ids, offsets, block_doc
-
-
-def _bad_cache_file(path: Path, what: str) -> ConfigError:
-    return ConfigError(
-        "data.cache_dir", str(path), f"a cache file this run can read, and {what}; delete it to rebuild it"
-    )

@@ -51,7 +51,10 @@ def run(cfg: Config, run_dir: Path, builders: Builders | None = None) -> dict[st
         torch.use_deterministic_algorithms(True, warn_only=True)
         keep_freed_memory()
     try:
-        with PreemptionGuard(cfg.trainer.preempt_signals) as guard, sole_writer(run_dir, env) as writer:
+        with (
+            PreemptionGuard(cfg.trainer.preempt_signals) as guard,
+            sole_writer(run_dir, env, cfg.trainer.lock_lease_s) as writer,
+        ):
             return Trainer(cfg, run_dir, env, accum, experiment, builders, guard, writer).train()
     finally:
         torch.use_deterministic_algorithms(det_before, warn_only=warn_before)

@@ -62,6 +62,7 @@ RESUMABLE_KEYS = (
     "trainer.ckpt_every",
     "trainer.keep_last",
     "trainer.ckpt_async",
+    "trainer.lock_lease_s",
     "trainer.log_every",
     "trainer.eval_every",
     "trainer.eval_batches",
@@ -121,6 +122,7 @@ class Trainer(Checked):
     ckpt_every: int = integer()
     keep_last: int = integer()
     ckpt_async: bool = MISSING
+    lock_lease_s: float = number(0, low_open=True)
     resume: bool = MISSING
     resume_changed_config: bool = MISSING
     preempt_signals: list[str] = MISSING

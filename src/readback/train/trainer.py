@@ -77,10 +77,10 @@ class Trainer:
         self.grad_clip = t.optim.grad_clip
         self.detector = DivergenceDetector(t.divergence)
         self.instruments = instruments(cfg.probe, env.distributed)
-        self.summary = SummaryWriter(self.run_dir, is_main=env.is_main)
+        self.summary = SummaryWriter(self.run_dir, is_main=env.is_main, owner=writer)
         self.n_params: int | None = None
         self.t_start = time.time()
-        self.metrics = MetricsProcessor(env, tokens_per_step=self.tokens_per_step, t_start=self.t_start)
+        self.metrics = MetricsProcessor(env, tokens_per_step=self.tokens_per_step, t_start=self.t_start, owner=writer)
         self.preempt = False  # a preemption signal reached some rank: checkpoint and stop after this step
         self.loop_started = False
         self.step = 0
@@ -113,6 +113,7 @@ class Trainer:
             optimizer=self.optimizer,
             shared={"schedule": self.scheduler, "divergence": self.detector, "progress": self.metrics},
             per_rank={"data": self.stream, "numerics": self.model.numerics, "rng": RNGState()},
+            owner=self.writer,
         )
 
     def train(self) -> dict[str, Any]:
@@ -123,8 +124,8 @@ class Trainer:
             self._build()
             start, wandb_id = self.checkpoints.resume()
             self.step = start
-            self.summary.clear()
             self.metrics.open_logger(self.cfg, self.run_dir, resume_step=start, wandb_run_id=wandb_id)
+            self.summary.clear()
             self.metrics.log_start(self.experiment, self.n_params, steps=self.steps, accum=self.accum)
             status = self._loop(start)
             self.checkpoints.wait()  # an asynchronous save still in flight
@@ -275,8 +276,6 @@ class Trainer:
         return "diverged" if self.detector.diverged else "completed"
 
     def _save(self) -> None:
-        if self.writer is not None:
-            self.writer.check()  # the run directory is still this run's
         self.checkpoints.save(self.step, wandb_run_id=self.metrics.logger.wandb_run_id)
 
     def _summary(self, status: str) -> dict[str, Any]:

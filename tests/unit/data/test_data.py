@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import re
 import socket
@@ -446,6 +447,17 @@ def test_missing_or_empty_files_raise_config_error(tmp_path):
         assert info.value.key == "data.files" and files[0].split("/")[-1] in str(info.value)
 
 
+def test_a_cache_that_cannot_be_written_is_one_line(tmp_path):
+    """A ``data.cache_dir`` under a file (or read-only, or on a full disk): one line naming it."""
+    (tmp_path / "file").write_text("")
+    cfg = dataclasses.replace(_small_text_cfg(tmp_path), cache_dir=str(tmp_path / "file" / "cache"))
+    with pytest.raises(ConfigError) as refused:
+        build_data(cfg, Layout(seq_len=16, micro_batch=2, seed=0))
+    line = str(refused.value)
+    assert refused.value.key == "data.cache_dir" and "\n" not in line
+    assert "valid: a cache directory this run can write (" in line and "Not a directory); set another" in line
+
+
 def _small_text_cfg(tmp_path):
     text = tmp_path / "small.txt"
     words = ["ale", "bread", "cheese", "dough", "eggs", "figs", "grain", "honey"]
@@ -453,30 +465,53 @@ def _small_text_cfg(tmp_path):
     return load_data_cfg("shakespeare", files=[str(text)], vocab_size=300, block_lines=20, cache_dir=str(tmp_path))
 
 
-@pytest.mark.parametrize(
-    ("damage", "says"),
-    [
-        ("cut", "it is truncated or not a token file (BadZipFile"),
-        ("short", "it is truncated: it holds 100 token ids, its offsets count"),
-        ("out_of_vocab", "is id 300, outside the vocabulary of 300 ids"),
-    ],
-)
-def test_a_bad_token_shard_is_refused_naming_it(tmp_path, damage, says):
+def _negative(ids: np.ndarray) -> np.ndarray:
+    ids = ids.astype(np.int64)
+    ids[17] = -3
+    return ids
+
+
+def _nan(ids: np.ndarray) -> np.ndarray:
+    ids = ids.astype(np.float32)
+    ids[5] = np.nan
+    return ids
+
+
+def _beyond(ids: np.ndarray) -> np.ndarray:
+    ids = ids.copy()
+    ids[17] = 300
+    return ids
+
+
+# Each way a cached shard's arrays can be wrong: how to spoil (ids, offsets, block_doc), and what
+# the refusal must say.
+SPOILED_SHARDS = {
+    "short": (lambda i, o, b: (i[:100], o, b), "it is truncated: it holds 100 token ids, its offsets count"),
+    "out_of_vocab": (lambda i, o, b: (_beyond(i), o, b), "token 17 is id 300, outside the vocabulary of 300 ids"),
+    "negative": (lambda i, o, b: (_negative(i), o, b), "token 17 is id -3, negative"),
+    "float_with_nan": (lambda i, o, b: (_nan(i), o, b), "its ids are float32, not integers"),
+    "float_offsets": (lambda i, o, b: (i, o.astype(np.float64), b), "its offsets are float64, not integers"),
+    "two_dimensional": (lambda i, o, b: (i[: len(i) // 2 * 2].reshape(2, -1), o, b), "its ids have shape (2, "),
+    "offsets_decrease": (lambda i, o, b: (i, o[[0, 2, 1, *range(3, len(o))]], b), "offsets do not index its"),
+    "blocks_miscounted": (lambda i, o, b: (i, o, b[:-1]), "offsets do not index its"),
+}
+
+
+@pytest.mark.parametrize("damage", ["cut", *SPOILED_SHARDS])
+def test_a_bad_token_shard_is_refused_naming_it(tmp_path, damage):
     """The cached token ids of a local text (``tokens-b<lines>.npz``): cut short by a copy or a
-    full disk, or holding ids the model has no embedding for, are refused before training."""
+    full disk, or holding what no run can train on (ids outside the vocabulary, negative or not
+    integers at all, arrays of another shape), are refused before training, naming the file."""
     cfg = _small_text_cfg(tmp_path)
     build_data(cfg, Layout(seq_len=16, micro_batch=2, seed=0))
     (shard,) = tmp_path.glob("text/*/tokens-b20.npz")
     if damage == "cut":
         shard.write_bytes(shard.read_bytes()[:-100])
+        says = "it is truncated or not a token file (BadZipFile"
     else:
+        spoil, says = SPOILED_SHARDS[damage]
         with np.load(shard) as z:
-            ids, offsets, block_doc = z["ids"], z["offsets"], z["block_doc"]
-        if damage == "short":
-            ids = ids[:100]
-        else:
-            ids = ids.copy()
-            ids[17] = 300
+            ids, offsets, block_doc = spoil(z["ids"], z["offsets"], z["block_doc"])
         np.savez(shard, ids=ids, offsets=offsets, block_doc=block_doc)
     with pytest.raises(ConfigError) as refused:
         build_data(cfg, Layout(seq_len=16, micro_batch=2, seed=0))

@@ -229,3 +229,26 @@ def load_latest_checkpoint(
             if not quiet:
                 log.warning("skipping unreadable checkpoint %s (step %d): %s", path, step, e)
     return None
+
+
+def newest_intact(ckpt_dir: Path) -> str:
+    """``<path>, which trainer.resume=true continues from``, or ``none``: what a run that a file
+    system error stopped leaves to resume from, as its one-line error says (nothing moved, logged
+    or read beyond sizes)."""
+    try:
+        newest = load_latest_checkpoint(ckpt_dir, quiet=True)
+    except (OSError, ConfigError):
+        newest = None
+    return f"{newest[0]}, which trainer.resume=true continues from" if newest else "none"
+
+
+def refuse_non_file(path: Path) -> None:
+    """``ConfigError`` (one line) unless ``path``, one of the run directory's files, is absent or a
+    regular file: a directory, a dangling link or a pipe (whose read would hang) in its place."""
+    path = Path(path)
+    if os.path.lexists(path) and not path.is_file():
+        raise ConfigError(
+            "hydra.run.dir",
+            str(path.parent),
+            f"a run directory whose {path.name} is a file: {path} is not (move it away)",
+        )

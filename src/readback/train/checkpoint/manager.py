@@ -56,11 +56,12 @@ from readback.train.checkpoint.dirs import (
     CHECKPOINT_FORMAT,
     checkpoint_dir,
     commit_checkpoint,
-    load_latest_checkpoint,
+    newest_intact,
     remove_stale_temp_files,
     temp_checkpoint_path,
 )
 from readback.train.checkpoint.resumption import resume_plan
+from readback.train.checkpoint.writer_lock import RunDirTaken, WriterLock
 from readback.train.distributed import DistEnv, barrier, broadcast_object
 from readback.train.settings import Config, plain_config
 
@@ -144,6 +145,7 @@ class CheckpointManager:
         optimizer: torch.optim.Optimizer,
         shared: Mapping[str, Stateful],
         per_rank: Mapping[str, Stateful],
+        owner: WriterLock | None = None,
     ) -> None:
         t = cfg.trainer
         self.run_dir, self.cfg, self.env = Path(run_dir), cfg, env
@@ -151,6 +153,7 @@ class CheckpointManager:
         self.every, self.keep_last, self.asynchronous = t.ckpt_every, t.keep_last, t.ckpt_async
         self.tensors = {"model": ModelState(model), "optimizer": OptimizerState(model, optimizer)}
         self.shared, self.per_rank = dict(shared), dict(per_rank)
+        self.owner = owner  # rank 0's lock of run_dir: a save starts and commits only while it holds it
         self.last_path: str | None = None
         self.pending: tuple[int, Future | None] | None = None  # the save not yet committed
         # async saves talk over their own group: their collectives run beside the training's
@@ -163,6 +166,7 @@ class CheckpointManager:
         """Write the checkpoint of ``step`` on every rank; committed at once, or with
         ``trainer.ckpt_async`` by the next :meth:`wait` (the next save waits for this one)."""
         self.wait()
+        self._check_owner()
         env = self.env
         state: dict[str, Any] = {
             **self.tensors,
@@ -189,6 +193,7 @@ class CheckpointManager:
         if self.pending is None:
             return
         (step, future), self.pending = self.pending, None
+        self._check_owner()
         try:
             if future is not None:
                 future.result()
@@ -198,6 +203,19 @@ class CheckpointManager:
             self._failed(step, e)
         barrier(self.env)
 
+    def _check_owner(self) -> None:
+        """``RunDirTaken`` on every rank (none left waiting in a collective) unless rank 0 still
+        holds the run directory."""
+        lost = None
+        if self.owner is not None:
+            try:
+                self.owner.check()
+            except RunDirTaken as e:
+                lost = (e.key, e.value, e.valid)
+        lost = broadcast_object(lost, self.env)
+        if lost is not None:
+            raise RunDirTaken(*lost)
+
     def _failed(self, step: int, error: BaseException) -> NoReturn:
         """Re-raise ``error``, a failed save of ``step``; one with a file system error behind it
         as one line, once rank 0 has removed what it wrote."""
@@ -206,16 +224,11 @@ class CheckpointManager:
             raise error
         if self.env.is_main:
             shutil.rmtree(temp_checkpoint_path(self.dir, step), ignore_errors=True)
-        try:
-            newest = load_latest_checkpoint(self.dir, quiet=True)  # nothing moved or logged
-        except (OSError, ConfigError):
-            newest = None
-        resume = f"{newest[0]}, which trainer.resume=true continues from" if newest else "none"
         raise ConfigError(
             "hydra.run.dir",
             str(self.run_dir),
             f"a directory the checkpoint of step {step} can be saved in: saving it failed "
-            f"({' '.join(str(cause).split())}); the newest intact checkpoint is {resume}",
+            f"({' '.join(str(cause).split())}); the newest intact checkpoint is {newest_intact(self.dir)}",
         ) from error
 
     def resume(self) -> tuple[int, str | None]:

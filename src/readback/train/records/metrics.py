@@ -10,15 +10,19 @@ Non-finite numbers are written to the JSONL file as ``null`` (strict JSON).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import math
-from collections.abc import Mapping
+import os
+from collections.abc import Iterator, Mapping
 from pathlib import Path
-from typing import Any, TextIO
+from typing import Any, BinaryIO
 
+from readback.errors import ConfigError
 from readback.jsonl import read_jsonl
-from readback.train.checkpoint import atomic_write_text
+from readback.train.checkpoint import WriterLock, atomic_write_text, checkpoint_dir
+from readback.train.checkpoint.dirs import newest_intact, refuse_non_file
 from readback.train.records.identity import launch_context, run_identity
 from readback.train.records.tracking import WandbLogger
 from readback.train.settings import Logger
@@ -64,37 +68,94 @@ def json_safe(value: Any) -> Any:
     return f if math.isfinite(f) else None
 
 
-class JsonlWriter:
-    """Appends one JSON object per line to ``path``, flushed after every record."""
+def write_refused(path: Path, what: str, error: OSError) -> ConfigError:
+    """The one line of a run's record that the file system refused (a full disk, a quota, an I/O
+    error): the cause, the file and the newest intact checkpoint, which a resume continues from."""
+    newest = newest_intact(checkpoint_dir(path.parent))
+    return ConfigError(
+        "hydra.run.dir",
+        str(path.parent),
+        f"a directory {path.name} can be written in: {what} {path} failed "
+        f"({' '.join(str(error).split())}); the newest intact checkpoint is {newest}",
+    )
 
-    def __init__(self, path: Path):
-        self.path = Path(path)
+
+class JsonlWriter:
+    """Appends one JSON object per line to ``path``, each written through at once; with an
+    ``owner`` (the run directory's lock), only while this run still holds the directory.
+
+    A write that the file system refuses (a full disk, a quota, an I/O error) is one line
+    (``ConfigError``) naming the cause, the file and the newest intact checkpoint: what the run
+    resumes from once there is room again, the log cut back to that checkpoint's step. Nothing is
+    buffered, so nothing fails again when the file is closed."""
+
+    def __init__(self, path: Path, owner: WriterLock | None = None):
+        self.path, self.owner = Path(path), owner
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        self._f: TextIO | None = None
+        self._f: BinaryIO | None = None
+        self.last_step = 0  # the newest step with a record, once truncate_after has read the log
+
+    def _check_owner(self) -> None:
+        if self.owner is not None:
+            self.owner.check()
+
+    @contextlib.contextmanager
+    def _writing(self, what: str) -> Iterator[None]:
+        """A file system error while doing ``what`` as one line (see the class docstring)."""
+        try:
+            yield
+        except OSError as e:
+            self.close()
+            raise write_refused(self.path, what, e) from e
 
     def truncate_after(self, step: int) -> None:
         """Make the log consistent with a resume from ``step``: the records of steps up to it, each
         step once (its last record: a step logged twice, by a run that resumed without this or by
         two writers, counts once), no torn line; the resumed run appends the rest."""
         self.close()
+        refuse_non_file(self.path)
         if not self.path.exists():
             return
+        self._check_owner()
         keep: dict[int, dict[str, Any]] = {}
-        for r in read_jsonl(self.path):
-            if isinstance(r.get("step"), int) and r["step"] <= step:
-                keep[r["step"]] = r
-        atomic_write_text(self.path, "".join(json.dumps(keep[s]) + "\n" for s in sorted(keep)))
+        with self._writing(f"cutting back to step {step}"):
+            for r in read_jsonl(self.path):
+                if isinstance(r.get("step"), int) and r["step"] <= step:
+                    keep[r["step"]] = r
+            atomic_write_text(self.path, "".join(json.dumps(keep[s]) + "\n" for s in sorted(keep)))
+        self.last_step = max(keep, default=0)
 
     def write(self, record: Mapping[str, Any]) -> None:
-        if self._f is None:
-            self._f = open(self.path, "a", encoding="utf-8")  # noqa: SIM115 - kept open across writes; close() closes it
-        self._f.write(json.dumps(json_safe(dict(record)), allow_nan=False) + "\n")
-        self._f.flush()
+        self._check_owner()
+        line = memoryview((json.dumps(json_safe(dict(record)), allow_nan=False) + "\n").encode())
+        with self._writing(f"writing the record of step {record.get('step')} to"):
+            if self._f is not None and not self._still_at_path(self._f):
+                log.warning(
+                    "%s was removed or replaced while this run wrote it: its records before step %s are not in "
+                    "the new file (a resume names them and the checkpoint that logs them again)",
+                    self.path,
+                    record.get("step"),
+                )
+                self.close()
+            if self._f is None:
+                self._f = open(self.path, "ab", buffering=0)  # noqa: SIM115 - kept open across writes; close() closes it
+            while line:
+                line = line[self._f.write(line) :]
+
+    def _still_at_path(self, f: BinaryIO) -> bool:
+        """Whether the open log is still the file at :attr:`path` (one stat a record): records
+        written into a removed file would be lost without a word."""
+        try:
+            here, there = os.fstat(f.fileno()), os.stat(self.path)
+        except FileNotFoundError:
+            return False
+        return (here.st_dev, here.st_ino) == (there.st_dev, there.st_ino)
 
     def close(self) -> None:
         if self._f is not None:
-            self._f.close()
-            self._f = None
+            f, self._f = self._f, None
+            with contextlib.suppress(OSError):  # unbuffered: nothing of the log is left to write
+                f.close()
 
 
 class MetricsLogger:
@@ -138,16 +199,23 @@ def build_metrics_logger(
     resume_step: int,
     config: dict[str, Any],
     wandb_run_id: str | None,
+    owner: WriterLock | None = None,
 ) -> MetricsLogger:
     """The rank's logger: rank 0 writes ``launch.json``, gets ``metrics.jsonl`` (cut back to
-    ``resume_step``) and, with ``logger.name=wandb``, a wandb run; other ranks get an inactive
-    logger."""
+    ``resume_step``; written while ``owner`` holds the run directory) and, with
+    ``logger.name=wandb``, a wandb run; other ranks get an inactive logger."""
     if not is_main:
         return MetricsLogger()
-    launch = launch_context(Path(run_dir))
-    atomic_write_text(Path(run_dir) / "launch.json", json.dumps(json_safe(launch), indent=2) + "\n")
-    jsonl = JsonlWriter(Path(run_dir) / "metrics.jsonl")
+    if owner is not None:
+        owner.check()
+    jsonl = JsonlWriter(Path(run_dir) / "metrics.jsonl", owner)
     jsonl.truncate_after(resume_step)
+    launch, launch_path = launch_context(Path(run_dir)), Path(run_dir) / "launch.json"
+    refuse_non_file(launch_path)
+    try:
+        atomic_write_text(launch_path, json.dumps(json_safe(launch), indent=2) + "\n")
+    except OSError as e:
+        raise write_refused(launch_path, "writing", e) from e
     wb = None
     if isinstance(logger_cfg, WandbSettings):
         identity = run_identity(

@@ -13,6 +13,7 @@ from typing import Any
 import torch
 
 from readback.progress import Off, Progress, progress
+from readback.train.checkpoint import WriterLock, checkpoint_dir, list_checkpoints
 from readback.train.contract import TrainableModel
 from readback.train.distributed import DistEnv
 from readback.train.records.metrics import MetricsLogger, build_metrics_logger, peak_bf16_flops
@@ -32,6 +33,7 @@ class Window:
         self.last_loss: float | None = None
         self.last_val_loss: float | None = None
         self.wall_time_s = 0.0  # wall time of earlier sessions (from the checkpoint)
+        self.last_logged_step = 0  # the newest step with a record: a resumed log must hold it
 
     def add(self, loss: float, tokens: int, seconds: float) -> None:
         self.loss_sum += loss
@@ -53,8 +55,8 @@ class MetricsProcessor:
     """Builds one record per log step and sends it to the :class:`MetricsLogger`; its state (the
     window and the wall time so far) rides along in checkpoints."""
 
-    def __init__(self, env: DistEnv, *, tokens_per_step: int, t_start: float) -> None:
-        self.env, self.tokens_per_step = env, tokens_per_step
+    def __init__(self, env: DistEnv, *, tokens_per_step: int, t_start: float, owner: WriterLock | None = None) -> None:
+        self.env, self.tokens_per_step, self.owner = env, tokens_per_step, owner  # owner: rank 0's lock
         self.flops_per_token: float | None = None  # set once the model is built
         self.window = Window()
         self.logger = MetricsLogger()
@@ -72,6 +74,27 @@ class MetricsProcessor:
             resume_step=resume_step,
             config=plain_config(cfg),
             wandb_run_id=wandb_run_id,
+            owner=self.owner,
+        )
+        if self.logger.jsonl is not None and self.logger.jsonl.last_step < self.window.last_logged_step:
+            self._warn_log_gap(run_dir, resume_step, self.logger.jsonl.last_step)
+
+    def _warn_log_gap(self, run_dir: Path, resume_step: int, last: int) -> None:
+        """The log lacks records that the run it resumes wrote (a node crash lost lines never
+        synced, though the checkpoint was; the file was deleted): name them, and the checkpoint that
+        would log them again. The run goes on; what is gone stays gone unless the user rewinds."""
+        covered = [p for s, p in list_checkpoints(checkpoint_dir(run_dir)) if s <= last]
+        rebuild = f"move the newer checkpoints aside and resume from {covered[-1]}" if covered else "none is left"
+        has = f"ends at step {last}" if last else "has no record"
+        log.warning(
+            "metrics.jsonl %s, but the checkpoint of step %d logged up to step %d: the records of steps %d-%d are "
+            "missing, and this run goes on without them (to log them again from a checkpoint the log covers: %s)",
+            has,
+            resume_step,
+            self.window.last_logged_step,
+            last + 1,
+            self.window.last_logged_step,
+            rebuild,
         )
 
     def log_start(self, experiment: str, n_params: int | None, *, steps: int, accum: int) -> None:
@@ -146,6 +169,7 @@ class MetricsProcessor:
     def log(self, rec: dict[str, Any], *, window_loss: float | None = None) -> None:
         """Write ``rec``; with ``window_loss`` the window closes (it becomes the last logged loss)."""
         self.logger.log(rec)
+        self.window.last_logged_step = rec["step"]
         if window_loss is not None:
             self.window.last_loss = window_loss
             self.window.reset()

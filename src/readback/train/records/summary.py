@@ -7,8 +7,9 @@ import logging
 from pathlib import Path
 from typing import Any
 
-from readback.train.checkpoint import atomic_write_text
-from readback.train.records.metrics import json_safe
+from readback.train.checkpoint import RunDirTaken, WriterLock, atomic_write_text
+from readback.train.checkpoint.dirs import refuse_non_file
+from readback.train.records.metrics import json_safe, write_refused
 
 log = logging.getLogger(__name__)
 
@@ -60,25 +61,37 @@ def run_summary(
 
 
 class SummaryWriter:
-    """Rank 0's summary of a run; the other ranks' calls do nothing."""
+    """Rank 0's summary of a run, written while ``owner`` (the run directory's lock) holds the
+    directory; the other ranks' calls do nothing."""
 
-    def __init__(self, run_dir: Path, *, is_main: bool) -> None:
-        self.run_dir, self.is_main = Path(run_dir), is_main
+    def __init__(self, run_dir: Path, *, is_main: bool, owner: WriterLock | None = None) -> None:
+        self.run_dir, self.is_main, self.owner = Path(run_dir), is_main, owner
 
     def clear(self) -> None:
         """A resumed run is not over until it says so again."""
         if self.is_main:
+            refuse_non_file(summary_path(self.run_dir))
             summary_path(self.run_dir).unlink(missing_ok=True)
 
     def write(self, summary: dict[str, Any]) -> None:
+        """Write ``summary``; a file system that refuses it is one line (the checkpoints hold the run)."""
         if self.is_main:
-            write_summary(self.run_dir, summary)
+            if self.owner is not None:
+                self.owner.check()
+            try:
+                write_summary(self.run_dir, summary)
+            except OSError as e:
+                raise write_refused(summary_path(self.run_dir), "writing", e) from e
 
     def write_failed(self, summary: dict[str, Any], error: BaseException) -> None:
         """``status: failed`` with the error; a failure to write is logged, never raised over it."""
         if not self.is_main:
             return
         try:
+            if self.owner is not None:
+                self.owner.check()
             write_summary(self.run_dir, {**summary, "status": "failed", "error": f"{type(error).__name__}: {error}"})
+        except RunDirTaken:  # another run's directory now: no word of this one's failure there
+            pass
         except Exception as write_error:
             log.error("could not write summary.json: %s", write_error)
