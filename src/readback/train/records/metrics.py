@@ -3,7 +3,8 @@
 The JSONL file is the record of a run; wandb gets the same dicts. Nothing wandb does -- no
 network, no API key, a rejected key, a crash of its service -- may stop training or lose a local
 line (:class:`~readback.train.records.tracking.WandbLogger`). Rank 0 also writes ``launch.json``: the
-run's overrides, sweep, Slurm job id and host (:func:`~readback.train.records.identity.launch_context`).
+run's overrides, sweep, Slurm job id and host (:func:`~readback.train.records.identity.launch_context`),
+and the history of every launch of the run (:mod:`~readback.train.records.launches`).
 
 Non-finite numbers are written to the JSONL file as ``null`` (strict JSON).
 """
@@ -20,6 +21,7 @@ from typing import Any, TextIO
 from readback.jsonl import read_jsonl
 from readback.train.checkpoint import atomic_write_text
 from readback.train.records.identity import launch_context, run_identity
+from readback.train.records.launches import record_launch
 from readback.train.records.tracking import WandbLogger
 from readback.train.settings import Logger
 from readback.train.settings import WandbLogger as WandbSettings
@@ -145,7 +147,7 @@ def build_metrics_logger(
     if not is_main:
         return MetricsLogger()
     launch = launch_context(Path(run_dir))
-    atomic_write_text(Path(run_dir) / "launch.json", json.dumps(json_safe(launch), indent=2) + "\n")
+    record_launch(Path(run_dir), launch, from_step=resume_step)
     jsonl = JsonlWriter(Path(run_dir) / "metrics.jsonl")
     jsonl.truncate_after(resume_step)
     wb = None

@@ -15,6 +15,7 @@ import torch
 from readback.progress import Off, Progress, progress
 from readback.train.contract import TrainableModel
 from readback.train.distributed import DistEnv
+from readback.train.records.launches import close_launch
 from readback.train.records.metrics import MetricsLogger, build_metrics_logger, peak_bf16_flops
 from readback.train.settings import Config, plain_config
 
@@ -58,6 +59,7 @@ class MetricsProcessor:
         self.flops_per_token: float | None = None  # set once the model is built
         self.window = Window()
         self.logger = MetricsLogger()
+        self.run_dir: Path | None = None  # set once the launch is recorded (open_logger)
         self.pbar: Progress = Off()
         self.t_start = t_start
         self.peak_flops = peak_bf16_flops(torch.cuda.get_device_name(env.device)) if env.device.type == "cuda" else None
@@ -65,6 +67,7 @@ class MetricsProcessor:
     def open_logger(self, cfg: Config, run_dir: Path, *, resume_step: int, wandb_run_id: str | None) -> None:
         """The rank's logger (:func:`~readback.train.records.metrics.build_metrics_logger`), its records
         cut back to ``resume_step``."""
+        self.run_dir = Path(run_dir)
         self.logger = build_metrics_logger(
             cfg.logger,
             run_dir,
@@ -153,8 +156,12 @@ class MetricsProcessor:
     def wall_time(self) -> float:
         return self.window.wall_time_s + (time.time() - self.t_start)
 
-    def close(self) -> None:
+    def close(self, trained_to: int) -> None:
+        """Close the progress bar and, on rank 0, mark this launch in ``launch.json`` as ended at
+        step ``trained_to`` (nothing where no launch was recorded: the run stopped before)."""
         self.pbar.close()
+        if self.env.is_main and self.run_dir is not None:
+            close_launch(self.run_dir, to_step=trained_to)
 
     def state_dict(self) -> dict[str, Any]:
         return {**vars(self.window), "wall_time_s": self.wall_time()}
