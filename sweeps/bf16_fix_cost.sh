@@ -34,7 +34,7 @@ finished() {  # RUN_DIR: has the run ended (completed or diverged)?
 base() {  # SEED: arm R, trained from step 0, all its checkpoints kept (the branches start from one)
     local dir="$ROOT/R/seed=$1"
     finished "$dir" && return 0
-    "$PY" train.py hydra.run.dir="$dir" +experiment=reuse_rounded seed="$1" "${SETTING[@]}" trainer.keep_last=100
+    "$PY" train.py "hydra.run.dir='$dir'" +experiment=reuse_rounded seed="$1" "${SETTING[@]}" trainer.keep_last=100
 }
 
 branch() {  # ARM SEED OVERRIDES...: the last 500 steps from R's step-1,500 checkpoint
@@ -51,7 +51,7 @@ branch() {  # ARM SEED OVERRIDES...: the last 500 steps from R's step-1,500 chec
         cp "$from/metrics.jsonl" "$dir/metrics.jsonl"  # the shared steps; the run keeps those up to 1,500
         printf '{"branched_from": "%s", "step": %d}\n' "$ckpt" "$BRANCH_STEP" >"$dir/branch.json"
     fi
-    "$PY" train.py hydra.run.dir="$dir" seed="$seed" "${SETTING[@]}" trainer.resume_changed_config=true "$@"
+    "$PY" train.py "hydra.run.dir='$dir'" seed="$seed" "${SETTING[@]}" trainer.resume_changed_config=true "$@"
 }
 
 read -ra seeds <<<"${SEEDS:-700 701 702 703 704 705 706 707}"
