@@ -25,15 +25,17 @@ REUSE_EFFECTS = ("reuse_vs_fresh@fp8", "reuse_vs_control@fp8")
 _CELL = re.compile(r"T(\d+)-(nearest|stochastic)-(.+)")
 
 
-def read_cells(ladder: Path) -> list[dict[str, Any]]:
-    """Every metered cell: checkpoint, T, rounding, label, batches and ``{contrast: total stats}``."""
+def read_cells(
+    ladder: Path, contrasts: tuple[str, ...] = ("reuse_vs_", "interaction", "d_2x2")
+) -> list[dict[str, Any]]:
+    """Every metered cell: checkpoint, T, rounding, label, batches and ``{contrast: total stats}``
+    of the contrasts whose names start with one of ``contrasts``."""
     cells = []
     for path in sorted(ladder.glob("*/bias/*/bias.json")):
         match = _CELL.fullmatch(path.parent.name)
         if match is None:
             continue
         data = json.loads(path.read_text())
-        contrasts = ("reuse_vs_", "interaction", "d_2x2")
         stats = {  # a statistic its batches could not give is written as null: NaN here
             name: {k: math.nan if v is None else v for k, v in groups["total"].items()}
             for name, groups in data["stats"].items()

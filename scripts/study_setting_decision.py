@@ -21,6 +21,7 @@ import pandas as pd
 
 from readback.analysis.files import decision_main, load_runs
 from readback.analysis.paired import mean_se, seed_paired
+from readback.analysis.render import se_digits
 
 REUSE, FRESH, CONTROL = "reuse_rounded", "fresh_reround", "no_saved_copy"
 TE_FIX, BF16_O_FIX = "reuse_rounded_bf16_bwd", "original_bf16_bwd"
@@ -154,6 +155,12 @@ def _row(name: str, p: dict) -> str:
     )
 
 
+def _meter_row(name: str, m: dict) -> str:
+    """A meter figure to the precision its SE needs (two significant digits of the SE)."""
+    n = se_digits(m["se"])
+    return f"| {name} | {m['n']} | {m['mean']:+.{n}f} | {m['se']:.{n}f} |"
+
+
 def report(d: dict) -> str:
     """The decision as Markdown."""
     lines = []
@@ -171,7 +178,7 @@ def report(d: dict) -> str:
                 "",
             ]
         lines += ["| meter figure | n | mean | SE |", "|---|---|---|---|"]
-        lines += [f"| {k} | {m['n']} | {m['mean']:+.5f} | {m['se']:.5f} |" for k, m in d[test]["meter"].items()]
+        lines += [_meter_row(k, m) for k, m in d[test]["meter"].items()]
         lines += [""]
     lines += [f"Runs: {len(d['runs'])}; diverged: {', '.join(d['diverged']) or 'none'}."]
     return "\n".join(lines) + "\n"

@@ -80,6 +80,14 @@ def test_extending_a_sweep_keeps_finished_runs_and_their_wandb_runs(real_sweep, 
     for run_dir, text in before.items():
         assert json.loads(after[run_dir])["steps"] == STEPS
         assert json.loads(after[run_dir])["final_loss"] == json.loads(text)["final_loss"]
+        first, again = json.loads((run_dir / "launch.json").read_text())["launches"]  # every launch kept
+        assert (first["from_step"], first["steps_trained"], again["from_step"], again["steps_trained"]) == (
+            0,
+            STEPS,
+            STEPS,
+            0,
+        )
+        assert again["commit"] == first["commit"] and again["cpu_model"] == first["cpu_model"]
     runs = load_runs(sweep)
     assert len(runs) == 6 and runs.group_keys == [] and sorted(runs.summary["seed"]) == [0, 0, 1, 1, 2, 2]
     by_name = _runs_by_name(sweep)

@@ -44,6 +44,14 @@ def plus_minus(mean: float, spread: float, digits: int) -> str:
     return text if is_missing(spread) else f"{text} ± {spread:.{digits}f}"
 
 
+def se_digits(se: float, significant: int = 2) -> int:
+    """The decimals that show ``se`` to ``significant`` digits, so that an estimate beside it is
+    written to the precision its SE needs (never ``0.0001 ± 0.0000``); 4 without a positive SE."""
+    if is_missing(se) or not math.isfinite(se) or se <= 0:
+        return 4
+    return max(0, significant - 1 - math.floor(math.log10(se)))
+
+
 def difference_cell(mean: float, se: float, digits: int = 3, n: int | None = None) -> str:
     """``+0.015 ± 0.002 (n=3, 7.5 SE)``; ``-`` without a value."""
     if is_missing(mean):

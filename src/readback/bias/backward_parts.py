@@ -17,7 +17,10 @@ e_reuse@b - e_control@b`` (against D = rowsum(P * dP): no fresh draw's noise), a
 ``interaction.bf16+<part> = reuse_vs_fresh@bf16+<part> - reuse_vs_fresh@bf16``, and
 ``interaction_vs_control.<b>`` likewise of ``reuse_vs_control``. D's own inputs run as a 2 x 2,
 {O8, O} (``reuse_rounded``, ``original``) x {dO8, dO} (``fp8``, ``fp8-grad_output_in_d``):
-``d_2x2 = (e_reuse - e_original)@fp8 - (e_reuse - e_original)@fp8-grad_output_in_d``. Each
+``d_2x2 = (e_reuse - e_original)@fp8 - (e_reuse - e_original)@fp8-grad_output_in_d``. Named
+on request, ``bf16+qkv+probs`` puts both of TE's own reads back (the BF16 backward of
+``attention.bwd_reads=forward``), and ``te_reads@<policy> = e_policy@bf16 - e_policy@bf16+qkv+probs``
+is what those reads (the unrounded Q, K, V and the rebuilt P) cost each policy's gradient. Each
 contrast is paired within the batch, so the statistics of :mod:`readback.bias.estimators` (bias,
 projection, debiased squared bias, SEs) apply to it as to an error.
 """
@@ -39,16 +42,20 @@ PARTS: dict[str, tuple[str, Any, Any]] = {
 }
 D_PART = ("grad_output_in_d", True, False)  # the dO that D reads: D's own inputs' 2 x 2
 ROUNDED = ("grad_output", "grad_scores", "grad_output_in_d")
+# TE's BF16 backward with both of its own reads, (a) and (b), put back as the forward had them: a BF16
+# backward of the forward's Q8, K8, V8 and P8 (``attention.bwd_reads=forward``); named on request only
+FORWARD_READS = "bf16+qkv+probs"
+POLICIES = ("reuse_rounded", "fresh_reround", "no_saved_copy")
 
 
 def backward(name: str) -> dict[str, Any]:
     """The spec fields of backward ``name`` (one of :func:`backwards`): ``attention_bwd_*``
     values, ``attention_bwd_rounds`` as ``(gradient, rounds)`` pairs."""
-    if name not in backwards():
-        raise ValueError(f"no backward {name!r}; valid: {backwards()}")
-    end, _, part = name.replace("+", "-").partition("-")
+    if name not in (*backwards(), FORWARD_READS):
+        raise ValueError(f"no backward {name!r}; valid: {[*backwards(), FORWARD_READS]}")
+    end, *parts = name.replace("+", "-").split("-")
     values = {field: bf16 if end == "bf16" else fp8 for field, fp8, bf16 in PARTS.values()}
-    if part:
+    for part in parts:
         field, fp8, bf16 = {**PARTS, D_PART[0]: D_PART}[part]
         values[field] = fp8 if end == "bf16" else bf16
     rounds = tuple((g, values.pop(g)) for g in ROUNDED if g in values)
@@ -67,7 +74,7 @@ def part_variants(names: list[str] | None = None) -> list[Variant]:
     names = list(dict.fromkeys(["fp8", "bf16", *(names or backwards())]))
     out = []
     for b in names:
-        policies = ["reuse_rounded", "fresh_reround", "no_saved_copy"]
+        policies = list(POLICIES)
         if b in ("fp8", "fp8-grad_output_in_d") and "fp8-grad_output_in_d" in names:
             policies.append("original")
         what = f"the attention backward {b}"
@@ -93,6 +100,8 @@ def part_contrasts(errors: dict[str, list[dict]]) -> dict[str, list[dict]]:
                 out[f"{name}.{b}"] = diff(effect["fp8"], effect[b])
             elif b.startswith("bf16+"):
                 out[f"{name}.{b}"] = diff(effect[b], effect["bf16"])
+    if f"reuse_rounded@{FORWARD_READS}" in errors:  # what TE's reads cost each policy's gradient
+        out |= {f"te_reads@{p}": diff(errors[f"{p}@bf16"], errors[f"{p}@{FORWARD_READS}"]) for p in POLICIES}
     if "original@fp8-grad_output_in_d" in errors:
         with_d8, with_d = ("fp8", "fp8-grad_output_in_d")
         out["d_2x2"] = diff(

@@ -74,9 +74,10 @@ def part_variants_of(parts: str | None) -> list | None:
     """``--parts``' variants (None: not given; ``""``: every backward), a name that is no backward refused."""
     if parts is None:
         return None
-    from readback.bias.backward_parts import backwards, part_variants
+    from readback.bias.backward_parts import FORWARD_READS, backwards, part_variants
 
     names = parts.split(",") if parts else None
-    unknown = ",".join(n for n in names or [] if n not in backwards())
-    require(not unknown, "--parts", unknown, f"a comma-separated list of {backwards()}")
+    valid = [*backwards(), FORWARD_READS]
+    unknown = ",".join(n for n in names or [] if n not in valid)
+    require(not unknown, "--parts", unknown, f"a comma-separated list of {valid}")
     return part_variants(names)

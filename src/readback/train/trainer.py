@@ -141,7 +141,7 @@ class Trainer:
             self.metrics.close_logger_failed()
             raise
         finally:
-            self.metrics.close()
+            self.metrics.close(trained_to=self.step)
         summary = self._summary(status)
         self.summary.write(summary)
         self.metrics.logger.summary(summary)

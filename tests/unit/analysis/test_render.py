@@ -11,7 +11,7 @@ import numpy as np
 import pandas as pd
 
 from readback.analysis import final_loss_table, format_final_loss_table, runs_from_records
-from readback.analysis.render import difference_cell, html_table, markdown_table, plus_minus
+from readback.analysis.render import difference_cell, html_table, markdown_table, plus_minus, se_digits
 from readback.analysis.report import Section, render_html
 from readback.analysis.tables import final_loss_cells
 from sweeps import config, records, summary
@@ -90,3 +90,10 @@ def test_the_final_loss_table_reads_the_same_in_final_loss_md_and_the_html_repor
     assert md == page
     assert md[0][:4] == ["reuse_rounded", "2", "4.200 ± 0.141", "-"]
     assert md[1][:4] == ["no_saved_copy", "1", "4.000", "3.900"]
+
+
+def test_an_se_is_shown_to_two_significant_digits_and_its_estimate_to_the_same_place():
+    assert [se_digits(se) for se in (0.0023, 2.5e-5, 0.074, 1.0, 35.0)] == [4, 6, 3, 1, 0]
+    n = se_digits(2.46e-5)
+    assert f"{8.59e-5:.{n}f} ± {2.46e-5:.{n}f}" == "0.000086 ± 0.000025"  # never 0.0001 ± 0.0000
+    assert se_digits(0.0) == se_digits(float("nan")) == se_digits(None) == 4  # no SE to size by

@@ -9,7 +9,15 @@ import torch
 
 from readback.backends import build_model
 from readback.bias import Variant, measure_bias, spec_of
-from readback.bias.backward_parts import PARTS, backward, backwards, part_contrasts, part_variants
+from readback.bias.backward_parts import (
+    FORWARD_READS,
+    PARTS,
+    POLICIES,
+    backward,
+    backwards,
+    part_contrasts,
+    part_variants,
+)
 from readback.cli.bias_options import part_variants_of
 from readback.errors import ConfigError
 from readback.ops import numerics_spec
@@ -89,6 +97,30 @@ def test_the_contrasts_are_the_differences_they_are_defined_as():
         cells = {n: e(f"reuse_rounded@{n}", b) - e(f"original@{n}", b) for n in ("fp8", "fp8-grad_output_in_d")}
         assert torch.equal(out["d_2x2"][b]["w"], cells["fp8"] - cells["fp8-grad_output_in_d"])
     assert "interaction.fp8" not in out and "interaction.bf16" not in out
+
+
+def test_the_forward_reads_backward_is_bwd_reads_forward_in_bf16_and_te_reads_its_difference():
+    """``bf16+qkv+probs``: TE's BF16 backward with both of its own reads put back, which is the BF16
+    backward over the forward's Q8, K8, V8 and P8 that ``attention.bwd_reads=forward`` runs."""
+    for policy in ("reuse_rounded", "no_saved_copy", "original"):
+        ours = _under(FORWARD_READS, policy)
+        forward = numerics_spec("fp8", None, policy, attention_bwd_precision="bf16", attention_bwd_reads="forward")
+        assert ours.reads == forward.reads and _rounds(ours) == _rounds(forward) == (False, False, False)
+        assert ours.attention_bwd_precision == "bf16" and (ours.attention_bwd_qkv, ours.attention_bwd_probs) == (
+            "forward",
+            "forward",
+        )
+    assert FORWARD_READS not in backwards()  # on request only: the parts ladder's default set is unchanged
+    names = [v.name for v in part_variants_of(f"bf16,{FORWARD_READS}")]
+    assert names == [f"{p}@{b}" for b in ("fp8", "bf16", FORWARD_READS) for p in POLICIES]
+    g = torch.Generator().manual_seed(2)
+    errors = {n: [{"w": torch.randn(3, generator=g)}] for n in names}
+    out = part_contrasts(errors)
+    for p in POLICIES:
+        assert torch.equal(
+            out[f"te_reads@{p}"][0]["w"], errors[f"{p}@bf16"][0]["w"] - errors[f"{p}@{FORWARD_READS}"][0]["w"]
+        )
+    assert "te_reads@reuse_rounded" not in part_contrasts({n: v for n, v in errors.items() if FORWARD_READS not in n})
 
 
 def test_the_meter_runs_the_parts_on_a_model(tiny_cfg):

@@ -76,7 +76,7 @@ def launch_context(run_dir: Path) -> dict[str, Any]:
             sweep_dir=str(sweep_dir),
             sweep=sweep_dir.name,
             job_num=int(hc.job.num),
-            sweep_overrides=sweep_overrides(sweep_dir),
+            sweep_overrides=sweep_overrides(sweep_dir, ctx["overrides"]),
         )
     return ctx
 
@@ -131,9 +131,32 @@ def code_version(package: Path = PACKAGE) -> dict[str, Any]:
         return {"commit": None, "dirty": None}
 
 
-def sweep_overrides(sweep_dir: Path) -> list[str]:
-    """The sweep's command-line overrides as typed (``seed=0,1,2``), from the ``multirun.yaml``
-    Hydra writes into the sweep directory before it starts the jobs; [] when it is absent."""
+def sweep_overrides(sweep_dir: Path, job_overrides: list[str], argv: list[str] | None = None) -> list[str]:
+    """The command-line overrides of the sweep that made this job (``seed=0,1,2``): the process's
+    own command line where it is the sweep's (Hydra's basic launcher runs the jobs in the process
+    that parsed it), else the ``multirun.yaml`` Hydra writes into the sweep directory. Either counts
+    only if it expands to ``job_overrides``: two sweeps launched into one directory (one stream of
+    seeds a core) overwrite each other's ``multirun.yaml``, and a job must not record the other's.
+    [] when neither does."""
+    for candidate in (_argv_overrides(sys.argv if argv is None else argv), _multirun_yaml_overrides(sweep_dir)):
+        if candidate and list(job_overrides) in _expansions(candidate):
+            return candidate
+    return []
+
+
+def _argv_overrides(argv: list[str]) -> list[str]:
+    """The overrides a command line gives Hydra (its flags and their values left out)."""
+    from hydra._internal.utils import get_args_parser
+
+    try:
+        args, _ = get_args_parser().parse_known_args(argv[1:])
+    except SystemExit:  # argparse's way of refusing a command line
+        return []
+    # Hydra's own settings (hydra.sweep.dir=...) are not the task's: multirun.yaml lists them apart
+    return [str(o) for o in args.overrides or [] if not str(o).lstrip("+~").startswith(("hydra.", "hydra/"))]
+
+
+def _multirun_yaml_overrides(sweep_dir: Path) -> list[str]:
     path = Path(sweep_dir) / "multirun.yaml"
     if not path.is_file():
         return []
@@ -144,6 +167,18 @@ def sweep_overrides(sweep_dir: Path) -> list[str]:
     except (yaml.YAMLError, OSError):
         return []
     return [str(o) for o in (((doc.get("hydra") or {}).get("overrides") or {}).get("task") or [])]
+
+
+def _expansions(overrides: list[str]) -> list[list[str]]:
+    """The jobs' overrides a sweep's overrides expand to, as Hydra's basic sweeper expands them."""
+    from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    try:
+        parsed = OverridesParser.create().parse_overrides(overrides)
+    except Exception:
+        return []
+    return [list(job) for batch in BasicSweeper.split_arguments(parsed, None) for job in batch]
 
 
 def run_identity(

@@ -3,7 +3,8 @@
 The JSONL file is the record of a run; wandb gets the same dicts. Nothing wandb does -- no
 network, no API key, a rejected key, a crash of its service -- may stop training or lose a local
 line (:class:`~readback.train.records.tracking.WandbLogger`). Rank 0 also writes ``launch.json``: the
-run's overrides, sweep, Slurm job id and host (:func:`~readback.train.records.identity.launch_context`).
+run's overrides, sweep, Slurm job id and host (:func:`~readback.train.records.identity.launch_context`),
+and the history of every launch of the run (:mod:`~readback.train.records.launches`).
 
 Non-finite numbers are written to the JSONL file as ``null`` (strict JSON).
 """
@@ -24,6 +25,7 @@ from readback.jsonl import read_jsonl
 from readback.train.checkpoint import WriterLock, atomic_write_text, checkpoint_dir
 from readback.train.checkpoint.dirs import newest_intact, refuse_non_file
 from readback.train.records.identity import launch_context, run_identity
+from readback.train.records.launches import LAUNCH_FILE, record_launch
 from readback.train.records.tracking import WandbLogger
 from readback.train.settings import Logger
 from readback.train.settings import WandbLogger as WandbSettings
@@ -210,10 +212,10 @@ def build_metrics_logger(
         owner.check()
     jsonl = JsonlWriter(Path(run_dir) / "metrics.jsonl", owner)
     jsonl.truncate_after(resume_step)
-    launch, launch_path = launch_context(Path(run_dir)), Path(run_dir) / "launch.json"
+    launch, launch_path = launch_context(Path(run_dir)), Path(run_dir) / LAUNCH_FILE
     refuse_non_file(launch_path)
     try:
-        atomic_write_text(launch_path, json.dumps(json_safe(launch), indent=2) + "\n")
+        record_launch(Path(run_dir), json_safe(launch), from_step=resume_step)
     except OSError as e:
         raise write_refused(launch_path, "writing", e) from e
     wb = None

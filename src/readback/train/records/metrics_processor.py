@@ -13,9 +13,10 @@ from typing import Any
 import torch
 
 from readback.progress import Off, Progress, progress
-from readback.train.checkpoint import WriterLock, checkpoint_dir, list_checkpoints
+from readback.train.checkpoint import RunDirTaken, WriterLock, checkpoint_dir, list_checkpoints
 from readback.train.contract import TrainableModel
 from readback.train.distributed import DistEnv
+from readback.train.records.launches import close_launch
 from readback.train.records.metrics import MetricsLogger, build_metrics_logger, peak_bf16_flops
 from readback.train.settings import Config, plain_config
 
@@ -60,6 +61,7 @@ class MetricsProcessor:
         self.flops_per_token: float | None = None  # set once the model is built
         self.window = Window()
         self.logger = MetricsLogger()
+        self.run_dir: Path | None = None  # set once the launch is recorded (open_logger)
         self.pbar: Progress = Off()
         self.t_start = t_start
         self.peak_flops = peak_bf16_flops(torch.cuda.get_device_name(env.device)) if env.device.type == "cuda" else None
@@ -67,6 +69,7 @@ class MetricsProcessor:
     def open_logger(self, cfg: Config, run_dir: Path, *, resume_step: int, wandb_run_id: str | None) -> None:
         """The rank's logger (:func:`~readback.train.records.metrics.build_metrics_logger`), its records
         cut back to ``resume_step``."""
+        self.run_dir = Path(run_dir)
         self.logger = build_metrics_logger(
             cfg.logger,
             run_dir,
@@ -177,8 +180,22 @@ class MetricsProcessor:
     def wall_time(self) -> float:
         return self.window.wall_time_s + (time.time() - self.t_start)
 
-    def close(self) -> None:
+    def close(self, trained_to: int) -> None:
+        """Close the progress bar and, on rank 0, mark this launch in ``launch.json`` as ended at
+        step ``trained_to`` (nothing where no launch was recorded: the run stopped before, or where
+        another run holds the directory now); a write the disk refuses is a warning, as the run's
+        own error, if any, is what the user must see."""
         self.pbar.close()
+        if not self.env.is_main or self.run_dir is None:
+            return
+        try:
+            if self.owner is not None:
+                self.owner.check()
+            close_launch(self.run_dir, to_step=trained_to)
+        except RunDirTaken:
+            pass
+        except OSError as e:
+            log.warning("launch.json not updated with the launch's last step %d: %s", trained_to, e)
 
     def state_dict(self) -> dict[str, Any]:
         return {**vars(self.window), "wall_time_s": self.wall_time()}
