@@ -330,7 +330,8 @@ def _stderr_lines(err: str) -> list[str]:
 
 def test_ctrl_c_saves_after_the_step_says_how_to_continue_and_resumes_on_the_curve(tmp_path, reference):
     """Ctrl-C (SIGINT) between checkpoints: the step finishes, a checkpoint of it is written, two
-    lines say where and how to continue, exit 130, no traceback; that command continues the run."""
+    lines say where and how to continue, exit 130, no traceback; the command they give, alone,
+    continues the run under its own settings, on the uninterrupted run's records."""
     run_dir = tmp_path / "run"
     proc = _start(run_dir)
     _signal_when(proc, run_dir, signal.SIGINT, lambda: _last_step(run_dir) >= 5)
@@ -344,9 +345,13 @@ def test_ctrl_c_saves_after_the_step_says_how_to_continue_and_resumes_on_the_cur
         f"continue it with: python train.py hydra.run.dir={run_dir} trainer.resume=true",
     ]
     assert reached >= _last_step(run_dir) >= 5 and not (run_dir / "summary.json").exists()
-    rc, _, err = _train(run_dir, "trainer.resume=true")
-    assert rc == 0, err[-3000:]
+    continued = [sys.executable, "train.py", f"hydra.run.dir={run_dir}", "trainer.resume=true"]  # the line's command
+    done = subprocess.run(continued, cwd=REPO, env=_env(), capture_output=True, text=True, timeout=240)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "default changed" not in done.stdout + done.stderr  # the run's settings are its own
     _assert_same_run(run_dir, reference / "a")
+    overrides = (run_dir / ".hydra" / "overrides.yaml").read_text().splitlines()
+    assert overrides == [f"- {o}" for o in TINY] + ["- trainer.resume=true"]  # the run's command line, resumed
 
 
 # Commits of the steps from HOLD_FROM on are held HOLD_S seconds: the index is written, the
@@ -384,10 +389,10 @@ def test_a_second_ctrl_c_during_the_save_stops_at_once_keeping_the_newest_checkp
     assert [s for s, _ in list_checkpoints(ckpts)] == [4]  # the newest complete checkpoint, whole
     verify(list_checkpoints(ckpts)[-1][1])
     torn = next(ckpts.glob(".step_*.tmp"))
-    assert _stderr_lines(err)[-1] == (
-        f"SIGINT again: stopped at once after step {_step_of(torn)}; "
-        f"the newest complete checkpoint is {ckpts}/step_0000004"
-    )
+    assert _stderr_lines(err)[1:] == [
+        f"SIGINT again: stopped at once after step {_step_of(torn)}; the newest complete checkpoint is {ckpts}/step_0000004",
+        f"continue it with: python train.py hydra.run.dir={run_dir} trainer.resume=true",
+    ]
     assert not (run_dir / "summary.json").exists()
     rc, _, err = _train(run_dir, "trainer.resume=true")
     assert rc == 0, err[-3000:]

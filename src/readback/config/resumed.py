@@ -128,10 +128,19 @@ def _options_picked(overrides: list[str]) -> dict[str, str]:
 
 
 def _compose(conf_dir: Path, overrides: list[str]) -> DictConfig:
+    """``conf_dir``'s ``train`` under ``overrides``; inside a Hydra job too (whose own Hydra is
+    set aside meanwhile and put back)."""
     from hydra import compose, initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
 
-    with initialize_config_dir(str(conf_dir), version_base="1.3"):
-        return compose("train", overrides=overrides)
+    jobs = GlobalHydra.instance().hydra
+    GlobalHydra.instance().clear()
+    try:
+        with initialize_config_dir(str(conf_dir), version_base="1.3"):
+            return compose("train", overrides=overrides)
+    finally:
+        if jobs is not None:
+            GlobalHydra.instance().initialize(jobs)
 
 
 def _plain(cfg: DictConfig) -> dict[str, Any]:
