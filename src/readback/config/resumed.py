@@ -94,7 +94,7 @@ def resumed_config(
     if options != own:  # an option picked otherwise than the run's: the keys it sets are given too
         picked, runs = _compose(conf_dir, option_overrides(options)), _compose(conf_dir, option_overrides(own))
         given_keys += [k for k, a, b in _leaves(_plain(picked), _plain(runs)) if a != b]
-    previous_keys = [k for k in override_map(previous) if k not in _options_picked(previous or [])]
+    previous_keys = list(override_map(previous).keys() - _options_picked(previous or []).keys())
     resumed = now.copy()
     for key, was, today in _leaves(_plain(now), saved):
         if _under(key, (*given_keys, *LAUNCH_KEYS)) or was == today or (today is None and key in RESOLVED_KEYS):
