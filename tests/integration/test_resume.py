@@ -390,7 +390,8 @@ def test_a_second_ctrl_c_during_the_save_stops_at_once_keeping_the_newest_checkp
     verify(list_checkpoints(ckpts)[-1][1])
     torn = next(ckpts.glob(".step_*.tmp"))
     assert _stderr_lines(err)[1:] == [
-        f"SIGINT again: stopped at once after step {_step_of(torn)}; the newest complete checkpoint is {ckpts}/step_0000004",
+        f"SIGINT again: stopped at once after step {_step_of(torn)}; "
+        f"the newest complete checkpoint is {ckpts}/step_0000004",
         f"continue it with: python train.py hydra.run.dir={run_dir} trainer.resume=true",
     ]
     assert not (run_dir / "summary.json").exists()

@@ -26,7 +26,7 @@ from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any, cast
 
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig, ListConfig, OmegaConf
 
 from readback.config.store import OPTION_SCHEMAS
 from readback.overrides import override_map, with_current_keys
@@ -119,7 +119,7 @@ def previous_overrides(hydra_files: Mapping[str, bytes]) -> list[str]:
     """The run's command line, from the ``.hydra/overrides.yaml`` it held before this launch."""
     text = hydra_files.get(OVERRIDES_FILE.name)
     loaded = OmegaConf.create(text.decode()) if text else None
-    return [str(o) for o in loaded] if OmegaConf.is_list(loaded) else []
+    return [str(o) for o in loaded] if isinstance(loaded, ListConfig) else []
 
 
 def _options_picked(overrides: list[str]) -> dict[str, str]:

@@ -145,8 +145,8 @@ class Trainer:
         except BaseException as e:
             if self.guard.interrupted:  # a second Ctrl-C, wherever it landed (a save may wrap it)
                 self.metrics.close_logger_failed(preempting=True)
-                newest = [str(p) for _, p in list_checkpoints(checkpoint_dir(self.run_dir))][-1:] or [None]
-                raise Preempted(signal.SIGINT, self.step, newest[0], at_once=True) from None
+                found = list_checkpoints(checkpoint_dir(self.run_dir))  # the newest complete one stays
+                raise Preempted(signal.SIGINT, self.step, str(found[-1][1]) if found else None, at_once=True) from None
             if not isinstance(e, (Exception, KeyboardInterrupt)):
                 raise
             # failed: e.g. the data ran out mid-run; but no word into a directory another run holds now

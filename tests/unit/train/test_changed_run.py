@@ -159,7 +159,12 @@ def test_a_new_seed_goes_on_in_its_own_order_from_the_same_place():
 def test_text_that_changed_under_the_same_config_is_refused_in_words(tmp_path, built):
     text = tmp_path / "corpus.txt"
     text.write_text("".join(f"Line {i} of the first text, with words to learn.\n" for i in range(400)))
-    files = {"data.files": [str(text)], "data.cache_dir": str(tmp_path / "cache"), "data.vocab_size": 300, "data.block_lines": 10}
+    files = {
+        "data.files": [str(text)],
+        "data.cache_dir": str(tmp_path / "cache"),
+        "data.vocab_size": 300,
+        "data.block_lines": 10,
+    }
     cfg = toys.config(
         "data=shakespeare", "logger=none", *(f"{k}={json.dumps(v)}" for k, v in {**toys.TOY_TRAINER, **files}.items())
     )

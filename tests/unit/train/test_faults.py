@@ -217,7 +217,9 @@ def test_ctrl_c_exits_130_saying_how_to_continue_and_is_never_requeued(monkeypat
     ]
     with pytest.raises(SystemExit):
         exit_for_requeue(Preempted(signal.SIGINT, 8, None, at_once=True), tmp_path)
-    assert capsys.readouterr().err.splitlines() == ["SIGINT again: stopped at once after step 8; no checkpoint was written"]
+    assert capsys.readouterr().err.splitlines() == [
+        "SIGINT again: stopped at once after step 8; no checkpoint was written"
+    ]
 
 
 # A long program's loop: it writes each item whole (renamed into place), then works on the next one.
