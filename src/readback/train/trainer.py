@@ -40,14 +40,8 @@ from readback.errors import ConfigError
 from readback.model import ActivationStats
 from readback.ops.compiled import compiled
 from readback.probe import check_params
-from readback.train.checkpoint import (
-    CheckpointManager,
-    RNGState,
-    RunDirTaken,
-    WriterLock,
-    checkpoint_dir,
-    list_checkpoints,
-)
+from readback.train.checkpoint import CheckpointManager, RNGState, RunDirTaken, WriterLock
+from readback.train.checkpoint.dirs import checkpoint_dir, list_checkpoints
 from readback.train.contract import Builders, check_model, with_vocabulary
 from readback.train.distributed import DistEnv, all_reduce_mean
 from readback.train.divergence import DivergenceDetector
