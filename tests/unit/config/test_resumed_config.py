@@ -21,6 +21,7 @@ from readback.config import CONF_DIR, typed
 from readback.config.resumed import record, resumed_config, saved_config
 from readback.errors import ConfigError
 from readback.train.checkpoint import resume_plan
+from readback.train.settings import config_changes, plain_config
 
 # The run's command line: the toy trainer's sizes, but the learning rate, which the group sets.
 STARTED = [
@@ -125,3 +126,17 @@ def test_the_run_directory_records_the_config_it_goes_on_with(study, tmp_path):
     overrides = OmegaConf.load(tmp_path / ".hydra" / "overrides.yaml")
     assert list(overrides) == [o for o in STARTED if not o.startswith("trainer.steps=")] + RESUME + ["trainer.steps=16"]
     assert OmegaConf.load(tmp_path / ".hydra" / "config.yaml").model.lr == 0.03
+
+
+def test_a_config_saved_by_an_older_readback_resumes_under_todays_conf(caplog):
+    """The case that was refused: a run started when ``precision.fp8_format`` defaulted to HYBRID
+    (now null, the recipe's own), resumed with its command plus ``trainer.resume=true``."""
+    command = ["data=synthetic", "logger=none", *(f"{k}={json.dumps(v)}" for k, v in toys.TOY_TRAINER.items())]
+    saved = plain_config(typed(_compose(CONF_DIR, command)))
+    saved["precision"]["fp8_format"] = "HYBRID"
+    with caplog.at_level(logging.WARNING):
+        cfg = typed(resumed_config(saved, command + RESUME, CONF_DIR, previous=command, report=True))
+    assert cfg.precision.fp8_format == "HYBRID" and config_changes(saved, cfg) == []
+    assert _said(caplog) == [
+        "default changed since this run started: precision.fp8_format was 'HYBRID', is None; this run keeps 'HYBRID'"
+    ]
