@@ -8,7 +8,9 @@
 Exit codes: 0 for a finished run, completed or diverged (a sweep goes on with its next job);
 2 for a bad configuration or input (one line on stderr, and no run directory left behind unless
 it held a run before); ``128 + signal`` after a preemption signal, once the checkpoint is written
-(under submitit the job is requeued instead, see ``readback.train.preemption``).
+(under submitit the job is requeued instead, see ``readback.train.preemption``); 130 after Ctrl-C,
+which saves a checkpoint after the current step and says how to continue (a second Ctrl-C stops at
+once), with no traceback.
 """
 
 import logging
@@ -22,8 +24,16 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from omegaconf import DictConfig
 
-from readback.config import PREEXISTING_RUN_DIRS, exit_on_bad_config, print_error, restore_hydra_files, validate
+from readback.config import (
+    PREEXISTING_RUN_DIRS,
+    exit_on_bad_config,
+    print_error,
+    restore_hydra_files,
+    resume_of,
+    validate,
+)
 from readback.errors import ConfigError
+from readback.stopping import ends_on_ctrl_c
 
 _SWEEP_CONFIG_ERRORS: list[str] = []
 
@@ -68,7 +78,10 @@ def _where_the_outputs_are(run_dir: Path) -> None:
 def main(cfg: DictConfig) -> None:
     run_dir = Path(HydraConfig.get().runtime.output_dir)
     try:
-        config = validate(cfg)  # the typed config; a sweep's jobs are checked here, one by one
+        # the typed config (a resume's: the run's own, laid under this command line's keys); a
+        # sweep's jobs are checked here, one by one
+        overrides, rank0 = list(HydraConfig.get().overrides.task), int(os.environ.get("RANK", "0")) == 0
+        config = validate(resume_of(cfg, overrides, run_dir, launching=rank0))
         from readback.train import run
 
         run(config, run_dir)
@@ -79,13 +92,14 @@ def main(cfg: DictConfig) -> None:
         from readback.train.preemption import Preempted, exit_for_requeue
 
         if isinstance(error, Preempted):
-            exit_for_requeue(error)  # checkpoint written, no summary.json: requeue, or exit 128 + signal
+            exit_for_requeue(error, run_dir)  # checkpoint written, no summary.json: requeue, or exit 128 + signal
         raise
 
 
 if __name__ == "__main__":
     logging.raiseExceptions = False  # a log file on a full disk: its lines are lost, no traceback for each
-    exit_on_bad_config(sys.argv[1:])
-    main()
+    with ends_on_ctrl_c("train.py", "every checkpoint it wrote is kept (trainer.resume=true continues the newest)"):
+        exit_on_bad_config(sys.argv[1:])
+        main()
     if _SWEEP_CONFIG_ERRORS:
         sys.exit(2)

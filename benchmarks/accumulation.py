@@ -30,6 +30,7 @@ from omegaconf import OmegaConf
 from readback.backends import build_model
 from readback.config import CONF_DIR, typed
 from readback.numerics import E4M3, E5M2, QTensor, fp8_mm
+from readback.stopping import ends_on_ctrl_c
 
 MODES = ("ieee", "fast", "split")
 HOPPER = {"fprop": "fast", "dgrad": "split", "wgrad": "split"}
@@ -120,6 +121,7 @@ def step_ms(model: str, micro_batch: int, vocab: int, rounds: int) -> dict[str, 
     return interleaved_ms(steps, rounds)
 
 
+@ends_on_ctrl_c("benchmarks/accumulation.py")
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="tiny")

@@ -40,6 +40,7 @@ from readback.numerics import CurrentScaling, DelayedScaling
 from readback.numerics.state import Numerics
 from readback.ops import numerics_spec
 from readback.ops.attention import attention
+from readback.stopping import ends_on_ctrl_c
 from step import cpu_description
 
 HEADS, GROUPS, DIM = 8, 4, 128
@@ -151,6 +152,7 @@ def in_process(args: list[str]) -> dict:
     return json.loads(out.stdout.splitlines()[-1])
 
 
+@ends_on_ctrl_c("benchmarks/attention.py")
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seqs", type=int, nargs="+", default=[1024, 2048, 4096, 8192])

@@ -27,6 +27,8 @@ import sys
 import time
 from pathlib import Path
 
+from readback.stopping import ends_on_ctrl_c
+
 ROOT = Path(__file__).resolve().parents[1]
 
 POLICIES = ("reuse_rounded", "fresh_reround", "no_saved_copy", "original", "exact")
@@ -247,6 +249,7 @@ def run_worker(command: list[str], case: str, seq: int, batch: int, timeout: flo
     return {**failed, "error": f"exit {done.returncode}: {tail[-300:]}"}
 
 
+@ends_on_ctrl_c("benchmarks/gpu_step.py")
 def main(argv=None) -> int:
     args = _parse(argv)
     import torch

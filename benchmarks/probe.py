@@ -18,9 +18,11 @@ from hydra import compose, initialize_config_dir
 from readback.backends import build_model
 from readback.config import CONF_DIR, typed
 from readback.probe import GradientProbe, train_taped
+from readback.stopping import ends_on_ctrl_c
 from timing import median_ms
 
 
+@ends_on_ctrl_c("benchmarks/probe.py")
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="tiny")

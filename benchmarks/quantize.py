@@ -13,9 +13,11 @@ import argparse
 import torch
 
 from readback.numerics import E4M3, quantize
+from readback.stopping import ends_on_ctrl_c
 from timing import median_ms
 
 
+@ends_on_ctrl_c("benchmarks/quantize.py")
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--size", type=int, default=4096, help="the tensor is size x size FP32")

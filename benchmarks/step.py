@@ -54,6 +54,7 @@ from readback.backends import build_model
 from readback.config import CONF_DIR, typed
 from readback.ops.compiled import compiled
 from readback.probe import GradientProbe, train_taped
+from readback.stopping import ends_on_ctrl_c
 from readback.train.launch import keep_freed_memory
 from readback.train.records.identity import cpu_model
 
@@ -191,6 +192,7 @@ def print_table(size: str, threads: int, batch: int, rounds: int, rows: dict, me
         print(f"  probed step (1 repeat) / reuse_rounded step: {ratio:.2f} (the probe adds {ratio - 1:.2f} of a step)")
 
 
+@ends_on_ctrl_c("benchmarks/step.py")
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sizes", nargs="+", default=["tiny", "small"])

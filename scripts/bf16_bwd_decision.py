@@ -18,6 +18,7 @@ import pandas as pd
 
 from readback.analysis.files import decision_main, load_runs
 from readback.analysis.paired import mean_se, seed_paired
+from readback.stopping import ends_on_ctrl_c
 
 CONTROL, REUSE, FIX = "no_saved_copy", "reuse_rounded", "reuse_rounded_bf16_bwd"
 ARMS = (REUSE, FIX, CONTROL)
@@ -138,6 +139,7 @@ def report(d: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+@ends_on_ctrl_c("scripts/bf16_bwd_decision.py")
 def main(argv: list[str] | None = None) -> None:
     decision_main(__doc__.splitlines()[0], decide, report, argv)
 

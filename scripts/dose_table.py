@@ -13,6 +13,8 @@ import argparse
 import json
 from pathlib import Path
 
+from readback.stopping import ends_on_ctrl_c
+
 READS = {"D read": "contrib.exact_read.attention.D", "fresh_reround": "contrib.fresh_reround"}
 
 
@@ -44,6 +46,7 @@ def dose_table(dose: dict, group: str) -> str:
     return "\n".join(lines)
 
 
+@ends_on_ctrl_c("scripts/dose_table.py")
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("dose", type=Path)

@@ -19,6 +19,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from readback.stopping import ends_on_ctrl_c
+
 ROOT = Path(__file__).resolve().parents[1]
 POLICIES = ("reuse_rounded", "fresh_reround", "no_saved_copy", "original", "exact")
 BASELINE = "bf16_baseline"
@@ -94,6 +96,7 @@ def report(out: Path, steps: int, runs: tuple[str, ...] = RUNS) -> tuple[list[st
     return lines, failed
 
 
+@ends_on_ctrl_c("scripts/gpu_policy_runs.py")
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", type=Path, required=True, help="the run directories go here")

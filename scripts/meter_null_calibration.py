@@ -35,6 +35,7 @@ from readback.cli.bias import load_run
 from readback.jsonl import read_jsonl
 from readback.probe import reference_gradients, taped_backward
 from readback.progress import progress
+from readback.stopping import ends_on_ctrl_c
 
 BATCHES, SIZES = 80, (8, 16, 32)
 GROUPS = ("total", "layers.0.attn.qkv", "layers.1.attn.qkv")
@@ -268,6 +269,7 @@ def _plot(real: list[dict], path: Path) -> None:
     plt.close(fig)
 
 
+@ends_on_ctrl_c("scripts/meter_null_calibration.py")
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("action", choices=("measure", "synthetic", "decide"))

@@ -19,6 +19,7 @@ import pandas as pd
 
 from readback.analysis.files import decision_main, load_runs
 from readback.analysis.paired import mean_se, seed_paired
+from readback.stopping import ends_on_ctrl_c
 
 DEFAULT, WEIGHTS_1D, NEAREST, BOTH = "TE defaults", "1x16 weights", "dY rounded to nearest", "both switches"
 ARMS = {(False, False): DEFAULT, (True, False): WEIGHTS_1D, (False, True): NEAREST, (True, True): BOTH}
@@ -119,6 +120,7 @@ def report(d: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+@ends_on_ctrl_c("scripts/nvfp4_switches_decision.py")
 def main(argv: list[str] | None = None) -> None:
     decision_main(__doc__.splitlines()[0], decide, report, argv)
 

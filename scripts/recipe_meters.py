@@ -20,6 +20,8 @@ import json
 import math
 from pathlib import Path
 
+from readback.stopping import ends_on_ctrl_c
+
 RECIPES: dict[str, list[str]] = {  # name (its folder) -> the precision keys it sets
     "delayed": ["recipe=delayed"],
     "current": ["recipe=current"],
@@ -140,6 +142,7 @@ def figure(rows: dict[str, dict], path: Path) -> None:
     plt.close(fig)
 
 
+@ends_on_ctrl_c("scripts/recipe_meters.py")
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("checkpoint", type=Path)

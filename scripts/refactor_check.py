@@ -30,6 +30,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from readback.stopping import ends_on_ctrl_c
+
 REPO = Path(__file__).resolve().parents[1]
 # Wall-clock measurements, and the run's own folder (each side runs in its own), are not results.
 UNCOMPARED = {"tokens_per_s", "mfu", "mem_gib", "wall_time_s", "seconds_per_batch", "steps_per_batch", "run_dir"}
@@ -163,6 +165,7 @@ def differences(base: object, head: object, where: str = "") -> list[str]:
     return [] if base == head or (base != base and head != head) else [f"{where}: {base!r} -> {head!r}"]  # NaN == NaN
 
 
+@ends_on_ctrl_c("scripts/refactor_check.py")
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--base", required=True, help="the commit before the change")

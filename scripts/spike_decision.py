@@ -22,6 +22,7 @@ import pandas as pd
 
 from readback.analysis.files import decision_main, load_runs
 from readback.analysis.paired import mean_se, t_quantile
+from readback.stopping import ends_on_ctrl_c
 from readback.train.checkpoint import list_checkpoints, load_checkpoint
 
 CONTROL, REUSE, FRESH = "no_saved_copy", "reuse_rounded", "fresh_reround"
@@ -227,6 +228,7 @@ def report(d: dict) -> str:
     return "\n".join(lines)
 
 
+@ends_on_ctrl_c("scripts/spike_decision.py")
 def main(argv: list[str] | None = None) -> None:
     decision_main(__doc__, decide, report, argv)
 

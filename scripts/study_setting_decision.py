@@ -22,6 +22,7 @@ import pandas as pd
 from readback.analysis.files import decision_main, load_runs
 from readback.analysis.paired import mean_se, seed_paired
 from readback.analysis.render import se_digits
+from readback.stopping import ends_on_ctrl_c
 
 REUSE, FRESH, CONTROL = "reuse_rounded", "fresh_reround", "no_saved_copy"
 TE_FIX, BF16_O_FIX = "reuse_rounded_bf16_bwd", "original_bf16_bwd"
@@ -184,6 +185,7 @@ def report(d: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+@ends_on_ctrl_c("scripts/study_setting_decision.py")
 def main(argv: list[str] | None = None) -> None:
     decision_main(__doc__.splitlines()[0], decide, report, argv)
 

@@ -19,6 +19,16 @@ class ConfigError(ValueError):
         super().__init__(f"{key}={value!r} is not valid; valid: {self.valid}")
 
 
+class StateChanged(ConfigError):
+    """A checkpointed state of another config than the run's (other data): a resume refuses it,
+    unless it goes on under a changed config (``trainer.resume_changed_config``); then the
+    component starts afresh instead, as ``afresh`` says."""
+
+    def __init__(self, key: str, value: object, valid: str, afresh: str):
+        super().__init__(key, value, valid)
+        self.afresh = afresh
+
+
 class NumericsError(RuntimeError):
     """A run's numerics reached a value they cannot go on with, which no config check could see
     (a site's scale that is no usable FP32 number): the run ends ``failed``, naming the site,

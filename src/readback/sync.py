@@ -24,6 +24,8 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from readback.stopping import ends_on_ctrl_c
+
 #: ``offline-run-YYYYMMDD_HHMMSS-<id>``: wandb's folder name for one start of an offline run.
 OFFLINE_FOLDER = re.compile(r"offline-run-(\d{8}_\d{6})-([a-z0-9]+)$")
 _BLOCK, _HEADER = 32768, 7  # the record log: a 7-byte file header, then 32 KiB blocks of chunks
@@ -107,6 +109,7 @@ def _key(item: Any) -> str:
     return item.key or "/".join(item.nested_key)
 
 
+@ends_on_ctrl_c("python -m readback.sync")
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m readback.sync", description=__doc__.split("\n\n")[1])
     parser.add_argument("dirs", nargs="+", metavar="DIR", help="a sweep or run directory")

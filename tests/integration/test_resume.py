@@ -24,7 +24,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from readback.train.checkpoint import list_checkpoints, load_checkpoint
+from readback.train.checkpoint import list_checkpoints, load_checkpoint, verify
 from readback.train.checkpoint.writer_lock import lock_path
 from readback.train.records.metrics import read_jsonl
 from toys import REPO, TOY_RUN
@@ -322,3 +322,80 @@ def test_a_second_writer_is_refused_and_a_killed_one_never_blocks(tmp_path, refe
     assert f"pid {first.pid} is not running" in out + err
     _assert_same_run(run_dir, reference / "a")
     assert not lock_path(run_dir).exists()
+
+
+def _stderr_lines(err: str) -> list[str]:
+    return [line for line in err.splitlines() if line.strip()]
+
+
+def test_ctrl_c_saves_after_the_step_says_how_to_continue_and_resumes_on_the_curve(tmp_path, reference):
+    """Ctrl-C (SIGINT) between checkpoints: the step finishes, a checkpoint of it is written, two
+    lines say where and how to continue, exit 130, no traceback; the command they give, alone,
+    continues the run under its own settings, on the uninterrupted run's records."""
+    run_dir = tmp_path / "run"
+    proc = _start(run_dir)
+    _signal_when(proc, run_dir, signal.SIGINT, lambda: _last_step(run_dir) >= 5)
+    rc, out, err = _finish(proc)
+    reached = list_checkpoints(run_dir / "checkpoints")[-1][0]
+    assert rc == 130 and "Traceback" not in out + err, err[-3000:]
+    assert _stderr_lines(err) == [
+        "Ctrl-C (SIGINT) received: saving a checkpoint after this step; Ctrl-C again stops at once, "
+        "keeping the newest complete checkpoint",
+        f"SIGINT received: stopped after step {reached}, checkpoint {run_dir}/checkpoints/step_{reached:07d}",
+        f"continue it with: python train.py hydra.run.dir={run_dir} trainer.resume=true",
+    ]
+    assert reached >= _last_step(run_dir) >= 5 and not (run_dir / "summary.json").exists()
+    continued = [sys.executable, "train.py", f"hydra.run.dir={run_dir}", "trainer.resume=true"]  # the line's command
+    done = subprocess.run(continued, cwd=REPO, env=_env(), capture_output=True, text=True, timeout=240)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "default changed" not in done.stdout + done.stderr  # the run's settings are its own
+    _assert_same_run(run_dir, reference / "a")
+    overrides = (run_dir / ".hydra" / "overrides.yaml").read_text().splitlines()
+    assert overrides == [f"- {o}" for o in TINY] + ["- trainer.resume=true"]  # the run's command line, resumed
+
+
+# Commits of the steps from HOLD_FROM on are held HOLD_S seconds: the index is written, the
+# checkpoint not yet renamed onto its name, when the second Ctrl-C comes.
+HELD_COMMITS = """
+import os, runpy, sys, time
+from readback.train.checkpoint import manager
+
+commit = manager.commit_checkpoint
+
+def held_commit(ckpt_dir, step, *args, **kwargs):
+    if step >= int(os.environ["HOLD_FROM"]):
+        time.sleep(float(os.environ["HOLD_S"]))
+    return commit(ckpt_dir, step, *args, **kwargs)
+
+manager.commit_checkpoint = held_commit
+sys.argv = ["train.py"] + sys.argv[1:]
+runpy.run_path("train.py", run_name="__main__")
+"""
+
+
+def test_a_second_ctrl_c_during_the_save_stops_at_once_keeping_the_newest_checkpoint(tmp_path, reference):
+    run_dir, ckpts = tmp_path / "run", tmp_path / "run" / "checkpoints"
+    script = tmp_path / "held_commits.py"
+    script.write_text(HELD_COMMITS)
+    proc = _start(run_dir, env=_env(HOLD_FROM="5", HOLD_S="60"), script=str(script))
+    _signal_when(proc, run_dir, signal.SIGINT, lambda: _last_step(run_dir) >= 5)
+    _signal_when(
+        proc, run_dir, signal.SIGINT, lambda: any((p / ".metadata").exists() for p in ckpts.glob(".step_*.tmp"))
+    )
+    sent = time.monotonic()
+    rc, out, err = _finish(proc)
+    assert time.monotonic() - sent < 30, "the second Ctrl-C did not stop the held save"
+    assert rc == 130 and "Traceback" not in out + err, err[-3000:]
+    assert [s for s, _ in list_checkpoints(ckpts)] == [4]  # the newest complete checkpoint, whole
+    verify(list_checkpoints(ckpts)[-1][1])
+    torn = next(ckpts.glob(".step_*.tmp"))
+    assert _stderr_lines(err)[1:] == [
+        f"SIGINT again: stopped at once after step {_step_of(torn)}; "
+        f"the newest complete checkpoint is {ckpts}/step_0000004",
+        f"continue it with: python train.py hydra.run.dir={run_dir} trainer.resume=true",
+    ]
+    assert not (run_dir / "summary.json").exists()
+    rc, _, err = _train(run_dir, "trainer.resume=true")
+    assert rc == 0, err[-3000:]
+    assert not list(ckpts.glob(".step_*.tmp"))
+    _assert_same_run(run_dir, reference / "a")

@@ -20,9 +20,12 @@ import os
 import sys
 from pathlib import Path
 
+from readback.stopping import ends_on_ctrl_c
+
 DEFAULT_CONTROL = "no_saved_copy"
 
 
+@ends_on_ctrl_c("python -m readback.analysis")
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m readback.analysis", description=__doc__.split("\n\n")[1])
     parser.add_argument("sweep_dirs", nargs="*", metavar="SWEEP_DIR", help="a sweep (or run) directory")

@@ -14,6 +14,7 @@ from typing import Any
 from readback.analysis.load import Runs, natural_key
 from readback.analysis.records import runs_from_records
 from readback.jsonl import read_jsonl_counted
+from readback.stopping import ends_on_ctrl_c
 
 log = logging.getLogger(__name__)
 
@@ -135,7 +136,8 @@ def decision_main(
     parser.add_argument("sweep", type=Path)
     parser.add_argument("--out", type=Path)
     args = parser.parse_args(argv)
-    decision = decide(args.sweep)
+    with ends_on_ctrl_c(parser.prog, "nothing was written"):
+        decision = decide(args.sweep)
     text = report(decision).rstrip("\n") + "\n"
     print(text, end="")
     if args.out:

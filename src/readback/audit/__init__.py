@@ -25,6 +25,7 @@ from typing import NoReturn
 from readback.audit import block_ops, readback_attention, readback_ops, te, torch_ops
 from readback.audit.core import TOL, Row, format_table
 from readback.audit.harness import Setup
+from readback.stopping import ends_on_ctrl_c
 
 AUDITS = {**torch_ops.AUDITS, **readback_ops.AUDITS, **readback_attention.AUDITS, **block_ops.AUDITS}
 
@@ -66,6 +67,7 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
+@ends_on_ctrl_c("python -m readback.audit")
 def main(argv: list[str] | None = None) -> int:
     parser = _parser()
     args = parser.parse_args(argv)

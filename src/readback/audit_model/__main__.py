@@ -14,7 +14,10 @@ import os
 import sys
 from pathlib import Path
 
+from readback.stopping import ends_on_ctrl_c
 
+
+@ends_on_ctrl_c("python -m readback.audit_model")
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m readback.audit_model", description=__doc__.split("\n\n")[1])
     parser.add_argument("model", metavar="fog|hf|torchao|MODULE:FUNCTION")

@@ -24,6 +24,7 @@ import sys
 from pathlib import Path
 
 from readback.bias.report import write_table
+from readback.stopping import ends_on_ctrl_c
 
 D_READ = "contrib.exact_read.attention.D"
 
@@ -152,6 +153,7 @@ def plot(table: dict, path: str | Path | None = None):
     return fig
 
 
+@ends_on_ctrl_c("python -m readback.bias.attribution")
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m readback.bias.attribution", description=__doc__.split("\n\n")[2])
     parser.add_argument("measured", nargs="+", metavar="LABEL=BIAS_JSON")

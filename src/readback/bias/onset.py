@@ -25,6 +25,7 @@ from readback.bias.attribution import D_READ
 from readback.bias.report import write_table
 from readback.bias.shapes import pool, run_point
 from readback.numerics.formats import E4M3
+from readback.stopping import ends_on_ctrl_c
 
 PATTERN = "attn.core.output"
 SCALE = 1e4  # the table's unit for the debiased squared bias
@@ -132,6 +133,7 @@ def plot(rows: list[dict], path: str | Path | None = None):
     return fig
 
 
+@ends_on_ctrl_c("python -m readback.bias.onset")
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m readback.bias.onset", description=__doc__.split("\n\n")[1])
     parser.add_argument("sweep", type=Path)

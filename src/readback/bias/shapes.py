@@ -32,6 +32,7 @@ from readback.bias.dose import json_number
 from readback.bias.report import write_table
 from readback.jsonl import read_jsonl
 from readback.numerics.formats import E4M3
+from readback.stopping import ends_on_ctrl_c
 
 STATS = (
     "share",
@@ -267,6 +268,7 @@ def seed_list(text: str) -> list[int]:
     return [int(seed) for seed in text.split(",")]
 
 
+@ends_on_ctrl_c("python -m readback.bias.shapes")
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m readback.bias.shapes", description=__doc__.split("\n\n")[1])
     parser.add_argument("sweep", type=Path)

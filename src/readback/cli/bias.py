@@ -68,6 +68,7 @@ from readback.cli.bias_options import (
 )
 from readback.errors import ConfigError, require
 from readback.probe.settings import DTYPES
+from readback.stopping import ends_on_ctrl_c
 
 
 def load_run(
@@ -162,6 +163,7 @@ def _start_histories(model, stream, recipe: str | None) -> None:
         model.numerics.end_step()
 
 
+@ends_on_ctrl_c("python -m readback.cli.bias")
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m readback.cli.bias", description=__doc__.split("\n\n")[1])
     parser.add_argument("path", type=Path, metavar="CHECKPOINT_OR_RUN_DIR")

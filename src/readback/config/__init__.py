@@ -11,6 +11,7 @@ from readback.config.entry import (
     from_saved,
     print_error,
     restore_hydra_files,
+    resume_of,
     typed,
     validate,
 )
@@ -31,6 +32,7 @@ __all__ = [
     "print_error",
     "require_margin",
     "restore_hydra_files",
+    "resume_of",
     "typed",
     "validate",
 ]

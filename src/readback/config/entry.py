@@ -33,7 +33,14 @@ from readback.config.refusals import (
     old_spelling,
     unknown_key,
 )
-from readback.config.store import OPTION_SCHEMAS
+from readback.config.resumed import (
+    option_overrides,
+    previous_overrides,
+    record,
+    resumed_config,
+    saved_config,
+    saved_options,
+)
 from readback.data.settings import ShakespeareData
 from readback.errors import ConfigError
 from readback.overrides import with_current_keys
@@ -77,13 +84,8 @@ def from_saved(saved: Mapping[str, Any]) -> Config:
     from hydra import compose, initialize_config_dir
 
     saved = with_current_keys(saved)
-    options = [
-        f"{group}={saved[group]['name']}"
-        for group in OPTION_SCHEMAS
-        if (CONF_DIR / group / f"{saved.get(group, {}).get('name')}.yaml").is_file()
-    ]
     with initialize_config_dir(str(CONF_DIR), version_base="1.3"):
-        defaults = compose("train", overrides=options)
+        defaults = compose("train", overrides=option_overrides(saved_options(saved, CONF_DIR)))
     with schema_refusals():  # a saved (or replaced) value of the wrong type
         merged = OmegaConf.merge(defaults, saved)
     return typed(cast(DictConfig, merged))
@@ -154,8 +156,9 @@ def exit_on_bad_config(argv: list[str]) -> None:
     try:
         with initialize_config_dir(str(CONF_DIR), version_base="1.3"):
             cfg = compose("train", overrides=overrides + run_dir_overrides, return_hydra_config=True)
-        config = validate(cfg)
-        _check_run_dir_of(cfg, config)
+        run_dir = Path(str(cfg.hydra.run.dir)).expanduser().absolute()
+        config = validate(resume_of(cfg, overrides, run_dir))
+        _check_run_dir_of(run_dir, config)
     except ConfigError as error:
         _exit(str(error))
     except (HydraException, OmegaConfBaseException) as error:
@@ -163,10 +166,28 @@ def exit_on_bad_config(argv: list[str]) -> None:
         _exit(str(refusal) if refusal is not None else " ".join(str(error).split()))
 
 
-def _check_run_dir_of(cfg: DictConfig, config: Config) -> None:
+def resume_of(cfg: DictConfig, overrides: list[str], run_dir: Path, *, launching: bool = False) -> DictConfig:
+    """``cfg``, or, when this launch resumes the run in ``run_dir`` (``trainer.resume``, or a
+    requeued job), the config that run goes on with (:mod:`.resumed`). ``launching``: the launch
+    itself (Hydra's job, rank 0), which logs the defaults that changed and writes the run's
+    ``.hydra`` files as the resume leaves them."""
+    from readback.train.preemption import requeued
+
+    resuming = OmegaConf.select(cfg, "trainer.resume") is True or requeued()
+    saved = saved_config(run_dir) if resuming and OmegaConf.select(cfg, "trainer.dry_run") is not True else None
+    if saved is None:
+        return cfg
+    previous = previous_overrides(PREEXISTING_RUN_DIRS.get(str(run_dir.resolve())) or _hydra_files(run_dir))
+    with schema_refusals():
+        resumed = resumed_config(saved, overrides, CONF_DIR, previous=previous, report=launching)
+    if launching:
+        record(run_dir, resumed, overrides, previous)
+    return resumed
+
+
+def _check_run_dir_of(run_dir: Path, config: Config) -> None:
     """The run directory Hydra will create: writable, no other run writing it, and resumable if it
     already holds a run."""
-    run_dir = Path(str(cfg.hydra.run.dir)).expanduser().absolute()
     check_run_dir(run_dir)
     if run_dir.is_dir() and any(run_dir.iterdir()):
         PREEXISTING_RUN_DIRS[str(run_dir.resolve())] = _hydra_files(run_dir)

@@ -22,7 +22,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from readback.errors import ConfigError, require
+from readback.errors import ConfigError, StateChanged, require
 
 Batch = tuple[torch.Tensor, torch.Tensor]
 
@@ -186,13 +186,18 @@ class PackedStream:
         }
 
     def load_state_dict(self, state: dict) -> None:
-        """Resume at ``state``; the world size and micro-batch may differ, the data and seed may not."""
-        saved = (state.get("fingerprint"), state.get("n_sequences"), state.get("seed"))
-        mine = (self.fingerprint, self.n_sequences, self.layout.seed)
-        require(
-            saved == mine,
-            "data state",
-            saved,
-            f"a state saved by a stream of the same data config, seq_len and seed {mine}",
-        )
+        """Resume at ``state``. The world size and micro-batch may differ, and so may the seed: the
+        stream goes on at the same place (epoch and position in it), in the new seed's order. A
+        state of other data (other text, tokenizer or ``model.seq_len``: other windows) raises
+        :class:`~readback.errors.StateChanged`: its position counts windows of that data."""
+        if (state.get("fingerprint"), state.get("n_sequences")) != (self.fingerprint, self.n_sequences):
+            raise StateChanged(
+                "data",
+                self.fingerprint,
+                f"the data this run's checkpoint was trained on, {state.get('fingerprint')!r} in "
+                f"{state.get('n_sequences')} windows ({self.n_sequences} now): the text of data.files, the "
+                "tokenizer or model.seq_len changed since; set it back, or trainer.resume_changed_config=true "
+                "to start the new data from its beginning",
+                afresh="the new data starts from its beginning",
+            )
         self._consumed = int(state["consumed"])

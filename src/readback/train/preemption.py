@@ -26,6 +26,14 @@ A requeued Slurm job (``SLURM_RESTART_COUNT > 0``) resumes from its checkpoints 
 
 In a multi-process run every rank sees the request in the same step: the flag travels with
 the step's loss all-reduce.
+
+Ctrl-C (``SIGINT``) is a person stopping the run, caught whatever ``trainer.preempt_signals``
+says: the first one is a request like the signals above (the step finishes, a checkpoint is
+written), but the job is never requeued: the process exits with 130 after one line saying where
+the checkpoint is and how to continue. A second ``SIGINT`` (after any request) stops at once, in
+the middle of a save too: :class:`Interrupted` is raised where the program is, and the save's
+temporary directory is left for the next resume to clear; the newest complete checkpoint was
+committed by a rename, so it is whole.
 """
 
 from __future__ import annotations
@@ -37,6 +45,7 @@ import signal
 import sys
 import threading
 from collections.abc import Iterable
+from pathlib import Path
 from types import FrameType
 from typing import Any
 
@@ -44,16 +53,23 @@ log = logging.getLogger(__name__)
 
 
 class Preempted(BaseException):
-    """The run stopped on a preemption signal after checkpointing ``step``.
+    """The run stopped on a signal after checkpointing ``step`` (or, ``at_once`` on a second
+    Ctrl-C, in the middle of step ``step + 1`` or its save; ``checkpoint`` is then the newest
+    complete one).
 
     A ``BaseException``, like ``KeyboardInterrupt``: code that catches ``Exception`` to record a
     failure must let it through, since the run has not failed.
     """
 
-    def __init__(self, signum: int, step: int, checkpoint: str | None):
-        self.signum, self.step, self.checkpoint = int(signum), int(step), checkpoint
-        where = f"checkpoint {checkpoint}" if checkpoint else "no new checkpoint"
-        super().__init__(f"{signal_name(signum)} received: stopped after step {step}, {where}")
+    def __init__(self, signum: int, step: int, checkpoint: str | None, *, at_once: bool = False):
+        self.signum, self.step, self.checkpoint, self.at_once = int(signum), int(step), checkpoint, at_once
+        if at_once:
+            newest = f"the newest complete checkpoint is {checkpoint}" if checkpoint else "no checkpoint was written"
+            text = f"{signal_name(signum)} again: stopped at once after step {step}; {newest}"
+        else:
+            where = f"checkpoint {checkpoint}" if checkpoint else "no new checkpoint"
+            text = f"{signal_name(signum)} received: stopped after step {step}, {where}"
+        super().__init__(text)
 
     @property
     def exit_code(self) -> int:
@@ -94,24 +110,37 @@ def requeued() -> bool:
         return False
 
 
+class Interrupted(KeyboardInterrupt):
+    """A second Ctrl-C: stop at once, wherever the program is."""
+
+
 class PreemptionGuard:
-    """Catches ``signals`` while active; ``requested`` is the first one caught (or ``None``).
+    """Catches ``signals`` and ``SIGINT`` while active; ``requested`` is the first one caught (or
+    ``None``); a ``SIGINT`` after it raises :class:`Interrupted` (``interrupted`` then holds).
 
     Handlers can only be installed from the main thread; elsewhere the guard stays inactive
     (and ``requested`` stays ``None``).
     """
 
     def __init__(self, signals: Iterable[Any]):
-        self.signals = parse_signals(signals)
+        self.signals = parse_signals([*parse_signals(signals), signal.SIGINT])
         self.requested: int | None = None
+        self.interrupted = False
         self._previous: dict[int, Any] = {}
 
     def _handle(self, signum: int, frame: FrameType | None) -> None:
+        if self.requested is not None and signum == signal.SIGINT:
+            self.interrupted = True
+            raise Interrupted
         if self.requested is None:
             self.requested = signum
+            said = {
+                int(signal.SIGINT): "Ctrl-C (SIGINT) received: saving a checkpoint after this step; Ctrl-C again "
+                "stops at once, keeping the newest complete checkpoint",
+            }.get(signum, f"{signal_name(signum)} received: checkpointing after this step")
             # logging from a signal handler can deadlock on the handler's lock: write directly
             with contextlib.suppress(OSError):
-                os.write(2, f"{signal_name(signum)} received: checkpointing after this step\n".encode())
+                os.write(2, f"{said}\n".encode())
 
     def install(self) -> PreemptionGuard:
         if threading.current_thread() is not threading.main_thread():
@@ -148,8 +177,15 @@ def _submitit_requeue_handler() -> Any:
     return None
 
 
-def exit_for_requeue(preempted: Preempted) -> None:
-    """Leave the process so that the job is requeued (see the module docstring). Never returns."""
+def exit_for_requeue(preempted: Preempted, run_dir: Path | None = None) -> None:
+    """Leave the process so that the job is requeued (see the module docstring); after Ctrl-C,
+    one or two lines on stderr (where the run stopped, how to continue ``run_dir``) and exit 130.
+    Never returns."""
+    if preempted.signum == signal.SIGINT:
+        print(preempted, file=sys.stderr)
+        if run_dir is not None and preempted.checkpoint:
+            print(f"continue it with: python train.py hydra.run.dir={run_dir} trainer.resume=true", file=sys.stderr)
+        sys.exit(preempted.exit_code)
     handler = _submitit_requeue_handler()
     if handler is not None:
         log.warning("%s; asking submitit to requeue the job", preempted)

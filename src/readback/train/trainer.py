@@ -14,8 +14,9 @@ Order of one optimizer step ``t`` (counted from 1):
 4. ``model.numerics.end_step()`` (also after a skipped update);
 5. on log steps (multiples of ``log_every`` or ``eval_every``, probe steps and the last step): one
    record, ``val_loss`` on eval steps; then a checkpoint on checkpoint steps;
-6. after a preemption signal (:mod:`readback.train.preemption`): a checkpoint, then
-   :class:`~readback.train.preemption.Preempted` (no ``summary.json``: the run is not over).
+6. after a preemption signal or Ctrl-C (:mod:`readback.train.preemption`): a checkpoint, then
+   :class:`~readback.train.preemption.Preempted` (no ``summary.json``: the run is not over); a
+   second Ctrl-C raises it at once, without the checkpoint.
 
 Reproducibility: a run is a function of its config. The seed fixes the initialisation, the data
 order and every random stream of the numerics; a checkpoint holds everything else, so resuming
@@ -40,6 +41,7 @@ from readback.model import ActivationStats
 from readback.ops.compiled import compiled
 from readback.probe import check_params
 from readback.train.checkpoint import CheckpointManager, RNGState, RunDirTaken, WriterLock
+from readback.train.checkpoint.dirs import checkpoint_dir, list_checkpoints
 from readback.train.contract import Builders, check_model, with_vocabulary
 from readback.train.distributed import DistEnv, all_reduce_mean
 from readback.train.divergence import DivergenceDetector
@@ -131,10 +133,16 @@ class Trainer:
             self.checkpoints.wait()  # an asynchronous save still in flight
         except Preempted as p:
             if env.is_main:
-                log.warning("%s; no summary.json: the requeued job resumes and writes it", p)
+                log.warning("%s; no summary.json: the run is not over", p)
             self.metrics.close_logger_failed(preempting=True)
             raise
-        except (Exception, KeyboardInterrupt) as e:
+        except BaseException as e:
+            if self.guard.interrupted:  # a second Ctrl-C, wherever it landed (a save may wrap it)
+                self.metrics.close_logger_failed(preempting=True)
+                found = list_checkpoints(checkpoint_dir(self.run_dir))  # the newest complete one stays
+                raise Preempted(signal.SIGINT, self.step, str(found[-1][1]) if found else None, at_once=True) from None
+            if not isinstance(e, (Exception, KeyboardInterrupt)):
+                raise
             # failed: e.g. the data ran out mid-run; but no word into a directory another run holds now
             if (self.loop_started or not isinstance(e, ConfigError)) and not isinstance(e, RunDirTaken):
                 self.summary.write_failed(self._summary("failed"), e)

@@ -20,7 +20,7 @@ from readback.data.cache import cache_root
 from readback.data.corpus import shakespeare_files
 from readback.data.stream import split_blocks
 from readback.data.synthetic import synthetic_split
-from readback.errors import ConfigError
+from readback.errors import ConfigError, StateChanged
 from toys import CONF, load_data_cfg
 
 
@@ -242,12 +242,19 @@ def test_state_saved_with_one_rank_resumes_on_two():
         assert torch.equal(torch.cat(got), torch.cat([following[2 * k][0], following[2 * k + 1][0]]))
 
 
-def test_state_of_other_data_or_seed_is_refused():
+def test_state_of_other_data_is_refused_and_another_seed_keeps_the_place():
+    """Other data (another corpus, or windows of another length) cannot take the position; a new
+    seed (a resume under ``trainer.resume_changed_config``) goes on from it, in its own order."""
     stream = build_data(synth(), Layout(seq_len=16, micro_batch=2, seed=0))
-    with pytest.raises(ConfigError):
-        build_data(synth(), Layout(seq_len=16, micro_batch=2, seed=1)).load_state_dict(stream.state_dict())
-    with pytest.raises(ConfigError):
-        build_data(synth(data_seed=1), Layout(seq_len=16, micro_batch=2, seed=0)).load_state_dict(stream.state_dict())
+    stream.next_batch()
+    for other in (synth(data_seed=1), synth(n_tokens=3000)):
+        with pytest.raises(StateChanged, match=r"^data='synthetic:.*set it back, or trainer.resume_changed_config"):
+            build_data(other, Layout(seq_len=16, micro_batch=2, seed=0)).load_state_dict(stream.state_dict())
+    with pytest.raises(StateChanged):
+        build_data(synth(), Layout(seq_len=8, micro_batch=2, seed=0)).load_state_dict(stream.state_dict())
+    reseeded = build_data(synth(), Layout(seq_len=16, micro_batch=2, seed=1))
+    reseeded.load_state_dict(stream.state_dict())
+    assert reseeded.state_dict()["consumed"] == stream.state_dict()["consumed"] == 2
 
 
 @pytest.mark.parametrize("world_size", [2, 3])

@@ -8,14 +8,16 @@ import json
 import math
 import os
 import signal
+import subprocess
 import sys
+import time
 
 import pytest
 import torch
 
 import toys
 from readback.train.checkpoint import list_checkpoints, load_checkpoint
-from readback.train.preemption import Preempted, PreemptionGuard, exit_for_requeue, parse_signals
+from readback.train.preemption import Interrupted, Preempted, PreemptionGuard, exit_for_requeue, parse_signals
 from readback.train.records.metrics import read_jsonl
 
 
@@ -176,3 +178,80 @@ def test_an_unusable_scale_at_run_time_fails_the_run_naming_the_site(tmp_path, s
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert summary["status"] == "failed" and summary["diverged_at_step"] is None
     assert summary["error"].startswith("NumericsError: the FP8 scale of site layers.0.mlp.up.input")
+
+
+def test_ctrl_c_is_caught_once_and_a_second_one_stops_at_once():
+    """SIGINT is a request whatever ``trainer.preempt_signals`` says; a second one raises."""
+    before = signal.getsignal(signal.SIGINT)
+    with PreemptionGuard([]) as guard:
+        os.kill(os.getpid(), signal.SIGINT)
+        assert guard.requested == signal.SIGINT and not guard.interrupted
+        with pytest.raises(Interrupted):
+            os.kill(os.getpid(), signal.SIGINT)
+        assert guard.interrupted
+    assert signal.getsignal(signal.SIGINT) == before
+    with PreemptionGuard(["SIGTERM"]) as guard:  # a person's Ctrl-C after the scheduler's signal
+        os.kill(os.getpid(), signal.SIGTERM)
+        with pytest.raises(KeyboardInterrupt):
+            os.kill(os.getpid(), signal.SIGINT)
+
+
+def test_ctrl_c_exits_130_saying_how_to_continue_and_is_never_requeued(monkeypatch, capsys, tmp_path):
+    requeued = []
+
+    class SignalHandler:  # submitit's, which must not requeue a run a person stopped
+        def checkpoint_and_try_requeue(self, signum, frame=None):
+            requeued.append(signum)
+
+    monkeypatch.delenv("SUBMITIT_PREEMPT_SIGNAL", raising=False)
+    before = signal.signal(signal.SIGUSR2, SignalHandler().checkpoint_and_try_requeue)
+    try:
+        with pytest.raises(SystemExit) as info:
+            exit_for_requeue(Preempted(signal.SIGINT, 7, f"{tmp_path}/checkpoints/step_0000007"), tmp_path)
+    finally:
+        signal.signal(signal.SIGUSR2, before)
+    assert info.value.code == 130 and requeued == []
+    assert capsys.readouterr().err.splitlines() == [
+        f"SIGINT received: stopped after step 7, checkpoint {tmp_path}/checkpoints/step_0000007",
+        f"continue it with: python train.py hydra.run.dir={tmp_path} trainer.resume=true",
+    ]
+    with pytest.raises(SystemExit):
+        exit_for_requeue(Preempted(signal.SIGINT, 8, None, at_once=True), tmp_path)
+    assert capsys.readouterr().err.splitlines() == [
+        "SIGINT again: stopped at once after step 8; no checkpoint was written"
+    ]
+
+
+# A long program's loop: it writes each item whole (renamed into place), then works on the next one.
+LONG_PROGRAM = """
+import os, sys, time
+from pathlib import Path
+from readback.stopping import ends_on_ctrl_c
+
+@ends_on_ctrl_c("long_program", "the items it finished are kept")
+def main(out):
+    for i in range(1000):
+        Path(out, ".partial").write_text(f"item {i}\\n")
+        os.replace(Path(out, ".partial"), Path(out, f"item{i}.txt"))
+        time.sleep(0.05)
+
+main(sys.argv[1])
+"""
+
+
+def test_a_long_program_ends_on_ctrl_c_in_one_line_keeping_what_it_finished(tmp_path):
+    script = tmp_path / "long_program.py"
+    script.write_text(LONG_PROGRAM)
+    out = tmp_path / "out"
+    out.mkdir()
+    proc = subprocess.Popen([sys.executable, str(script), str(out)], stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 60
+    while len(list(out.glob("item*"))) < 3:
+        assert proc.poll() is None and time.monotonic() < deadline
+        time.sleep(0.01)
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 130
+    assert err == "long_program: stopped by Ctrl-C; the items it finished are kept\n"
+    finished = list(out.glob("item*"))
+    assert len(finished) >= 3 and all(p.read_text() == f"item {p.stem[4:]}\n" for p in finished)

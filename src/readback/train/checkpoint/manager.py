@@ -50,7 +50,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.checkpoint.stateful import Stateful
 
-from readback.errors import ConfigError
+from readback.errors import ConfigError, StateChanged
 from readback.train.checkpoint import io as checkpoint_io
 from readback.train.checkpoint.dirs import (
     CHECKPOINT_FORMAT,
@@ -286,7 +286,13 @@ class CheckpointManager:
         for key, component in self.shared.items():
             component.load_state_dict(shared[key])
         for key, component in self.per_rank.items():
-            component.load_state_dict(own[key])
+            try:
+                component.load_state_dict(own[key])
+            except StateChanged as changed:  # saved under another config: refused, or afresh with the override
+                if not self.cfg.trainer.resume_changed_config:
+                    raise
+                if env.is_main:
+                    log.warning("%s: %s (trainer.resume_changed_config=true)", key, changed.afresh)
         return shared
 
 
