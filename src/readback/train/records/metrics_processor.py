@@ -183,8 +183,8 @@ class MetricsProcessor:
     def close(self, trained_to: int) -> None:
         """Close the progress bar and, on rank 0, mark this launch in ``launch.json`` as ended at
         step ``trained_to`` (nothing where no launch was recorded: the run stopped before, or where
-        another run holds the directory now); a write the disk refuses is a warning, as the run's
-        own error, if any, is what the user must see."""
+        another run holds the directory now, or where the disk refuses the write: the launch then
+        reads as one killed outright, and the run's own error is the line the user sees)."""
         self.pbar.close()
         if not self.env.is_main or self.run_dir is None:
             return
@@ -195,7 +195,7 @@ class MetricsProcessor:
         except RunDirTaken:
             pass
         except OSError as e:
-            log.warning("launch.json not updated with the launch's last step %d: %s", trained_to, e)
+            log.debug("launch.json not updated with the launch's last step %d: %s", trained_to, e)
 
     def state_dict(self) -> dict[str, Any]:
         return {**vars(self.window), "wall_time_s": self.wall_time()}
