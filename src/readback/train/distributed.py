@@ -128,11 +128,23 @@ def init_distributed(device: str = "auto", timeout_s: float | None = None, trace
                     record_nccl_collectives(trace_dir)
             if timeout_s is not None:
                 kwargs["timeout"] = timedelta(seconds=timeout_s)
+            if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+                kwargs["store"] = attempt_store(kwargs.get("timeout", timedelta(minutes=30)))
             dist.init_process_group(**kwargs)
             env.owns_group = True
         if timeout_s is not None:
             set_collective_timeout(env, timeout_s)  # a group made by the caller too
     return env
+
+
+def attempt_store(timeout: timedelta) -> dist.Store:
+    """The store torchrun's agent keeps for its workers, under a prefix of this attempt: the agent
+    keeps one store for every restart of its workers (``--max-restarts``), where the keys torch's
+    process group writes would otherwise hand a restarted rank the addresses of the attempt before
+    (pytorch/pytorch#135712: ``Connection refused`` while the group forms)."""
+    addr, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
+    store = dist.TCPStore(addr, port, is_master=False, timeout=timeout)
+    return dist.PrefixStore(f"readback/attempt_{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", store)
 
 
 # NCCL's flight recorder (torch >= 2.5 reads these names): a ring of the last collectives with their
