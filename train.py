@@ -98,7 +98,10 @@ def main(cfg: DictConfig) -> None:
             exit_for_requeue(error, run_dir)  # checkpoint written, no summary.json: requeue, or exit 128 + signal
         if isinstance(error, RankLost):
             print_error(error)  # the checkpoints are whole: a requeue or relaunch resumes
-            sys.exit(RankLost.exit_code)
+            logging.shutdown()
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(RankLost.exit_code)  # no interpreter teardown: torch's may wait on the rank that is gone
         raise
 
 

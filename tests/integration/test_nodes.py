@@ -11,6 +11,7 @@ uninterrupted run's, which is also one node of two processes against two nodes o
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -57,6 +58,9 @@ def faulty_next_batch(self):
     if os.environ["RANK"] == "1" and batches[0] == {batch} and os.environ["TORCHELASTIC_RESTART_COUNT"] == "0":
         if fault == "lost":
             os.kill(os.getppid(), signal.SIGKILL)  # the node's torchrun agent
+        if fault == "frozen":
+            with open(os.environ["FROZEN_PID"], "w") as f:  # for the test to end it: a worker has its own session
+                f.write(str(os.getpid()))
         os.kill(os.getpid(), signal.SIGSTOP if fault == "frozen" else signal.SIGKILL)
     return next_batch(self)
 
@@ -72,11 +76,15 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _env(fault: str | None = None) -> dict[str, str]:
+def _env(run_dir: Path, fault: str | None = None) -> dict[str, str]:
     env = dict(os.environ, OMP_NUM_THREADS="1", WANDB_MODE="disabled", PYTHONPATH=str(REPO / "src"))
     for key in ("WORLD_SIZE", "RANK", "SLURM_RESTART_COUNT", "SLURM_JOB_ID", "TORCHELASTIC_RESTART_COUNT"):
         env.pop(key, None)
-    return env | ({"FAULT": fault} if fault else {})
+    return env | ({"FAULT": fault, "FROZEN_PID": str(_frozen_pid_file(run_dir))} if fault else {})
+
+
+def _frozen_pid_file(run_dir: Path) -> Path:
+    return run_dir.parent / "frozen.pid"
 
 
 def _torchrun(launch: list[str], run_dir: Path, args: list[str], fault: str | None) -> subprocess.Popen:
@@ -85,7 +93,13 @@ def _torchrun(launch: list[str], run_dir: Path, args: list[str], fault: str | No
         Path(script[0]).write_text(FAULTY)
     cmd = [sys.executable, "-m", "torch.distributed.run", *launch, *script, *TINY, *args, f"hydra.run.dir={run_dir}"]
     return subprocess.Popen(
-        cmd, cwd=REPO, env=_env(fault), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True
+        cmd,
+        cwd=REPO,
+        env=_env(run_dir, fault),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
     )
 
 
@@ -113,10 +127,8 @@ def _finish(proc: subprocess.Popen, timeout: float = 120) -> tuple[int, str]:
 
 def _kill_group(proc: subprocess.Popen) -> None:
     """The agent and the workers it started (its own session), a stopped one included."""
-    try:
+    with contextlib.suppress(ProcessLookupError):
         os.killpg(proc.pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
     proc.wait()
 
 
@@ -145,32 +157,34 @@ def uninterrupted(tmp_path_factory) -> Path:
     return run_dir
 
 
-@pytest.mark.parametrize(
-    ("node1", "named"),
-    [
-        (("+experiment=fresh_reround", "seed=7"), "policy reuse_rounded on rank 0, fresh_reround on rank 1"),
-        ((EXPERIMENT, "seed=7"), "seed 0 on rank 0, 7 on rank 1"),
-    ],
-    ids=["experiment", "seed"],
-)
-def test_ranks_that_disagree_are_refused_on_every_rank_and_train_nothing(tmp_path, node1, named):
-    run_dir = tmp_path / "run"
-    for proc in _two_nodes(run_dir, node1=node1):
-        rc, err = _finish(proc)
-        assert rc != 0, err[-3000:]
-        (line,) = _error_lines(err)
-        assert line.startswith("error: ranks disagree: ") and named in line, line
-        assert "trainer.py" not in err  # no traceback from the trainer
-    if node1 == (EXPERIMENT, "seed=7"):
-        assert line == f"error: ranks disagree: seed 0 on rank 0, 7 on rank 1; {line.split('; ', 2)[-1]}"
-    assert not (run_dir / "metrics.jsonl").exists() and not (run_dir / "summary.json").exists()
-    assert not list_checkpoints(run_dir / "checkpoints")
+# node 1's experiment and overrides, and what the refusal names: the issue's launch, and the seed alone
+DISAGREEING = {
+    "experiment": (("+experiment=fresh_reround", "seed=7"), "policy reuse_rounded on rank 0, fresh_reround on rank 1"),
+    "seed": ((EXPERIMENT, "seed=7"), "seed 0 on rank 0, 7 on rank 1"),
+}
+
+
+def test_ranks_that_disagree_are_refused_on_every_rank_and_train_nothing(tmp_path):
+    launched = {case: _two_nodes(tmp_path / case, node1=node1) for case, (node1, _) in DISAGREEING.items()}  # at once
+    for case, nodes in launched.items():
+        for proc in nodes:
+            rc, err = _finish(proc)
+            assert rc != 0, err[-3000:]
+            (line,) = _error_lines(err)
+            assert line.startswith("error: ranks disagree: ") and DISAGREEING[case][1] in line, line
+            assert "trainer.py" not in err  # no traceback from the trainer
+        if case == "seed":  # the one key that differs, alone
+            assert line == f"error: ranks disagree: seed 0 on rank 0, 7 on rank 1; {line.split('; ', 2)[-1]}"
+        run_dir = tmp_path / case
+        assert not (run_dir / "metrics.jsonl").exists() and not (run_dir / "summary.json").exists()
+        assert not list_checkpoints(run_dir / "checkpoints")
 
 
 def test_a_frozen_rank_stops_the_other_within_the_timeout(tmp_path):
     run_dir = tmp_path / "run"
     node0, node1 = _two_nodes(run_dir, fault="frozen")
     rc, err = _finish(node0, timeout=60)
+    os.kill(int(_frozen_pid_file(run_dir).read_text()), signal.SIGKILL)
     _kill_group(node1)
     assert rc != 0, err[-3000:]
     (line,) = _error_lines(err)

@@ -58,7 +58,9 @@ def test_disagreements_name_each_differing_key_with_its_values_and_their_ranks()
 
 
 def test_a_disagreement_is_one_line_exit_2_naming_keys_values_and_ranks():
-    error = RanksDisagree(disagreements([{"policy": "reuse_rounded", "seed": 0}, {"policy": "fresh_reround", "seed": 7}]))
+    error = RanksDisagree(
+        disagreements([{"policy": "reuse_rounded", "seed": 0}, {"policy": "fresh_reround", "seed": 7}])
+    )
     assert isinstance(error, ConfigError)  # train.py: one line on stderr, exit 2
     line = str(error)
     assert line.startswith(
