@@ -108,7 +108,7 @@ class RanksDisagree(ConfigError):
 def agree(cfg: Config, data_fingerprint: str, env: DistEnv) -> list[str]:
     """Each rank's host name, once every rank has compared what it runs with the others';
     :class:`RanksDisagree` on every rank otherwise. One process: its own host, nothing compared."""
-    mine = {"host": socket.gethostname(), "runs": what_runs(cfg, data_fingerprint)}
+    mine: dict[str, Any] = {"host": socket.gethostname(), "runs": what_runs(cfg, data_fingerprint)}
     if not env.distributed:
         return [mine["host"]]
     gathered: list[Any] = [None] * env.world_size
