@@ -188,7 +188,7 @@ def test_a_frozen_rank_stops_the_other_within_the_timeout(tmp_path):
     _kill_group(node1)
     assert rc != 0, err[-3000:]
     (line,) = _error_lines(err)
-    assert line.startswith("error: rank 1 (host ") and f"stopped answering at step {FAULT_BATCH}" in line, line
+    assert line.startswith("error: rank 1 (host ") and f"stopped answering after step {FAULT_BATCH - 1}" in line, line
     assert "waited trainer.timeouts.step_s=3 s" in line and "newest checkpoint: step 6" in line, line
     assert "exitcode  : 3" in err and "trainer.py" not in err
     summary = json.loads((run_dir / "summary.json").read_text())
@@ -203,7 +203,7 @@ def test_a_lost_node_ends_the_other_in_one_line_and_both_relaunched_resume(tmp_p
     _kill_group(node1)
     assert rc != 0, err[-3000:]
     (line,) = _error_lines(err)
-    assert line.startswith("error: rank 1 (host ") and f"stopped answering at step {FAULT_BATCH}" in line, line
+    assert line.startswith("error: rank 1 (host ") and f"stopped answering after step {FAULT_BATCH - 1}" in line, line
     assert "lost its connection" in line and "newest checkpoint: step 6" in line and "trainer.resume=true" in line
     assert "trainer.py" not in err
     for proc in _two_nodes(run_dir, "trainer.resume=true"):

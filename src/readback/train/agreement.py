@@ -2,12 +2,12 @@
 
 A YAML edited or a checkout pulled between a job's submission and one node's start, or a node
 with another image, would otherwise train on: DDP averages whatever gradients the ranks send.
-Compared, key by key: the resolved config (every key), the code (its git commit and whether the
-tree is dirty, and a hash of the package's sources, which sees an installed copy and two dirty
-trees alike), the versions of torch, Transformer Engine and Triton, and the data's fingerprint
-(which names the token cache it was read from). A difference is refused on every rank, before
-the model is built, anything trained or a file of the run written, in one line naming each
-differing key with its values and the ranks that hold them.
+Compared, key by key: the resolved config (every key but a node's own cache folder), the code
+(its git commit and whether the tree is dirty, and a hash of the package's sources, which sees an
+installed copy and two dirty trees alike), the versions of torch, Transformer Engine and Triton,
+and the data's fingerprint (which names the token cache it was read from). A difference is
+refused on every rank, before the model is built, anything trained or a file of the run written,
+in one line naming each differing key with its values and the ranks that hold them.
 """
 
 from __future__ import annotations
@@ -30,13 +30,14 @@ from readback.train.records.identity import PACKAGE, code_version
 from readback.train.settings import Config, config_leaves
 
 _SHOWN = 6  # differing keys a refusal lists
+NODE_KEYS = ("data.cache_dir",)  # may name a node-local folder; what it holds is the data's fingerprint
 OTHER_PACKAGES = ("transformer_engine", "triton")  # besides torch: the kernels a GPU run may take
 
 
 def what_runs(cfg: Config, data_fingerprint: str) -> dict[str, Any]:
-    """What this rank is about to run, as ``{key: value}``: the config's dotted keys, then
-    ``code.*``, ``version.*`` and ``data.fingerprint``."""
-    described: dict[str, Any] = dict(config_leaves(cfg))
+    """What this rank is about to run, as ``{key: value}``: the config's dotted keys (but
+    :data:`NODE_KEYS`), then ``code.*``, ``version.*`` and ``data.fingerprint``."""
+    described: dict[str, Any] = {k: v for k, v in config_leaves(cfg) if k not in NODE_KEYS}
     described |= {f"code.{k}": v for k, v in code_version().items()}
     described["code.sources"] = sources_digest()
     described["version.torch"] = torch.__version__

@@ -80,7 +80,7 @@ def lost_rank(
     run_dir: Path,
 ) -> RankLost | None:
     """:class:`RankLost` in readback's words where ``error`` is another rank's silence, after the
-    roll call, else ``None``. ``step``: the step in progress; ``after_first``: whether this
+    roll call, else ``None``. ``step``: the last step this rank finished; ``after_first``: whether this
     process finished a step (the tighter timeout applies); ``hosts``: each rank's host (from the
     rank agreement; [] before it)."""
     kind = peer_failure(error) if env.distributed else None
@@ -99,6 +99,6 @@ def lost_rank(
     found = list_checkpoints(checkpoint_dir(run_dir))
     newest = f"step {found[-1][0]} ({found[-1][1]})" if found else "none (the run starts again from step 0)"
     return RankLost(
-        f"{who} at step {step} (a collective {how}); newest checkpoint: {newest}; relaunch every node with the "
+        f"{who} after step {step} (a collective {how}); newest checkpoint: {newest}; relaunch every node with the "
         "same command and trainer.resume=true (a requeued Slurm job or torchrun's --max-restarts resumes by itself)"
     )

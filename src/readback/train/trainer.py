@@ -148,7 +148,7 @@ class Trainer:
             if not isinstance(e, (Exception, KeyboardInterrupt)):
                 raise
             lost = lost_rank(
-                e, self.env, self.step + 1, self.step > self.start, self.cfg.trainer.timeouts, self.hosts, self.run_dir
+                e, self.env, self.step, self.step > self.start, self.cfg.trainer.timeouts, self.hosts, self.run_dir
             )
             # failed: e.g. the data ran out mid-run; but no word into a directory another run holds now
             if (self.loop_started or not isinstance(e, ConfigError)) and not isinstance(e, RunDirTaken):
