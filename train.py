@@ -7,10 +7,12 @@
 
 Exit codes: 0 for a finished run, completed or diverged (a sweep goes on with its next job);
 2 for a bad configuration or input (one line on stderr, and no run directory left behind unless
-it held a run before); ``128 + signal`` after a preemption signal, once the checkpoint is written
-(under submitit the job is requeued instead, see ``readback.train.preemption``); 130 after Ctrl-C,
-which saves a checkpoint after the current step and says how to continue (a second Ctrl-C stops at
-once), with no traceback.
+it held a run before), ranks that disagree included; 3 when another rank stopped answering
+(frozen or lost: one line naming it, the step and the newest checkpoint, see
+``readback.train.lost_ranks``); ``128 + signal`` after a preemption signal, once the checkpoint is
+written (under submitit the job is requeued instead, see ``readback.train.preemption``); 130
+after Ctrl-C, which saves a checkpoint after the current step and says how to continue (a second
+Ctrl-C stops at once), with no traceback.
 """
 
 import logging
@@ -89,10 +91,17 @@ def main(cfg: DictConfig) -> None:
     except ConfigError as error:
         _config_error(error, run_dir)
     except BaseException as error:
+        from readback.train.lost_ranks import RankLost
         from readback.train.preemption import Preempted, exit_for_requeue
 
         if isinstance(error, Preempted):
             exit_for_requeue(error, run_dir)  # checkpoint written, no summary.json: requeue, or exit 128 + signal
+        if isinstance(error, RankLost):
+            print_error(error)  # the checkpoints are whole: a requeue or relaunch resumes
+            logging.shutdown()
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(RankLost.exit_code)  # no interpreter teardown: torch's may wait on the rank that is gone
         raise
 
 

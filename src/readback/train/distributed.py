@@ -8,7 +8,10 @@
   every task of the job agrees on them.
 * Without ``WORLD_SIZE`` (or with ``WORLD_SIZE=1``) the run is a single process, no process group.
 
-DDP runs over gloo on CPU and NCCL on CUDA; rank 0 alone writes files and logs.
+DDP runs over gloo on CPU and NCCL on CUDA; rank 0 alone writes files and logs. Every collective
+waits at most ``trainer.timeouts`` for the other ranks (:func:`set_collective_timeout`); on NCCL
+the flight recorder keeps the last collectives and dumps them when its watchdog times one out
+(:func:`record_nccl_collectives`).
 """
 
 from __future__ import annotations
@@ -16,6 +19,8 @@ from __future__ import annotations
 import logging
 import os
 from dataclasses import dataclass
+from datetime import timedelta
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -102,8 +107,10 @@ def resolve_device(name: str, local_rank: int = 0) -> torch.device:
     return torch.device("cpu")
 
 
-def init_distributed(device: str = "auto") -> DistEnv:
-    """Resolve rank/world/device and, for ``world_size > 1``, join (or reuse) the process group."""
+def init_distributed(device: str = "auto", timeout_s: float | None = None, trace_dir: Path | None = None) -> DistEnv:
+    """Resolve rank/world/device and, for ``world_size > 1``, join (or reuse) the process group,
+    whose collectives then wait ``timeout_s`` at most (torch's default without it: 30 minutes on
+    gloo, 10 on NCCL). On NCCL the flight recorder dumps into ``trace_dir`` on a timeout."""
     rank, world, local = world_from_env()
     dev = resolve_device(device, local)
     env = DistEnv(rank=rank, world_size=world, local_rank=local, device=dev)
@@ -117,9 +124,48 @@ def init_distributed(device: str = "auto") -> DistEnv:
             kwargs: dict[str, Any] = {"backend": backend, "rank": rank, "world_size": world}
             if backend == "nccl":
                 kwargs["device_id"] = dev
+                if trace_dir is not None:
+                    record_nccl_collectives(trace_dir)
+            if timeout_s is not None:
+                kwargs["timeout"] = timedelta(seconds=timeout_s)
+            if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+                kwargs["store"] = attempt_store(kwargs.get("timeout", timedelta(minutes=30)))
             dist.init_process_group(**kwargs)
             env.owns_group = True
+        if timeout_s is not None:
+            set_collective_timeout(env, timeout_s)  # a group made by the caller too
     return env
+
+
+def attempt_store(timeout: timedelta) -> dist.Store:
+    """The store torchrun's agent keeps for its workers, under a prefix of this attempt: the agent
+    keeps one store for every restart of its workers (``--max-restarts``), where the keys torch's
+    process group writes would otherwise hand a restarted rank the addresses of the attempt before
+    (pytorch/pytorch#135712: ``Connection refused`` while the group forms)."""
+    addr, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
+    store = dist.TCPStore(addr, port, is_master=False, timeout=timeout)
+    return dist.PrefixStore(f"readback/attempt_{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", store)
+
+
+# NCCL's flight recorder (torch >= 2.5 reads these names): a ring of the last collectives with their
+# stacks, written per rank when the watchdog times a collective out; torch's
+# ``python -m torch.distributed.flight_recorder.fr_trace`` tells from the dumps which rank hung where.
+FLIGHT_RECORDER = {"TORCH_FR_BUFFER_SIZE": "2000", "TORCH_NCCL_DUMP_ON_TIMEOUT": "1"}
+FLIGHT_RECORDER_FILE = "TORCH_FR_DUMP_TEMP_FILE"  # the dumps' path, the rank appended
+
+
+def record_nccl_collectives(trace_dir: Path) -> None:
+    """Turn NCCL's flight recorder on, dumping into ``trace_dir/nccl_trace_rank_<rank>``, before
+    the NCCL group exists (it reads the environment then); what a user set is kept."""
+    for name, value in {**FLIGHT_RECORDER, FLIGHT_RECORDER_FILE: str(Path(trace_dir) / "nccl_trace_rank_")}.items():
+        os.environ.setdefault(name, value)
+
+
+def set_collective_timeout(env: DistEnv, seconds: float) -> None:
+    """Every later collective of the default group waits ``seconds`` at most for the other ranks:
+    gloo then raises in the waiting rank, NCCL's watchdog ends the process."""
+    if env.distributed:
+        dist.distributed_c10d._set_pg_timeout(timedelta(seconds=seconds))
 
 
 def cleanup(env: DistEnv) -> None:

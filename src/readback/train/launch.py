@@ -44,7 +44,7 @@ def run(cfg: Config, run_dir: Path, builders: Builders | None = None) -> dict[st
     if cfg.trainer.dry_run:
         return dry_run(cfg, run_dir, experiment, builders, rank=rank, world_size=world)
     resolve_device(cfg.trainer.device, local)  # a bad device is a config error, raised early
-    env = init_distributed(cfg.trainer.device)
+    env = init_distributed(cfg.trainer.device, cfg.trainer.timeouts.startup_s, trace_dir=run_dir)
     det_before = torch.are_deterministic_algorithms_enabled()
     warn_before = torch.is_deterministic_algorithms_warn_only_enabled()
     if env.device.type == "cpu":

@@ -21,8 +21,9 @@ The entry point then calls :func:`exit_for_requeue`:
   ``--requeue``) the process exits with ``128 + signal``, like a process the signal killed;
   requeueing is then the scheduler's (or the batch script's) business.
 
-A requeued Slurm job (``SLURM_RESTART_COUNT > 0``) resumes from its checkpoints even when
-``trainer.resume`` is false, so a sweep cannot restart a preempted job from step 0 by mistake.
+A requeued Slurm job (``SLURM_RESTART_COUNT > 0``), like workers that torchrun restarted
+(``TORCHELASTIC_RESTART_COUNT > 0``), resumes from its checkpoints even when ``trainer.resume`` is
+false, so a sweep cannot restart a preempted job from step 0 by mistake.
 
 In a multi-process run every rank sees the request in the same step: the flag travels with
 the step's loss all-reduce.
@@ -102,12 +103,21 @@ def parse_signals(names: Iterable[Any] | None) -> list[int]:
     return out
 
 
-def requeued() -> bool:
-    """Whether this is a Slurm job that was requeued (``SLURM_RESTART_COUNT > 0``)."""
-    try:
-        return int(os.environ.get("SLURM_RESTART_COUNT", "0") or 0) > 0
-    except ValueError:
-        return False
+# Set above 0 in a job started again: a requeued Slurm job; workers that torchrun restarted
+# (``--max-restarts``) after one of them failed.
+RESTART_COUNTS = ("SLURM_RESTART_COUNT", "TORCHELASTIC_RESTART_COUNT")
+
+
+def requeued() -> str | None:
+    """``NAME=count`` of the variable saying this job was started again (:data:`RESTART_COUNTS`
+    above 0), else ``None``."""
+    for name in RESTART_COUNTS:
+        try:
+            if int(os.environ.get(name, "0") or 0) > 0:
+                return f"{name}={os.environ[name]}"
+        except ValueError:
+            continue
+    return None
 
 
 class Interrupted(KeyboardInterrupt):

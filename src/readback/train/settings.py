@@ -59,6 +59,7 @@ RESUMABLE_KEYS = (
     "trainer.progress",
     "trainer.compile",
     "trainer.preempt_signals",
+    "trainer.timeouts.",
     "trainer.ckpt_every",
     "trainer.keep_last",
     "trainer.ckpt_async",
@@ -112,6 +113,15 @@ class Divergence(Checked):
 
 
 @dataclass
+class Timeouts(Checked):
+    """How long a collective waits for the other ranks before the run stops (``readback.train.lost_ranks``)."""
+
+    KEY = "trainer.timeouts"
+    startup_s: float = number(0, low_open=True)  # joining the group, the rank agreement, the resume, step 1
+    step_s: float = number(0, low_open=True)  # every collective after step 1, checkpoint saves included
+
+
+@dataclass
 class Trainer(Checked):
     KEY = "trainer"
     steps: int = integer()
@@ -134,6 +144,7 @@ class Trainer(Checked):
     compile: bool = MISSING
     optim: Optim = MISSING
     divergence: Divergence = MISSING
+    timeouts: Timeouts = MISSING
 
     def check(self) -> None:
         from readback.train.preemption import parse_signals
@@ -183,7 +194,7 @@ def config_changes(saved_config: Mapping[str, Any] | None, cfg: Config) -> list[
         return []
     saved_config = with_current_keys(saved_config)  # a checkpoint from before a key's rename
     changes = []
-    for key, now in _leaves(cfg):
+    for key, now in config_leaves(cfg):
         was = _saved_value(saved_config, key)
         if key.startswith(RESUMABLE_KEYS) or was is _ABSENT or (now is None and key in RESOLVED_KEYS):
             continue
@@ -195,13 +206,13 @@ def config_changes(saved_config: Mapping[str, Any] | None, cfg: Config) -> list[
 _ABSENT = object()
 
 
-def _leaves(node: Any, prefix: str = "") -> list[tuple[str, Any]]:
+def config_leaves(node: Any, prefix: str = "") -> list[tuple[str, Any]]:
     """``(dotted key, value)`` of every field of a config dataclass, nested groups walked."""
     found = []
     for f in dataclasses.fields(node):
         value = getattr(node, f.name)
         key = f"{prefix}{f.name}"
-        found += _leaves(value, f"{key}.") if dataclasses.is_dataclass(value) else [(key, value)]
+        found += config_leaves(value, f"{key}.") if dataclasses.is_dataclass(value) else [(key, value)]
     return found
 
 

@@ -40,13 +40,15 @@ from readback.errors import ConfigError
 from readback.model import ActivationStats
 from readback.ops.compiled import compiled
 from readback.probe import check_params
+from readback.train.agreement import agree
 from readback.train.checkpoint import CheckpointManager, RNGState, RunDirTaken, WriterLock
 from readback.train.checkpoint.dirs import checkpoint_dir, list_checkpoints
 from readback.train.contract import Builders, check_model, with_vocabulary
-from readback.train.distributed import DistEnv, all_reduce_mean
+from readback.train.distributed import DistEnv, all_reduce_mean, set_collective_timeout
 from readback.train.divergence import DivergenceDetector
 from readback.train.dry_run import check_memory
 from readback.train.instruments import TapedProbe, instruments
+from readback.train.lost_ranks import lost_rank
 from readback.train.optim import WSDSchedule, build_optimizer, build_scheduler, clip_gradients, nonfinite_grad_names
 from readback.train.parallel import apply_parallelism, no_gradient_sync, whole_parameters
 from readback.train.preemption import Preempted, PreemptionGuard
@@ -85,12 +87,14 @@ class Trainer:
         self.metrics = MetricsProcessor(env, tokens_per_step=self.tokens_per_step, t_start=self.t_start, owner=writer)
         self.preempt = False  # a preemption signal reached some rank: checkpoint and stop after this step
         self.loop_started = False
-        self.step = 0
+        self.step = self.start = 0
+        self.hosts: list[str] = []  # each rank's, once the ranks agree
 
     def _build(self) -> None:
         env = self.env
         self.stream = self.builders.stream(self.cfg, rank=env.rank, world_size=env.world_size)
         self.cfg = cfg = with_vocabulary(self.cfg, self.stream)
+        self.hosts = agree(cfg, getattr(self.stream, "fingerprint", ""), env)  # before anything is built or written
         if env.device.type == "cuda":
             check_memory(cfg, self.builders, env.world_size)
         torch.manual_seed(cfg.seed)
@@ -125,7 +129,7 @@ class Trainer:
         try:
             self._build()
             start, wandb_id = self.checkpoints.resume()
-            self.step = start
+            self.step = self.start = start
             self.metrics.open_logger(self.cfg, self.run_dir, resume_step=start, wandb_run_id=wandb_id)
             self.summary.clear()
             self.metrics.log_start(self.experiment, self.n_params, steps=self.steps, accum=self.accum)
@@ -143,10 +147,15 @@ class Trainer:
                 raise Preempted(signal.SIGINT, self.step, str(found[-1][1]) if found else None, at_once=True) from None
             if not isinstance(e, (Exception, KeyboardInterrupt)):
                 raise
+            lost = lost_rank(
+                e, self.env, self.step, self.step > self.start, self.cfg.trainer.timeouts, self.hosts, self.run_dir
+            )
             # failed: e.g. the data ran out mid-run; but no word into a directory another run holds now
             if (self.loop_started or not isinstance(e, ConfigError)) and not isinstance(e, RunDirTaken):
-                self.summary.write_failed(self._summary("failed"), e)
+                self.summary.write_failed(self._summary("failed"), lost or e)
             self.metrics.close_logger_failed()
+            if lost is not None:
+                raise lost from None
             raise
         finally:
             self.metrics.close(trained_to=self.step)
@@ -254,6 +263,8 @@ class Trainer:
                 self._stop_nonfinite(step, t0, loss, lr, gnorm)
                 return "diverged"
             m.step_done(loss, time.perf_counter() - t0)
+            if step == start + 1:
+                set_collective_timeout(env, self.cfg.trainer.timeouts.step_s)
             if is_log:
                 window_loss = m.window.mean_loss()
                 if self.detector.observe_logged(step, window_loss):

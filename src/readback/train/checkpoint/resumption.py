@@ -12,7 +12,6 @@ resumes anyway with the new values (a warning lists them), except where the mode
 from __future__ import annotations
 
 import logging
-import os
 from pathlib import Path
 from typing import Any
 
@@ -36,7 +35,7 @@ def resume_plan(run_dir: Path, cfg: Config, *, quiet: bool = False) -> tuple[Pat
     from, or ``None`` for step 0. Raises ``ConfigError`` when
 
     * the run directory holds checkpoints but ``trainer.resume`` is false (they would be
-      overwritten) -- unless this is a requeued Slurm job, which resumes;
+      overwritten) -- unless this is a requeued Slurm job or a torchrun restart, which resumes;
     * ``trainer.resume`` is true and none of its checkpoints loads;
     * the newest readable checkpoint has another format than :data:`CHECKPOINT_FORMAT`, or was
       trained under another config (:func:`check_changes`).
@@ -53,10 +52,9 @@ def resume_plan(run_dir: Path, cfg: Config, *, quiet: bool = False) -> tuple[Pat
     if not found:
         return None
     resume = cfg.trainer.resume
-    if not resume and requeued():
-        log.warning(
-            "requeued job (SLURM_RESTART_COUNT=%s): resuming from %s", os.environ["SLURM_RESTART_COUNT"], ckpt_dir
-        )
+    restarted = requeued()
+    if not resume and restarted:
+        log.warning("job started again (%s): resuming from %s", restarted, ckpt_dir)
         resume = True
     if not resume:
         raise ConfigError(
