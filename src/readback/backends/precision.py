@@ -18,6 +18,7 @@ from readback.fields import Checked, integer, items, number, one_of
 from readback.numerics import (
     AMAX_COMPUTE_ALGOS,
     BACKWARD_OVERRIDES,
+    CurrentScaling,
     RECIPES,
     ROUNDINGS,
     DelayedScaling,
@@ -34,13 +35,14 @@ from readback.numerics.spec import (
     ATTENTION_BWD_PROBS,
     ATTENTION_BWD_QKV,
     ATTENTION_BWD_READS,
+    ATTENTION_KERNELS,
     ATTENTION_RECIPES,
     PRECISIONS,
     NumericsSpec,
     resolve_accumulation,
 )
 from readback.numerics.spike import AmaxSpike
-from readback.ops import numerics_spec
+from readback.ops import attention_triton, numerics_spec
 from readback.ops.attention import READS
 
 # The recipe fields' defaults: Transformer Engine's default recipe, as numerics.scaling declares
@@ -210,6 +212,9 @@ class Attention(Checked):
     round_grad_output: bool | None = None
     round_grad_scores: bool | None = None
     round_grad_output_in_d: bool | None = None
+    # the core that runs it: ops (PyTorch, tiled in Python) | triton (readback.kernels) | auto
+    # (triton where it runs, on CUDA with triton installed, and runs these settings; else ops)
+    kernel: str = one_of(("auto", *ATTENTION_KERNELS), default="auto")
 
     def parts_set_apart(self) -> dict[str, Any]:
         """The parts of the backward set apart from its flavour and precision (keys not null)."""
@@ -228,6 +233,9 @@ class Attention(Checked):
         require(
             in_d is None or not no_o, self.key("round_grad_output_in_d"), in_d, f"null: policy={policy}'s D reads no O"
         )
+        if self.kernel == "triton":
+            reason = self.kernel_cannot_run(precision) or attention_triton.cannot_run_here()
+            require(reason is None, self.key("kernel"), self.kernel, f"ops ({reason})")
         if self.bwd_reads == "forward":
             return
         why = (
@@ -237,6 +245,24 @@ class Attention(Checked):
         )
         reason = next((text for bad, text in why if bad), None)
         require(reason is None, self.key("bwd_reads"), self.bwd_reads, f"forward ({reason})")
+
+    def kernel_cannot_run(self, precision: Precision) -> str | None:
+        """What in these settings the Triton kernel does not run (``ops.attention_triton``), or None."""
+        p = fp8_settings(precision)
+        if p is None:
+            return "the triton kernel runs precision=fp8 only"
+        if self.bwd_precision != "fp8" or self.bwd_reads != "forward" or self.parts_set_apart():
+            return "the triton kernel runs bwd_precision=fp8 with bwd_reads=forward and no part set apart only"
+        if self.recipe is None and not isinstance(p.scaling_recipe(), DelayedScaling | CurrentScaling):
+            return "the triton kernel runs per-tensor scaling only: set attention.recipe under a block recipe"
+        return None
+
+    def kernel_to_run(self, precision: Precision) -> str:
+        """``kernel`` resolved: ``auto`` is triton where it runs and runs these settings, else ops."""
+        if self.kernel != "auto":
+            return self.kernel
+        runs = self.kernel_cannot_run(precision) is None and attention_triton.cannot_run_here() is None
+        return "triton" if runs and attention_triton.on_gpu() else "ops"
 
     def scaling_recipe(self, p: Fp8Precision) -> ScalingRecipe | None:
         """The core's own recipe object (None without ``recipe``): its class with the fields of the
@@ -277,6 +303,7 @@ def spec_of(precision: Precision, policy: str, attention: Attention) -> Numerics
             attention_bwd_precision=attention.bwd_precision,
             attention_bwd_reads=attention.bwd_reads,
             bf16_gemm=precision.bf16_gemm,
+            attention_kernel=attention.kernel_to_run(precision),
         )
     return numerics_spec(
         precision=p.name,
@@ -297,4 +324,5 @@ def spec_of(precision: Precision, policy: str, attention: Attention) -> Numerics
         accumulation_gemms=dict(p.accumulation_gemms or {}),
         bf16_gemm=p.bf16_gemm,
         amax_spike=amax_spike_of(p.amax_spike),
+        attention_kernel=attention.kernel_to_run(precision),
     )
