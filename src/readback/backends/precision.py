@@ -13,14 +13,16 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+import torch
+
 from readback.errors import ConfigError, require
 from readback.fields import Checked, integer, items, number, one_of
 from readback.numerics import (
     AMAX_COMPUTE_ALGOS,
     BACKWARD_OVERRIDES,
-    CurrentScaling,
     RECIPES,
     ROUNDINGS,
+    CurrentScaling,
     DelayedScaling,
     Float8BlockScaling,
     Format,
@@ -214,7 +216,7 @@ class Attention(Checked):
     round_grad_output_in_d: bool | None = None
     # the core that runs it: ops (PyTorch, tiled in Python) | triton (readback.kernels) | auto
     # (triton where it runs, on CUDA with triton installed, and runs these settings; else ops)
-    kernel: str = one_of(("auto", *ATTENTION_KERNELS), default="auto")
+    kernel: str = one_of(ATTENTION_KERNELS, default="auto")
 
     def parts_set_apart(self) -> dict[str, Any]:
         """The parts of the backward set apart from its flavour and precision (keys not null)."""
@@ -258,11 +260,12 @@ class Attention(Checked):
         return None
 
     def kernel_to_run(self, precision: Precision) -> str:
-        """``kernel`` resolved: ``auto`` is triton where it runs and runs these settings, else ops."""
+        """``kernel`` as a run on this machine's GPU, or CPU, resolves it: ``auto`` is triton on
+        CUDA where the kernel runs these settings, else ops (the op decides by its tensors' device)."""
         if self.kernel != "auto":
             return self.kernel
         runs = self.kernel_cannot_run(precision) is None and attention_triton.cannot_run_here() is None
-        return "triton" if runs and attention_triton.on_gpu() else "ops"
+        return "triton" if runs and torch.cuda.is_available() else "ops"
 
     def scaling_recipe(self, p: Fp8Precision) -> ScalingRecipe | None:
         """The core's own recipe object (None without ``recipe``): its class with the fields of the
@@ -303,7 +306,7 @@ def spec_of(precision: Precision, policy: str, attention: Attention) -> Numerics
             attention_bwd_precision=attention.bwd_precision,
             attention_bwd_reads=attention.bwd_reads,
             bf16_gemm=precision.bf16_gemm,
-            attention_kernel=attention.kernel_to_run(precision),
+            attention_kernel=attention.kernel,
         )
     return numerics_spec(
         precision=p.name,
@@ -324,5 +327,5 @@ def spec_of(precision: Precision, policy: str, attention: Attention) -> Numerics
         accumulation_gemms=dict(p.accumulation_gemms or {}),
         bf16_gemm=p.bf16_gemm,
         amax_spike=amax_spike_of(p.amax_spike),
-        attention_kernel=attention.kernel_to_run(precision),
+        attention_kernel=attention.kernel,
     )

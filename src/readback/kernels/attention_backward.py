@@ -3,7 +3,7 @@ under the FP8 backward that reads what the forward multiplied (``attention.bwd_r
 
     dV = P8^T dO8    dP = dO8 V8^T    dS = P (dP - D)    dQ = c dS8 K8    dK = c dS8^T Q8
 
-Each tile recomputes S and ``P = exp(S - m) / l`` from the forward's row statistics (the forward's
+Each tile recomputes S and ``P = exp(S - row_max) / row_sum`` from the forward's row statistics (the forward's
 bits), P8 with the forward's scale and keyed draws (its very codes), and dS, rounded to the
 backward's format (E5M2 under the hybrid recipe) with dS's scale. The D-term comes in per row
 (``d_term``: the policy's ``rowsum(dO * O_read)``, formed by ``ops``) or, for ``rowsum(P * dP)``,
@@ -46,12 +46,12 @@ class BackwardFormat:
 
 
 @triton.jit
-def _tile(  # type: ignore[no-untyped-def]
-    q, do, d, m, l, rows, keys, k_head, v_head, scales_ptr, softmax_scale, T, HEAD_DIM: tl.constexpr
+def _tile(
+    q, do, d, row_max, row_sum, rows, keys, k_head, v_head, scales_ptr, softmax_scale, T, HEAD_DIM: tl.constexpr
 ):  # fmt: skip
     """P and dP of the tile (query ``rows`` x ``keys``), and ``dS = P (dP - D)``."""
     s = scores_tile(q, k_head, keys, T, HEAD_DIM, tl.load(scales_ptr), softmax_scale, rows)
-    p = probs_tile(s, m, l)
+    p = probs_tile(s, row_max, row_sum)
     dims = tl.arange(0, HEAD_DIM)
     v_codes = tl.load(v_head + keys[:, None] * HEAD_DIM + dims[None, :], mask=keys[:, None] < T, other=0)
     dp = tl.dot(do, tl.trans(fp8.decode(v_codes, 3, 7)), input_precision="ieee")
@@ -60,7 +60,7 @@ def _tile(  # type: ignore[no-untyped-def]
 
 
 @triton.jit
-def _round_grad(ds, ds_scale, MANTISSA: tl.constexpr, BIAS: tl.constexpr, MAX: tl.constexpr):  # type: ignore[no-untyped-def]
+def _round_grad(ds, ds_scale, MANTISSA: tl.constexpr, BIAS: tl.constexpr, MAX: tl.constexpr):
     """dS8 (nearest, saturating): its grid values, codes, and which elements saturated."""
     y = ds * ds_scale
     saturated = tl.abs(y) > MAX
@@ -70,7 +70,7 @@ def _round_grad(ds, ds_scale, MANTISSA: tl.constexpr, BIAS: tl.constexpr, MAX: t
 
 
 @triton.jit
-def _load_rows(ptr, rows, T, HEAD_DIM: tl.constexpr, MANTISSA: tl.constexpr, BIAS: tl.constexpr):  # type: ignore[no-untyped-def]
+def _load_rows(ptr, rows, T, HEAD_DIM: tl.constexpr, MANTISSA: tl.constexpr, BIAS: tl.constexpr):
     """Decoded codes of ``rows`` of one head's (T, hd) tensor."""
     dims = tl.arange(0, HEAD_DIM)
     codes = tl.load(ptr + rows[:, None] * HEAD_DIM + dims[None, :], mask=rows[:, None] < T, other=0)
@@ -78,8 +78,8 @@ def _load_rows(ptr, rows, T, HEAD_DIM: tl.constexpr, MANTISSA: tl.constexpr, BIA
 
 
 @triton.jit
-def _rows(  # type: ignore[no-untyped-def]
-    q_ptr, k_ptr, v_ptr, do_ptr, m_ptr, l_ptr, d_ptr, scales_ptr, amax_ptr, softmax_scale, T, H, GROUP_HEADS,
+def _rows(
+    q_ptr, k_ptr, v_ptr, do_ptr, max_ptr, sum_ptr, d_ptr, scales_ptr, amax_ptr, softmax_scale, T, H, GROUP_HEADS,
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     MANTISSA: tl.constexpr, BIAS: tl.constexpr, D_FROM_P: tl.constexpr, AMAX: tl.constexpr,
 ):  # fmt: skip
@@ -88,14 +88,19 @@ def _rows(  # type: ignore[no-untyped-def]
     rows = block * BLOCK_M + tl.arange(0, BLOCK_M)
     q = _load_rows(q_ptr + bh * T * HEAD_DIM, rows, T, HEAD_DIM, 3, 7)
     do = _load_rows(do_ptr + bh * T * HEAD_DIM, rows, T, HEAD_DIM, MANTISSA, BIAS)
-    m, l = tl.load(m_ptr + bh * T + rows, mask=rows < T, other=0.0), tl.load(l_ptr + bh * T + rows, mask=rows < T, other=1.0)
+    row_max, row_sum = (
+        tl.load(max_ptr + bh * T + rows, mask=rows < T, other=0.0),
+        tl.load(sum_ptr + bh * T + rows, mask=rows < T, other=1.0),
+    )
     k_head, v_head = k_ptr + kv_head * T * HEAD_DIM, v_ptr + kv_head * T * HEAD_DIM
     end = tl.minimum((block + 1) * BLOCK_M, T)
     d = tl.zeros([BLOCK_M], tl.float32)
     if D_FROM_P:
         for start in range(0, end, BLOCK_N):
             keys = start + tl.arange(0, BLOCK_N)
-            p, dp, _ = _tile(q, do, d, m, l, rows, keys, k_head, v_head, scales_ptr, softmax_scale, T, HEAD_DIM)
+            p, dp, _ = _tile(
+                q, do, d, row_max, row_sum, rows, keys, k_head, v_head, scales_ptr, softmax_scale, T, HEAD_DIM
+            )
             d += tl.sum(p * dp, 1)
         tl.store(d_ptr + bh * T + rows, d, mask=rows < T)
     else:
@@ -104,14 +109,16 @@ def _rows(  # type: ignore[no-untyped-def]
         amax = tl.full([], 0.0, tl.float32)
         for start in range(0, end, BLOCK_N):
             keys = start + tl.arange(0, BLOCK_N)
-            _, _, ds = _tile(q, do, d, m, l, rows, keys, k_head, v_head, scales_ptr, softmax_scale, T, HEAD_DIM)
+            _, _, ds = _tile(
+                q, do, d, row_max, row_sum, rows, keys, k_head, v_head, scales_ptr, softmax_scale, T, HEAD_DIM
+            )
             amax = tl.maximum(amax, tl.max(tl.max(tl.where(rows[:, None] < T, tl.abs(ds), 0.0), 1), 0))
         tl.atomic_max(amax_ptr, amax)
 
 
 @triton.jit
-def _grad_q(  # type: ignore[no-untyped-def]
-    q_ptr, k_ptr, v_ptr, do_ptr, m_ptr, l_ptr, d_ptr, scales_ptr, dq_ptr, rowsum_ptr, counts_ptr, amax_ptr,
+def _grad_q(
+    q_ptr, k_ptr, v_ptr, do_ptr, max_ptr, sum_ptr, d_ptr, scales_ptr, dq_ptr, rowsum_ptr, counts_ptr, amax_ptr,
     softmax_scale, T, H, GROUP_HEADS,
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     MANTISSA: tl.constexpr, BIAS: tl.constexpr, MAX: tl.constexpr,
@@ -122,7 +129,10 @@ def _grad_q(  # type: ignore[no-untyped-def]
     in_rows = rows[:, None] < T
     q = _load_rows(q_ptr + bh * T * HEAD_DIM, rows, T, HEAD_DIM, 3, 7)
     do = _load_rows(do_ptr + bh * T * HEAD_DIM, rows, T, HEAD_DIM, MANTISSA, BIAS)
-    m, l = tl.load(m_ptr + bh * T + rows, mask=rows < T, other=0.0), tl.load(l_ptr + bh * T + rows, mask=rows < T, other=1.0)
+    row_max, row_sum = (
+        tl.load(max_ptr + bh * T + rows, mask=rows < T, other=0.0),
+        tl.load(sum_ptr + bh * T + rows, mask=rows < T, other=1.0),
+    )
     d = tl.load(d_ptr + bh * T + rows, mask=rows < T, other=0.0)
     k_head, v_head = k_ptr + kv_head * T * HEAD_DIM, v_ptr + kv_head * T * HEAD_DIM
     ds_scale = tl.load(scales_ptr + 3)
@@ -133,7 +143,7 @@ def _grad_q(  # type: ignore[no-untyped-def]
     n_saturated, n_underflowed, n_nonzero = tl.full([], 0, tl.int32), tl.full([], 0, tl.int32), tl.full([], 0, tl.int32)
     for start in range(0, end, BLOCK_N):
         keys = start + tl.arange(0, BLOCK_N)
-        _, _, ds = _tile(q, do, d, m, l, rows, keys, k_head, v_head, scales_ptr, softmax_scale, T, HEAD_DIM)
+        _, _, ds = _tile(q, do, d, row_max, row_sum, rows, keys, k_head, v_head, scales_ptr, softmax_scale, T, HEAD_DIM)
         ds = tl.where(in_rows, ds, 0.0)
         rowsum += tl.sum(ds, 1)
         amax = tl.maximum(amax, tl.max(tl.max(tl.abs(ds), 1), 0))
@@ -154,8 +164,8 @@ def _grad_q(  # type: ignore[no-untyped-def]
 
 
 @triton.jit
-def _grad_kv(  # type: ignore[no-untyped-def]
-    q_ptr, k_ptr, v_ptr, do_ptr, m_ptr, l_ptr, d_ptr, scales_ptr, draws_ptr, dk_ptr, dv_ptr,
+def _grad_kv(
+    q_ptr, k_ptr, v_ptr, do_ptr, max_ptr, sum_ptr, d_ptr, scales_ptr, draws_ptr, dk_ptr, dv_ptr,
     softmax_scale, T, H, GROUP_HEADS,
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     MANTISSA: tl.constexpr, BIAS: tl.constexpr, MAX: tl.constexpr, STOCHASTIC: tl.constexpr,
@@ -173,10 +183,10 @@ def _grad_kv(  # type: ignore[no-untyped-def]
         rows = start + tl.arange(0, BLOCK_M)
         q = _load_rows(q_ptr + bh * T * HEAD_DIM, rows, T, HEAD_DIM, 3, 7)
         do = _load_rows(do_ptr + bh * T * HEAD_DIM, rows, T, HEAD_DIM, MANTISSA, BIAS)
-        m = tl.load(m_ptr + bh * T + rows, mask=rows < T, other=0.0)
-        l = tl.load(l_ptr + bh * T + rows, mask=rows < T, other=1.0)
+        row_max = tl.load(max_ptr + bh * T + rows, mask=rows < T, other=0.0)
+        row_sum = tl.load(sum_ptr + bh * T + rows, mask=rows < T, other=1.0)
         d = tl.load(d_ptr + bh * T + rows, mask=rows < T, other=0.0)
-        p, _, ds = _tile(q, do, d, m, l, rows, keys, k_head, v_head, scales_ptr, softmax_scale, T, HEAD_DIM)
+        p, _, ds = _tile(q, do, d, row_max, row_sum, rows, keys, k_head, v_head, scales_ptr, softmax_scale, T, HEAD_DIM)
         in_rows = rows[:, None] < T
         p8, _, _ = round_probs(tl.where(in_rows, p, 0.0), rows, keys, key, first, T, p_scale, STOCHASTIC)
         ds8, _, _ = _round_grad(tl.where(in_rows, ds, 0.0), ds_scale, MANTISSA, BIAS, MAX)
@@ -216,12 +226,13 @@ def backward(
     (B, H, T): D per row, or None for ``rowsum(P * dP)``. ``scales`` (FP32): ``[s_q^-1 s_k^-1,
     P's scale, s_dO^-1 s_v^-1, s_k^-1, s_q^-1, s_p^-1 s_dO^-1]``, the inverses to be multiplied by
     dS's; ``ds_scale``: dS's scale (the site's own, delayed scaling), or the function that
-    computes it from the whole dS's amax (current scaling). ``draws``: P's keyed draws' ``[key, first row]``, or None (nearest)."""
+    computes it from the whole dS's amax (current scaling). ``draws``: P's keyed draws'
+    ``[key, first row]``, or None (nearest)."""
     q8, k8, v8, do8 = codes
     batch, heads, seq, dim = q8.shape
     device = q8.device
     q, k, v, do = (t.contiguous().view(torch.uint8) for t in (q8, k8, v8, do8))
-    m, l = row_stats
+    row_max, row_sum = row_stats
     shape = dict(HEAD_DIM=dim, BLOCK_M=BLOCK, BLOCK_N=BLOCK, MANTISSA=fmt.mantissa, BIAS=fmt.bias)
     common = (softmax_scale, seq, heads, heads // k8.shape[1])
     grid = (triton.cdiv(seq, BLOCK), batch * heads)
@@ -230,18 +241,36 @@ def backward(
     amax_first = callable(ds_scale)
     gemm_scales = torch.cat([scales[:3], torch.zeros(4, device=device)])
     if d_term is None or amax_first:
-        _rows[grid](q, k, v, do, m, l, d, gemm_scales, amax, *common, **shape, D_FROM_P=d_term is None, AMAX=amax_first)
+        _rows[grid](
+            q,
+            k,
+            v,
+            do,
+            row_max,
+            row_sum,
+            d,
+            gemm_scales,
+            amax,
+            *common,
+            **shape,
+            D_FROM_P=d_term is None,
+            AMAX=amax_first,
+        )
     scale = ds_scale(amax.clone()) if callable(ds_scale) else ds_scale
     ds_inv = scale.reciprocal()
-    gemm_scales = torch.stack([scales[0], scales[1], scales[2], scale, ds_inv * scales[3], ds_inv * scales[4], scales[5]])
+    gemm_scales = torch.stack(
+        [scales[0], scales[1], scales[2], scale, ds_inv * scales[3], ds_inv * scales[4], scales[5]]
+    )
     d_q, d_k, d_v = (torch.empty(batch, heads, seq, dim, dtype=torch.float32, device=device) for _ in range(3))
     rowsum = torch.empty(batch, heads, seq, dtype=torch.float32, device=device)
     counts = torch.zeros(3, dtype=torch.int64, device=device)
     amax.zero_()
-    _grad_q[grid](q, k, v, do, m, l, d, gemm_scales, d_q, rowsum, counts, amax, *common, **shape, MAX=fmt.max)
+    _grad_q[grid](
+        q, k, v, do, row_max, row_sum, d, gemm_scales, d_q, rowsum, counts, amax, *common, **shape, MAX=fmt.max
+    )
     no_draws = torch.zeros(2, dtype=torch.int64, device=device)
     _grad_kv[grid](
-        q, k, v, do, m, l, d, gemm_scales, no_draws if draws is None else draws, d_k, d_v, *common,
+        q, k, v, do, row_max, row_sum, d, gemm_scales, no_draws if draws is None else draws, d_k, d_v, *common,
         **shape, MAX=fmt.max, STOCHASTIC=draws is not None,
     )  # fmt: skip
     return Backward(d_q, d_k, d_v, counts, amax, rowsum)

@@ -1,12 +1,12 @@
 """The FP8 attention core's forward as one Triton kernel: ``ops.attention_forward``'s arithmetic.
 
 One program takes ``BLOCK_M`` query rows of one head and runs over the keys they may see twice:
-first the softmax statistics (running row max ``m`` and sum ``l`` of ``exp(S - m)``), then
-``P = exp(S - m) / l``, its FP8 rounding P8 (nearest, or stochastic with ``KeyedDraws``' very
+first the softmax statistics (running row max ``row_max`` and sum ``row_sum`` of ``exp(S - row_max)``), then
+``P = exp(S - row_max) / row_sum``, its FP8 rounding P8 (nearest, or stochastic with ``KeyedDraws``' very
 draws) and ``O = P8 V8``. Every GEMM multiplies the decoded codes in FP32 (``input_precision``
 ieee: exact products, FP32 sums) and rounds its scaled output once to BF16, as the emulated FP8
 GEMM does (``numerics.gemm.fp8_mm``). P8's counts (saturated, underflowed, nonzero) are added
-into one buffer. ``m`` and ``l`` are saved: the backward recomputes P from them bit for bit.
+into one buffer. ``row_max`` and ``row_sum`` are saved: the backward recomputes P from them bit for bit.
 
 P's amax needs no pass of its own: query 0 sees key 0 alone, so ``P[0, 0] = 1`` is every causal
 P's largest element, and P's scale is known before the kernel runs (``ops`` computes it).
@@ -24,7 +24,7 @@ from readback.kernels import fp8
 
 
 @triton.jit
-def scores_tile(q, k_ptr, keys, T, HEAD_DIM: tl.constexpr, qk_scale_inv, softmax_scale, rows):  # type: ignore[no-untyped-def]
+def scores_tile(q, k_ptr, keys, T, HEAD_DIM: tl.constexpr, qk_scale_inv, softmax_scale, rows):
     """``S = c bf16(Q8 K8^T s_q^-1 s_k^-1)`` of decoded query rows ``q`` against ``keys``, with the
     keys a row may not see (later, or past T) at -inf."""
     dims = tl.arange(0, HEAD_DIM)
@@ -37,13 +37,13 @@ def scores_tile(q, k_ptr, keys, T, HEAD_DIM: tl.constexpr, qk_scale_inv, softmax
 
 
 @triton.jit
-def probs_tile(s, m, l):  # type: ignore[no-untyped-def]
-    """``P = exp(S - m) / l``: the softmax of a tile from its rows' statistics."""
-    return tl.exp(s - m[:, None]) / l[:, None]
+def probs_tile(s, row_max, row_sum):
+    """``P = exp(S - row_max) / row_sum``: the softmax of a tile from its rows' statistics."""
+    return tl.exp(s - row_max[:, None]) / row_sum[:, None]
 
 
 @triton.jit
-def round_probs(p, rows, keys, key, first, T, p_scale, STOCHASTIC: tl.constexpr):  # type: ignore[no-untyped-def]
+def round_probs(p, rows, keys, key, first, T, p_scale, STOCHASTIC: tl.constexpr):
     """P8 of a tile as its scaled grid values (FP32) and codes, and whether each saturated:
     ``quantize``'s scale, clamp and rounding, draws keyed by the global row ``bh T + i``."""
     y = p * p_scale
@@ -56,8 +56,8 @@ def round_probs(p, rows, keys, key, first, T, p_scale, STOCHASTIC: tl.constexpr)
 
 
 @triton.jit
-def _forward(  # type: ignore[no-untyped-def]
-    q_ptr, k_ptr, v_ptr, scales_ptr, draws_ptr, out_ptr, m_ptr, l_ptr, counts_ptr, tape_s_ptr, tape_p_ptr,
+def _forward(
+    q_ptr, k_ptr, v_ptr, scales_ptr, draws_ptr, out_ptr, max_ptr, sum_ptr, counts_ptr, tape_s_ptr, tape_p_ptr,
     softmax_scale, T, H, GROUP_HEADS,
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     STOCHASTIC: tl.constexpr, TAPE: tl.constexpr,
@@ -72,14 +72,14 @@ def _forward(  # type: ignore[no-untyped-def]
     k_head, v_head = k_ptr + kv_head * T * HEAD_DIM, v_ptr + kv_head * T * HEAD_DIM
     end = tl.minimum((block + 1) * BLOCK_M, T)  # the last key these rows may see, plus one
 
-    m = tl.full([BLOCK_M], float("-inf"), tl.float32)
-    l = tl.zeros([BLOCK_M], tl.float32)
+    row_max = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    row_sum = tl.zeros([BLOCK_M], tl.float32)
     for start in range(0, end, BLOCK_N):
         keys = start + tl.arange(0, BLOCK_N)
         s = scores_tile(q, k_head, keys, T, HEAD_DIM, qk_scale_inv, softmax_scale, rows)
-        m_new = tl.maximum(m, tl.max(s, 1))
-        l = l * tl.exp(m - m_new) + tl.sum(tl.exp(s - m_new[:, None]), 1)
-        m = m_new
+        max_new = tl.maximum(row_max, tl.max(s, 1))
+        row_sum = row_sum * tl.exp(row_max - max_new) + tl.sum(tl.exp(s - max_new[:, None]), 1)
+        row_max = max_new
 
     key = (tl.load(draws_ptr) & 0xFFFFFFFF).to(tl.uint32)
     first = tl.load(draws_ptr + 1) + bh * T
@@ -89,7 +89,7 @@ def _forward(  # type: ignore[no-untyped-def]
     for start in range(0, end, BLOCK_N):
         keys = start + tl.arange(0, BLOCK_N)
         s = scores_tile(q, k_head, keys, T, HEAD_DIM, qk_scale_inv, softmax_scale, rows)
-        p = probs_tile(s, m, l)
+        p = probs_tile(s, row_max, row_sum)
         r, codes, saturated = round_probs(p, rows, keys, key, first, T, p_scale, STOCHASTIC)
         nonzero = in_rows & (p != 0.0)
         underflowed = nonzero & ((codes & 0x78) == 0)
@@ -107,8 +107,8 @@ def _forward(  # type: ignore[no-untyped-def]
     b, h = bh // H, bh % H
     out = fp8.round_bf16(acc * pv_scale_inv)
     tl.store(out_ptr + ((b * T + rows[:, None]) * H + h) * HEAD_DIM + dims[None, :], out, mask=in_rows)
-    tl.store(m_ptr + bh * T + rows, m, mask=rows < T)
-    tl.store(l_ptr + bh * T + rows, l, mask=rows < T)
+    tl.store(max_ptr + bh * T + rows, row_max, mask=rows < T)
+    tl.store(sum_ptr + bh * T + rows, row_sum, mask=rows < T)
     tl.atomic_add(counts_ptr, n_saturated.to(tl.int64))
     tl.atomic_add(counts_ptr + 1, n_underflowed.to(tl.int64))
     tl.atomic_add(counts_ptr + 2, n_nonzero.to(tl.int64))

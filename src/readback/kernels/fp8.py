@@ -16,13 +16,13 @@ import triton.language as tl
 
 
 @triton.jit
-def pow2(exponent):  # type: ignore[no-untyped-def]
+def pow2(exponent):
     """``2**exponent`` (int32, within FP32's normal range) in FP32, built from its bits: exact."""
     return ((exponent + 127) << 23).to(tl.float32, bitcast=True)
 
 
 @triton.jit
-def decode(codes, MANTISSA: tl.constexpr, BIAS: tl.constexpr):  # type: ignore[no-untyped-def]
+def decode(codes, MANTISSA: tl.constexpr, BIAS: tl.constexpr):
     """The FP32 values of FP8 codes (uint8): E4M3 with ``MANTISSA`` 3, ``BIAS`` 7; E5M2 2, 15.
     Codes never hold NaN or infinity here (every rounding saturates)."""
     c = codes.to(tl.int32)
@@ -35,7 +35,7 @@ def decode(codes, MANTISSA: tl.constexpr, BIAS: tl.constexpr):  # type: ignore[n
 
 
 @triton.jit
-def round_to_grid(y, u, STOCHASTIC: tl.constexpr, MANTISSA: tl.constexpr, MIN_EXPONENT: tl.constexpr):  # type: ignore[no-untyped-def]
+def round_to_grid(y, u, STOCHASTIC: tl.constexpr, MANTISSA: tl.constexpr, MIN_EXPONENT: tl.constexpr):
     """FP32 ``y`` (scaled, within the format's max) rounded onto the FP8 grid, as a value: to
     nearest even, or up with probability ``frac`` from uniforms ``u`` (``round_stochastic``).
     ``y`` times the inverse of its grid spacing is exact (both are powers of two)."""
@@ -53,7 +53,7 @@ def round_to_grid(y, u, STOCHASTIC: tl.constexpr, MANTISSA: tl.constexpr, MIN_EX
 
 
 @triton.jit
-def encode(r, sign_of, MANTISSA: tl.constexpr, BIAS: tl.constexpr):  # type: ignore[no-untyped-def]
+def encode(r, sign_of, MANTISSA: tl.constexpr, BIAS: tl.constexpr):
     """The FP8 codes (uint8) of values ``r`` on the grid, with the sign bit of ``sign_of`` (a
     nearest rounding keeps the sign of a value rounded to zero, as torch's cast does; a
     stochastic one gives its result's own)."""
@@ -68,7 +68,7 @@ def encode(r, sign_of, MANTISSA: tl.constexpr, BIAS: tl.constexpr):  # type: ign
 
 
 @triton.jit
-def hash32(x):  # type: ignore[no-untyped-def]
+def hash32(x):
     """``numerics.rounding._hash32`` in uint32 arithmetic, which wraps where it masks."""
     x = x ^ (x >> 16)
     x = x * 0x21F0AAAD
@@ -78,7 +78,7 @@ def hash32(x):  # type: ignore[no-untyped-def]
 
 
 @triton.jit
-def keyed_uniform(key, rows, columns):  # type: ignore[no-untyped-def]
+def keyed_uniform(key, rows, columns):
     """``KeyedDraws(start, rows).uniform`` at global rows ``rows`` (int64, the claim's first
     row added) and columns ``columns``: FP32 uniforms, multiples of 2**-24. ``key`` is uint32."""
     row_keys = hash32(hash32((rows & 0xFFFFFFFF).to(tl.uint32)) ^ key)
@@ -87,7 +87,7 @@ def keyed_uniform(key, rows, columns):  # type: ignore[no-untyped-def]
 
 
 @triton.jit
-def round_bf16(x):  # type: ignore[no-untyped-def]
+def round_bf16(x):
     """FP32 ``x`` rounded to the nearest even BF16 value, held in FP32 (finite ``x``)."""
     bits = x.to(tl.uint32, bitcast=True)
     bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
@@ -95,6 +95,6 @@ def round_bf16(x):  # type: ignore[no-untyped-def]
 
 
 @triton.jit
-def count(mask):  # type: ignore[no-untyped-def]
+def count(mask):
     """The true elements of a 2-D mask (int32)."""
     return tl.sum(tl.sum(mask.to(tl.int32), 1), 0)

@@ -28,9 +28,10 @@ ATTENTION_BWD_READS = ("forward", "te")
 # (bwd_probs); and which gradients the backward rounds to its FP8 format before their GEMMs.
 ATTENTION_BWD_QKV = ("forward", "original")  # forward: what the FP8 forward multiplied (Q8, K8, V8)
 ATTENTION_BWD_PROBS = ("forward", "rebuilt")
-# attention.kernel as it runs: readback's ops (PyTorch, tiled by a Python loop) or one Triton kernel
-# of the same roundings (readback.kernels); the config's ``auto`` is resolved to one of these.
-ATTENTION_KERNELS = ("ops", "triton")  # forward: the forward's P8 (dV) and P (dS)
+# attention.kernel: readback's ops (PyTorch, tiled by a Python loop), one Triton kernel of the same
+# roundings (readback.kernels), or auto: the kernel on CUDA where it runs the spec, else the ops
+# (ops.attention_triton.runs decides, on the tensors' device).
+ATTENTION_KERNELS = ("auto", "ops", "triton")  # forward: the forward's P8 (dV) and P (dS)
 # grad_output_in_d: the dO that D = rowsum(dO * O) reads, apart from the dO of the dV and dP GEMMs
 ATTENTION_BWD_ROUNDED = ("grad_output", "grad_scores", "grad_output_in_d")
 # The sites an attention core rounds at, ``<op>.q``, ... (``ops.attention.SITES``); every model names

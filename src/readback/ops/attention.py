@@ -117,10 +117,15 @@ class _Attention(torch.autograd.Function):
         reads = numerics.spec.reads["attention"]
         need = {n for gradient, mode in reads.items() for n in _NEEDS[gradient][mode]}
         row_stats: tuple[torch.Tensor, torch.Tensor] | tuple[None, None] = (None, None)
-        if numerics.spec.attention_kernel == "triton":
-            blocks, row_stats = attention_triton.forward(numerics, name, qq, k_groups, v_groups, softmax_scale, "lse" in need)
+        fctx.triton = attention_triton.runs(numerics, name, q.device)
+        if fctx.triton:
+            blocks, row_stats = attention_triton.forward(
+                numerics, name, qq, k_groups, v_groups, softmax_scale, "lse" in need
+            )
         else:
-            blocks = attention_forward.forward(numerics, name, qq, k_groups, v_groups, softmax_scale, gemm, "lse" in need)
+            blocks = attention_forward.forward(
+                numerics, name, qq, k_groups, v_groups, softmax_scale, gemm, "lse" in need
+            )
         out = blocks.out
         oq = numerics.site(f"{name}.output").quantize(out, rounding)
         if numerics.mechanism:
@@ -164,7 +169,7 @@ class _Attention(torch.autograd.Function):
     @staticmethod
     def backward(fctx: Any, d_out: torch.Tensor, _data: Any, _scale: Any) -> tuple[torch.Tensor | None, ...]:
         batch, heads, seq, dim = fctx.shape
-        core = attention_triton if fctx.numerics.spec.attention_kernel == "triton" else attention_backward
+        core = attention_triton if fctx.triton else attention_backward
         d_q, d_k, d_v = core.backward(fctx.numerics, fctx.name, load(fctx), fctx, d_out)
         groups = fctx.groups
         d_k = d_k.reshape(batch, groups, heads // groups, seq, dim).sum(2)

@@ -26,11 +26,6 @@ if TYPE_CHECKING:
     from readback.numerics.state import Numerics
 
 
-def on_gpu() -> bool:
-    """Whether the kernel would run on a GPU here (``attention.kernel=auto`` picks it there)."""
-    return torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1"
-
-
 def cannot_run_here() -> str | None:
     """Why no Triton kernel can run on this machine, or None: it needs triton, and CUDA or
     Triton's interpreter (``TRITON_INTERPRET=1``, CPU tensors)."""
@@ -39,6 +34,15 @@ def cannot_run_here() -> str | None:
     if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
         return "no CUDA here, and TRITON_INTERPRET=1 is not set"
     return None
+
+
+def runs(numerics: Numerics, name: str, device: torch.device) -> bool:
+    """Whether the core ``name`` runs on the kernel: ``attention.kernel`` triton, or auto on CUDA
+    where triton imports and the kernel runs the spec (``unsupported``)."""
+    kernel = numerics.spec.attention_kernel
+    if kernel != "auto":
+        return kernel == "triton"
+    return device.type == "cuda" and cannot_run_here() is None and unsupported(numerics, name) is None
 
 
 def unsupported(numerics: Numerics, name: str) -> str | None:

@@ -14,6 +14,8 @@ from readback.backends import site_implementations
 from readback.backends.precision import spec_of
 from readback.config import validate
 from readback.errors import ConfigError
+from readback.numerics.state import Numerics
+from readback.ops import attention_triton
 from toys import REPO, TWO_STEP_RUN, compose
 
 pytest.importorskip("triton", reason="triton is not installed")
@@ -23,7 +25,9 @@ def test_auto_runs_the_ops_core_on_a_cpu(monkeypatch):
     monkeypatch.setattr("torch.cuda.is_available", lambda: False)
     cfg = validate(compose("+experiment=reuse_rounded"))
     assert cfg.attention.kernel == "auto"
-    assert spec_of(cfg.precision, cfg.policy, cfg.attention).attention_kernel == "ops"
+    numerics = Numerics(spec_of(cfg.precision, cfg.policy, cfg.attention))
+    assert numerics.spec.attention_kernel == "auto"
+    assert not attention_triton.runs(numerics, "layers.0.attn.core", torch.device("cpu"))
     assert site_implementations(cfg)["attention_core"] == "readback.ops.attention"
 
 

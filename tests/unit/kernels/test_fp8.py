@@ -14,7 +14,7 @@ ROWS, COLUMNS = 16, 128
 
 
 @triton.jit
-def _round(  # type: ignore[no-untyped-def]
+def _round(
     y_ptr, start_ptr, out_ptr, ROWS: tl.constexpr, COLUMNS: tl.constexpr,
     STOCHASTIC: tl.constexpr, MANTISSA: tl.constexpr, BIAS: tl.constexpr, MAX: tl.constexpr,
 ):  # fmt: skip
@@ -29,13 +29,13 @@ def _round(  # type: ignore[no-untyped-def]
 
 
 @triton.jit
-def _decode(codes_ptr, out_ptr, MANTISSA: tl.constexpr, BIAS: tl.constexpr):  # type: ignore[no-untyped-def]
+def _decode(codes_ptr, out_ptr, MANTISSA: tl.constexpr, BIAS: tl.constexpr):
     i = tl.arange(0, 256)
     tl.store(out_ptr + i, fp8.decode(tl.load(codes_ptr + i), MANTISSA, BIAS))
 
 
 @triton.jit
-def _bf16(x_ptr, out_ptr, N: tl.constexpr):  # type: ignore[no-untyped-def]
+def _bf16(x_ptr, out_ptr, N: tl.constexpr):
     i = tl.arange(0, N)
     tl.store(out_ptr + i, fp8.round_bf16(tl.load(x_ptr + i)))
 
