@@ -38,10 +38,11 @@ def attention_reads(policy: str, group: Attention) -> dict[str, str]:
     return {f"attention_core.{g}": _READ_LABELS[reads[g]].format(x) for g, x in READ_OPERANDS.items()}
 
 
-def attention_core_label(attention: Attention, precision: Precision) -> str:
-    """readback's attention op, on the Triton kernel where ``attention.kernel`` runs it, with
-    ``attention.recipe`` where it gives it its own recipe."""
-    kernel = " on readback.kernels (Triton)" if attention.kernel_to_run(precision) == "triton" else ""
+def attention_core_label(attention: Attention, precision: Precision, on_cuda: bool | None = None) -> str:
+    """readback's attention op, on the Triton kernel where ``attention.kernel`` runs it (on CUDA
+    where ``on_cuda``; None: as on this machine), with ``attention.recipe`` where it gives it its
+    own recipe."""
+    kernel = " on readback.kernels (Triton)" if attention.kernel_to_run(precision, on_cuda) == "triton" else ""
     own = f" (attention.recipe={attention.recipe})" if attention.recipe else ""
     return READBACK_SITES["attention_core"] + kernel + own
 

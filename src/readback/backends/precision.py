@@ -259,13 +259,15 @@ class Attention(Checked):
             return "the triton kernel runs per-tensor scaling only: set attention.recipe under a block recipe"
         return None
 
-    def kernel_to_run(self, precision: Precision) -> str:
-        """``kernel`` as a run on this machine's GPU, or CPU, resolves it: ``auto`` is triton on
-        CUDA where the kernel runs these settings, else ops (the op decides by its tensors' device)."""
+    def kernel_to_run(self, precision: Precision, on_cuda: bool | None = None) -> str:
+        """``kernel`` as a run resolves it on CUDA (``on_cuda``; None: where this machine has CUDA
+        and triton): ``auto`` is triton there where the kernel runs these settings, else ops (the
+        op decides by its tensors' device)."""
         if self.kernel != "auto":
             return self.kernel
-        runs = self.kernel_cannot_run(precision) is None and attention_triton.cannot_run_here() is None
-        return "triton" if runs and torch.cuda.is_available() else "ops"
+        if on_cuda is None:
+            on_cuda = torch.cuda.is_available() and attention_triton.cannot_run_here() is None
+        return "triton" if on_cuda and self.kernel_cannot_run(precision) is None else "ops"
 
     def scaling_recipe(self, p: Fp8Precision) -> ScalingRecipe | None:
         """The core's own recipe object (None without ``recipe``): its class with the fields of the
