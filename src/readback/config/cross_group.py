@@ -11,6 +11,7 @@ from collections.abc import Mapping
 from readback.backends.precision import Fp8Precision, amax_spike_of, spec_of, underflow_words
 from readback.errors import ConfigError, require
 from readback.numerics import RECIPES, BlockScalingRecipe, DelayedScaling
+from readback.ops import attention_triton
 from readback.train.settings import Config
 
 FP8_ALIGNMENT = 16  # FP8 GEMMs need every dimension divisible by 16
@@ -33,6 +34,13 @@ def check_between_groups(cfg: Config) -> None:
         f"null (the data's) or an integer >= data.vocab_size={cfg.data.vocab_size}",
     )
     cfg.attention.check_against(cfg.precision, cfg.policy)
+    head_dim = m.d_model // m.n_heads
+    require(
+        cfg.attention.kernel != "triton" or attention_triton.runs_head_dim(head_dim),
+        "attention.kernel",
+        cfg.attention.kernel,
+        f"ops (the triton kernel's tiles need a power-of-two head dim of 16 or more; model head_dim is {head_dim})",
+    )
     if isinstance(cfg.precision, Fp8Precision):
         _check_fp8(cfg, cfg.precision)
 

@@ -117,7 +117,7 @@ class _Attention(torch.autograd.Function):
         reads = numerics.spec.reads["attention"]
         need = {n for gradient, mode in reads.items() for n in _NEEDS[gradient][mode]}
         row_stats: tuple[torch.Tensor, torch.Tensor] | tuple[None, None] = (None, None)
-        fctx.triton = attention_triton.runs(numerics, name, q.device)
+        fctx.triton = attention_triton.runs(numerics, name, q)
         if fctx.triton:
             blocks, row_stats = attention_triton.forward(
                 numerics, name, qq, k_groups, v_groups, softmax_scale, "lse" in need

@@ -36,13 +36,21 @@ def cannot_run_here() -> str | None:
     return None
 
 
-def runs(numerics: Numerics, name: str, device: torch.device) -> bool:
-    """Whether the core ``name`` runs on the kernel: ``attention.kernel`` triton, or auto on CUDA
-    where triton imports and the kernel runs the spec (``unsupported``)."""
+def runs_head_dim(dim: int) -> bool:
+    """Whether the kernel's tiles take head dim ``dim``: a power of two (a tile's width), 16 or more
+    (a GPU's smallest dot)."""
+    return dim >= 16 and dim & (dim - 1) == 0
+
+
+def runs(numerics: Numerics, name: str, q: torch.Tensor) -> bool:
+    """Whether the core ``name`` of queries ``q`` runs on the kernel: ``attention.kernel`` triton,
+    or auto on CUDA where triton imports and the kernel runs the spec (``unsupported``) and the
+    head dim."""
     kernel = numerics.spec.attention_kernel
     if kernel != "auto":
         return kernel == "triton"
-    return device.type == "cuda" and cannot_run_here() is None and unsupported(numerics, name) is None
+    runnable = cannot_run_here() is None and runs_head_dim(q.shape[-1])
+    return q.device.type == "cuda" and runnable and unsupported(numerics, name) is None
 
 
 def unsupported(numerics: Numerics, name: str) -> str | None:

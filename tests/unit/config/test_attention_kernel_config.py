@@ -27,7 +27,7 @@ def test_auto_runs_the_ops_core_on_a_cpu(monkeypatch):
     assert cfg.attention.kernel == "auto"
     numerics = Numerics(spec_of(cfg.precision, cfg.policy, cfg.attention))
     assert numerics.spec.attention_kernel == "auto"
-    assert not attention_triton.runs(numerics, "layers.0.attn.core", torch.device("cpu"))
+    assert not attention_triton.runs(numerics, "layers.0.attn.core", torch.zeros(1, 2, 16, 64))
     assert site_implementations(cfg)["attention_core"] == "readback.ops.attention"
 
 
@@ -44,6 +44,7 @@ def test_triton_under_the_interpreter_is_the_spec_s_and_the_summary_s(monkeypatc
         (("+experiment=reuse_rounded_bf16_bwd",), "bwd_precision=fp8 with bwd_reads=forward"),
         (("+experiment=bf16_baseline",), "precision=fp8 only"),
         (("+experiment=reuse_rounded", "attention.round_grad_scores=false"), "no part set apart"),
+        (("+experiment=reuse_rounded", "model.d_model=96", "model.n_heads=2"), "model head_dim is 48"),
     ],
 )
 def test_settings_the_kernel_does_not_run_are_refused(monkeypatch, overrides, reason):
