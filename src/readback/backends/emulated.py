@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 
+from readback.backends.attention_kernel import kernel_to_run
 from readback.backends.precision import Attention, Precision, fp8_settings
 from readback.backends.settings import ModelSettings
 from readback.numerics.spec import GEMMS, in_bf16_layers, resolve_accumulation
@@ -42,7 +43,7 @@ def attention_core_label(attention: Attention, precision: Precision, on_cuda: bo
     """readback's attention op, on the Triton kernel where ``attention.kernel`` runs it (on CUDA
     where ``on_cuda``; None: as on this machine), with ``attention.recipe`` where it gives it its
     own recipe."""
-    kernel = " on readback.kernels (Triton)" if attention.kernel_to_run(precision, on_cuda) == "triton" else ""
+    kernel = " on readback.kernels (Triton)" if kernel_to_run(attention, precision, on_cuda) == "triton" else ""
     own = f" (attention.recipe={attention.recipe})" if attention.recipe else ""
     return READBACK_SITES["attention_core"] + kernel + own
 

@@ -13,8 +13,6 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-import torch
-
 from readback.errors import ConfigError, require
 from readback.fields import Checked, integer, items, number, one_of
 from readback.numerics import (
@@ -22,7 +20,6 @@ from readback.numerics import (
     BACKWARD_OVERRIDES,
     RECIPES,
     ROUNDINGS,
-    CurrentScaling,
     DelayedScaling,
     Float8BlockScaling,
     Format,
@@ -44,7 +41,7 @@ from readback.numerics.spec import (
     resolve_accumulation,
 )
 from readback.numerics.spike import AmaxSpike
-from readback.ops import attention_triton, numerics_spec
+from readback.ops import numerics_spec
 from readback.ops.attention import READS
 
 # The recipe fields' defaults: Transformer Engine's default recipe, as numerics.scaling declares
@@ -235,9 +232,6 @@ class Attention(Checked):
         require(
             in_d is None or not no_o, self.key("round_grad_output_in_d"), in_d, f"null: policy={policy}'s D reads no O"
         )
-        if self.kernel == "triton":
-            reason = self.kernel_cannot_run(precision) or attention_triton.cannot_run_here()
-            require(reason is None, self.key("kernel"), self.kernel, f"ops ({reason})")
         if self.bwd_reads == "forward":
             return
         why = (
@@ -247,27 +241,6 @@ class Attention(Checked):
         )
         reason = next((text for bad, text in why if bad), None)
         require(reason is None, self.key("bwd_reads"), self.bwd_reads, f"forward ({reason})")
-
-    def kernel_cannot_run(self, precision: Precision) -> str | None:
-        """What in these settings the Triton kernel does not run (``ops.attention_triton``), or None."""
-        p = fp8_settings(precision)
-        if p is None:
-            return "the triton kernel runs precision=fp8 only"
-        if self.bwd_precision != "fp8" or self.bwd_reads != "forward" or self.parts_set_apart():
-            return "the triton kernel runs bwd_precision=fp8 with bwd_reads=forward and no part set apart only"
-        if self.recipe is None and not isinstance(p.scaling_recipe(), DelayedScaling | CurrentScaling):
-            return "the triton kernel runs per-tensor scaling only: set attention.recipe under a block recipe"
-        return None
-
-    def kernel_to_run(self, precision: Precision, on_cuda: bool | None = None) -> str:
-        """``kernel`` as a run resolves it on CUDA (``on_cuda``; None: where this machine has CUDA
-        and triton): ``auto`` is triton there where the kernel runs these settings, else ops (the
-        op decides by its tensors' device)."""
-        if self.kernel != "auto":
-            return self.kernel
-        if on_cuda is None:
-            on_cuda = torch.cuda.is_available() and attention_triton.cannot_run_here() is None
-        return "triton" if on_cuda and self.kernel_cannot_run(precision) is None else "ops"
 
     def scaling_recipe(self, p: Fp8Precision) -> ScalingRecipe | None:
         """The core's own recipe object (None without ``recipe``): its class with the fields of the

@@ -58,8 +58,7 @@ GRADIENT_SITES = ("grad_output", "grad_scores")  # rounded in the recipe's backw
 #   dP = dO V^T reads V, dQ = c dS K reads K, dK = c dS^T Q reads Q (the QK^T and PV operands).
 READ_OPERANDS = {"D": "O", "dQ": "K", "dK": "Q", "dV": "P", "dP": "V", "dS": "P"}
 QKV_READERS, P_READERS = ("dQ", "dK", "dP"), ("dV", "dS")  # attention.bwd_qkv's and bwd_probs's gradients
-# which copy of it each gradient but D reads under every policy
-_CORRECT = {"dV": "rounded", "dS": "original", "dP": "rounded", "dQ": "rounded", "dK": "rounded"}
+_CORRECT = parts.FORWARD_READS  # which copy of it each gradient but D reads under every policy
 READS = frozen_reads(
     {
         "reuse_rounded": {**_CORRECT, "D": "rounded"},  # the O8 saved for the projection's wgrad

@@ -53,20 +53,31 @@ def runs(numerics: Numerics, name: str, q: torch.Tensor) -> bool:
     return q.device.type == "cuda" and runnable and unsupported(numerics, name) is None
 
 
-def unsupported(numerics: Numerics, name: str) -> str | None:
-    """Why the kernel cannot run this core as ``numerics`` rounds it, or None when it can."""
-    spec = numerics.spec
-    if spec.precision != "fp8":
-        return "precision=fp8 only"
-    if spec.attention_bwd_precision != "fp8" or spec.attention_bwd_reads != "forward":
-        return "attention.bwd_precision=fp8 with bwd_reads=forward only"
-    if spec.attention_bwd_rounds or spec.attention_bwd_qkv or spec.attention_bwd_probs:
-        return "the backward's parts as its flavour sets them only (no bwd_qkv, bwd_probs or rounding set apart)"
-    for site in ("q", "k", "v", "probs"):
-        s = numerics.site(f"{name}.{site}")
-        if s.fmt is not E4M3 or not isinstance(s.state, DelayedScalingState | CurrentScalingState):
-            return f"per-tensor E4M3 scaling only (not at {name}.{site})"
+def settings_refused(fp8: bool, bwd_precision: str, bwd_reads: str, parts_apart: bool, per_tensor: bool) -> str | None:
+    """What of a run's settings the kernel does not run, or None: the one rule of the config's
+    check (``backends.precision.Attention``) and of the op's (``unsupported``)."""
+    if not fp8:
+        return "the triton kernel runs precision=fp8 only"
+    if bwd_precision != "fp8" or bwd_reads != "forward" or parts_apart:
+        return "the triton kernel runs bwd_precision=fp8 with bwd_reads=forward and no part set apart only"
+    if not per_tensor:
+        return "the triton kernel runs per-tensor scaling only: set attention.recipe under a block recipe"
     return None
+
+
+def unsupported(numerics: Numerics, name: str) -> str | None:
+    """Why the kernel cannot run core ``name`` as ``numerics`` rounds it (a bias-meter variant's
+    spec too: its reads), or None when it can."""
+    spec = numerics.spec
+    fp8 = spec.precision == "fp8"
+    sites = [numerics.site(f"{name}.{site}") for site in ("q", "k", "v", "probs")] if fp8 else []
+    per_tensor = all(s.fmt is E4M3 and isinstance(s.state, DelayedScalingState | CurrentScalingState) for s in sites)
+    parts_apart = bool(spec.attention_bwd_rounds or spec.attention_bwd_qkv or spec.attention_bwd_probs)
+    why = settings_refused(fp8, spec.attention_bwd_precision, spec.attention_bwd_reads, parts_apart, per_tensor)
+    reads = spec.reads["attention"]
+    if why is None and any(reads[g] != mode for g, mode in parts.FORWARD_READS.items()):
+        return "the triton kernel reads the forward's operands only (Q8, K8, V8, P8; P for dS)"
+    return why
 
 
 def forward(
@@ -78,7 +89,7 @@ def forward(
 
     why = unsupported(numerics, name)
     if why is not None:
-        raise ValueError(f"attention.kernel=triton runs {why}; attention.kernel=ops runs the rest")
+        raise ValueError(f"attention.kernel=triton: {why}; attention.kernel=ops runs this")
     batch, heads, seq, _ = qq.data.shape
     site = numerics.site(f"{name}.probs")
     amax = torch.ones((), device=qq.data.device)  # causal P's largest element: P[0, 0] = 1 (query 0 sees key 0)

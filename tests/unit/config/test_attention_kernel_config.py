@@ -45,6 +45,7 @@ def test_triton_under_the_interpreter_is_the_spec_s_and_the_summary_s(monkeypatc
         (("+experiment=bf16_baseline",), "precision=fp8 only"),
         (("+experiment=reuse_rounded", "attention.round_grad_scores=false"), "no part set apart"),
         (("+experiment=reuse_rounded", "model.d_model=96", "model.n_heads=2"), "model head_dim is 48"),
+        (("+experiment=reuse_rounded", "probe.bias_every=10"), "the bias meter's variants"),
     ],
 )
 def test_settings_the_kernel_does_not_run_are_refused(monkeypatch, overrides, reason):
