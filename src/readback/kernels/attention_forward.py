@@ -131,11 +131,6 @@ class Forward:
     scores: torch.Tensor | None
     probs: torch.Tensor | None
 
-    @property
-    def lse(self) -> torch.Tensor:
-        """``log sum_j exp(S_ij)`` per row (B, H, T)."""
-        return self.row_max + torch.log(self.row_sum)
-
 
 def forward(
     q8: torch.Tensor,

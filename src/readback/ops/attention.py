@@ -118,9 +118,7 @@ class _Attention(torch.autograd.Function):
         row_stats: tuple[torch.Tensor, torch.Tensor] | tuple[None, None] = (None, None)
         fctx.triton = attention_triton.runs(numerics, name, q)
         if fctx.triton:
-            blocks, row_stats = attention_triton.forward(
-                numerics, name, qq, k_groups, v_groups, softmax_scale, "lse" in need
-            )
+            blocks, row_stats = attention_triton.forward(numerics, name, qq, k_groups, v_groups, softmax_scale)
         else:
             blocks = attention_forward.forward(
                 numerics, name, qq, k_groups, v_groups, softmax_scale, gemm, "lse" in need

@@ -81,7 +81,7 @@ def unsupported(numerics: Numerics, name: str) -> str | None:
 
 
 def forward(
-    numerics: Numerics, name: str, qq: QTensor, kq: QTensor, vq: QTensor, softmax_scale: float, lse: bool
+    numerics: Numerics, name: str, qq: QTensor, kq: QTensor, vq: QTensor, softmax_scale: float
 ) -> tuple[Forward, tuple[torch.Tensor, torch.Tensor]]:
     """``attention_forward.forward`` on the kernel, and each row's softmax statistics (row max,
     row sum), from which the backward recomputes P."""
@@ -100,7 +100,7 @@ def forward(
     result = kernel.forward(qq.data, kq.data, vq.data, scales, softmax_scale, start, taping)
     site.count(*result.counts)
     probs = None if result.probs is None else QTensor(result.probs, p_scale, site.fmt)
-    blocks = Forward(result.out, p_scale, start, result.lse if lse else None, result.scores, probs)
+    blocks = Forward(result.out, p_scale, start, None, result.scores, probs)  # no LSE: bwd_reads=te runs on the ops
     return blocks, (result.row_max, result.row_sum)
 
 
