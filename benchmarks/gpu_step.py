@@ -38,14 +38,21 @@ CASES = {
     "te_fp8": ("reuse_rounded", "te", ()),  # DelayedScaling(fp8_dpa=True): TE's FP8 attention
     "emulated_bf16": ("bf16_baseline", "emulated", ()),
     **{f"emulated_{policy}": ("reuse_rounded", "emulated", (f"policy={policy}",)) for policy in POLICIES},
+    # the emulated cases' attention runs on the Triton kernel on CUDA (attention.kernel=auto); this on the ops
+    "emulated_reuse_rounded_ops": ("reuse_rounded", "emulated", ("attention.kernel=ops",)),
 }
 DESCRIPTIONS = {
     "te_bf16": "TE modules, no FP8",
     "te_fp8": "TE delayed scaling, fp8_dpa",
     "emulated_bf16": "readback's ops, no FP8",
+    "emulated_reuse_rounded_ops": "reuse_rounded, attention on readback's ops",
 }
 # FP8 case -> the BF16 case of its backend, which its speed and memory are compared with
-BASELINES = {"te_fp8": "te_bf16", **{f"emulated_{policy}": "emulated_bf16" for policy in POLICIES}}
+BASELINES = {
+    "te_fp8": "te_bf16",
+    **{f"emulated_{policy}": "emulated_bf16" for policy in POLICIES},
+    "emulated_reuse_rounded_ops": "emulated_bf16",
+}
 
 
 def _peak(device_name: str, override_tflops: float | None) -> float | None:

@@ -48,6 +48,7 @@ ON_THE_MACHINE = {
     "yaml": "PyYAML, a requirement of transformers",
     "packaging": "a requirement of pytest and of transformers",
     "filelock": "a requirement of torch",
+    "triton": "a requirement of torch's CUDA build",
 }
 TARGET = ("--python-version", "3.12", "--implementation", "cp", "--platform", "manylinux2014_x86_64")
 TARGET += ("--platform", "manylinux_2_17_x86_64")

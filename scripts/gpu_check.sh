@@ -14,8 +14,15 @@
 #   policy_runs     scripts/gpu_policy_runs.py: every policy and BF16, 20 steps of a head-dim-128 FOG
 #                   through train.py on CUDA (completed, every loss finite)
 #   audit           python -m readback.audit: the read-rule audit of single ops
+#   kernel_tests    tests/unit/backends/test_gpu_kernel.py: the Triton attention core on CUDA against the ops core
+#                   on the CPU (codes, counts, O and gradients within the interpreter tests' bounds)
+#   kernel_benchmark  benchmarks/attention_kernel.py: the FP8 core's forward + backward on the Triton kernel and
+#                   on the ops against SDPA in BF16 (flash), ms and peak memory at T 4,096, head dim 128
 #   benchmark       benchmarks/gpu_step.py: fog_390m, emulated FP8 against BF16, tokens/s, MFU, peak memory
-#                   at sequence 1024 (micro-batch 8) and 4096 (micro-batch 2)
+#                   at sequence 1024 (micro-batch 8) and 4096 (micro-batch 2); its attention runs on the
+#                   Triton kernel (attention.kernel=auto)
+#   kernel_step     benchmarks/gpu_step.py: reuse_rounded with attention.kernel=ops at sequence 4096, the step
+#                   the benchmark's reuse_rounded (the Triton core) is compared with
 #   te_tests        tests/unit/backends/test_te_backend.py -m gpu, with NVTE_DEBUG=1 NVTE_DEBUG_LEVEL=2 (TE logs
 #                   why it disables a backend)                                  [needs Transformer Engine]
 #   te_benchmark    benchmarks/gpu_step.py, the TE cases (BF16, FP8 delayed scaling)  [needs Transformer Engine]
@@ -93,8 +100,14 @@ grep -h "^scaled_mm bit-identical" "$LOGS/emulated_tests.log" "$LOGS/accumulatio
   | tee -a "$LOGS/summary.txt"
 part policy_runs 100 "$PY" scripts/gpu_policy_runs.py --out "$LOGS/policy_runs"
 part audit 40 "$PY" -m readback.audit
+part kernel_tests 90 "${PYTEST[@]}" tests/unit/backends/test_gpu_kernel.py
+part kernel_benchmark 60 "$PY" benchmarks/attention_kernel.py --seq 4096 --json "$LOGS/attention_kernel.json"
+grep -h "^attention at seq " "$LOGS/kernel_benchmark.log" 2>/dev/null | tee -a "$LOGS/summary.txt"
 part benchmark 220 "${BENCH[@]}" --cases emulated_bf16 emulated_reuse_rounded --json "$LOGS/gpu_step.json"
 grep -hE "^emulated_.* at seq " "$LOGS/benchmark.log" 2>/dev/null | tee -a "$LOGS/summary.txt"
+part kernel_step 70 "$PY" benchmarks/gpu_step.py --seq 4096 --micro-batch 2 --steps 300 --max-seconds 12 \
+  --case-timeout 60 --cases emulated_reuse_rounded_ops --json "$LOGS/gpu_step_ops.json"
+grep -hE "^emulated_.* at seq " "$LOGS/kernel_step.log" 2>/dev/null | tee -a "$LOGS/summary.txt"
 part te_tests 110 env NVTE_DEBUG=1 NVTE_DEBUG_LEVEL=2 "${PYTEST[@]}" -s -m gpu tests/unit/backends/test_te_backend.py
 grep -hoE "Disabling [^.]*|Selected backend = [A-Za-z]+" "$LOGS/te_tests.log" 2>/dev/null | sort | uniq -c \
   | sort -rn | head -n 12 | tee "$LOGS/te_backend_reasons.txt"

@@ -34,6 +34,7 @@ MODULES = {
     "antlr4": "antlr4-python3-runtime",
     "pytest": "pytest",
     "hypothesis": "hypothesis",
+    "triton": "triton",
     "transformer_engine": "Transformer Engine (transformer_engine)",
 }
 READBACK = ("numpy", "filelock")  # what readback's modules on the parts' paths import
@@ -57,7 +58,10 @@ PARTS = (
     Part("accumulation", "fp8", TESTS),
     Part("policy_runs", "cuda", CONFIG),
     Part("audit", "none", READBACK),
+    Part("kernel_tests", "cuda", (*TESTS, "triton")),
+    Part("kernel_benchmark", "cuda", (*READBACK, "triton")),
     Part("benchmark", "fp8", CONFIG),
+    Part("kernel_step", "fp8", (*CONFIG, "triton")),
     Part("te_tests", "fp8", (*TESTS, TE)),
     Part("te_benchmark", "fp8", (*CONFIG, TE)),
 )

@@ -76,21 +76,23 @@ def test_without_te_it_runs_the_other_parts_and_names_the_ones_that_did_not_run(
     summary = (tmp_path / "out" / "summary.txt").read_text().splitlines()
     assert result.returncode == 0, result.stdout
     assert [line.split(":")[0] for line in summary[:-1]] == [p.name for p in gpu_env.PARTS]
-    for name in ("first_steps", "emulated_tests", "accumulation", "policy_runs", "audit", "benchmark"):
+    ran = ("first_steps", "emulated_tests", "accumulation", "policy_runs", "audit", "kernel_tests", "kernel_benchmark")
+    for name in (*ran, "benchmark", "kernel_step"):
         assert (tmp_path / "out" / f"{name}.log").read_text().startswith("ran "), name
     assert "te_tests: not run: Transformer Engine (transformer_engine)" in summary
     assert summary[-1].endswith(
-        ": 6 part(s) ran, 0 failed; not run: te_tests (Transformer Engine (transformer_engine)); "
+        ": 9 part(s) ran, 0 failed; not run: te_tests (Transformer Engine (transformer_engine)); "
         "te_benchmark (Transformer Engine (transformer_engine))"
     )
     assert not (tmp_path / "out" / "te_tests.log").exists()
     assert "--seq 1024 4096 --micro-batch 8 2" in (tmp_path / "out" / "benchmark.log").read_text()
+    assert "--cases emulated_reuse_rounded_ops" in (tmp_path / "out" / "kernel_step.log").read_text()
 
 
 def test_the_exit_code_counts_the_failed_parts(tmp_path, fake_python):
     result = _check(tmp_path, fake_python, FAKE_PLAN=_plan(tmp_path, TE_MISSING), FAKE_FAIL="readback.audit")
     summary = (tmp_path / "out" / "summary.txt").read_text()
-    assert result.returncode == 1 and "audit: FAILED rc=1" in summary and "6 part(s) ran, 1 failed" in summary
+    assert result.returncode == 1 and "audit: FAILED rc=1" in summary and "9 part(s) ran, 1 failed" in summary
 
 
 def test_failed_first_steps_stop_the_check_before_the_long_parts(tmp_path, fake_python):

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 
-from readback.backends.precision import Attention, fp8_settings
+from readback.backends.attention_kernel import kernel_to_run
+from readback.backends.precision import Attention, Precision, fp8_settings
 from readback.backends.settings import ModelSettings
 from readback.numerics.spec import GEMMS, in_bf16_layers, resolve_accumulation
 from readback.ops import read_rules
@@ -38,9 +39,13 @@ def attention_reads(policy: str, group: Attention) -> dict[str, str]:
     return {f"attention_core.{g}": _READ_LABELS[reads[g]].format(x) for g, x in READ_OPERANDS.items()}
 
 
-def attention_core_label(own_recipe: str | None) -> str:
-    """readback's attention op, with ``attention.recipe`` where it gives it its own recipe."""
-    return READBACK_SITES["attention_core"] + (f" (attention.recipe={own_recipe})" if own_recipe else "")
+def attention_core_label(attention: Attention, precision: Precision, on_cuda: bool | None = None) -> str:
+    """readback's attention op, on the Triton kernel where ``attention.kernel`` runs it (on CUDA
+    where ``on_cuda``; None: as on this machine), with ``attention.recipe`` where it gives it its
+    own recipe."""
+    kernel = " on readback.kernels (Triton)" if kernel_to_run(attention, precision, on_cuda) == "triton" else ""
+    own = f" (attention.recipe={attention.recipe})" if attention.recipe else ""
+    return READBACK_SITES["attention_core"] + kernel + own
 
 
 def lm_head_in_bf16(fp8: bool, bf16_layers: Sequence[str]) -> bool:
@@ -55,7 +60,7 @@ def site_implementations(cfg: ModelSettings) -> dict[str, str]:
     tied = " (tied embedding)" if cfg.model.tied else ""
     return {
         **READBACK_SITES,
-        "attention_core": attention_core_label(cfg.attention.recipe),
+        "attention_core": attention_core_label(cfg.attention, cfg.precision),
         "lm_head": READBACK_SITES["lm_head"] + tied + (" in BF16" if head_bf16 else ""),
         **attention_reads(cfg.policy, cfg.attention),
         **({} if p is None else accumulations(p.accumulation, p.accumulation_gemms)),

@@ -34,6 +34,7 @@ from readback.numerics.spec import (
     ATTENTION_BWD_PROBS,
     ATTENTION_BWD_QKV,
     ATTENTION_BWD_READS,
+    ATTENTION_KERNELS,
     ATTENTION_RECIPES,
     PRECISIONS,
     NumericsSpec,
@@ -210,6 +211,9 @@ class Attention(Checked):
     round_grad_output: bool | None = None
     round_grad_scores: bool | None = None
     round_grad_output_in_d: bool | None = None
+    # the core that runs it: ops (PyTorch, tiled in Python) | triton (readback.kernels) | auto
+    # (triton where it runs, on CUDA with triton installed, and runs these settings; else ops)
+    kernel: str = one_of(ATTENTION_KERNELS, default="auto")
 
     def parts_set_apart(self) -> dict[str, Any]:
         """The parts of the backward set apart from its flavour and precision (keys not null)."""
@@ -277,6 +281,7 @@ def spec_of(precision: Precision, policy: str, attention: Attention) -> Numerics
             attention_bwd_precision=attention.bwd_precision,
             attention_bwd_reads=attention.bwd_reads,
             bf16_gemm=precision.bf16_gemm,
+            attention_kernel=attention.kernel,
         )
     return numerics_spec(
         precision=p.name,
@@ -297,4 +302,5 @@ def spec_of(precision: Precision, policy: str, attention: Attention) -> Numerics
         accumulation_gemms=dict(p.accumulation_gemms or {}),
         bf16_gemm=p.bf16_gemm,
         amax_spike=amax_spike_of(p.amax_spike),
+        attention_kernel=attention.kernel,
     )

@@ -8,9 +8,11 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
+from readback.backends.attention_kernel import kernel_cannot_run
 from readback.backends.precision import Fp8Precision, amax_spike_of, spec_of, underflow_words
 from readback.errors import ConfigError, require
 from readback.numerics import RECIPES, BlockScalingRecipe, DelayedScaling
+from readback.ops import attention_triton
 from readback.train.settings import Config
 
 FP8_ALIGNMENT = 16  # FP8 GEMMs need every dimension divisible by 16
@@ -33,8 +35,30 @@ def check_between_groups(cfg: Config) -> None:
         f"null (the data's) or an integer >= data.vocab_size={cfg.data.vocab_size}",
     )
     cfg.attention.check_against(cfg.precision, cfg.policy)
+    if cfg.attention.kernel == "triton":
+        _check_triton(cfg)
     if isinstance(cfg.precision, Fp8Precision):
         _check_fp8(cfg, cfg.precision)
+
+
+def _check_triton(cfg: Config) -> None:
+    """``attention.kernel=triton`` where the kernel runs: on CUDA or in the interpreter, under
+    settings, a head dim and instruments that it runs."""
+    reason = kernel_cannot_run(cfg.attention, cfg.precision) or attention_triton.cannot_run_here()
+    require(reason is None, "attention.kernel", cfg.attention.kernel, f"ops ({reason})")
+    head_dim = cfg.model.d_model // cfg.model.n_heads
+    require(
+        attention_triton.runs_head_dim(head_dim),
+        "attention.kernel",
+        cfg.attention.kernel,
+        f"ops (the triton kernel's tiles need a power-of-two head dim of 16 or more; model head_dim is {head_dim})",
+    )
+    require(
+        not cfg.probe.bias_every,
+        "attention.kernel",
+        cfg.attention.kernel,
+        "ops (with probe.bias_every: the bias meter's variants run FP32 attention backwards, not the kernel's)",
+    )
 
 
 def _check_fp8(cfg: Config, p: Fp8Precision) -> None:

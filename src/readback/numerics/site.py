@@ -122,11 +122,8 @@ class Site:
             return round_bf16(x)
         amax = abs_max(x) if amax is None else amax
         self._follow(x.device)
-        if scale is None:  # the site margin divides the scale like the recipe's margin (2**-k)
-            scale = self.state.scale_for(x, amax)
-            if self.margin:
-                scale = scale * 2.0**-self.margin
-            self.unusable.add_(~((scale >= FP32.tiny) & (scale <= FP32.max)))  # NaN fails both
+        if scale is None:
+            scale = self.scale_for(x, amax)
         generator: RandomSource = None
         if rounding == "stochastic":
             generator = draws if draws is not None else self.streams.state(self.name, stream, x.device)
@@ -138,6 +135,23 @@ class Site:
         if count:
             self._count_underflow(x, q, nearest=rounding == "nearest")
         return q
+
+    def scale_for(self, x: torch.Tensor, amax: torch.Tensor) -> torch.Tensor:
+        """The site's scale for ``x`` of amax ``amax`` (which joins a delayed scale's step), the
+        site margin dividing it like the recipe's margin (2**-k); an unusable scale is counted."""
+        self._follow(x.device)
+        scale = self.state.scale_for(x, amax)
+        if self.margin:
+            scale = scale * 2.0**-self.margin
+        self.unusable.add_(~((scale >= FP32.tiny) & (scale <= FP32.max)))  # NaN fails both
+        return scale
+
+    def count(self, saturated: torch.Tensor, underflowed: torch.Tensor, nonzero: torch.Tensor) -> None:
+        """Add a rounding's counts taken elsewhere (a kernel's): as ``quantize`` counts its own."""
+        self._follow(saturated.device)
+        self.saturated.add_(saturated)
+        self.underflowed.add_(underflowed)
+        self.nonzero.add_(nonzero)
 
     def claim(self, rows: int, device: torch.device, stream: str = "forward") -> torch.Tensor:
         """The start of keyed draws over ``rows`` rows of this site's ``stream`` on ``device``

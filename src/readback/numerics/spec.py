@@ -27,7 +27,11 @@ ATTENTION_BWD_READS = ("forward", "te")
 # a setting of its own too: what dQ, dK, dP read of Q, K, V (bwd_qkv); what dV, dS read of P
 # (bwd_probs); and which gradients the backward rounds to its FP8 format before their GEMMs.
 ATTENTION_BWD_QKV = ("forward", "original")  # forward: what the FP8 forward multiplied (Q8, K8, V8)
-ATTENTION_BWD_PROBS = ("forward", "rebuilt")  # forward: the forward's P8 (dV) and P (dS)
+ATTENTION_BWD_PROBS = ("forward", "rebuilt")
+# attention.kernel: readback's ops (PyTorch, tiled by a Python loop), one Triton kernel of the same
+# roundings (readback.kernels), or auto: the kernel on CUDA where it runs the spec, else the ops
+# (ops.attention_triton.runs decides, on the tensors' device).
+ATTENTION_KERNELS = ("auto", "ops", "triton")  # forward: the forward's P8 (dV) and P (dS)
 # grad_output_in_d: the dO that D = rowsum(dO * O) reads, apart from the dO of the dV and dP GEMMs
 ATTENTION_BWD_ROUNDED = ("grad_output", "grad_scores", "grad_output_in_d")
 # The sites an attention core rounds at, ``<op>.q``, ... (``ops.attention.SITES``); every model names
@@ -114,7 +118,8 @@ class NumericsSpec:
     ``attention_recipe``: the attention core's own per-tensor recipe (``ATTENTION_RECIPES``;
     ``precision.attention_recipe``, TE's ``NVTE_DPA_FP8_RECIPE``), which its sites
     (``is_attention_site``) take instead of ``recipe``; None: ``recipe``'s (per tensor from their
-    own amax under a block recipe, ``BlockScalingRecipe``)."""
+    own amax under a block recipe, ``BlockScalingRecipe``). ``attention_kernel``: which core
+    runs the attention (``ATTENTION_KERNELS``)."""
 
     precision: str
     recipe: ScalingRecipe | None
@@ -132,6 +137,7 @@ class NumericsSpec:
     attention_bwd_qkv: str | None = None
     attention_bwd_probs: str | None = None
     attention_bwd_rounds: tuple[tuple[str, bool], ...] = ()
+    attention_kernel: str = ATTENTION_KERNELS[0]
 
     def __post_init__(self) -> None:
         if self.precision not in PRECISIONS:
@@ -156,6 +162,7 @@ class NumericsSpec:
             ("attention_bwd_reads", self.attention_bwd_reads, ATTENTION_BWD_READS),
             ("attention_bwd_qkv", self.attention_bwd_qkv, (None, *ATTENTION_BWD_QKV)),
             ("attention_bwd_probs", self.attention_bwd_probs, (None, *ATTENTION_BWD_PROBS)),
+            ("attention_kernel", self.attention_kernel, ATTENTION_KERNELS),
         ):
             if value not in valid:
                 raise ValueError(f"{key}={value!r}; valid: {list(valid)}")
@@ -193,6 +200,7 @@ class NumericsSpec:
             self.attention_bwd_qkv,
             self.attention_bwd_probs,
             self.attention_bwd_rounds,
+            self.attention_kernel,
         )
 
     def read(self, op: str, gradient: str) -> str:

@@ -8,7 +8,7 @@ the frozen ``NumericsSpec`` that ``Numerics(spec, seed=...)`` runs.
 
 from readback.numerics import DelayedScaling, ScalingRecipe
 from readback.numerics.gemm import BF16_GEMMS
-from readback.numerics.spec import ATTENTION_BWD_READS, NumericsSpec, resolve_accumulation
+from readback.numerics.spec import ATTENTION_BWD_READS, ATTENTION_KERNELS, NumericsSpec, resolve_accumulation
 from readback.numerics.spike import AmaxSpike
 from readback.ops import activation, attention, linear, norm
 
@@ -65,6 +65,7 @@ def numerics_spec(
     accumulation_gemms: dict[str, str] | None = None,
     bf16_gemm: str = BF16_GEMMS[0],
     amax_spike: AmaxSpike | None = None,
+    attention_kernel: str = ATTENTION_KERNELS[0],
 ) -> NumericsSpec:
     """The spec of a run, each argument the config key of the same name (``policy``,
     ``attention.bwd_precision`` as ``attention_bwd_precision``, ...): ``policy``'s reads resolved
@@ -75,8 +76,8 @@ def numerics_spec(
     the policy's reads, and ``attention_bwd_qkv``, ``attention_bwd_probs`` a part of it each;
     ``attention_round_grad_output`` and ``_scores``, None, follow the backward's precision, and
     ``attention_round_grad_output_in_d`` (the dO that D reads), None, ``attention_round_grad_output``;
-    ``attention_recipe``, the attention core's own per-tensor recipe, is an FP8 run's only). The
-    spec checks its own values."""
+    ``attention_recipe``, the attention core's own per-tensor recipe, is an FP8 run's only;
+    ``attention_kernel`` the core that runs it, ``ops`` or ``triton``). The spec checks its own values."""
     fp8 = precision == "fp8"
     recipe = DelayedScaling() if fp8 and recipe is None else recipe
     return NumericsSpec(
@@ -104,6 +105,7 @@ def numerics_spec(
             )
             if rounds is not None
         ),
+        attention_kernel=attention_kernel,
     )
 
 

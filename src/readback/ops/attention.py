@@ -43,7 +43,7 @@ import torch
 
 from readback.numerics import QTensor, pinned
 from readback.numerics.spec import ATTENTION_BWD_READS, ATTENTION_SITES, frozen_reads
-from readback.ops import attention_backward, attention_forward, mechanism
+from readback.ops import attention_backward, attention_forward, attention_triton, mechanism
 from readback.ops import attention_parts as parts
 from readback.ops.saved import load, save
 
@@ -58,8 +58,7 @@ GRADIENT_SITES = ("grad_output", "grad_scores")  # rounded in the recipe's backw
 #   dP = dO V^T reads V, dQ = c dS K reads K, dK = c dS^T Q reads Q (the QK^T and PV operands).
 READ_OPERANDS = {"D": "O", "dQ": "K", "dK": "Q", "dV": "P", "dP": "V", "dS": "P"}
 QKV_READERS, P_READERS = ("dQ", "dK", "dP"), ("dV", "dS")  # attention.bwd_qkv's and bwd_probs's gradients
-# which copy of it each gradient but D reads under every policy
-_CORRECT = {"dV": "rounded", "dS": "original", "dP": "rounded", "dQ": "rounded", "dK": "rounded"}
+_CORRECT = parts.FORWARD_READS  # which copy of it each gradient but D reads under every policy
 READS = frozen_reads(
     {
         "reuse_rounded": {**_CORRECT, "D": "rounded"},  # the O8 saved for the projection's wgrad
@@ -116,7 +115,14 @@ class _Attention(torch.autograd.Function):
 
         reads = numerics.spec.reads["attention"]
         need = {n for gradient, mode in reads.items() for n in _NEEDS[gradient][mode]}
-        blocks = attention_forward.forward(numerics, name, qq, k_groups, v_groups, softmax_scale, gemm, "lse" in need)
+        row_stats: tuple[torch.Tensor, torch.Tensor] | tuple[None, None] = (None, None)
+        fctx.triton = attention_triton.runs(numerics, name, q)
+        if fctx.triton:
+            blocks, row_stats = attention_triton.forward(numerics, name, qq, k_groups, v_groups, softmax_scale)
+        else:
+            blocks = attention_forward.forward(
+                numerics, name, qq, k_groups, v_groups, softmax_scale, gemm, "lse" in need
+            )
         out = blocks.out
         oq = numerics.site(f"{name}.output").quantize(out, rounding)
         if numerics.mechanism:
@@ -133,6 +139,7 @@ class _Attention(torch.autograd.Function):
         values |= {"p8_scale": blocks.probs_scale.clone(), "p8_draws": blocks.draws}  # not the site's own scale
         values |= {n: t.detach().to(held_dtype) for n, t in (("q", q), ("k", k), ("v", v)) if n in need}
         saved = {n: values[n] if n in need else None for n in _SAVED}
+        saved["row_max"], saved["row_sum"] = row_stats  # the kernel's backward recomputes P from them
         # O8's data is also an output; a compiled graph cannot save an output as is, so it saves a copy.
         save(fctx, oq=oq.map(torch.clone) if torch.compiler.is_compiling() else oq, **saved)
         # output_fp8 is the O8 copy shared with the projection (which does not count it again).
@@ -149,6 +156,8 @@ class _Attention(torch.autograd.Function):
             k_original=saved["k"],
             v_original=saved["v"],
             lse=saved["lse"],
+            row_max=saved["row_max"],
+            row_sum=saved["row_sum"],
         )
         scale = oq.scale.clone()  # not the site's own scale tensor: an output must not alias state
         fctx.mark_non_differentiable(oq.data, scale)
@@ -157,7 +166,8 @@ class _Attention(torch.autograd.Function):
     @staticmethod
     def backward(fctx: Any, d_out: torch.Tensor, _data: Any, _scale: Any) -> tuple[torch.Tensor | None, ...]:
         batch, heads, seq, dim = fctx.shape
-        d_q, d_k, d_v = attention_backward.backward(fctx.numerics, fctx.name, load(fctx), fctx, d_out)
+        core = attention_triton if fctx.triton else attention_backward
+        d_q, d_k, d_v = core.backward(fctx.numerics, fctx.name, load(fctx), fctx, d_out)
         groups = fctx.groups
         d_k = d_k.reshape(batch, groups, heads // groups, seq, dim).sum(2)
         d_v = d_v.reshape(batch, groups, heads // groups, seq, dim).sum(2)

@@ -23,6 +23,8 @@ if TYPE_CHECKING:
     from readback.numerics.site import Site
     from readback.numerics.state import Numerics
 
+# which copy of its operand each gradient but D reads under every policy (``ops.attention.READS``)
+FORWARD_READS = {"dV": "rounded", "dS": "original", "dP": "rounded", "dQ": "rounded", "dK": "rounded"}
 BLOCK_ELEMENTS = 1 << 21  # FP32 elements of a block's scores (B x H x rows x T): 8 MiB
 MIN_ROWS = 64  # query rows of a block at least (GEMMs of fewer rows run slowly)
 

@@ -87,7 +87,7 @@ def test_experiment_maps_to_te_recipe_switches_and_sites(experiment):
         assert plan.sites["attention_core"].startswith("te.DotProductAttention")
         assert plan.sites["attn_proj"].startswith("te.Linear")
     else:
-        assert plan.sites["attention_core"] == "readback.ops.attention"
+        assert plan.sites["attention_core"].startswith("readback.ops.attention")  # on the Triton kernel, or not
         assert plan.sites["attn_proj"].startswith("readback.ops.linear")
     assert plan.sites["lm_head"] == "torch BF16 matmul (tied embedding)"  # the study's BF16 LM head
 
@@ -170,7 +170,7 @@ def test_no_te_switch_means_readback_attention_core(overrides):
     plan = te_plan(config("reuse_rounded", *overrides), TE2)
     assert plan.attention_core == "readback" and plan.env == {}
     assert plan.recipe_kwargs["fp8_dpa"] is False
-    assert plan.sites["attention_core"] == "readback.ops.attention"
+    assert plan.sites["attention_core"].startswith("readback.ops.attention")
 
 
 def test_delayed_recipe_kwargs_come_from_the_precision_group():

@@ -17,7 +17,16 @@ import gpu_bundle
 import gpu_env
 from toys import REPO
 
-NON_TE = ("emulated_tests", "accumulation", "policy_runs", "audit", "benchmark")
+NON_TE = (
+    "emulated_tests",
+    "accumulation",
+    "policy_runs",
+    "audit",
+    "kernel_tests",
+    "kernel_benchmark",
+    "benchmark",
+    "kernel_step",
+)
 TE_PARTS = ("te_tests", "te_benchmark")
 
 
@@ -102,7 +111,7 @@ def test_a_torch_outside_the_supported_range_runs_no_part(machine):
 
 def test_a_missing_wheel_stops_the_parts_that_compose_configs_and_says_where_it_comes_from(machine):
     verdicts = _verdicts(machine(missing=("antlr4", "transformer_engine")))
-    assert verdicts.pop("audit") == "run"
+    assert verdicts.pop("audit") == verdicts.pop("kernel_benchmark") == "run"  # they compose no config
     for name, verdict in verdicts.items():
         assert "antlr4-python3-runtime (its wheel: python scripts/gpu_bundle.py)" in verdict, name
         assert "\n" not in verdict
@@ -110,13 +119,15 @@ def test_a_missing_wheel_stops_the_parts_that_compose_configs_and_says_where_it_
 
 def test_a_missing_test_runner_stops_only_the_test_parts(machine):
     verdicts = _verdicts(machine(missing=("hypothesis",)))
-    assert {name for name, v in verdicts.items() if v != "run"} == {"emulated_tests", "accumulation", "te_tests"}
+    stopped = {"emulated_tests", "accumulation", "kernel_tests", "te_tests"}
+    assert {name for name, v in verdicts.items() if v != "run"} == stopped
     assert verdicts["emulated_tests"] == verdicts["accumulation"] == "not run: hypothesis"
 
 
 def test_a_gpu_without_fp8_runs_the_policy_runs_and_the_audit(machine):
     verdicts = _verdicts(machine(device="NVIDIA A100-SXM4-80GB", capability=(8, 0), missing=("transformer_engine",)))
     assert verdicts["policy_runs"] == verdicts["audit"] == "run"
+    assert verdicts["kernel_tests"] == verdicts["kernel_benchmark"] == "run"  # the kernel multiplies FP32 values
     for name in ("emulated_tests", "accumulation", "benchmark"):
         assert verdicts[name] == "not run: an FP8 GPU (sm89+; NVIDIA A100-SXM4-80GB is sm80)"
 

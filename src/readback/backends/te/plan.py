@@ -126,7 +126,7 @@ def te_plan(cfg: ModelSettings, te_version: str | None = INSTALLED, hardware: Ha
     else:
         env, attention_label, attention_reads = (
             {},
-            attention_core_label(cfg.attention.recipe),
+            attention_core_label(cfg.attention, cfg.precision, on_cuda=True),  # TE runs on CUDA only
             readback_attention_reads(policy, cfg.attention),
         )
 

@@ -98,7 +98,7 @@ def render(compose: Callable[[list[str]], ModelSettings]) -> str:
         cfg = compose([*overrides, "backend=te", *MODEL])
         plan = te_plan(cfg, TE_VERSION, Hardware())
         s = plan.sites
-        core = "`te.DotProductAttention`" if plan.te_attention else "`readback.ops.attention`"
+        core = "`te.DotProductAttention`" if plan.te_attention else f"`{s['attention_core']}`"
         qkv = ", ".join(s[f"attention_core.{g}"] for g in ("dK", "dQ", "dP"))  # Q, K, V
         cells = [
             label,

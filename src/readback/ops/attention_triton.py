@@ -1,0 +1,152 @@
+"""The attention core on the Triton kernel (``attention.kernel=triton``; ``ops.attention`` wires
+it): the sites round Q, K, V, O and dO as under the ops core, the kernel runs the tiles between
+them (``readback.kernels``), with P's and dS's scales and counts taken from and added to their
+sites here.
+
+What it runs: the FP8 forward and the FP8 backward that reads what the forward multiplied
+(``attention.bwd_reads=forward``, dO and dS rounded), under any policy's D read, nearest or
+stochastic rounding, per-tensor delayed or current scaling. ``supports`` says so, and
+``unsupported`` names what it does not run yet (the ops core runs those).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from readback.numerics import E4M3, QTensor
+from readback.numerics.scale_state import CurrentScalingState, DelayedScalingState
+from readback.ops import attention_parts as parts
+from readback.ops.attention_forward import Forward
+
+if TYPE_CHECKING:
+    from readback.numerics.state import Numerics
+
+
+def cannot_run_here() -> str | None:
+    """Why no Triton kernel can run on this machine, or None: it needs triton, and CUDA or
+    Triton's interpreter (``TRITON_INTERPRET=1``, CPU tensors)."""
+    if importlib.util.find_spec("triton") is None:
+        return "triton is not installed"
+    if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
+        return "no CUDA here, and TRITON_INTERPRET=1 is not set"
+    return None
+
+
+def runs_head_dim(dim: int) -> bool:
+    """Whether the kernel's tiles take head dim ``dim``: a power of two (a tile's width), 16 or more
+    (a GPU's smallest dot)."""
+    return dim >= 16 and dim & (dim - 1) == 0
+
+
+def runs(numerics: Numerics, name: str, q: torch.Tensor) -> bool:
+    """Whether the core ``name`` of queries ``q`` runs on the kernel: ``attention.kernel`` triton,
+    or auto on CUDA where triton imports and the kernel runs the spec (``unsupported``) and the
+    head dim."""
+    kernel = numerics.spec.attention_kernel
+    if kernel != "auto":
+        return kernel == "triton"
+    runnable = cannot_run_here() is None and runs_head_dim(q.shape[-1])
+    return q.device.type == "cuda" and runnable and unsupported(numerics, name) is None
+
+
+def settings_refused(fp8: bool, bwd_precision: str, bwd_reads: str, parts_apart: bool, per_tensor: bool) -> str | None:
+    """What of a run's settings the kernel does not run, or None: the one rule of the config's
+    check (``backends.precision.Attention``) and of the op's (``unsupported``)."""
+    if not fp8:
+        return "the triton kernel runs precision=fp8 only"
+    if bwd_precision != "fp8" or bwd_reads != "forward" or parts_apart:
+        return "the triton kernel runs bwd_precision=fp8 with bwd_reads=forward and no part set apart only"
+    if not per_tensor:
+        return "the triton kernel runs per-tensor scaling only: set attention.recipe under a block recipe"
+    return None
+
+
+def unsupported(numerics: Numerics, name: str) -> str | None:
+    """Why the kernel cannot run core ``name`` as ``numerics`` rounds it (a bias-meter variant's
+    spec too: its reads), or None when it can."""
+    spec = numerics.spec
+    fp8 = spec.precision == "fp8"
+    sites = [numerics.site(f"{name}.{site}") for site in ("q", "k", "v", "probs")] if fp8 else []
+    per_tensor = all(s.fmt is E4M3 and isinstance(s.state, DelayedScalingState | CurrentScalingState) for s in sites)
+    parts_apart = bool(spec.attention_bwd_rounds or spec.attention_bwd_qkv or spec.attention_bwd_probs)
+    why = settings_refused(fp8, spec.attention_bwd_precision, spec.attention_bwd_reads, parts_apart, per_tensor)
+    reads = spec.reads["attention"]
+    if why is None and any(reads[g] != mode for g, mode in parts.FORWARD_READS.items()):
+        return "the triton kernel reads the forward's operands only (Q8, K8, V8, P8; P for dS)"
+    return why
+
+
+def forward(
+    numerics: Numerics, name: str, qq: QTensor, kq: QTensor, vq: QTensor, softmax_scale: float
+) -> tuple[Forward, tuple[torch.Tensor, torch.Tensor]]:
+    """``attention_forward.forward`` on the kernel, and each row's softmax statistics (row max,
+    row sum), from which the backward recomputes P."""
+    from readback.kernels import attention_forward as kernel  # triton is imported where it runs
+
+    why = unsupported(numerics, name)
+    if why is not None:
+        raise ValueError(f"attention.kernel=triton: {why}; attention.kernel=ops runs this")
+    batch, heads, seq, _ = qq.data.shape
+    site = numerics.site(f"{name}.probs")
+    amax = torch.ones((), device=qq.data.device)  # causal P's largest element: P[0, 0] = 1 (query 0 sees key 0)
+    p_scale = site.scale_for(amax, amax)
+    scales = torch.stack([qq.scale_inv * kq.scale_inv, p_scale, p_scale.reciprocal() * vq.scale_inv]).float()
+    start = site.claim(batch * heads * seq, qq.data.device) if numerics.rounding == "stochastic" else None
+    taping = numerics.tape is not None
+    result = kernel.forward(qq.data, kq.data, vq.data, scales, softmax_scale, start, taping)
+    site.count(*result.counts)
+    probs = None if result.probs is None else QTensor(result.probs, p_scale, site.fmt)
+    blocks = Forward(result.out, p_scale, start, None, result.scores, probs)  # no LSE: bwd_reads=te runs on the ops
+    return blocks, (result.row_max, result.row_sum)
+
+
+def backward(
+    numerics: Numerics, name: str, saved: dict[str, Any], ctx: Any, grad: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``attention_backward.backward`` on the kernel: dQ, dK, dV (B, H, T, hd; K's and V's per
+    query head) from dO (``grad``, B, T, H hd)."""
+    from readback.kernels import attention_backward as kernel
+
+    batch, heads, seq, dim = ctx.shape
+    dtype = numerics.dtype
+    grad = grad.reshape(batch, seq, heads, dim).transpose(1, 2)
+    d_out8 = numerics.site(f"{name}.grad_output", "bwd").quantize(grad.to(dtype))
+    o_read = parts.d_term_o(numerics, name, saved)  # None: D = rowsum(P * dP), formed by the kernel
+    d_term = None
+    if o_read is not None:  # the ops core's row term, over every row at once
+        o_rows = parts.o_rows(numerics, o_read, slice(0, seq), heads)
+        d_term = (parts.value(d_out8, dtype) * o_rows).sum(-1)
+    site = numerics.site(f"{name}.grad_scores", "bwd")
+    fmt = site.fmt
+    assert fmt is not None
+    ds_scale: Any
+    if site.reads_amax_first:
+        ds_scale = lambda amax: site.scale_for(amax, amax)  # noqa: E731
+    else:  # the step's scale; this dS's amax joins the step's once the kernel has it
+        ds_scale = site.scale_for(torch.zeros((), device=grad.device), torch.zeros((), device=grad.device))
+    q8, k8, v8 = saved["q8"], saved["k8"], saved["v8"]
+    p_scale = saved["p8_scale"]
+    scales = torch.stack(
+        [
+            q8.scale_inv * k8.scale_inv,
+            p_scale,
+            d_out8.scale_inv * v8.scale_inv,
+            k8.scale_inv,
+            q8.scale_inv,
+            p_scale.reciprocal() * d_out8.scale_inv,
+        ]
+    ).float()
+    bwd_format = kernel.BackwardFormat(fmt.mantissa_bits, 1 - fmt.min_exponent, fmt.max)
+    codes = (q8.data, k8.data, v8.data, d_out8.data.contiguous())
+    result = kernel.backward(
+        codes, (saved["row_max"], saved["row_sum"]), d_term, scales, ds_scale, ctx.scale, saved["p8_draws"], bwd_format
+    )
+    if not site.reads_amax_first:
+        site.scale_for(result.amax, result.amax)
+    site.count(*result.counts)
+    numerics.observe(f"attn_rowsum/{name}", result.rowsum)
+    return result.d_q, result.d_k, result.d_v

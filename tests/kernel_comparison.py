@@ -1,0 +1,118 @@
+"""The Triton attention core against the ops core on the same inputs (``compare``), for
+``tests/unit/kernels/test_attention_kernel.py`` (the kernel in Triton's interpreter), whose
+docstring says what is identical and what is bounded, and why, and for
+``tests/unit/backends/test_gpu_kernel.py`` (the kernel on CUDA)."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from readback.numerics import CurrentScaling, DelayedScaling, QTensor
+from readback.numerics.site import Site
+from readback.numerics.state import Numerics
+from readback.ops import numerics_spec
+from readback.ops.attention import attention
+
+NAME = "layers.0.attn.core"
+_ONE_BF16_UNIT = 2.0**-8  # relative
+_FLIPS = 1e-3  # the share of P8's codes (in rows of identical S) allowed to differ by one step
+POLICIES = ("reuse_rounded", "fresh_reround", "no_saved_copy", "original")
+RECIPES = {"delayed": DelayedScaling, "current": CurrentScaling}
+
+
+def _inputs(batch: int, heads: int, groups: int, seq: int, dim: int, seed: int) -> tuple[torch.Tensor, ...]:
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(batch, heads, seq, dim, generator=g) * 2
+    k, v = (torch.randn(batch, groups, seq, dim, generator=g) for _ in range(2))
+    return q, k, v, torch.randn(batch, seq, heads * dim, generator=g)
+
+
+def _run(
+    kernel: str, policy: str, recipe: str, rounding: str, x: tuple[torch.Tensor, ...], monkeypatch, device: str
+) -> dict:
+    """Two steps (the second on the first's delayed scales) of the op on ``kernel`` and ``device``:
+    the codes and scales each site rounded (site -> list), the taped S and P8, O, dQ, dK, dV, the
+    counts and the D-term's row sums of the second step, on the CPU."""
+    numerics = Numerics(
+        numerics_spec("fp8", RECIPES[recipe](), policy, rounding=rounding, attention_kernel=kernel), seed=3
+    )
+    rounded: dict = {}
+    quantize_at = Site.quantize
+
+    def spy(self, t, *args, **kwargs):
+        q = quantize_at(self, t, *args, **kwargs)
+        if kwargs.get("count", True):
+            codes = (q.data.view(torch.uint8).cpu(), q.scale.cpu())
+            rounded.setdefault(self.name.rsplit(".", 1)[1], []).append(codes)
+        return q
+
+    monkeypatch.setattr(Site, "quantize", spy)
+    observed: dict = {}
+    observe = numerics.observe
+
+    def keep(key, values):
+        observed[key] = values.detach().clone()
+        observe(key, values)
+
+    monkeypatch.setattr(numerics, "observe", keep)
+    out: dict = {}
+    for _ in range(2):
+        rounded.clear()
+        q, k, v = (t.to(device).requires_grad_() for t in x[:3])
+        with numerics.taping() as tape:
+            o, _ = attention(q, k, v, numerics, NAME)
+        o.backward(x[3].to(device))
+        record = {n: t.map(lambda d: d.cpu()) if isinstance(t, QTensor) else t.cpu() for n, t in tape[0][1].items()}
+        out = {"o": o.detach().cpu(), "dq": q.grad.cpu(), "dk": k.grad.cpu(), "dv": v.grad.cpu(), "tape": record}
+        out["counts"] = {n: (int(s.saturated), int(s.underflowed), int(s.nonzero)) for n, s in numerics.sites.items()}
+        out["rowsum"] = observed[f"attn_rowsum/{NAME}"].cpu()
+        numerics.end_step()
+    monkeypatch.setattr(Site, "quantize", quantize_at)
+    out["rounded"] = dict(rounded)
+    return out
+
+
+def _relative(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30))
+
+
+def _bound(stepped: float, step: float) -> float:
+    """The relative (Frobenius) difference of a GEMM output of the two cores: one BF16 unit where
+    their FP32 sums straddle a rounding point (at most every element), plus a share ``stepped``
+    of its input codes one step (``step``, relative) apart, which add like independent errors."""
+    return _ONE_BF16_UNIT + step * math.sqrt(stepped)
+
+
+def compare(shape: tuple[int, ...], policy: str, recipe: str, rounding: str, monkeypatch, device: str = "cpu") -> None:
+    """The kernel on ``device`` against the ops core on the CPU, on one shape (batch, heads,
+    groups, T, head dim) under ``policy``, ``recipe`` and ``rounding``."""
+    x = _inputs(*shape, seed=sum(shape))
+    ops = _run("ops", policy, recipe, rounding, x, monkeypatch, "cpu")
+    triton = _run("triton", policy, recipe, rounding, x, monkeypatch, device)
+    for site in ("q", "k", "v", "grad_output"):  # the same code on the same inputs: identical
+        for (a, sa), (b, sb) in zip(ops["rounded"][site], triton["rounded"][site], strict=True):
+            assert torch.equal(a, b) and torch.equal(sa, sb), (policy, site)
+    s_ops, s_triton = ops["tape"]["scores"], triton["tape"]["scores"]
+    visible = torch.isfinite(s_ops)
+    assert torch.equal(visible, torch.isfinite(s_triton))  # the same causal mask, odd T included
+    s_error = (s_ops - s_triton).abs()[visible] / s_ops.abs()[visible].clamp_min(1e-30)
+    assert float(s_error.max()) <= _ONE_BF16_UNIT, policy
+    p_ops, p_triton = (r["tape"]["probs"] for r in (ops, triton))
+    assert torch.equal(p_ops.scale, triton["tape"]["probs"].scale)  # P's amax is 1 in both
+    stepped = float((p_ops.data.view(torch.uint8) != p_triton.data.view(torch.uint8))[visible].float().mean())
+    assert stepped <= _FLIPS, (policy, stepped)
+    (o8_ops, o_scale), (o8_triton, o_scale_triton) = ops["rounded"]["output"][-1], triton["rounded"]["output"][-1]
+    assert float((o8_ops != o8_triton).float().mean()) <= _FLIPS, policy
+    assert float((o_scale - o_scale_triton).abs() / o_scale) <= _ONE_BF16_UNIT, policy  # O's amax: a BF16 unit
+    for value, step in (("o", 2.0**-3), ("dq", 2.0**-2), ("dk", 2.0**-2), ("dv", 2.0**-3)):
+        error = _relative(triton[value], ops[value])
+        assert error <= _bound(stepped, step), (policy, value, error, stepped)
+    if policy == "no_saved_copy":  # D = rowsum(P * dP): rowsum(dS) is round-off in both
+        assert float(triton["rowsum"].abs().max()) <= 1e-4 * float(ops["dq"].abs().max())
+    else:  # D's error, the same in both
+        assert _relative(triton["rowsum"], ops["rowsum"]) <= _bound(stepped, 2.0**-2), policy
+    for site, counts in ops["counts"].items():  # saturated, underflowed, nonzero
+        nonzero = counts[2]
+        assert all(abs(a - b) <= _FLIPS * nonzero for a, b in zip(counts, triton["counts"][site])), (policy, site)

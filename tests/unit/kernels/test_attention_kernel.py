@@ -1,0 +1,46 @@
+"""The Triton attention core (``attention.kernel=triton``, in the interpreter) against the ops
+core on the same inputs (``tests/kernel_comparison.py``): every policy's D read, nearest and
+stochastic rounding, delayed and current scaling (two steps: the second on the first's delayed
+scales), GQA and not, head dims 64 and 128, T within, at and past the kernel's 64-row blocks.
+
+What is identical and what is bounded, and why. Both cores round Q, K, V, O and dO at the same
+sites with the same torch code, so Q8, K8, V8 and dO8 are identical. Between them the cores differ
+in the order of FP32 sums (each GEMM's, the softmax's row sum, D's) and the exponential's last
+bits. Every GEMM output is rounded to BF16 (the emulated FP8 GEMM's epilogue), so an element of S,
+O, dP, dQ, dK or dV can differ only where the two FP32 sums straddle a BF16 rounding point, and
+then by one BF16 unit (2**-8 relative): S is held to that. P's FP32 values then differ by a few
+FP32 units, or by |S| 2**-8 where S did, and P8's and O8's codes step by one where their values
+sit that close to a decision point: at most a share ``_FLIPS`` of them. A GEMM output's relative
+difference is then at most one BF16 unit plus a code step (2**-3 for E4M3, 2**-2 for E5M2)
+times the root of the stepped share, ``_bound``; the D-term's row sums likewise, and the sites'
+counts within ``_FLIPS`` of their nonzero elements. (In the interpreter the two cores' codes,
+counts, O, dK and dV have come out identical on these inputs, and dQ within 2e-5.)
+"""
+
+import pytest
+
+from kernel_comparison import POLICIES, RECIPES, compare
+
+SMALL = (1, 2, 1, 16, 64)  # (batch, heads, groups, T, head dim): every policy, recipe and rounding
+# GQA and not, head dims 64 and 128, T within one of the kernel's 64-row blocks, a multiple, and
+# past one (odd: the last block masked), each under one policy, recipe and rounding
+SHAPES = [
+    ((1, 4, 2, 24, 128), "fresh_reround", "current", "stochastic"),
+    ((1, 2, 2, 128, 64), "reuse_rounded", "delayed", "nearest"),
+    ((2, 2, 1, 71, 64), "no_saved_copy", "current", "stochastic"),
+    ((1, 2, 1, 80, 128), "original", "delayed", "stochastic"),
+]
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+@pytest.mark.parametrize("recipe", list(RECIPES))
+@pytest.mark.parametrize("rounding", ["nearest", "stochastic"])
+def test_every_policy_recipe_and_rounding(monkeypatch, policy, recipe, rounding):
+    compare(SMALL, policy, recipe, rounding, monkeypatch)
+
+
+@pytest.mark.parametrize(
+    ("shape", "policy", "recipe", "rounding"), SHAPES, ids=[f"T{c[0][3]}d{c[0][4]}H{c[0][1]}G{c[0][2]}" for c in SHAPES]
+)
+def test_shapes(monkeypatch, shape, policy, recipe, rounding):
+    compare(shape, policy, recipe, rounding, monkeypatch)
