@@ -31,7 +31,8 @@ def decode(codes, MANTISSA: tl.constexpr, BIAS: tl.constexpr):
     normal = (((exponent - BIAS + 127) << 23) | (mantissa << (23 - MANTISSA))).to(tl.float32, bitcast=True)
     subnormal = mantissa.to(tl.float32) * pow2(tl.full(c.shape, 1 - BIAS - MANTISSA, tl.int32))
     magnitude = tl.where(exponent == 0, subnormal, normal)
-    return tl.where((c >> 7) != 0, -magnitude, magnitude)
+    # the sign bit set with integer ops: a negation may drop -0's sign (Triton 3.7's interpreter does)
+    return (magnitude.to(tl.int32, bitcast=True) | ((c >> 7) << 31)).to(tl.float32, bitcast=True)
 
 
 @triton.jit
