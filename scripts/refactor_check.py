@@ -33,8 +33,18 @@ from pathlib import Path
 from readback.stopping import ends_on_ctrl_c
 
 REPO = Path(__file__).resolve().parents[1]
-# Wall-clock measurements, and the run's own folder (each side runs in its own), are not results.
-UNCOMPARED = {"tokens_per_s", "mfu", "mem_gib", "wall_time_s", "seconds_per_batch", "steps_per_batch", "run_dir"}
+# Wall-clock measurements, the run's own folder (each side runs in its own) and the code version that
+# wrote a record (each side's commit, none for the base's exported tree) are not results.
+UNCOMPARED = {
+    "tokens_per_s",
+    "mfu",
+    "mem_gib",
+    "wall_time_s",
+    "seconds_per_batch",
+    "steps_per_batch",
+    "run_dir",
+    "code",
+}
 RUN = (
     "model=tiny",
     "data=shakespeare",

@@ -18,7 +18,7 @@ def test_differences_name_every_changed_missing_and_added_key():
 
 
 def test_wall_clock_measurements_and_the_run_folder_are_not_compared():
-    assert {"tokens_per_s", "wall_time_s", "run_dir"} <= UNCOMPARED and "loss" not in UNCOMPARED
+    assert {"tokens_per_s", "wall_time_s", "run_dir", "code"} <= UNCOMPARED and "loss" not in UNCOMPARED
 
 
 def test_extra_overrides_reach_the_run_command(tmp_path, monkeypatch):
