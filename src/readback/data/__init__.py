@@ -47,22 +47,15 @@ def build_data(cfg_data: Data, layout: Layout) -> Any:
 
 
 def _build_text(cfg: ShakespeareData, layout: Layout) -> PackedStream:
-    """A local text corpus (Shakespeare by default): cached tokenizer and ids, block split, packing."""
-    import numpy as np
-
-    from readback.data.corpus import is_val_block
-    from readback.data.stream import split_blocks
+    """A local corpus (Shakespeare by default): prepared and cached once, its splits memory-mapped."""
     from readback.data.tokenizer import tokenized_corpus
 
-    val_fraction = cfg.val_fraction
     tc = tokenized_corpus(cfg, progress=layout.rank == 0)
-    is_val = np.asarray([is_val_block(i, val_fraction) for i in range(len(tc.block_doc))], dtype=bool)
-    train, val = split_blocks(tc.ids, tc.offsets, tc.block_doc, is_val, tc.eos)
     return PackedStream(
-        train,
-        val,
+        tc.train,
+        tc.val,
         vocab_size=cfg.vocab_size,
         layout=layout,
         tokenizer=tc.tokenizer,
-        fingerprint=f"text:{tc.key}:f{val_fraction}",
+        fingerprint=f"text:{tc.key}:f{cfg.val_fraction}",
     )

@@ -38,11 +38,17 @@ def cache_root(cache_dir: str | None) -> Path:
     return Path(os.path.expandvars(os.path.expanduser(str(root))))
 
 
-def digest(parts: Iterable[bytes | str]) -> str:
-    """A short hex key for cache directory names (sha256 of the parts, separated)."""
+def digest(parts: Iterable[bytes | str | Path]) -> str:
+    """A short hex key for cache directory names (sha256 of the parts, separated); a ``Path``
+    stands for its file's contents, read a MB at a time (a corpus of any size)."""
     h = hashlib.sha256()
     for part in parts:
-        h.update(part.encode() if isinstance(part, str) else part)
+        if isinstance(part, Path):
+            with open(part, "rb") as f:
+                for block in iter(lambda: f.read(1 << 20), b""):
+                    h.update(block)
+        else:
+            h.update(part.encode() if isinstance(part, str) else part)
         h.update(b"\0")
     return h.hexdigest()[:16]
 

@@ -1,0 +1,212 @@
+"""Preparing a local corpus once, in memory bounded whatever its size: tokenizer, then token file.
+
+1. The byte-level BPE is trained on a stream of text pieces (``tokenizer.train_bpe``), the corpus's
+   first ``data.tokenizer_sample_mb`` MB (all of it when smaller, as for the embedded texts). A
+   piece joins consecutive blocks of a document and is cut only between two letters or digits
+   around a line end, where the pre-tokenizer's words are the same in the whole text as in its
+   pieces: the tokenizer is the one the whole documents would train.
+2. The blocks are encoded in ``data.prepare_workers`` processes (``spawn``: none inherits the
+   parent's threads), a few MB of text per task and at most two tasks per worker in flight, and
+   appended to the token file and its index (``readback.data.token_file``). After each chunk the
+   files are flushed and a progress record written: a kill loses the chunks in flight, and the
+   next start cuts the files back to the record and continues there.
+
+Chosen over ``datasets`` (``map(num_proc=...)`` into Arrow): the result here is the flat token file
+itself, with no Arrow copy of the text or of the ids to write, read back and flatten.
+"""
+
+from __future__ import annotations
+
+import json
+import multiprocessing as mp
+import os
+from collections import deque
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from readback.data.cache import atomic_write
+from readback.data.documents import Block
+from readback.data.token_file import INDEX_FIELDS, paths, token_dtype, write_meta
+from readback.progress import progress as progress_of
+
+MB = 1 << 20
+CHUNK_CHARS = 4 * MB  # text per encoding task
+PIECE_CHARS = 1 * MB  # text per piece the BPE trainer reads, where a safe cut comes
+FORCED_CUT_CHARS = 64 * MB  # a piece cut here even without a safe place (a document of blank-ended lines)
+
+
+def bpe_pieces(blocks: Iterable[Block], sample_chars: int) -> Iterator[str]:
+    """The first ``sample_chars`` characters of the corpus (whole blocks) in pieces (module doc, 1)."""
+    piece: list[str] = []
+    size, total, doc_of_piece = 0, 0, -1
+    for doc, text in blocks:
+        safe = text[:1].isalnum() and size > 1 and piece[-1][-2:-1].isalnum()
+        if piece and (doc != doc_of_piece or (size >= PIECE_CHARS and safe) or size >= FORCED_CUT_CHARS):
+            yield "".join(piece)
+            piece, size = [], 0
+        if total >= sample_chars:
+            return
+        piece.append(text)
+        size, total, doc_of_piece = size + len(text), total + len(text), doc
+    if piece:
+        yield "".join(piece)
+
+
+def chunks(blocks: Iterable[Block]) -> Iterator[tuple[list[str], list[int]]]:
+    """``(texts, documents)`` of consecutive blocks, about ``CHUNK_CHARS`` of text each."""
+    texts: list[str] = []
+    docs: list[int] = []
+    size = 0
+    for doc, text in blocks:
+        texts.append(text)
+        docs.append(doc)
+        size += len(text)
+        if size >= CHUNK_CHARS:
+            yield texts, docs
+            texts, docs, size = [], [], 0
+    if texts:
+        yield texts, docs
+
+
+_WORKER_TOKENIZER: list[Any] = []
+
+
+def _load_tokenizer(path: str) -> None:
+    from tokenizers import Tokenizer
+
+    _WORKER_TOKENIZER[:] = [Tokenizer.from_file(path)]
+
+
+def encode_chunk(texts: list[str]) -> tuple[np.ndarray, np.ndarray]:
+    """``(ids, lengths)`` of the texts encoded by this process's tokenizer, back to back."""
+    (tok,) = _WORKER_TOKENIZER
+    encodings = tok.encode_batch(texts)
+    dtype = token_dtype(tok.get_vocab_size())
+    pieces = [np.asarray(e.ids, dtype=dtype) for e in encodings]
+    lengths = np.fromiter((len(p) for p in pieces), dtype=np.int64, count=len(pieces))
+    return (np.concatenate(pieces) if pieces else np.zeros(0, dtype=dtype)), lengths
+
+
+class _Done:
+    def __init__(self, value: Any) -> None:
+        self.value = value
+
+    def get(self) -> Any:
+        return self.value
+
+
+class _InProcess:
+    """The pool's interface, encoding here (``data.prepare_workers: 0``)."""
+
+    def __init__(self, tokenizer_path: Path) -> None:
+        _load_tokenizer(str(tokenizer_path))
+
+    def apply_async(self, fn: Any, args: tuple) -> _Done:
+        return _Done(fn(*args))
+
+    def __enter__(self) -> _InProcess:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        pass
+
+
+def _pool(workers: int, tokenizer_path: Path) -> Any:
+    if workers == 0:
+        return _InProcess(tokenizer_path)
+    return mp.get_context("spawn").Pool(workers, initializer=_load_tokenizer, initargs=(str(tokenizer_path),))
+
+
+class _Progress:
+    """Where an interrupted preparation stopped: chunks done, and the bytes of both files then."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+
+    def read(self) -> dict[str, int]:
+        try:
+            record = json.loads(self.path.read_text())
+            return {k: int(record[k]) for k in ("chunks", "tokens", "blocks", "text_bytes")}
+        except (OSError, ValueError, KeyError, TypeError):
+            return {"chunks": 0, "tokens": 0, "blocks": 0, "text_bytes": 0}
+
+    def write(self, record: dict[str, int]) -> None:
+        atomic_write(self.path, lambda f: f.write(json.dumps(record).encode()))
+
+
+def encode_corpus(
+    blocks: Iterable[Block],
+    tokenizer_path: Path,
+    directory: Path,
+    block_lines: int,
+    vocab_size: int,
+    *,
+    workers: int,
+    total_bytes: int,
+    progress: bool,
+) -> None:
+    """The token file and index of ``blocks`` in ``directory``, continuing an interrupted run."""
+    tokens_path, index_path, meta_path = paths(directory, block_lines)
+    partial = {p: p.with_name(p.name + ".partial") for p in (tokens_path, index_path)}
+    record = _Progress(directory / f"tokens-b{block_lines}.progress.json")
+    done = record.read()
+    itemsize = token_dtype(vocab_size).itemsize
+    sizes = {tokens_path: done["tokens"] * itemsize, index_path: done["blocks"] * INDEX_FIELDS * 8}
+    files = {}
+    for final, part in partial.items():
+        files[final] = open(part, "r+b" if part.exists() else "wb")  # noqa: SIM115 (closed below)
+        files[final].truncate(sizes[final])
+        files[final].seek(sizes[final])
+    bar = progress_of(
+        max(total_bytes // MB, 1), done["text_bytes"] // MB, "preparing", unit="megabyte", enabled=progress
+    )
+    pending: deque[tuple[Any, list[int], int]] = deque()
+    try:
+        with _pool(workers, tokenizer_path) as pool:
+            todo = (c for i, c in enumerate(chunks(blocks)) if i >= done["chunks"])
+            for texts, docs in todo:
+                pending.append((pool.apply_async(encode_chunk, (texts,)), docs, sum(len(t.encode()) for t in texts)))
+                if len(pending) >= 2 * max(workers, 1):
+                    _append(pending.popleft(), files, tokens_path, index_path, done, record, bar)
+            while pending:
+                _append(pending.popleft(), files, tokens_path, index_path, done, record, bar)
+    finally:
+        for f in files.values():
+            f.close()
+        bar.close()
+    for final, part in partial.items():
+        os.replace(part, final)
+    write_meta(meta_path, vocab_size, done["tokens"], done["blocks"])  # last: the files are complete
+    record.path.unlink(missing_ok=True)
+
+
+def _append(
+    task: tuple[Any, list[int], int],
+    files: dict[Path, Any],
+    tokens_path: Path,
+    index_path: Path,
+    done: dict[str, int],
+    record: _Progress,
+    bar: Any,
+) -> None:
+    """One encoded chunk appended to both files, made durable, then counted in the record."""
+    result, docs, text_bytes = task
+    ids, lengths = result.get()
+    ends = done["tokens"] + np.cumsum(lengths)
+    files[tokens_path].write(ids.tobytes())
+    files[index_path].write(np.stack([ends, np.asarray(docs, dtype=np.int64)], axis=1).tobytes())
+    for f in files.values():
+        f.flush()
+        os.fsync(f.fileno())
+    done.update(
+        chunks=done["chunks"] + 1,
+        tokens=int(ends[-1]) if len(ends) else done["tokens"],
+        blocks=done["blocks"] + len(docs),
+        text_bytes=done["text_bytes"] + text_bytes,
+    )
+    record.write(done)
+    if megabytes := done["text_bytes"] // MB - (done["text_bytes"] - text_bytes) // MB:
+        bar.update(megabytes)
