@@ -6,7 +6,7 @@
    around a line end, where the pre-tokenizer's words are the same in the whole text as in its
    pieces: the tokenizer is the one the whole documents would train.
 2. The blocks are encoded in ``data.prepare_workers`` processes (``spawn``: none inherits the
-   parent's threads), a few MB of text per task and at most two tasks per worker in flight, and
+   parent's threads; a corpus of a chunk or two, in this one), a few MB of text per task and at most two tasks per worker in flight, and
    appended to the token file and its index (``readback.data.token_file``). After each chunk the
    files are flushed and a progress record written: a kill loses the chunks in flight, and the
    next start cuts the files back to the record and continues there.
@@ -160,6 +160,8 @@ def encode_corpus(
         files[final] = open(part, "r+b" if part.exists() else "wb")  # noqa: SIM115 (closed below)
         files[final].truncate(sizes[final])
         files[final].seek(sizes[final])
+    if total_bytes < 2 * CHUNK_CHARS:  # a chunk or two: starting workers would cost more than they save
+        workers = 0
     bar = progress_of(
         max(total_bytes // MB, 1), done["text_bytes"] // MB, "preparing", unit="megabyte", enabled=progress
     )

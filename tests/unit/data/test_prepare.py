@@ -109,7 +109,7 @@ def _encode(files: list[Path], directory: Path, workers: int, blocks=None) -> No
         7,
         300,
         workers=workers,
-        total_bytes=1,
+        total_bytes=sum(f.stat().st_size for f in files),
         progress=False,
     )
 
