@@ -109,7 +109,9 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"), "WANDB_MODE": "disabled"}
     print(f"{os.cpu_count()} CPUs, data.prepare_workers={args.workers}")
-    print("| corpus | prepare: wall | MB/s | peak RSS, largest process | peak RSS, all processes | train: step-1 peak RSS |")
+    print(
+        "| corpus | prepare: wall | MB/s | peak RSS, largest process | peak RSS, all processes | training's peak RSS |"
+    )
     print("|---|---|---|---|---|---|")
     for size in (int(s) for s in args.sizes.split(",")):
         corpus_dir, cache = args.dir / f"corpus-{size}mb", args.dir / f"cache-{size}mb"
@@ -131,10 +133,8 @@ def main(argv: list[str] | None = None) -> None:
             f"hydra.run.dir={args.dir / f'run-{size}mb-{time.time_ns()}'}",
         ]
         _, train_peak, _ = measured(train, env)  # the program's own peak: one process
-        print(
-            f"| {mb:.0f} MB | {seconds:.1f} s | {mb / seconds:.1f} | {largest:.0f} MB | {tree:.0f} MB | {train_peak:.0f} MB |",
-            flush=True,
-        )
+        cells = [f"{mb:.0f} MB", f"{seconds:.1f} s", f"{mb / seconds:.1f}", f"{largest:.0f} MB", f"{tree:.0f} MB"]
+        print(f"| {' | '.join(cells)} | {train_peak:.0f} MB |", flush=True)
 
 
 if __name__ == "__main__":

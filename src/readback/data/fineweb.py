@@ -92,7 +92,8 @@ def _documents(path: str, subset: str) -> Any:
         raise ConfigError(
             "data.path" if shards is not None else "data.subset",
             where,
-            f"Parquet shards on this disk, or a dataset and subset this machine can stream from the hub [{_one_line(e)}]",
+            "Parquet shards on this disk, or a dataset and subset this machine can stream from the hub"
+            f" [{_one_line(e)}]",
         ) from e
 
 

@@ -6,8 +6,9 @@
    around a line end, where the pre-tokenizer's words are the same in the whole text as in its
    pieces: the tokenizer is the one the whole documents would train.
 2. The blocks are encoded in ``data.prepare_workers`` processes (``spawn``: none inherits the
-   parent's threads; a corpus of a chunk or two, in this one), a few MB of text per task and at most two tasks per worker in flight, and
-   appended to the token file and its index (``readback.data.token_file``). After each chunk the
+   parent's threads; a corpus of a chunk or two, in this one), a few MB of text per task and at
+   most two tasks per worker in flight, and appended to the token file and its index
+   (``readback.data.token_file``). After each chunk the
    files are flushed and a progress record written: a kill loses the chunks in flight, and the
    next start cuts the files back to the record and continues there.
 

@@ -20,8 +20,8 @@ import toys
 from readback.data import DATASETS, Layout, build_data
 from readback.data.cache import cache_root
 from readback.data.corpus import shakespeare_files
-from readback.data.token_file import write_split
 from readback.data.synthetic import synthetic_split
+from readback.data.token_file import write_split
 from readback.errors import ConfigError, StateChanged
 from toys import CONF, load_data_cfg
 

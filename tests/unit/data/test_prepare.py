@@ -4,6 +4,7 @@ encoding whole documents."""
 
 from __future__ import annotations
 
+import itertools
 import json
 from pathlib import Path
 
@@ -49,7 +50,8 @@ def _texts(tmp_path: Path) -> list[Path]:
     pre-tokenizer's words, unless the cuts fall only between letters."""
     words = ["ale", "bread", "cheese", "dough", "eggs", "figs", "grain", "honey"]
     lines = [
-        f"{' ' * (i % 5)}{words[i % 8]} and {words[i * 3 % 8]}{' ' * (i % 3)}, line {i}{' ' * (i % 2)}\n{chr(10) * (i % 4 == 0)}"
+        f"{' ' * (i % 5)}{words[i % 8]} and {words[i * 3 % 8]}{' ' * (i % 3)}, line {i}{' ' * (i % 2)}\n"
+        + "\n" * (i % 4 == 0)
         for i in range(3000)
     ]
     files = []
@@ -90,7 +92,7 @@ def test_embedded_plays_get_the_tokenizer_and_ids_of_whole_documents(tmp_path):
     assert Tokenizer.from_file(str(directory / "tokenizer.json")).to_str() == reference.to_str()
     ids, offsets, block_doc = load_token_file(directory, cfg.block_lines, 400)
     assert ids.dtype == np.uint16 and block_doc.tolist() == [d for d, _ in blocks]
-    assert [ids[a:b].tolist() for a, b in zip(offsets[:-1], offsets[1:])] == expected
+    assert [ids[a:b].tolist() for a, b in itertools.pairwise(offsets)] == expected
 
 
 def _prepared(directory: Path, block_lines: int) -> list[bytes]:
