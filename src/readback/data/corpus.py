@@ -104,11 +104,9 @@ def corpus_files(patterns: list[str] | None, editions: str, fmt: str = "text") -
     return check_files(files, fmt)
 
 
-def is_val_block(index: int, val_fraction: float) -> bool:
-    """Whether global block ``index`` is validation: exactly ``val_fraction`` of them, evenly spaced."""
-    return int((index + 1) * val_fraction) > int(index * val_fraction)
-
-
 def val_blocks(n_blocks: int, val_fraction: float) -> np.ndarray:
-    """:func:`is_val_block` of every block, as a boolean array."""
-    return np.fromiter((is_val_block(i, val_fraction) for i in range(n_blocks)), dtype=bool, count=n_blocks)
+    """Which of ``n_blocks`` blocks are validation: exactly ``val_fraction`` of them, evenly spaced
+    (block ``i`` where ``floor((i + 1) * f) > floor(i * f)``)."""
+    index = np.arange(n_blocks + 1, dtype=np.float64)
+    whole = np.floor(index * val_fraction)
+    return whole[1:] > whole[:-1]

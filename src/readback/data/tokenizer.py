@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import collections
 import sys
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -31,6 +31,8 @@ from readback.data.documents import iter_blocks
 from readback.data.prepare import MB, bpe_pieces, encode_corpus
 from readback.data.settings import ShakespeareData
 from readback.data.token_file import bad_cache_file
+from readback.progress import Progress
+from readback.progress import progress as progress_of
 
 EOS = "<|endoftext|>"
 FORMAT = "readback-text-v1"  # bump when tokenisation changes (its key: a new version trains anew)
@@ -105,7 +107,10 @@ def prepare(cfg: ShakespeareData, files: list[Path], directory: Path, *, progres
     tok_path = directory / "tokenizer.json"
     if not tok_path.exists():
         blocks = iter_blocks(files, cfg.format, cfg.text_field, cfg.block_lines)
-        tok = train_bpe(bpe_pieces(blocks, cfg.tokenizer_sample_mb * MB), cfg.vocab_size, progress=progress)
+        sample = min(cfg.tokenizer_sample_mb * MB, sum(f.stat().st_size for f in files))
+        bar = progress_of(max(sample // MB, 1), desc="tokenizer sample", unit="megabyte", enabled=progress)
+        tok = train_bpe(_read(bpe_pieces(blocks, cfg.tokenizer_sample_mb * MB), bar), cfg.vocab_size, progress=False)
+        bar.close()
         atomic_write(tok_path, tok.save, by_name=True)
     if not all(p.exists() for p in token_file.paths(directory, cfg.block_lines)):
         BUILDS["tokens"] += 1
@@ -119,6 +124,16 @@ def prepare(cfg: ShakespeareData, files: list[Path], directory: Path, *, progres
             total_bytes=sum(f.stat().st_size for f in files),
             progress=progress,
         )
+
+
+def _read(pieces: Iterable[str], bar: Progress) -> Iterator[str]:
+    """``pieces``, counted on ``bar`` in megabytes as the BPE trainer reads them."""
+    chars = 0
+    for piece in pieces:
+        yield piece
+        if megabytes := (chars + len(piece)) // MB - chars // MB:
+            bar.update(megabytes)
+        chars += len(piece)
 
 
 def _split(

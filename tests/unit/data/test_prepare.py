@@ -15,7 +15,7 @@ from tokenizers import Tokenizer
 import readback.data.prepare as prep
 import readback.data.tokenizer as tokmod
 from readback.data import Layout, build_data
-from readback.data.corpus import shakespeare_files
+from readback.data.corpus import shakespeare_files, val_blocks
 from readback.data.documents import clean_lines, iter_blocks
 from readback.data.token_file import load_token_file, paths
 from readback.errors import ConfigError
@@ -71,6 +71,12 @@ def test_the_tokenizer_from_pieces_is_the_one_whole_documents_train(tmp_path, mo
     assert tokmod.train_bpe(pieces, 400, progress=False).to_str() == whole.to_str()
     cut_anywhere = [d[i : i + 500] for d in docs for i in range(0, len(d), 500)]
     assert tokmod.train_bpe(cut_anywhere, 400, progress=False).to_str() != whole.to_str()  # the cuts matter
+
+
+@pytest.mark.parametrize("fraction", [0.0, 0.05, 0.1, 1 / 3, 0.37, 0.999])
+def test_validation_blocks_keep_the_rule_of_one_block_at_a_time(fraction):
+    rule = [int((i + 1) * fraction) > int(i * fraction) for i in range(100_000)]
+    assert val_blocks(100_000, fraction).tolist() == rule
 
 
 def test_the_sample_is_the_corpus_start_in_whole_blocks():
