@@ -20,16 +20,30 @@ and splits each global batch of ``micro_batch * world_size`` sequences over the 
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from readback.data.settings import DATASETS, Data, FinewebData, ShakespeareData, SyntheticData
-from readback.data.stream import Layout, PackedStream
+
+if TYPE_CHECKING:
+    from readback.data.stream import Layout, PackedStream
 
 __all__ = ["DATASETS", "Layout", "PackedStream", "build_data"]
 
 
+def __getattr__(name: str) -> Any:
+    """``Layout`` and ``PackedStream`` (and torch with them) imported on first use: a process that
+    only encodes text (``readback.data.prepare``'s workers) stays light."""
+    if name in ("Layout", "PackedStream"):
+        from readback.data import stream
+
+        return getattr(stream, name)
+    raise AttributeError(f"module 'readback.data' has no attribute {name!r}")
+
+
 def build_data(cfg_data: Data, layout: Layout) -> Any:
     """The batch stream for this rank; builds and caches tokenizer and token ids on first use."""
+    from readback.data.stream import PackedStream
+
     if isinstance(cfg_data, SyntheticData):
         from readback.data.synthetic import synthetic_split
 
@@ -48,6 +62,7 @@ def build_data(cfg_data: Data, layout: Layout) -> Any:
 
 def _build_text(cfg: ShakespeareData, layout: Layout) -> PackedStream:
     """A local corpus (Shakespeare by default): prepared and cached once, its splits memory-mapped."""
+    from readback.data.stream import PackedStream
     from readback.data.tokenizer import tokenized_corpus
 
     tc = tokenized_corpus(cfg, progress=layout.rank == 0)
