@@ -21,6 +21,9 @@ from __future__ import annotations
 import json
 import multiprocessing as mp
 import os
+import sys
+import time
+import types
 from collections import deque
 from collections.abc import Iterable, Iterator
 from pathlib import Path
@@ -116,26 +119,78 @@ class _InProcess:
 
 
 def _pool(workers: int, tokenizer_path: Path) -> Any:
+    """``workers`` spawned processes that each load the tokenizer, or this process for none.
+
+    A spawned process imports its parent's ``__main__`` (``train.py``, torch with it: hundreds of
+    MB) unless it is hidden while they start; they need only this module."""
     if workers == 0:
         return _InProcess(tokenizer_path)
-    return mp.get_context("spawn").Pool(workers, initializer=_load_tokenizer, initargs=(str(tokenizer_path),))
+    main = sys.modules["__main__"]
+    sys.modules["__main__"] = types.ModuleType("__main__")
+    try:
+        return mp.get_context("spawn").Pool(workers, initializer=_load_tokenizer, initargs=(str(tokenizer_path),))
+    finally:
+        sys.modules["__main__"] = main
 
 
-class _Progress:
-    """Where an interrupted preparation stopped: chunks done, and the bytes of both files then."""
+_NOTHING_DONE = {"chunks": 0, "tokens": 0, "blocks": 0, "text_bytes": 0}
 
-    def __init__(self, path: Path) -> None:
-        self.path = path
 
-    def read(self) -> dict[str, int]:
+class _TokenWriter:
+    """Appends encoded chunks to the token file and its index (``.partial`` until complete), and
+    after each, once both are on disk, the progress record that a restart continues from."""
+
+    def __init__(self, directory: Path, block_lines: int, vocab_size: int) -> None:
+        self.tokens, self.index, self.meta = paths(directory, block_lines)
+        self.vocab_size = vocab_size
+        self.record = directory / f"tokens-b{block_lines}.progress.json"
+        self.partial = {p: p.with_name(p.name + ".partial") for p in (self.tokens, self.index)}
+        self.done = self._read()
+        sizes = {
+            self.tokens: self.done["tokens"] * token_dtype(vocab_size).itemsize,
+            self.index: self.done["blocks"] * INDEX_FIELDS * 8,
+        }
+        if any(not part.exists() or part.stat().st_size < sizes[f] for f, part in self.partial.items()):
+            self.done, sizes = dict(_NOTHING_DONE), dict.fromkeys(sizes, 0)  # the record outlived its files
+        self.files = {}
+        for final, part in self.partial.items():
+            self.files[final] = open(part, "r+b" if part.exists() else "wb")  # noqa: SIM115 (closed in close)
+            self.files[final].truncate(sizes[final])  # what a kill left past the record
+            self.files[final].seek(sizes[final])
+
+    def _read(self) -> dict[str, int]:
         try:
-            record = json.loads(self.path.read_text())
-            return {k: int(record[k]) for k in ("chunks", "tokens", "blocks", "text_bytes")}
+            record = json.loads(self.record.read_text())
+            return {k: int(record[k]) for k in _NOTHING_DONE}
         except (OSError, ValueError, KeyError, TypeError):
-            return {"chunks": 0, "tokens": 0, "blocks": 0, "text_bytes": 0}
+            return dict(_NOTHING_DONE)
 
-    def write(self, record: dict[str, int]) -> None:
-        atomic_write(self.path, lambda f: f.write(json.dumps(record).encode()))
+    def append(self, ids: np.ndarray, lengths: np.ndarray, docs: list[int], text_bytes: int) -> None:
+        ends = self.done["tokens"] + np.cumsum(lengths)
+        self.files[self.tokens].write(ids.tobytes())
+        self.files[self.index].write(np.stack([ends, np.asarray(docs, dtype=np.int64)], axis=1).tobytes())
+        for f in self.files.values():
+            f.flush()
+            os.fsync(f.fileno())
+        done = self.done
+        done.update(
+            chunks=done["chunks"] + 1,
+            tokens=int(ends[-1]) if len(ends) else done["tokens"],
+            blocks=done["blocks"] + len(docs),
+            text_bytes=done["text_bytes"] + text_bytes,
+        )
+        atomic_write(self.record, lambda f: f.write(json.dumps(done).encode()))
+
+    def close(self) -> None:
+        for f in self.files.values():
+            f.close()
+
+    def finish(self) -> None:
+        """The complete files under their names, then their record (``token_file.write_meta``)."""
+        for final, part in self.partial.items():
+            os.replace(part, final)
+        write_meta(self.meta, self.vocab_size, self.done["tokens"], self.done["blocks"])
+        self.record.unlink(missing_ok=True)
 
 
 def encode_corpus(
@@ -150,66 +205,32 @@ def encode_corpus(
     progress: bool,
 ) -> None:
     """The token file and index of ``blocks`` in ``directory``, continuing an interrupted run."""
-    tokens_path, index_path, meta_path = paths(directory, block_lines)
-    partial = {p: p.with_name(p.name + ".partial") for p in (tokens_path, index_path)}
-    record = _Progress(directory / f"tokens-b{block_lines}.progress.json")
-    done = record.read()
-    itemsize = token_dtype(vocab_size).itemsize
-    sizes = {tokens_path: done["tokens"] * itemsize, index_path: done["blocks"] * INDEX_FIELDS * 8}
-    files = {}
-    for final, part in partial.items():
-        files[final] = open(part, "r+b" if part.exists() else "wb")  # noqa: SIM115 (closed below)
-        files[final].truncate(sizes[final])
-        files[final].seek(sizes[final])
+    writer = _TokenWriter(directory, block_lines, vocab_size)
+    done, start_bytes, start = writer.done, writer.done["text_bytes"], time.monotonic()
     if total_bytes < 2 * CHUNK_CHARS:  # a chunk or two: starting workers would cost more than they save
         workers = 0
-    bar = progress_of(
-        max(total_bytes // MB, 1), done["text_bytes"] // MB, "preparing", unit="megabyte", enabled=progress
-    )
+    bar = progress_of(max(total_bytes // MB, 1), start_bytes // MB, "preparing", unit="megabyte", enabled=progress)
     pending: deque[tuple[Any, list[int], int]] = deque()
+
+    def append_oldest() -> None:
+        result, docs, text_bytes = pending.popleft()
+        ids, lengths = result.get()
+        writer.append(ids, lengths, docs, text_bytes)
+        bar.set_postfix(MB_s=f"{(done['text_bytes'] - start_bytes) / MB / (time.monotonic() - start):.1f}")
+        if megabytes := done["text_bytes"] // MB - (done["text_bytes"] - text_bytes) // MB:
+            bar.update(megabytes)
+
     try:
         with _pool(workers, tokenizer_path) as pool:
-            todo = (c for i, c in enumerate(chunks(blocks)) if i >= done["chunks"])
-            for texts, docs in todo:
+            for i, (texts, docs) in enumerate(chunks(blocks)):
+                if i < done["chunks"]:
+                    continue  # written before a kill
                 pending.append((pool.apply_async(encode_chunk, (texts,)), docs, sum(len(t.encode()) for t in texts)))
                 if len(pending) >= 2 * max(workers, 1):
-                    _append(pending.popleft(), files, tokens_path, index_path, done, record, bar)
+                    append_oldest()
             while pending:
-                _append(pending.popleft(), files, tokens_path, index_path, done, record, bar)
+                append_oldest()
     finally:
-        for f in files.values():
-            f.close()
+        writer.close()
         bar.close()
-    for final, part in partial.items():
-        os.replace(part, final)
-    write_meta(meta_path, vocab_size, done["tokens"], done["blocks"])  # last: the files are complete
-    record.path.unlink(missing_ok=True)
-
-
-def _append(
-    task: tuple[Any, list[int], int],
-    files: dict[Path, Any],
-    tokens_path: Path,
-    index_path: Path,
-    done: dict[str, int],
-    record: _Progress,
-    bar: Any,
-) -> None:
-    """One encoded chunk appended to both files, made durable, then counted in the record."""
-    result, docs, text_bytes = task
-    ids, lengths = result.get()
-    ends = done["tokens"] + np.cumsum(lengths)
-    files[tokens_path].write(ids.tobytes())
-    files[index_path].write(np.stack([ends, np.asarray(docs, dtype=np.int64)], axis=1).tobytes())
-    for f in files.values():
-        f.flush()
-        os.fsync(f.fileno())
-    done.update(
-        chunks=done["chunks"] + 1,
-        tokens=int(ends[-1]) if len(ends) else done["tokens"],
-        blocks=done["blocks"] + len(docs),
-        text_bytes=done["text_bytes"] + text_bytes,
-    )
-    record.write(done)
-    if megabytes := done["text_bytes"] // MB - (done["text_bytes"] - text_bytes) // MB:
-        bar.update(megabytes)
+    writer.finish()
