@@ -42,6 +42,30 @@ PIECE_CHARS = 1 * MB  # text per piece the BPE trainer reads, where a safe cut c
 FORCED_CUT_CHARS = 64 * MB  # a piece cut here even without a safe place (a document of blank-ended lines)
 
 
+class Megabytes:
+    """A progress bar of text read, in whole megabytes of ``total_bytes`` (at least one), with the
+    rate; ``finish`` fills it, as the cleaned text's size differs a little from the files'."""
+
+    def __init__(self, total_bytes: int, done_bytes: int, desc: str, *, enabled: bool) -> None:
+        self.total, self.done, self.start_bytes = max(-(-total_bytes // MB), 1), done_bytes, done_bytes
+        self.shown, self.start = min(done_bytes // MB, self.total), time.monotonic()
+        self.bar = progress_of(self.total, self.shown, desc, unit="megabyte", enabled=enabled)
+
+    def advance(self, n_bytes: int) -> None:
+        self.done += n_bytes
+        elapsed = max(time.monotonic() - self.start, 1e-9)
+        self.bar.set_postfix(MB_s=f"{(self.done - self.start_bytes) / MB / elapsed:.1f}")
+        if (now := min(self.done // MB, self.total)) > self.shown:
+            self.bar.update(now - self.shown)
+            self.shown = now
+
+    def finish(self) -> None:
+        if self.shown < self.total:
+            self.bar.update(self.total - self.shown)
+            self.shown = self.total
+        self.bar.close()
+
+
 def bpe_pieces(blocks: Iterable[Block], sample_chars: int) -> Iterator[str]:
     """The first ``sample_chars`` characters of the corpus (whole blocks) in pieces (module doc, 1)."""
     piece: list[str] = []
@@ -206,19 +230,17 @@ def encode_corpus(
 ) -> None:
     """The token file and index of ``blocks`` in ``directory``, continuing an interrupted run."""
     writer = _TokenWriter(directory, block_lines, vocab_size)
-    done, start_bytes, start = writer.done, writer.done["text_bytes"], time.monotonic()
+    done = writer.done
     if total_bytes < 2 * CHUNK_CHARS:  # a chunk or two: starting workers would cost more than they save
         workers = 0
-    bar = progress_of(max(total_bytes // MB, 1), start_bytes // MB, "preparing", unit="megabyte", enabled=progress)
+    bar = Megabytes(total_bytes, done["text_bytes"], "preparing", enabled=progress)
     pending: deque[tuple[Any, list[int], int]] = deque()
 
     def append_oldest() -> None:
         result, docs, text_bytes = pending.popleft()
         ids, lengths = result.get()
         writer.append(ids, lengths, docs, text_bytes)
-        bar.set_postfix(MB_s=f"{(done['text_bytes'] - start_bytes) / MB / (time.monotonic() - start):.1f}")
-        if megabytes := done["text_bytes"] // MB - (done["text_bytes"] - text_bytes) // MB:
-            bar.update(megabytes)
+        bar.advance(text_bytes)
 
     try:
         with _pool(workers, tokenizer_path) as pool:
@@ -232,5 +254,5 @@ def encode_corpus(
                 append_oldest()
     finally:
         writer.close()
-        bar.close()
     writer.finish()
+    bar.finish()

@@ -28,11 +28,9 @@ import numpy as np
 from readback.data import corpus, token_file
 from readback.data.cache import atomic_write, build_lock, cache_root, digest
 from readback.data.documents import iter_blocks
-from readback.data.prepare import MB, bpe_pieces, encode_corpus
+from readback.data.prepare import MB, Megabytes, bpe_pieces, encode_corpus
 from readback.data.settings import ShakespeareData
 from readback.data.token_file import bad_cache_file
-from readback.progress import Progress
-from readback.progress import progress as progress_of
 
 EOS = "<|endoftext|>"
 FORMAT = "readback-text-v1"  # bump when tokenisation changes (its key: a new version trains anew)
@@ -108,9 +106,9 @@ def prepare(cfg: ShakespeareData, files: list[Path], directory: Path, *, progres
     if not tok_path.exists():
         blocks = iter_blocks(files, cfg.format, cfg.text_field, cfg.block_lines)
         sample = min(cfg.tokenizer_sample_mb * MB, sum(f.stat().st_size for f in files))
-        bar = progress_of(max(sample // MB, 1), desc="tokenizer sample", unit="megabyte", enabled=progress)
+        bar = Megabytes(sample, 0, "tokenizer sample", enabled=progress)
         tok = train_bpe(_read(bpe_pieces(blocks, cfg.tokenizer_sample_mb * MB), bar), cfg.vocab_size, progress=False)
-        bar.close()
+        bar.finish()
         atomic_write(tok_path, tok.save, by_name=True)
     if not all(p.exists() for p in token_file.paths(directory, cfg.block_lines)):
         BUILDS["tokens"] += 1
@@ -126,14 +124,11 @@ def prepare(cfg: ShakespeareData, files: list[Path], directory: Path, *, progres
         )
 
 
-def _read(pieces: Iterable[str], bar: Progress) -> Iterator[str]:
-    """``pieces``, counted on ``bar`` in megabytes as the BPE trainer reads them."""
-    chars = 0
+def _read(pieces: Iterable[str], bar: Megabytes) -> Iterator[str]:
+    """``pieces``, counted on ``bar`` as the BPE trainer reads them."""
     for piece in pieces:
         yield piece
-        if megabytes := (chars + len(piece)) // MB - chars // MB:
-            bar.update(megabytes)
-        chars += len(piece)
+        bar.advance(len(piece))
 
 
 def _split(
