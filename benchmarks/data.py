@@ -7,8 +7,8 @@ file: English-like lines of words drawn from a Zipf law over a lexicon that grow
 corpus, so the tokenizer's word counts grow as a real corpus's do), then runs, each in a fresh
 process with a cold cache:
 
-* ``python -m readback.cli.prepare``: its wall time, MB/s, the peak resident memory of its
-  largest process (``ru_maxrss``: the program or one encoding worker) and of the whole process
+* ``python -m readback.cli.prepare``: its wall time and CPU time (all its processes), MB per
+  second of each, the peak resident memory of its largest process (``ru_maxrss``: the program or one encoding worker) and of the whole process
   tree (sampled every 0.1 s);
 * ``train.py`` for one step of the tiny model on the prepared corpus: its peak resident memory.
 
@@ -70,16 +70,18 @@ def _tree_rss_mb(pid: int) -> float:
     return total / (1 << 20)
 
 
-# Runs the command and prints the peak resident KB of its largest process (it and its descendants,
-# once waited for), a fresh count for each command.
+# Runs the command and prints the peak resident KB of its largest process and the CPU seconds of
+# all (it and its descendants, once waited for), a fresh count for each command.
 _PEAK = (
     "import resource, subprocess, sys; code = subprocess.call(sys.argv[1:]); "
-    "print('peak_kb', resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss); sys.exit(code)"
+    "r = resource.getrusage(resource.RUSAGE_CHILDREN); "
+    "print('peak_kb', r.ru_maxrss, 'cpu_s', r.ru_utime + r.ru_stime); sys.exit(code)"
 )
 
 
-def measured(command: list[str], env: dict[str, str]) -> tuple[float, float, float]:
-    """``(seconds, largest process's peak MB, process tree's sampled peak MB)`` of ``command``."""
+def measured(command: list[str], env: dict[str, str]) -> tuple[float, float, float, float]:
+    """``(seconds, CPU seconds, largest process's peak MB, process tree's sampled peak MB)`` of
+    ``command``."""
     start = time.perf_counter()
     proc = subprocess.Popen(
         [sys.executable, "-c", _PEAK, *command],
@@ -97,8 +99,8 @@ def measured(command: list[str], env: dict[str, str]) -> tuple[float, float, flo
     output = proc.stdout.read() if proc.stdout else ""
     if proc.returncode != 0:
         sys.exit(f"{' '.join(command[:4])} ... failed ({proc.returncode}):\n{output[-2000:]}")
-    peak_kb = int(output.rsplit("peak_kb", 1)[1].split()[0])
-    return seconds, peak_kb / 1024, tree_peak
+    peak_kb, _, cpu_s = output.rsplit("peak_kb", 1)[1].split()[:3]
+    return seconds, float(cpu_s), int(peak_kb) / 1024, tree_peak
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -110,9 +112,10 @@ def main(argv: list[str] | None = None) -> None:
     env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"), "WANDB_MODE": "disabled"}
     print(f"{os.cpu_count()} CPUs, data.prepare_workers={args.workers}")
     print(
-        "| corpus | prepare: wall | MB/s | peak RSS, largest process | peak RSS, all processes | training's peak RSS |"
+        "| corpus | prepare: wall | CPU | MB/s | MB per CPU s | peak RSS, largest process | all processes"
+        " | training: peak RSS |"
     )
-    print("|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|")
     for size in (int(s) for s in args.sizes.split(",")):
         corpus_dir, cache = args.dir / f"corpus-{size}mb", args.dir / f"cache-{size}mb"
         files = sorted(corpus_dir.glob("*.txt")) or write_corpus(corpus_dir, size)
@@ -120,7 +123,7 @@ def main(argv: list[str] | None = None) -> None:
         data = [f"data.files=[{','.join(str(f) for f in files)}]", f"data.cache_dir={cache}"]
         mb = sum(f.stat().st_size for f in files) / (1 << 20)
         prep = [sys.executable, "-m", "readback.cli.prepare", *data, f"data.prepare_workers={args.workers}"]
-        seconds, largest, tree = measured(prep, env)
+        seconds, cpu_s, largest, tree = measured(prep, env)
         train = [
             sys.executable,
             "train.py",
@@ -132,8 +135,9 @@ def main(argv: list[str] | None = None) -> None:
             "trainer.progress=false",
             f"hydra.run.dir={args.dir / f'run-{size}mb-{time.time_ns()}'}",
         ]
-        _, train_peak, _ = measured(train, env)  # the program's own peak: one process
-        cells = [f"{mb:.0f} MB", f"{seconds:.1f} s", f"{mb / seconds:.1f}", f"{largest:.0f} MB", f"{tree:.0f} MB"]
+        _, _, train_peak, _ = measured(train, env)  # the program's own peak: one process
+        cells = [f"{mb:.0f} MB", f"{seconds:.0f} s", f"{cpu_s:.0f} s", f"{mb / seconds:.2f}", f"{mb / cpu_s:.2f}"]
+        cells += [f"{largest:.0f} MB", f"{tree:.0f} MB"]
         print(f"| {' | '.join(cells)} | {train_peak:.0f} MB |", flush=True)
 
 
