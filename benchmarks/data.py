@@ -8,8 +8,8 @@ corpus, so the tokenizer's word counts grow as a real corpus's do), then runs, e
 process with a cold cache:
 
 * ``python -m readback.cli.prepare``: its wall time and CPU time (all its processes), MB per
-  second of each, the peak resident memory of its largest process (``ru_maxrss``: the program or one encoding worker) and of the whole process
-  tree (sampled every 0.1 s);
+  second of each, the peak resident memory of its largest process (``ru_maxrss``: the program
+  or one encoding worker) and of the whole process tree (sampled every 0.1 s);
 * ``train.py`` for one step of the tiny model on the prepared corpus: its peak resident memory.
 
 Prints one Markdown row per size (docs/performance.md keeps them).
