@@ -44,7 +44,7 @@ def write_corpus(directory: Path, size_mb: int, seed: int = 0) -> list[Path]:
         path, written = directory / f"part{index:04d}.txt", 0
         with open(path, "w", encoding="utf-8") as f:
             while written < min(left, FILE_MB << 20):
-                words = lexicon[np.minimum(rng.zipf(1.2, size=100_000), n_words) - 1]
+                words = lexicon[np.minimum(rng.zipf(1.2, size=10_000), n_words) - 1]  # about 60 kB
                 lines = [" ".join(words[i : i + 10]) + "\n" for i in range(0, len(words), 10)]
                 text = "".join(lines)
                 f.write(text)
