@@ -22,8 +22,7 @@ from typing import BinaryIO
 
 import numpy as np
 
-from readback.data.cache import atomic_write
-from readback.errors import ConfigError
+from readback.data.cache import atomic_write, bad_cache_file, check_token_ids, check_token_index
 
 INDEX_FIELDS = 2  # per block: end offset, document
 SCAN_TOKENS = 1 << 22  # ids checked per read, so the check holds a few MB whatever the corpus
@@ -44,27 +43,20 @@ def write_meta(meta: Path, vocab_size: int, n_tokens: int, n_blocks: int) -> Non
     atomic_write(meta, lambda f: f.write(json.dumps(record).encode()))
 
 
-def bad_cache_file(path: Path, what: str) -> ConfigError:
-    return ConfigError(
-        "data.cache_dir", str(path), f"a cache file this run can read, and {what}; delete it to rebuild it"
-    )
-
-
 def _check_ids(path: Path, dtype: np.dtype, n_tokens: int, vocab_size: int) -> None:
-    """``ConfigError`` at the first id outside the vocabulary, read a few MB at a time (plain reads,
-    not the map, so checking leaves no pages of the corpus resident)."""
+    """:func:`~readback.data.cache.check_token_ids` over the file, read a few MB at a time (plain
+    reads, not the map, so checking leaves no pages of the corpus resident)."""
     with open(path, "rb") as f:
-        for start in range(0, n_tokens, SCAN_TOKENS):
+        for start in range(0, max(n_tokens, 1), SCAN_TOKENS):
             ids = np.fromfile(f, dtype=dtype, count=min(SCAN_TOKENS, n_tokens - start))
-            if len(ids) and (top := int(ids.max())) >= vocab_size:
-                where = start + int(np.argmax(ids >= vocab_size))
-                raise bad_cache_file(path, f"token {where} is id {top}, outside the vocabulary of {vocab_size} ids")
+            check_token_ids(path, ids, vocab_size, first=start)
 
 
 def load_token_file(directory: Path, block_lines: int, vocab_size: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """``(ids, offsets, block_doc)`` of a prepared corpus: ``ids`` a read-only map, block ``i`` is
     ``ids[offsets[i]:offsets[i + 1]]``. A ``ConfigError`` names the file and what is wrong: not
-    complete (cut short by a copy or a full disk), or ids outside the vocabulary."""
+    complete (cut short by a copy or a full disk), an index out of order, or ids no run can train
+    on (``readback.data.cache``'s checks)."""
     tokens, index, meta = paths(directory, block_lines)
     try:
         record = json.loads(meta.read_text())
@@ -76,9 +68,8 @@ def load_token_file(directory: Path, block_lines: int, vocab_size: int) -> tuple
         if held != size:
             raise bad_cache_file(path, f"it is truncated: it holds {held} bytes, its record counts {size}")
     blocks = np.fromfile(index, dtype=np.int64).reshape(n_blocks, INDEX_FIELDS)
-    offsets = np.concatenate([[0], blocks[:, 0]])
-    if n_blocks == 0 or offsets[-1] != n_tokens or bool(np.any(np.diff(offsets) < 0)):
-        raise bad_cache_file(index, f"it is truncated: its offsets do not count the {n_tokens} token ids")
+    offsets = np.concatenate([np.zeros(1, dtype=np.int64), blocks[:, 0]])
+    check_token_index(index, offsets, blocks[:, 1], n_tokens)
     _check_ids(tokens, dtype, n_tokens, vocab_size)
     return np.memmap(tokens, dtype=dtype, mode="r", shape=(n_tokens,)), offsets, blocks[:, 1]
 

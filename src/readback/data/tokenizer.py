@@ -26,11 +26,10 @@ from typing import Any
 import numpy as np
 
 from readback.data import corpus, token_file
-from readback.data.cache import atomic_write, build_lock, cache_root, digest
+from readback.data.cache import atomic_write, bad_cache_file, build_lock, cache_root, digest
 from readback.data.documents import iter_blocks
 from readback.data.prepare import MB, Megabytes, bpe_pieces, encode_corpus
 from readback.data.settings import ShakespeareData
-from readback.data.token_file import bad_cache_file
 
 EOS = "<|endoftext|>"
 FORMAT = "readback-text-v1"  # bump when tokenisation changes (its key: a new version trains anew)

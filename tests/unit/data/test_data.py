@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import io
+import json
 import math
 import re
 import shutil
@@ -495,6 +496,30 @@ def _out_of_vocab(path: Path) -> None:
     ids.tofile(path)
 
 
+def _record_says(dtype: str):
+    """The token file's record saying its ids are ``dtype``: another version's, or edited."""
+
+    def spoil(tokens: Path) -> None:
+        record = tokens.with_name("tokens-b20.json")
+        record.write_text(json.dumps({**json.loads(record.read_text()), "dtype": dtype}))
+
+    return spoil
+
+
+def _negative(tokens: Path) -> None:
+    """The token file holding signed ids, one negative (with its record saying so)."""
+    ids = np.fromfile(tokens, dtype=np.uint16).astype(np.int16)
+    ids[17] = -3
+    ids.tofile(tokens)
+    _record_says("int16")(tokens)
+
+
+def _offsets_decrease(index: Path) -> None:
+    blocks = np.fromfile(index, dtype=np.int64).reshape(-1, 2)
+    blocks[[0, 1], 0] = blocks[[1, 0], 0]
+    blocks.tofile(index)
+
+
 @pytest.mark.parametrize(
     ("damaged", "damage", "says"),
     [
@@ -503,12 +528,16 @@ def _out_of_vocab(path: Path) -> None:
         ("tokens-b20.json", _cut, "it is not a token file's record (JSONDecodeError)"),
         ("split-b20-f0.05/train.bin", _cut, "it is truncated: its splits hold"),
         ("split-b20-f0.05/val.bin", _out_of_vocab, "token 17 is id 300, outside the vocabulary of 300 ids"),
+        ("tokens-b20.bin", _negative, "token 17 is id -3, negative"),
+        ("tokens-b20.bin", _record_says("float16"), "its ids are float16, not integers"),
+        ("blocks-b20.bin", _offsets_decrease, "offsets do not index its"),
     ],
 )
 def test_a_bad_token_file_is_refused_naming_it(tmp_path, damaged, damage, says):
     """The prepared corpus (token file, its index and record, the splits training maps): cut short
-    by a copy or a full disk, or holding ids the model has no embedding for, is refused before
-    training, naming the file (the splits by their folder when their sum is short)."""
+    by a copy or a full disk, or holding what no run can train on (ids outside the vocabulary,
+    negative or not integers at all, an index out of order), is refused before training, naming
+    the file (the splits by their folder when their sum is short)."""
     cfg = _small_text_cfg(tmp_path)
     build_data(cfg, Layout(seq_len=16, micro_batch=2, seed=0))
     (path,) = tmp_path.glob(f"text/*/{damaged}")
