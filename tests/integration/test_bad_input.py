@@ -105,7 +105,7 @@ CASES = [
         ["data=shakespeare", "data.files=[{tmp}/small.txt]", "data.vocab_size=300", "data.block_lines=20"]
         + ["data.cache_dir={tmp}/cache"],
         {},
-        "tokens-b20.npz' is not valid; valid: a cache file this run can read, and it is truncated or not a token file",
+        "tokens-b20.bin' is not valid; valid: a cache file this run can read, and it is truncated: it holds",
     ),
     ("probe_repeats", ["probe.repeats=0"], {}, "probe.repeats=0 is not valid; valid: an integer >= 1"),
     (
@@ -397,7 +397,7 @@ def _cut_token_shard(tmp: Path) -> None:
     (tmp / "small.txt").write_text("".join(f"line {i} of a small text, word {i % 7}\n" for i in range(400)))
     data = load_data_cfg("shakespeare", files=[str(tmp / "small.txt")], vocab_size=300, block_lines=20)
     build_data(dataclasses.replace(data, cache_dir=str(tmp / "cache")), Layout(seq_len=32, micro_batch=2, seed=0))
-    (shard,) = (tmp / "cache").glob("text/*/tokens-b20.npz")
+    (shard,) = (tmp / "cache").glob("text/*/tokens-b20.bin")
     shard.write_bytes(shard.read_bytes()[:-64])
 
 

@@ -1,5 +1,5 @@
-"""``python train.py > log 2>&1``, as a Slurm job's ``.out`` is written: the tokeniser's and the
-trainer's progress come as a bounded number of plain lines, never as carriage-return frames."""
+"""``python train.py > log 2>&1``, as a Slurm job's ``.out`` is written: the corpus's preparation
+and the trainer's progress come as a bounded number of plain lines, never as carriage-return frames."""
 
 from __future__ import annotations
 
@@ -49,10 +49,14 @@ def test_a_run_logged_to_a_file_has_plain_progress_lines(tmp_path, progress_on):
     assert "\r" not in text
     lines = text.splitlines()
     steps = [line for line in lines if line.startswith("custom: ") and " steps (" in line]
-    tokenising = [line for line in lines if line.startswith("tokenising: ")]
+    preparing = [line for line in lines if line.startswith(("tokenizer sample: ", "preparing: "))]
     if not progress_on:  # no progress at all
-        assert steps == tokenising == [], lines
+        assert steps == preparing == [], lines
         return
     assert 1 <= len(steps) <= 21, steps
     assert steps[-1].startswith("custom: 60/60 steps (100%), loss=") and "ETA 0:00:00" in steps[-1]
-    assert 1 <= len(tokenising) <= 21 and tokenising[-1].startswith("tokenising: 400/400 blocks (100%)"), tokenising
+    assert [line.split(",")[0] for line in preparing] == [  # a corpus under a megabyte: one line each
+        "tokenizer sample: 1/1 megabytes (100%)",
+        "preparing: 1/1 megabytes (100%)",
+    ], preparing
+    assert all("MB_s=" in line and "ETA 0:00:00" in line for line in preparing), preparing

@@ -118,7 +118,7 @@ def check_machine(config: Config) -> None:
     if isinstance(config.data, ShakespeareData) and config.data.files:
         from readback.data.corpus import corpus_files
 
-        corpus_files(config.data.files, config.data.editions)
+        corpus_files(config.data.files, config.data.editions, config.data.format)
 
 
 def check_run_dir(path: Path) -> None:

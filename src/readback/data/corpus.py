@@ -20,8 +20,9 @@ import codecs
 import glob
 import importlib.resources
 import importlib.util
-from dataclasses import dataclass
 from pathlib import Path
+
+import numpy as np
 
 from readback.errors import ConfigError, choose
 
@@ -58,8 +59,9 @@ def local_files(patterns: list[str] | str) -> list[Path]:
     return files
 
 
-def check_files(files: list[Path]) -> list[Path]:
-    """Raise a ``ConfigError`` naming the first missing or empty file."""
+def check_files(files: list[Path], fmt: str = "text") -> list[Path]:
+    """Raise a ``ConfigError`` naming the first missing or empty file (or, for text and JSON
+    lines, one that is not UTF-8 text); the records of JSON lines and Parquet are checked as read."""
     if not files:
         raise ConfigError("data.files", [], "a non-empty list of text files")
     for f in files:
@@ -67,7 +69,8 @@ def check_files(files: list[Path]) -> list[Path]:
             raise ConfigError("data.files", str(f), "existing text files")
         if f.stat().st_size == 0:
             raise ConfigError("data.files", str(f), "non-empty text files")
-        _check_text(f)
+        if fmt != "parquet":
+            _check_text(f)
     return files
 
 
@@ -95,65 +98,15 @@ def _check_text(path: Path, chunk: int = 1 << 20) -> None:
         raise ConfigError("data.files", str(path), f"non-empty text files (its {offset} bytes are all blank)")
 
 
-def corpus_files(patterns: list[str] | None, editions: str) -> list[Path]:
+def corpus_files(patterns: list[str] | None, editions: str, fmt: str = "text") -> list[Path]:
     """The files ``data.files`` selects if set, else the embedded Shakespeare's ``editions``."""
     files = local_files(list(patterns)) if patterns else shakespeare_files(editions)
-    return check_files(files)
+    return check_files(files, fmt)
 
 
-def load_documents(files: list[Path], hf_cache: Path) -> list[str]:
-    """One string per file, read with ``datasets``' local ``text`` builder (no hub access).
-
-    ``text`` is a builder packaged inside ``datasets`` and every file is local, so nothing is
-    resolved or downloaded; its Arrow cache goes under our own cache directory. The one request
-    ``datasets`` would still make, a usage-counter ping for packaged builders, is switched off
-    for the call, so an offline machine neither waits for it nor needs offline mode set.
-    """
-    import datasets
-
-    counts, datasets.config.HF_UPDATE_DOWNLOAD_COUNTS = datasets.config.HF_UPDATE_DOWNLOAD_COUNTS, False
-    bars = not datasets.are_progress_bars_disabled()
-    if bars:  # its "Downloading data" bar for a local copy would only confuse
-        datasets.disable_progress_bars()
-    try:
-        ds = datasets.load_dataset(
-            "text", data_files=[str(f) for f in files], sample_by="document", split="train", cache_dir=str(hf_cache)
-        )
-    finally:
-        datasets.config.HF_UPDATE_DOWNLOAD_COUNTS = counts
-        if bars:
-            datasets.enable_progress_bars()
-    docs = [_clean(t) for t in ds["text"]]
-    if len(docs) != len(files):  # the builder drops files with no text at all
-        raise ConfigError("data.files", [str(f) for f in files], "non-empty text files")
-    for f, doc in zip(files, docs):
-        if not doc.strip():
-            raise ConfigError("data.files", str(f), "non-empty text files")
-    return docs
-
-
-def _clean(text: str) -> str:
-    """Normalise line endings and trailing blanks; the Gutenberg texts here carry no markup."""
-    return text.replace("\r\n", "\n").replace("\r", "\n").strip("\n") + "\n"
-
-
-@dataclass(frozen=True)
-class Block:
-    """``block_lines`` consecutive lines of one document: the unit of the train/val split."""
-
-    doc: int
-    text: str
-
-
-def blocks(docs: list[str], block_lines: int) -> list[Block]:
-    """Cut every document into blocks of ``block_lines`` lines (the last one may be shorter)."""
-    out: list[Block] = []
-    for d, doc in enumerate(docs):
-        lines = doc.splitlines(keepends=True)
-        out.extend(Block(d, "".join(lines[i : i + block_lines])) for i in range(0, len(lines), block_lines))
-    return out
-
-
-def is_val_block(index: int, val_fraction: float) -> bool:
-    """Whether global block ``index`` is validation: exactly ``val_fraction`` of them, evenly spaced."""
-    return int((index + 1) * val_fraction) > int(index * val_fraction)
+def val_blocks(n_blocks: int, val_fraction: float) -> np.ndarray:
+    """Which of ``n_blocks`` blocks are validation: exactly ``val_fraction`` of them, evenly spaced
+    (block ``i`` where ``floor((i + 1) * f) > floor(i * f)``)."""
+    index = np.arange(n_blocks + 1, dtype=np.float64)
+    whole = np.floor(index * val_fraction)
+    return whole[1:] > whole[:-1]

@@ -1,7 +1,9 @@
-"""FineWeb-Edu, streamed from the hub and tokenised on the fly (cluster runs only).
+"""FineWeb-Edu, streamed from the hub or from local shards and tokenised on the fly (cluster runs).
 
-The text is never stored: documents are streamed with ``datasets`` (``streaming=True``),
-tokenised with the Mistral-Nemo tokenizer (131072 ids), joined with its EOS token and cut into
+The text is never stored: documents are streamed with ``datasets`` (``streaming=True``) from the
+hub, or, offline, from Parquet shards on disk as the hub stores them (``data.path``: a directory
+or glob; the same stream, rank split and resumption), tokenised with the Mistral-Nemo tokenizer
+(131072 ids; ``data.tokenizer``: a hub name or a ``tokenizer.json`` file), joined with its EOS token and cut into
 ``seq_len + 1`` windows. Each rank streams only its share of the documents
 (``datasets.distributed.split_dataset_by_node``: whole shards when their number divides by the
 world size, every ``world_size``-th document otherwise), and tokenises it in ``data.loader_workers``
@@ -21,10 +23,12 @@ order, so a restarted ``DataLoader`` continues where the old one was. With a shu
 
 from __future__ import annotations
 
+import glob
 import hashlib
 import os
 from collections.abc import Iterable, Iterator
 from itertools import islice
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -40,22 +44,65 @@ def _one_line(error: BaseException) -> str:
     return f"{type(error).__name__}: {text[0] if text else ''}"
 
 
-def build_fineweb(cfg: FinewebData, layout: Layout) -> TokenStream:
-    """The hub tokenizer and streaming dataset the config names, wrapped in a ``TokenStream``."""
-    import datasets
+def _local_shards(path: str) -> list[str] | None:
+    """The Parquet files of a local ``data.path`` (a directory, searched recursively, or a glob),
+    sorted by name; ``None`` for a hub dataset's name."""
+    here = Path(path).expanduser()
+    if here.is_dir():
+        found = sorted(str(p) for p in here.rglob("*.parquet"))
+    elif any(c in path for c in "*?["):
+        found = sorted(glob.glob(str(here), recursive=True))
+    else:
+        return None
+    require(bool(found), "data.path", path, "a directory or glob of Parquet shards (it matches none)")
+    return found
+
+
+def _tokenizer(name: str) -> Any:
+    """The tokenizer file at ``name``, or the hub tokenizer of that name."""
     from tokenizers import Tokenizer
 
-    name = cfg.tokenizer
-    path = cfg.path
-    subset = cfg.subset
+    if Path(name).expanduser().is_file():
+        try:
+            return Tokenizer.from_file(str(Path(name).expanduser()))
+        except Exception as e:
+            raise ConfigError("data.tokenizer", name, f"a tokenizer.json file [{_one_line(e)}]") from None
     try:
-        tok = Tokenizer.from_pretrained(name, token=os.environ.get("HF_TOKEN"))
+        return Tokenizer.from_pretrained(name, token=os.environ.get("HF_TOKEN"))
     except Exception as e:  # no network, gated repo without a token, wrong name
         raise ConfigError(
             "data.tokenizer",
             name,
-            f"a hub tokenizer this machine can download (network; HF_TOKEN for gated repos) [{_one_line(e)}]",
+            f"a tokenizer file, or a hub tokenizer this machine can download (network; HF_TOKEN for gated repos)"
+            f" [{_one_line(e)}]",
         ) from e
+
+
+def _documents(path: str, subset: str) -> Any:
+    """The training documents as a ``datasets`` stream: local Parquet shards (offline), or the hub's."""
+    import datasets
+
+    shards = _local_shards(path)
+    try:
+        if shards is not None:
+            return datasets.load_dataset("parquet", data_files=shards, split="train", streaming=True)
+        return datasets.load_dataset(path, name=subset, split="train", streaming=True)
+    except Exception as e:
+        where = path if shards is not None else f"{path}/{subset}"
+        raise ConfigError(
+            "data.path" if shards is not None else "data.subset",
+            where,
+            "Parquet shards on this disk, or a dataset and subset this machine can stream from the hub"
+            f" [{_one_line(e)}]",
+        ) from e
+
+
+def build_fineweb(cfg: FinewebData, layout: Layout) -> TokenStream:
+    """The tokenizer and document stream the config names, local or from the hub, in a ``TokenStream``."""
+    name = cfg.tokenizer
+    path = cfg.path
+    subset = cfg.subset
+    tok = _tokenizer(name)
     vocab_size = cfg.vocab_size
     require(
         tok.get_vocab_size() == vocab_size, "data.vocab_size", vocab_size, f"{tok.get_vocab_size()}, the size of {name}"
@@ -64,14 +111,7 @@ def build_fineweb(cfg: FinewebData, layout: Layout) -> TokenStream:
     eos = tok.token_to_id(eos_token)
     if eos is None:
         raise ConfigError("data.eos_token", eos_token, f"a token of {name}")
-    try:
-        ds = datasets.load_dataset(path, name=subset, split="train", streaming=True)
-    except Exception as e:
-        raise ConfigError(
-            "data.subset",
-            f"{path}/{subset}",
-            f"a dataset and subset this machine can stream from the hub [{_one_line(e)}]",
-        ) from e
+    ds = _documents(path, subset)
     val_docs = cfg.val_docs
     shuffle_buffer = cfg.shuffle_buffer
     train, val = hold_out(ds.select_columns(["text"]), val_docs)

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from omegaconf import MISSING
 
 from readback.data.corpus import EDITIONS
+from readback.data.documents import FORMATS
 from readback.errors import require
 from readback.fields import Checked, integer, number, one_of
 
@@ -26,6 +27,10 @@ class ShakespeareData(Data):
     block_lines: int = integer()
     editions: str = one_of(EDITIONS)
     files: list[str] | None = None  # readable text files, checked by readback.config.entry
+    format: str = one_of(FORMATS)
+    text_field: str = MISSING
+    tokenizer_sample_mb: int = integer()
+    prepare_workers: int = integer(minimum=0)
     cache_dir: str | None = None
 
     def check(self) -> None:

@@ -100,25 +100,8 @@ def val_iter(tokens: np.ndarray, n: int, layout: Layout) -> Iterator[Batch]:
         yield windows(tokens, index, seq_len)
 
 
-def split_blocks(
-    ids: np.ndarray, offsets: np.ndarray, block_doc: np.ndarray, is_val: np.ndarray, eos: int
-) -> tuple[np.ndarray, np.ndarray]:
-    """Train and validation token streams; EOS closes every run of consecutive blocks of one document."""
-    out: dict[bool, list[np.ndarray]] = {False: [], True: []}
-    eos_arr = np.asarray([eos], dtype=ids.dtype)
-    n = len(block_doc)
-    for i in range(n):
-        side = bool(is_val[i])
-        out[side].append(ids[offsets[i] : offsets[i + 1]])
-        run_continues = i + 1 < n and bool(is_val[i + 1]) == side and block_doc[i + 1] == block_doc[i]
-        if not run_continues:
-            out[side].append(eos_arr)
-    empty = np.zeros(0, dtype=ids.dtype)
-    return (np.concatenate(out[False]) if out[False] else empty, np.concatenate(out[True]) if out[True] else empty)
-
-
 class PackedStream:
-    """Batches of packed windows over in-memory train/validation token arrays (see module doc)."""
+    """Batches of packed windows over train/validation token arrays, in memory or mapped (see module doc)."""
 
     def __init__(
         self,

@@ -68,6 +68,7 @@ RESUMABLE_KEYS = (
     "trainer.eval_every",
     "trainer.eval_batches",
     "data.cache_dir",
+    "data.prepare_workers",  # the same token file, encoded by more or fewer processes
     "data.prefetch",
     "probe.",  # measurements: the probe and the bias meter never move the run
 )

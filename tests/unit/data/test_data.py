@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import dataclasses
+import io
+import json
 import math
 import re
+import shutil
 import socket
 from pathlib import Path
 
@@ -18,8 +21,8 @@ import toys
 from readback.data import DATASETS, Layout, build_data
 from readback.data.cache import cache_root
 from readback.data.corpus import shakespeare_files
-from readback.data.stream import split_blocks
 from readback.data.synthetic import synthetic_split
+from readback.data.token_file import write_split
 from readback.errors import ConfigError, StateChanged
 from toys import CONF, load_data_cfg
 
@@ -102,19 +105,27 @@ def test_tokenizer_round_trips_and_compresses_real_shakespeare(text_cfg):
 
 def test_second_build_loads_the_cache_without_retraining(text_cfg, monkeypatch):
     directory = next((Path(text_cfg.cache_dir) / "text").iterdir())
-    files = sorted(directory.glob("*.json")) + sorted(directory.glob("*.npz"))
-    assert [f.suffix for f in files] == [".json", ".npz"]
-    mtimes = [f.stat().st_mtime_ns for f in files]
+    files = sorted(p.relative_to(directory) for p in directory.rglob("*") if p.is_file() and p.name[0] != ".")
+    assert [str(f) for f in files] == [
+        "blocks-b100.bin",
+        "split-b100-f0.05/train.bin",
+        "split-b100-f0.05/val.bin",
+        "tokenizer.json",
+        "tokens-b100.bin",
+        "tokens-b100.json",
+    ]
+    mtimes = [(directory / f).stat().st_mtime_ns for f in files]
     builds = dict(tokmod.BUILDS)
 
     def no_training(*args, **kwargs):
         raise AssertionError("retrained although the cache was there")
 
     monkeypatch.setattr(tokmod, "train_bpe", no_training)
-    monkeypatch.setattr(tokmod, "encode_blocks", no_training)
+    monkeypatch.setattr(tokmod, "encode_corpus", no_training)
     stream = build_data(text_cfg, Layout(seq_len=128, micro_batch=4, seed=0))
     assert stream.next_batch()[0].shape == (4, 128)
-    assert [f.stat().st_mtime_ns for f in files] == mtimes
+    assert isinstance(stream.train_tokens, np.memmap) and isinstance(stream.val_tokens, np.memmap)
+    assert [(directory / f).stat().st_mtime_ns for f in files] == mtimes
     assert dict(tokmod.BUILDS) == builds
 
 
@@ -136,11 +147,14 @@ def test_cache_is_keyed_by_corpus_and_vocab(tmp_path):
 # --- packing and split ---------------------------------------------------------------------
 
 
-def test_split_blocks_closes_each_run_with_eos():
+@pytest.mark.parametrize("chunk", [1, 2, 1 << 20])  # a run copied in pieces, or at once
+def test_split_closes_each_run_with_eos(chunk):
     ids = np.array([1, 2, 3, 4, 5, 6], dtype=np.uint16)
     offsets = np.array([0, 2, 3, 5, 6])  # blocks [1 2] [3] [4 5] [6]
     docs = np.array([0, 0, 1, 1])
-    train, val = split_blocks(ids, offsets, docs, np.array([False, True, False, False]), eos=0)
+    out = {False: io.BytesIO(), True: io.BytesIO()}
+    write_split(ids, offsets, docs, np.array([False, True, False, False]), 0, out, chunk=chunk)  # type: ignore[arg-type]
+    train, val = (np.frombuffer(out[side].getvalue(), dtype=np.uint16) for side in (False, True))
     assert train.tolist() == [1, 2, 0, 4, 5, 6, 0]
     assert val.tolist() == [3, 0]
 
@@ -472,60 +486,69 @@ def _small_text_cfg(tmp_path):
     return load_data_cfg("shakespeare", files=[str(text)], vocab_size=300, block_lines=20, cache_dir=str(tmp_path))
 
 
-def _negative(ids: np.ndarray) -> np.ndarray:
-    ids = ids.astype(np.int64)
-    ids[17] = -3
-    return ids
+def _cut(path: Path) -> None:
+    path.write_bytes(path.read_bytes()[:-100])
 
 
-def _nan(ids: np.ndarray) -> np.ndarray:
-    ids = ids.astype(np.float32)
-    ids[5] = np.nan
-    return ids
-
-
-def _beyond(ids: np.ndarray) -> np.ndarray:
-    ids = ids.copy()
+def _out_of_vocab(path: Path) -> None:
+    ids = np.fromfile(path, dtype=np.uint16)
     ids[17] = 300
-    return ids
+    ids.tofile(path)
 
 
-# Each way a cached shard's arrays can be wrong: how to spoil (ids, offsets, block_doc), and what
-# the refusal must say.
-SPOILED_SHARDS = {
-    "short": (lambda i, o, b: (i[:100], o, b), "it is truncated: it holds 100 token ids, its offsets count"),
-    "out_of_vocab": (lambda i, o, b: (_beyond(i), o, b), "token 17 is id 300, outside the vocabulary of 300 ids"),
-    "negative": (lambda i, o, b: (_negative(i), o, b), "token 17 is id -3, negative"),
-    "float_with_nan": (lambda i, o, b: (_nan(i), o, b), "its ids are float32, not integers"),
-    "float_offsets": (lambda i, o, b: (i, o.astype(np.float64), b), "its offsets are float64, not integers"),
-    "two_dimensional": (lambda i, o, b: (i[: len(i) // 2 * 2].reshape(2, -1), o, b), "its ids have shape (2, "),
-    "offsets_decrease": (lambda i, o, b: (i, o[[0, 2, 1, *range(3, len(o))]], b), "offsets do not index its"),
-    "blocks_miscounted": (lambda i, o, b: (i, o, b[:-1]), "offsets do not index its"),
-}
+def _record_says(dtype: str):
+    """The token file's record saying its ids are ``dtype``: another version's, or edited."""
+
+    def spoil(tokens: Path) -> None:
+        record = tokens.with_name("tokens-b20.json")
+        record.write_text(json.dumps({**json.loads(record.read_text()), "dtype": dtype}))
+
+    return spoil
 
 
-@pytest.mark.parametrize("damage", ["cut", *SPOILED_SHARDS])
-def test_a_bad_token_shard_is_refused_naming_it(tmp_path, damage):
-    """The cached token ids of a local text (``tokens-b<lines>.npz``): cut short by a copy or a
-    full disk, or holding what no run can train on (ids outside the vocabulary, negative or not
-    integers at all, arrays of another shape), are refused before training, naming the file."""
+def _negative(tokens: Path) -> None:
+    """The token file holding signed ids, one negative (with its record saying so)."""
+    ids = np.fromfile(tokens, dtype=np.uint16).astype(np.int16)
+    ids[17] = -3
+    ids.tofile(tokens)
+    _record_says("int16")(tokens)
+
+
+def _offsets_decrease(index: Path) -> None:
+    blocks = np.fromfile(index, dtype=np.int64).reshape(-1, 2)
+    blocks[[0, 1], 0] = blocks[[1, 0], 0]
+    blocks.tofile(index)
+
+
+@pytest.mark.parametrize(
+    ("damaged", "damage", "says"),
+    [
+        ("tokens-b20.bin", _cut, "it is truncated: it holds"),
+        ("blocks-b20.bin", _cut, "it is truncated: it holds"),
+        ("tokens-b20.json", _cut, "it is not a token file's record (JSONDecodeError)"),
+        ("split-b20-f0.05/train.bin", _cut, "it is truncated: its splits hold"),
+        ("split-b20-f0.05/val.bin", _out_of_vocab, "token 17 is id 300, outside the vocabulary of 300 ids"),
+        ("tokens-b20.bin", _negative, "token 17 is id -3, negative"),
+        ("tokens-b20.bin", _record_says("float16"), "its ids are float16, not integers"),
+        ("blocks-b20.bin", _offsets_decrease, "offsets do not index its"),
+    ],
+)
+def test_a_bad_token_file_is_refused_naming_it(tmp_path, damaged, damage, says):
+    """The prepared corpus (token file, its index and record, the splits training maps): cut short
+    by a copy or a full disk, or holding what no run can train on (ids outside the vocabulary,
+    negative or not integers at all, an index out of order), is refused before training, naming
+    the file (the splits by their folder when their sum is short)."""
     cfg = _small_text_cfg(tmp_path)
     build_data(cfg, Layout(seq_len=16, micro_batch=2, seed=0))
-    (shard,) = tmp_path.glob("text/*/tokens-b20.npz")
-    if damage == "cut":
-        shard.write_bytes(shard.read_bytes()[:-100])
-        says = "it is truncated or not a token file (BadZipFile"
-    else:
-        spoil, says = SPOILED_SHARDS[damage]
-        with np.load(shard) as z:
-            ids, offsets, block_doc = spoil(z["ids"], z["offsets"], z["block_doc"])
-        np.savez(shard, ids=ids, offsets=offsets, block_doc=block_doc)
+    (path,) = tmp_path.glob(f"text/*/{damaged}")
+    damage(path)
     with pytest.raises(ConfigError) as refused:
         build_data(cfg, Layout(seq_len=16, micro_batch=2, seed=0))
     line = str(refused.value)
-    assert line.startswith(f"data.cache_dir='{shard}' is not valid;") and says in line, line
+    named = path.parent if "splits hold" in says else path
+    assert line.startswith(f"data.cache_dir='{named}' is not valid;") and says in line, line
     assert line.endswith("delete it to rebuild it") and "\n" not in line
-    shard.unlink()
+    shutil.rmtree(named) if named.is_dir() else named.unlink()
     build_data(cfg, Layout(seq_len=16, micro_batch=2, seed=0))  # rebuilt
 
 
