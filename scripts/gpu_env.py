@@ -121,11 +121,14 @@ def in_range(version: str, spec: str) -> bool:
 
 
 def needs_cuda_torch(machine: Machine, python: str = sys.executable) -> str | None:
-    """The one line that stops the check before any part, or None."""
+    """The one line that stops the check before any part (no CUDA build of torch, or one that sees
+    no device: a CPU machine with PyPI's torch), or None."""
     if machine.torch is None:
         return f"needs a CUDA build of torch; {python} cannot import torch ({machine.torch_error}): nothing run"
     if machine.cuda is None:
         return f"needs a CUDA build of torch; {python} has torch {machine.torch}, a CPU-only build: nothing run"
+    if machine.device is None:
+        return f"needs a CUDA device; {python} has torch {machine.torch}, which sees none: nothing run"
     return None
 
 

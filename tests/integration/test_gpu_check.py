@@ -40,10 +40,9 @@ def _check(tmp_path: Path, python: str, **env: str) -> subprocess.CompletedProce
 @pytest.mark.skipif(torch.cuda.is_available(), reason="on a GPU machine the check runs for real")
 def test_without_a_cuda_torch_it_prints_the_versions_says_so_in_one_line_and_runs_nothing(tmp_path):
     result = _check(tmp_path, sys.executable)
-    line = (
-        f"gpu_check: needs a CUDA build of torch; {sys.executable} has torch {torch.__version__}, "
-        "a CPU-only build: nothing run\n"
-    )
+    lacking = "a CPU-only build" if torch.version.cuda is None else "which sees none"  # PyPI's torch is a CUDA build
+    needs = "a CUDA build of torch" if torch.version.cuda is None else "a CUDA device"
+    line = f"gpu_check: needs {needs}; {sys.executable} has torch {torch.__version__}, {lacking}: nothing run\n"
     versions, refusal = result.stdout.splitlines(keepends=True)
     assert versions.startswith(f"Python {platform.python_version()}, torch {torch.__version__}, ")
     assert (result.returncode, refusal, result.stderr) == (100, line, "")

@@ -94,6 +94,13 @@ def test_a_cpu_only_torch_stops_the_check_in_one_line(machine, capsys):
     assert out == f"needs a CUDA build of torch; {sys.executable} has torch 2.13.0+cpu, a CPU-only build: nothing run\n"
 
 
+def test_a_cuda_torch_that_sees_no_device_stops_the_check_in_one_line(machine, capsys):
+    machine(version="2.13.0+cu130", cuda="13.0", device=None)
+    assert gpu_env.main() == 3
+    out = capsys.readouterr().out
+    assert out == f"needs a CUDA device; {sys.executable} has torch 2.13.0+cu130, which sees none: nothing run\n"
+
+
 def test_a_torch_that_does_not_import_stops_the_check_in_one_line(monkeypatch, capsys):
     monkeypatch.setitem(sys.modules, "torch", None)  # import torch raises ImportError
     found = gpu_env.inspect()
