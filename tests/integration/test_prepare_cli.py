@@ -60,7 +60,7 @@ def test_a_prepared_corpus_is_read_by_the_run_without_building(tmp_path):
 
 
 def test_killed_mid_way_the_next_start_continues_to_the_same_files(tmp_path):
-    corpus = _corpus(tmp_path / "big.txt", 6)  # two chunks
+    corpus = _corpus(tmp_path / "big.txt", 16)  # four chunks: the three after the first take seconds to kill in
     straight = _prepare(*_settings(corpus, tmp_path / "straight"))
     assert straight.wait(timeout=600) == 0
     killed = _prepare(*_settings(corpus, tmp_path / "resumed"))
