@@ -33,7 +33,7 @@ test: $(STAMP)
 
 # What CI runs on each supported Python besides the one that runs `make test` (.ci/run): the main
 # job for a few steps, the type check (under this Python's rules) and the fast tests.
-SMOKE_TESTS := tests/unit/train/test_contract.py tests/unit/train/test_checkpoint_index.py tests/unit/model tests/unit/config/test_config.py
+SMOKE_TESTS := tests/unit/train/test_contract.py tests/unit/train/test_checkpoint_index.py tests/unit/model
 smoke: $(STAMP)
 	run=$$(mktemp -d) && WANDB_MODE=disabled $(PY) train.py +experiment=reuse_rounded logger=none \
 	    trainer.steps=5 trainer.progress=false hydra.run.dir=$$run && grep -q '"status": "completed"' $$run/summary.json
