@@ -3,11 +3,20 @@ deterministic, the toy models a test builds, a tiny composed config, and the rea
 made once per session for every test that reads it."""
 
 import functools
+import os
 from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+import torch
 from hypothesis import HealthCheck, settings
+
+# Without a GPU, Triton's kernels run in its interpreter (tests/unit/kernels). Triton reads the
+# switch when a function is decorated, its own library's too, at its first import, which can come
+# early: a CUDA build of torch imports triton with torch._dynamo. So it is set here, before any
+# test module is collected.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import sweeps
 import toys
