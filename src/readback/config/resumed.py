@@ -129,10 +129,14 @@ def _options_picked(overrides: list[str]) -> dict[str, str]:
 
 def _compose(conf_dir: Path, overrides: list[str]) -> DictConfig:
     """``conf_dir``'s ``train`` under ``overrides``; inside a Hydra job too (whose own Hydra is
-    set aside meanwhile and put back)."""
+    set aside meanwhile and put back), with the job's config search path (a sweep's own presets)."""
     from hydra import compose, initialize_config_dir
     from hydra.core.global_hydra import GlobalHydra
+    from hydra.core.hydra_config import HydraConfig
 
+    searchpath = list(HydraConfig.get().searchpath) if HydraConfig.initialized() else []
+    if searchpath:
+        overrides = [*overrides, f"hydra.searchpath=[{','.join(searchpath)}]"]
     jobs = GlobalHydra.instance().hydra
     GlobalHydra.instance().clear()
     try:
