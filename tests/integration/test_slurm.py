@@ -64,6 +64,20 @@ def test_slurm_launcher_config():
     assert local["_target_"].endswith("LocalLauncher") and local["tasks_per_node"] == 1
 
 
+# Sweeps that train one run at a time, each arm branching from the base run's checkpoint
+# (docs/results/d_term/preregistration_bf16_fix_cost.md), rather than one multirun.
+ONE_RUN_AT_A_TIME = {"bf16_fix_cost.sh"}
+
+
+def _a_base_run_to_branch_from(root: Path) -> dict[str, str]:
+    """The environment that points bf16_fix_cost.sh at ``root`` with one seed whose base run
+    has the step-1,500 checkpoint its branches copy."""
+    base = root / "R" / "seed=700"
+    (base / "checkpoints" / "step_0001500").mkdir(parents=True)
+    (base / "metrics.jsonl").write_text("")
+    return {"SWEEP_DIR": str(root), "SEEDS": "700"}
+
+
 def test_sweeps_have_own_dirs_and_resume(tmp_path):
     """Every sweep file writes into its own hydra.sweep.dir (a script that runs several
     multiruns, one per shape, keeps them all under one folder of its own) and resumes requeued or
@@ -73,9 +87,16 @@ def test_sweeps_have_own_dirs_and_resume(tmp_path):
     echo.chmod(0o755)
     dirs = {}
     for script in sorted((REPO / "sweeps").glob("*.sh")):
-        args = subprocess.run(
-            ["bash", str(script)], env={**os.environ, "PYTHON": str(echo)}, capture_output=True, text=True, check=True
-        ).stdout.splitlines()
+        env = {**os.environ, "PYTHON": str(echo)}
+        if script.name in ONE_RUN_AT_A_TIME:
+            env |= _a_base_run_to_branch_from(tmp_path / script.stem)
+        args = subprocess.run(["bash", str(script)], env=env, capture_output=True, text=True, check=True).stdout
+        args = args.splitlines()
+        if script.name in ONE_RUN_AT_A_TIME:  # each run in its own hydra.run.dir, resumed when run again
+            runs = [a.split("=", 1)[1].strip("'") for a in args if a.startswith("hydra.run.dir=")]
+            assert runs and args.count("trainer.resume=true") == len(runs) and "--multirun" not in args, args
+            dirs[script.name] = os.path.commonpath(runs)
+            continue
         found = [a.split("=", 1)[1] for a in args if a.startswith("hydra.sweep.dir=")]
         assert found, (script, args)
         dirs[script.name] = os.path.commonpath(found)
