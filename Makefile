@@ -54,4 +54,4 @@ results-cpu: $(STAMP)
 	    --page docs/results/cpu_mini_study.md --title "CPU mini-study: reuse_rounded, fresh_reround, no_saved_copy at toy scale"
 
 clean:
-	rm -rf $(VENV) outputs multirun .pytest_cache
+	rm -rf $(VENV) .venv-* outputs multirun .pytest_cache
