@@ -28,6 +28,7 @@ from typing import Any, cast
 
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
+from readback.config.refusals import from_composition_error
 from readback.config.store import OPTION_SCHEMAS
 from readback.overrides import override_map, with_current_keys
 from readback.train.settings import RESOLVED_KEYS
@@ -142,6 +143,11 @@ def _compose(conf_dir: Path, overrides: list[str]) -> DictConfig:
     try:
         with initialize_config_dir(str(conf_dir), version_base="1.3"):
             return compose("train", overrides=overrides)
+    except Exception as e:  # an option the run chose that today's conf/ lacks: one line, as at launch
+        refusal = from_composition_error(e, overrides)
+        if refusal is None:
+            raise
+        raise refusal from e
     finally:
         if jobs is not None:
             GlobalHydra.instance().initialize(jobs)

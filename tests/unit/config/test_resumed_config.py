@@ -16,6 +16,7 @@ import pytest
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
+import readback.config.resumed as resumed_module
 import toys
 from readback.config import CONF_DIR, typed
 from readback.config.resumed import record, resumed_config, saved_config
@@ -140,3 +141,11 @@ def test_a_config_saved_by_an_older_readback_resumes_under_todays_conf(caplog):
     assert _said(caplog) == [
         "default changed since this run started: precision.fp8_format was 'HYBRID', is None; this run keeps 'HYBRID'"
     ]
+
+
+def test_a_composition_that_fails_in_a_resume_is_one_line(study):
+    """An option today's ``conf/`` lacks (a sweep preset outside the job's search path was one)
+    is refused naming it, as at launch, not with Hydra's traceback."""
+    with pytest.raises(ConfigError) as refused:
+        resumed_module._compose(study[0], ["model=gone"])
+    assert (refused.value.key, refused.value.value) == ("model", "gone") and "\n" not in str(refused.value)
