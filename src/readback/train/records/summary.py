@@ -7,6 +7,7 @@ import logging
 from pathlib import Path
 from typing import Any
 
+from readback.outputs import SUMMARY_KEYS, check_declared, in_summary_order
 from readback.train.checkpoint import RunDirTaken, WriterLock, atomic_write_text
 from readback.train.checkpoint.dirs import refuse_non_file
 from readback.train.records.metrics import json_safe, write_refused
@@ -19,7 +20,9 @@ def summary_path(run_dir: Path) -> Path:
 
 
 def write_summary(run_dir: Path, summary: dict[str, Any]) -> None:
-    """Atomically write ``summary`` (strict JSON: non-finite numbers as ``null``)."""
+    """Atomically write ``summary`` (strict JSON: non-finite numbers as ``null``), each key one
+    ``readback.outputs.SUMMARY_KEYS`` declares."""
+    check_declared(summary, SUMMARY_KEYS)
     Path(run_dir).mkdir(parents=True, exist_ok=True)
     atomic_write_text(summary_path(run_dir), json.dumps(json_safe(summary), indent=2, allow_nan=False) + "\n")
 
@@ -39,25 +42,27 @@ def run_summary(
     world_size: int,
     experiment: str,
 ) -> dict[str, Any]:
-    """The keys of ``summary.json``, as ``readback.outputs.SUMMARY_KEYS`` declares them (``status``: completed,
-    diverged or failed)."""
-    return {
-        "status": status,
-        "final_loss": final_loss,
-        "val_loss": val_loss,
-        "steps": step,
-        "tokens": step * tokens_per_step,
-        "diverged_at_step": detector.diverged_at_step,
-        "divergence_reason": detector.reason,
-        "skipped_updates": detector.skipped,
-        "nonfinite_tensors": detector.nonfinite_tensors,
-        "wall_time_s": wall_time_s,
-        "n_params": n_params,
-        "site_implementations": site_implementations,
-        "flops_per_token": flops_per_token,
-        "world_size": world_size,
-        "experiment": experiment,
-    }
+    """A run's ``summary.json`` (``status``: completed, diverged or failed), in the order
+    ``readback.outputs.SUMMARY_KEYS`` gives."""
+    return in_summary_order(
+        dict(
+            status=status,
+            final_loss=final_loss,
+            val_loss=val_loss,
+            steps=step,
+            tokens=step * tokens_per_step,
+            diverged_at_step=detector.diverged_at_step,
+            divergence_reason=detector.reason,
+            skipped_updates=detector.skipped,
+            nonfinite_tensors=detector.nonfinite_tensors,
+            wall_time_s=wall_time_s,
+            n_params=n_params,
+            site_implementations=site_implementations,
+            flops_per_token=flops_per_token,
+            world_size=world_size,
+            experiment=experiment,
+        )
+    )
 
 
 class SummaryWriter:
@@ -90,7 +95,8 @@ class SummaryWriter:
         try:
             if self.owner is not None:
                 self.owner.check()
-            write_summary(self.run_dir, {**summary, "status": "failed", "error": f"{type(error).__name__}: {error}"})
+            failed = {**summary, "status": "failed", "error": f"{type(error).__name__}: {error}"}
+            write_summary(self.run_dir, in_summary_order(failed))
         except RunDirTaken:  # another run's directory now: no word of this one's failure there
             pass
         except Exception as write_error:
