@@ -10,7 +10,9 @@ from typing import Any
 from readback.outputs import SUMMARY_KEYS, check_declared, in_summary_order
 from readback.train.checkpoint import RunDirTaken, WriterLock, atomic_write_text
 from readback.train.checkpoint.dirs import refuse_non_file
+from readback.train.divergence import DivergenceDetector
 from readback.train.records.metrics import json_safe, write_refused
+from readback.train.records.metrics_processor import MetricsProcessor
 
 log = logging.getLogger(__name__)
 
@@ -31,35 +33,29 @@ def run_summary(
     status: str,
     *,
     step: int,
-    tokens_per_step: int,
-    final_loss: float | None,
-    val_loss: float | None,
-    detector: Any,
-    wall_time_s: float,
-    n_params: int | None,
-    flops_per_token: float | None,
+    results: MetricsProcessor,
+    detector: DivergenceDetector,
     site_implementations: dict[str, str] | None,
-    world_size: int,
     experiment: str,
 ) -> dict[str, Any]:
     """A run's ``summary.json`` (``status``: completed, diverged or failed), in the order
-    ``readback.outputs.SUMMARY_KEYS`` gives."""
+    ``readback.outputs.SUMMARY_KEYS`` gives; ``results``: the losses, sizes and times so far."""
     return in_summary_order(
         dict(
             status=status,
-            final_loss=final_loss,
-            val_loss=val_loss,
+            final_loss=results.window.last_loss,
+            val_loss=results.window.last_val_loss,
             steps=step,
-            tokens=step * tokens_per_step,
+            tokens=step * results.tokens_per_step,
             diverged_at_step=detector.diverged_at_step,
             divergence_reason=detector.reason,
             skipped_updates=detector.skipped,
             nonfinite_tensors=detector.nonfinite_tensors,
-            wall_time_s=wall_time_s,
-            n_params=n_params,
+            wall_time_s=results.wall_time(),
+            n_params=results.n_params,
             site_implementations=site_implementations,
-            flops_per_token=flops_per_token,
-            world_size=world_size,
+            flops_per_token=results.flops_per_token,
+            world_size=results.env.world_size,
             experiment=experiment,
         )
     )
