@@ -2,13 +2,17 @@
 families of ``metrics.jsonl``, for the writers, ``readback.analysis`` and the docs to agree on.
 
 A metric key is ``<family>`` (one number a record) or ``<family>/<where>`` (``where``: a site, a
-layer, a parameter, a variant and group, with a statistic first where the family has several);
-``tests/unit/train/test_outputs.py`` fails when a run writes a family this table lacks.
+layer, a parameter, a variant and group, with a statistic first where the family has several).
+The writers refuse a key these tables lack (:func:`check_declared`), and
+``tests/unit/train/test_outputs.py`` fails when a table declares one no run writes.
 """
 
 from __future__ import annotations
 
-# summary.json, in the order it is written (``readback.train.records.summary.run_summary``).
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+# summary.json, in the order a run writes it (in_summary_order; a dry run's are its own, last here).
 SUMMARY_KEYS = {
     "status": "completed, diverged or failed (dry_run for a dry run)",
     "final_loss": "the last logged window's mean training loss (null when not finite)",
@@ -26,6 +30,8 @@ SUMMARY_KEYS = {
     "world_size": "processes the run trained on",
     "experiment": "the experiment's name (custom without one)",
     "error": "the exception of a failed run, in one line",
+    "memory_gb": "dry run: the per-GPU memory estimate of each parallel layout, in GB",
+    "te_plan": "dry run under backend=te: what TE runs and how, on the GPU and TE it plans for",
 }
 
 # Every family metrics.jsonl holds, with what it measures.
@@ -70,3 +76,17 @@ METRIC_FAMILIES = {
 def family(key: str) -> str:
     """The family of a metric key: what comes before its first ``/``."""
     return key.split("/", 1)[0]
+
+
+def check_declared(keys: Iterable[str], table: Mapping[str, str]) -> None:
+    """Refuse ``keys`` (metric keys by family) that ``table`` does not declare: a run writes
+    nothing its readers cannot look up here."""
+    undeclared = sorted({family(key) for key in keys} - table.keys())
+    if undeclared:
+        raise ValueError(f"keys not declared in readback.outputs: {', '.join(undeclared)}")
+
+
+def in_summary_order(values: Mapping[str, Any]) -> dict[str, Any]:
+    """``values`` as ``summary.json`` holds them: in :data:`SUMMARY_KEYS`' order, each declared."""
+    check_declared(values, SUMMARY_KEYS)
+    return {key: values[key] for key in SUMMARY_KEYS if key in values}

@@ -1,6 +1,6 @@
 """Ctrl-C in a long program: one line on stderr and exit 130 (what ``SIGINT`` would give), never
 a traceback. What the program finished before stays as it was written: each program writes its
-files whole (``readback.train.checkpoint.io.atomic_write_text`` and the like), so an interrupted
+files whole (``readback.train.checkpoint.atomic.atomic_write_text`` and the like), so an interrupted
 one leaves the finished files and no torn one.
 
     @ends_on_ctrl_c("readback.analysis")

@@ -47,19 +47,25 @@ import numpy as np
 import pandas as pd
 
 from readback.analysis.groups import CONFIG_AXES
+from readback.outputs import SUMMARY_KEYS
 
-# The keys of summary.json (readback.outputs.SUMMARY_KEYS says what each is) that a run's row keeps.
-SUMMARY_FIELDS = (
-    "status",
-    "final_loss",
-    "val_loss",
-    "steps",
-    "tokens",
-    "diverged_at_step",
-    "wall_time_s",
-    "n_params",
-    "error",
+# The keys of summary.json (readback.outputs.SUMMARY_KEYS says what each is) that a run's row
+# leaves in the file: the experiment is a config axis, the rest say more than a table's column.
+SUMMARY_LEFT_OUT = frozenset(
+    {
+        "divergence_reason",
+        "skipped_updates",
+        "nonfinite_tensors",
+        "site_implementations",
+        "flops_per_token",
+        "world_size",
+        "experiment",
+        "memory_gb",
+        "te_plan",
+    }
 )
+# The keys a run's row keeps, in summary.json's order.
+SUMMARY_FIELDS = tuple(key for key in SUMMARY_KEYS if key not in SUMMARY_LEFT_OUT)
 SUMMARY_COLUMNS = (
     *CONFIG_AXES,
     "group",

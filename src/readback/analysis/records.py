@@ -13,7 +13,7 @@ import numpy as np
 import pandas as pd
 
 from readback.analysis.groups import AXIS_DEFAULTS, CONFIG_AXES, assign_groups
-from readback.analysis.load import METRIC_COLUMNS, SUMMARY_COLUMNS, Runs, empty_metrics
+from readback.analysis.load import METRIC_COLUMNS, SUMMARY_COLUMNS, SUMMARY_FIELDS, Runs, empty_metrics
 from readback.overrides import config_value, override_map
 
 # Record fields that are not metrics.
@@ -176,15 +176,17 @@ def _one_run(e: Mapping[str, Any], keys: Sequence[str] | None) -> tuple[dict[str
     vals = [by_step[s].get("val_loss") for s in steps if by_step[s].get("val_loss") is not None]
 
     s = summary or {}
-    row["status"] = s.get("status") if summary is not None else e.get("status_without_summary", "failed")
-    row["final_loss"] = s.get("final_loss") if "final_loss" in s else (losses[-1] if losses else None)
-    row["val_loss"] = s.get("val_loss") if "val_loss" in s else (vals[-1] if vals else None)
-    row["steps"] = s.get("steps") if s.get("steps") is not None else (int(steps[-1]) if steps else None)
-    row["tokens"] = s.get("tokens") if s.get("tokens") is not None else last.get("tokens")
-    row["diverged_at_step"] = s.get("diverged_at_step")
-    row["wall_time_s"] = s.get("wall_time_s")
-    row["n_params"] = s.get("n_params")
-    row["error"] = s.get("error")
+    row.update({key: s.get(key) for key in SUMMARY_FIELDS})
+    if summary is None:
+        row["status"] = e.get("status_without_summary", "failed")
+    if "final_loss" not in s:
+        row["final_loss"] = losses[-1] if losses else None
+    if "val_loss" not in s:
+        row["val_loss"] = vals[-1] if vals else None
+    if row["steps"] is None:
+        row["steps"] = int(steps[-1]) if steps else None
+    if row["tokens"] is None:
+        row["tokens"] = last.get("tokens")
     row["diverged"] = row["status"] == "diverged" or row["diverged_at_step"] is not None
     row["last_step"] = int(steps[-1]) if steps else None
     row["bad_lines"] = int(e.get("bad_lines", 0) or 0)

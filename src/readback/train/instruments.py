@@ -83,3 +83,12 @@ def instruments(settings: Probe, distributed: bool) -> list[ProbeBeforeTraining 
         (ProbeBeforeTraining if distributed else TapedProbe)(probe),
         TrainingBiasMeter(settings.bias_every, settings.bias_batches, DTYPES[settings.dtype]),
     ]
+
+
+def due_at(
+    step: int, run_instruments: list[ProbeBeforeTraining | TrainingBiasMeter]
+) -> tuple[list[ProbeBeforeTraining | TrainingBiasMeter], TapedProbe | None]:
+    """The instruments due at ``step``: those that measure the step's first micro-batch before
+    it trains, in their order, and the taped probe, which takes that training pass as its own."""
+    due = [i for i in run_instruments if i.due(step)]
+    return [i for i in due if not isinstance(i, TapedProbe)], next((i for i in due if isinstance(i, TapedProbe)), None)

@@ -47,7 +47,7 @@ from readback.train.contract import Builders, check_model, with_vocabulary
 from readback.train.distributed import DistEnv, all_reduce_mean, set_collective_timeout
 from readback.train.divergence import DivergenceDetector
 from readback.train.dry_run import check_memory
-from readback.train.instruments import TapedProbe, instruments
+from readback.train.instruments import due_at, instruments
 from readback.train.lost_ranks import lost_rank
 from readback.train.optim import WSDSchedule, build_optimizer, build_scheduler, clip_gradients, nonfinite_grad_names
 from readback.train.parallel import apply_parallelism, no_gradient_sync, whole_parameters
@@ -74,17 +74,12 @@ class Trainer:
     ) -> None:
         self.cfg, self.run_dir, self.env, self.accum, self.experiment = cfg, Path(run_dir), env, accum, experiment
         self.builders, self.guard, self.writer = builders, guard, writer  # writer: rank 0's lock of run_dir
-        t = cfg.trainer
-        self.steps = t.steps
-        self.tokens_per_step = cfg.model.global_batch * cfg.model.seq_len
-        self.log_every, self.eval_every = t.log_every, t.eval_every
-        self.grad_clip = t.optim.grad_clip
-        self.detector = DivergenceDetector(t.divergence)
+        self.steps = cfg.trainer.steps
+        self.detector = DivergenceDetector(cfg.trainer.divergence)
         self.instruments = instruments(cfg.probe, env.distributed)
         self.summary = SummaryWriter(self.run_dir, is_main=env.is_main, owner=writer)
-        self.n_params: int | None = None
-        self.t_start = time.time()
-        self.metrics = MetricsProcessor(env, tokens_per_step=self.tokens_per_step, t_start=self.t_start, owner=writer)
+        tokens_per_step = cfg.model.global_batch * cfg.model.seq_len
+        self.metrics = MetricsProcessor(env, tokens_per_step=tokens_per_step, t_start=time.time(), owner=writer)
         self.preempt = False  # a preemption signal reached some rank: checkpoint and stop after this step
         self.loop_started = False
         self.step = self.start = 0
@@ -100,7 +95,7 @@ class Trainer:
         torch.manual_seed(cfg.seed)
         self.model = check_model(self.builders.model(cfg, str(env.device)))
         check_params(cfg.probe, self.model)  # the names its patterns match exist once it is built
-        self.n_params = int(self.model.n_params())
+        self.metrics.n_params = int(self.model.n_params())
         self.forward = apply_parallelism(self.model, env, cfg.trainer.parallel)  # before the optimizer: FSDP shards
         self.compiled = compiled(self.forward) if cfg.trainer.compile else None
         self.activation_stats = ActivationStats(self.model)  # forward hooks: FSDP keeps the modules
@@ -132,7 +127,7 @@ class Trainer:
             self.step = self.start = start
             self.metrics.open_logger(self.cfg, self.run_dir, resume_step=start, wandb_run_id=wandb_id)
             self.summary.clear()
-            self.metrics.log_start(self.experiment, self.n_params, steps=self.steps, accum=self.accum)
+            self.metrics.log_start(self.experiment, steps=self.steps, accum=self.accum)
             status = self._loop(start)
             self.checkpoints.wait()  # an asynchronous save still in flight
         except Preempted as p:
@@ -175,11 +170,10 @@ class Trainer:
         for micro in range(self.accum):
             x, y = self.stream.next_batch()
             x, y = x.to(dev, non_blocking=True), y.to(dev, non_blocking=True)
-            due = [i for i in self.instruments if micro == 0 and i.due(step)]
-            for instrument in (i for i in due if not isinstance(i, TapedProbe)):
+            before, taped = due_at(step, self.instruments) if micro == 0 else ([], None)
+            for instrument in before:
                 with whole_parameters(self.forward):
                     instrument.measure(self.model, x, y, self.stream)
-            taped = next((i for i in due if isinstance(i, TapedProbe)), None)
             last = micro == self.accum - 1
             measured = track_stats and last  # activation and mechanism statistics: the training pass only
             with self.activation_stats.measuring(measured), self.model.numerics.measuring(measured):
@@ -194,7 +188,7 @@ class Trainer:
             loss_sum += loss.detach().float()
         signalled = torch.tensor(float(self.guard.requested is not None), device=dev)
         mean_loss, preempt = all_reduce_mean(torch.stack([loss_sum / self.accum, signalled]), self.env)
-        gnorm = clip_gradients(self.params, self.grad_clip).to(dev)
+        gnorm = clip_gradients(self.params, self.cfg.trainer.optim.grad_clip).to(dev)
         loss_v, gnorm_v, preempt_v = torch.stack([mean_loss, gnorm, preempt]).tolist()
         self.preempt = self.preempt or preempt_v > 0
         return loss_v, gnorm_v
@@ -231,31 +225,30 @@ class Trainer:
     def _stop_nonfinite(self, step: int, t0: float, loss: float, lr: float, gnorm: float) -> None:
         """The step's loss or gradients are not finite: drop its update, log it, stop."""
         self.optimizer.zero_grad(set_to_none=True)
-        m = self.metrics
-        m.close_diverged(loss, time.perf_counter() - t0)
-        rec = m.record(step, loss, lr, gnorm, self.model, len(self.detector.skipped), self._pop_measured())
-        m.log({**rec, "diverged": True})
+        self.metrics.close_diverged(loss, time.perf_counter() - t0)
+        self.metrics.log({**self._record(step, loss, lr, gnorm), "diverged": True})
         if self.env.is_main:
             log.error("stopping: %s; non-finite: %s", self.detector.reason, ", ".join(self.detector.nonfinite_tensors))
 
-    def _pop_measured(self) -> dict[str, float]:
-        """This record's activation statistics and instruments' results (each measured once)."""
-        found = self.activation_stats.pop()
+    def _record(self, step: int, loss: float, lr: float, gnorm: float) -> dict[str, Any]:
+        """The record of ``step``, with the activation statistics and instruments' results measured
+        since the last one (each recorded once)."""
+        measured = self.activation_stats.pop()
         for instrument in self.instruments:
-            found |= instrument.pop()
-        return found
+            measured |= instrument.pop()
+        return self.metrics.record(step, loss, lr, gnorm, self.model, len(self.detector.skipped), measured)
 
     def _loop(self, start: int) -> str:
-        env, m = self.env, self.metrics
-        if self.cfg.trainer.progress:
+        env, m, t = self.env, self.metrics, self.cfg.trainer
+        if t.progress:
             m.open_progress_bar(self.steps, start, self.experiment)
         last_saved, stopped = start, False
         self.model.train()
         self.loop_started = True
         for step in range(start + 1, self.steps + 1):
             t0 = time.perf_counter()
-            is_eval = step % self.eval_every == 0 or step == self.steps
-            is_log = step % self.log_every == 0 or is_eval or any(i.due(step) for i in self.instruments)
+            is_eval = step % t.eval_every == 0 or step == self.steps
+            is_log = step % t.log_every == 0 or is_eval or any(i.due(step) for i in self.instruments)
             lr = float(self.scheduler.get_last_lr()[0])  # a float: the schedule is a LambdaLR
             loss, gnorm = self._train_step(step, track_stats=is_log)
             self.step = step
@@ -264,16 +257,14 @@ class Trainer:
                 return "diverged"
             m.step_done(loss, time.perf_counter() - t0)
             if step == start + 1:
-                set_collective_timeout(env, self.cfg.trainer.timeouts.step_s)
+                set_collective_timeout(env, t.timeouts.step_s)
             if is_log:
                 window_loss = m.window.mean_loss()
                 if self.detector.observe_logged(step, window_loss):
                     stopped = is_eval = True
                     if env.is_main:
                         log.error("stopping: %s", self.detector.reason)
-                rec = m.record(
-                    step, window_loss, lr, gnorm, self.model, len(self.detector.skipped), self._pop_measured()
-                )
+                rec = self._record(step, window_loss, lr, gnorm)
                 if is_eval:
                     rec["val_loss"] = m.window.last_val_loss = self.validator.evaluate(self.model)
                 m.log(rec, window_loss=window_loss)
@@ -298,18 +289,11 @@ class Trainer:
         self.checkpoints.save(self.step, wandb_run_id=self.metrics.logger.wandb_run_id)
 
     def _summary(self, status: str) -> dict[str, Any]:
-        m = self.metrics
         return run_summary(
             status,
             step=self.step,
-            tokens_per_step=self.tokens_per_step,
+            results=self.metrics,
             detector=self.detector,
-            final_loss=m.window.last_loss,
-            val_loss=m.window.last_val_loss,
-            wall_time_s=m.wall_time(),
-            n_params=self.n_params,
-            flops_per_token=m.flops_per_token,
-            world_size=self.env.world_size,
             site_implementations=site_implementations(self.cfg),
             experiment=self.experiment,
         )

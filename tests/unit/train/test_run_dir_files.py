@@ -40,10 +40,10 @@ def test_a_full_disk_under_the_log_is_one_line_naming_it(tmp_path, full_disk):
 
 
 def test_a_full_disk_under_the_summary_is_one_line_naming_it(tmp_path, full_disk, monkeypatch):
-    import readback.train.checkpoint.io as checkpoint_io
+    import readback.train.checkpoint.atomic as atomic_files
 
     real_fdopen = os.fdopen
-    monkeypatch.setattr(checkpoint_io.os, "fdopen", lambda fd, mode: real_fdopen(os.open(full_disk, os.O_WRONLY), mode))
+    monkeypatch.setattr(atomic_files.os, "fdopen", lambda fd, mode: real_fdopen(os.open(full_disk, os.O_WRONLY), mode))
     with pytest.raises(ConfigError) as refused:
         SummaryWriter(tmp_path, is_main=True).write({"status": "completed"})
     assert f"writing {summary_path(tmp_path)} failed ([Errno {errno.ENOSPC}] {FULL})" in str(refused.value)

@@ -26,7 +26,8 @@ from typing import Any
 
 from readback.errors import ConfigError
 from readback.train.checkpoint import io as checkpoint_io
-from readback.train.checkpoint.io import CHECKSUM, INDEX, fsync_dir
+from readback.train.checkpoint.atomic import fsync_dir
+from readback.train.checkpoint.io import CHECKSUM, INDEX
 
 log = logging.getLogger(__name__)
 

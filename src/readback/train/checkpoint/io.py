@@ -14,9 +14,6 @@ goes through an unpickler that knows only DCP's metadata classes, items and blob
 zlib's CRC-32 catches what damage does to a file (cut short, overwritten, flipped bits) at about
 4 GB/s, 2.5 times SHA-256's speed, so a resume waits seconds for it, not minutes. It is no defence
 against a forged checkpoint (with checksums to match); loading without running code is.
-
-Small files (the checksums, ``summary.json``, ``metrics.jsonl``, ``launch.json``) are written all
-at once (:func:`atomic_write_text`): a crash leaves the old file or the new one, never a part.
 """
 
 from __future__ import annotations
@@ -24,11 +21,9 @@ from __future__ import annotations
 import contextlib
 import io
 import json
-import os
 import pickle
 import platform
 import sys
-import tempfile
 import warnings
 import zlib
 from collections.abc import Iterator
@@ -46,6 +41,7 @@ from torch.distributed.checkpoint.planner import ReadItem
 from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 
 from readback.errors import ConfigError
+from readback.train.checkpoint.atomic import atomic_write_text
 
 # without a process group DCP warns on every call that it assumes one process: so it does
 warnings.filterwarnings("ignore", message="torch.distributed is .*assuming the intent is to")
@@ -54,8 +50,6 @@ INDEX = ".metadata"  # DCP's index, written last: a directory without it holds n
 CHECKSUM = "crc32"
 _CHECKSUMS = "checksums.json"  # each rank's: __<rank>_checksums.json
 _CHUNK = 8 << 20
-_UMASK = os.umask(0o022)
-os.umask(_UMASK)
 _INDEX_MODULES = ("torch.distributed.checkpoint.metadata",)
 _INDEX_GLOBALS = {
     ("torch", "Size"),
@@ -67,35 +61,6 @@ _INDEX_GLOBALS = {
     ("pathlib", "PureWindowsPath"),
     ("collections", "OrderedDict"),
 }
-
-
-def fsync_dir(path: Path) -> None:
-    """Make a rename or a new file in ``path`` durable (best effort: some file systems refuse)."""
-    with contextlib.suppress(OSError):
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-
-
-def atomic_write_text(path: Path, text: str) -> None:
-    """Write ``text`` into a temporary sibling of ``path``, fsync it, then rename it onto ``path``."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        os.fchmod(fd, 0o666 & ~_UMASK)  # mkstemp makes 0600 files: give the final file the usual mode
-        with os.fdopen(fd, "wb") as f:
-            f.write(text.encode("utf-8"))
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        raise
-    fsync_dir(path.parent)
 
 
 def crc32_of(path: Path) -> int:

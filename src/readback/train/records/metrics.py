@@ -22,6 +22,7 @@ from typing import Any, BinaryIO
 
 from readback.errors import ConfigError
 from readback.jsonl import read_jsonl
+from readback.outputs import METRIC_FAMILIES, check_declared
 from readback.train.checkpoint import WriterLock, atomic_write_text, checkpoint_dir
 from readback.train.checkpoint.dirs import newest_intact, refuse_non_file
 from readback.train.records.identity import launch_context, run_identity
@@ -172,6 +173,8 @@ class MetricsLogger:
         return self.wandb.run_id if self.wandb is not None else None
 
     def log(self, record: Mapping[str, Any]) -> None:
+        """Write ``record``, each of its families one ``readback.outputs.METRIC_FAMILIES`` declares."""
+        check_declared(record, METRIC_FAMILIES)
         record = json_safe(dict(record))
         if self.jsonl is not None:
             self.jsonl.write(record)

@@ -58,7 +58,8 @@ class MetricsProcessor:
 
     def __init__(self, env: DistEnv, *, tokens_per_step: int, t_start: float, owner: WriterLock | None = None) -> None:
         self.env, self.tokens_per_step, self.owner = env, tokens_per_step, owner  # owner: rank 0's lock
-        self.flops_per_token: float | None = None  # set once the model is built
+        self.n_params: int | None = None  # these two set once the model is built
+        self.flops_per_token: float | None = None
         self.window = Window()
         self.logger = MetricsLogger()
         self.run_dir: Path | None = None  # set once the launch is recorded (open_logger)
@@ -100,12 +101,12 @@ class MetricsProcessor:
             rebuild,
         )
 
-    def log_start(self, experiment: str, n_params: int | None, *, steps: int, accum: int) -> None:
+    def log_start(self, experiment: str, *, steps: int, accum: int) -> None:
         if self.env.is_main:
             log.info(
                 "%s: %s params, %.4g FLOPs/token, %d steps x %d tokens, accum %d, world %d, %s",
                 experiment,
-                f"{n_params:,}",
+                f"{self.n_params:,}",
                 self.flops_per_token,
                 steps,
                 self.tokens_per_step,

@@ -7,9 +7,12 @@ import logging
 from pathlib import Path
 from typing import Any
 
+from readback.outputs import SUMMARY_KEYS, check_declared, in_summary_order
 from readback.train.checkpoint import RunDirTaken, WriterLock, atomic_write_text
 from readback.train.checkpoint.dirs import refuse_non_file
+from readback.train.divergence import DivergenceDetector
 from readback.train.records.metrics import json_safe, write_refused
+from readback.train.records.metrics_processor import MetricsProcessor
 
 log = logging.getLogger(__name__)
 
@@ -19,7 +22,9 @@ def summary_path(run_dir: Path) -> Path:
 
 
 def write_summary(run_dir: Path, summary: dict[str, Any]) -> None:
-    """Atomically write ``summary`` (strict JSON: non-finite numbers as ``null``)."""
+    """Atomically write ``summary`` (strict JSON: non-finite numbers as ``null``), each key one
+    ``readback.outputs.SUMMARY_KEYS`` declares."""
+    check_declared(summary, SUMMARY_KEYS)
     Path(run_dir).mkdir(parents=True, exist_ok=True)
     atomic_write_text(summary_path(run_dir), json.dumps(json_safe(summary), indent=2, allow_nan=False) + "\n")
 
@@ -28,36 +33,32 @@ def run_summary(
     status: str,
     *,
     step: int,
-    tokens_per_step: int,
-    final_loss: float | None,
-    val_loss: float | None,
-    detector: Any,
-    wall_time_s: float,
-    n_params: int | None,
-    flops_per_token: float | None,
+    results: MetricsProcessor,
+    detector: DivergenceDetector,
     site_implementations: dict[str, str] | None,
-    world_size: int,
     experiment: str,
 ) -> dict[str, Any]:
-    """The keys of ``summary.json``, as ``readback.outputs.SUMMARY_KEYS`` declares them (``status``: completed,
-    diverged or failed)."""
-    return {
-        "status": status,
-        "final_loss": final_loss,
-        "val_loss": val_loss,
-        "steps": step,
-        "tokens": step * tokens_per_step,
-        "diverged_at_step": detector.diverged_at_step,
-        "divergence_reason": detector.reason,
-        "skipped_updates": detector.skipped,
-        "nonfinite_tensors": detector.nonfinite_tensors,
-        "wall_time_s": wall_time_s,
-        "n_params": n_params,
-        "site_implementations": site_implementations,
-        "flops_per_token": flops_per_token,
-        "world_size": world_size,
-        "experiment": experiment,
-    }
+    """A run's ``summary.json`` (``status``: completed, diverged or failed), in the order
+    ``readback.outputs.SUMMARY_KEYS`` gives; ``results``: the losses, sizes and times so far."""
+    return in_summary_order(
+        dict(
+            status=status,
+            final_loss=results.window.last_loss,
+            val_loss=results.window.last_val_loss,
+            steps=step,
+            tokens=step * results.tokens_per_step,
+            diverged_at_step=detector.diverged_at_step,
+            divergence_reason=detector.reason,
+            skipped_updates=detector.skipped,
+            nonfinite_tensors=detector.nonfinite_tensors,
+            wall_time_s=results.wall_time(),
+            n_params=results.n_params,
+            site_implementations=site_implementations,
+            flops_per_token=results.flops_per_token,
+            world_size=results.env.world_size,
+            experiment=experiment,
+        )
+    )
 
 
 class SummaryWriter:
@@ -90,7 +91,8 @@ class SummaryWriter:
         try:
             if self.owner is not None:
                 self.owner.check()
-            write_summary(self.run_dir, {**summary, "status": "failed", "error": f"{type(error).__name__}: {error}"})
+            failed = {**summary, "status": "failed", "error": f"{type(error).__name__}: {error}"}
+            write_summary(self.run_dir, in_summary_order(failed))
         except RunDirTaken:  # another run's directory now: no word of this one's failure there
             pass
         except Exception as write_error:
