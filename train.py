@@ -73,7 +73,9 @@ def _where_the_outputs_are(run_dir: Path) -> None:
     """A single run's last lines on stderr (rank 0): its folder, and the command that draws its
     loss and gradient-error plots and report."""
     if HydraConfig.get().mode == RunMode.RUN and int(os.environ.get("RANK", "0")) == 0:
-        print(f"outputs: {run_dir}\nplots and report: python -m readback.analysis {run_dir} --html", file=sys.stderr)
+        print(
+            f"outputs: {run_dir}\nplots and report: python -m readback.cli.analysis {run_dir} --html", file=sys.stderr
+        )
 
 
 @hydra.main(config_path="conf", config_name="train", version_base="1.3")

@@ -13,7 +13,7 @@
 #   accumulation    the same bit-identical fractions with CUBLASLT_WORKSPACE_SIZE=0 (cuBLAS cannot split K)
 #   policy_runs     scripts/gpu_policy_runs.py: every policy and BF16, 20 steps of a head-dim-128 FOG
 #                   through train.py on CUDA (completed, every loss finite)
-#   audit           python -m readback.audit: the read-rule audit of single ops
+#   audit           python -m readback.cli.audit: the read-rule audit of single ops
 #   kernel_tests    tests/unit/backends/test_gpu_kernel.py: the Triton attention core on CUDA against the ops core
 #                   on the CPU (codes, counts, O and gradients within the interpreter tests' bounds)
 #   kernel_benchmark  benchmarks/attention_kernel.py: the FP8 core's forward + backward on the Triton kernel and
@@ -99,7 +99,7 @@ part accumulation 60 env CUBLASLT_WORKSPACE_SIZE=0 "${PYTEST[@]}" -s tests/unit/
 grep -h "^scaled_mm bit-identical" "$LOGS/emulated_tests.log" "$LOGS/accumulation.log" 2>/dev/null \
   | tee -a "$LOGS/summary.txt"
 part policy_runs 100 "$PY" scripts/gpu_policy_runs.py --out "$LOGS/policy_runs"
-part audit 40 "$PY" -m readback.audit
+part audit 40 "$PY" -m readback.cli.audit
 part kernel_tests 90 "${PYTEST[@]}" tests/unit/backends/test_gpu_kernel.py
 part kernel_benchmark 60 "$PY" benchmarks/attention_kernel.py --seq 4096 --json "$LOGS/attention_kernel.json"
 grep -h "^attention at seq " "$LOGS/kernel_benchmark.log" 2>/dev/null | tee -a "$LOGS/summary.txt"

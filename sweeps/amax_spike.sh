@@ -10,7 +10,7 @@
 #   sweeps/amax_spike.sh [OVERRIDES...]
 #
 # Runs land in multirun/amax_spike/<experiment>/<precision.amax_spike,seed>/; the paired table:
-#   python -m readback.analysis multirun/amax_spike --html
+#   python -m readback.cli.analysis multirun/amax_spike --html
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-$(test -x .venv/bin/python && echo .venv/bin/python || echo python3)}

@@ -15,8 +15,8 @@
 #   sweeps/bf16_bwd_fix.sh [OVERRIDES...]      (SEEDS=100,101 runs a subset, e.g. one stream a core)
 #
 # Runs land in multirun/bf16_bwd_fix/<experiment>/<precision.site_margin,seed>/; the tests:
-#   python -m readback.analysis multirun/bf16_bwd_fix --control no_saved_copy
-#   python -m readback.analysis multirun/bf16_bwd_fix --control reuse_rounded
+#   python -m readback.cli.analysis multirun/bf16_bwd_fix --control no_saved_copy
+#   python -m readback.cli.analysis multirun/bf16_bwd_fix --control reuse_rounded
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-$(test -x .venv/bin/python && echo .venv/bin/python || echo python3)}

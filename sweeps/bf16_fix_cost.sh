@@ -18,7 +18,7 @@
 #   OMP_NUM_THREADS=1 nice -n 19 sweeps/bf16_fix_cost.sh         (SEEDS="700 701" runs a subset)
 #
 # Runs land in multirun/bf16_fix_cost/<arm>/seed=<seed>/; the decision:
-#   python scripts/bf16_fix_cost_decision.py multirun/bf16_fix_cost
+#   python -m readback.cli.decide bf16_fix_cost multirun/bf16_fix_cost
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-$(test -x .venv/bin/python && echo .venv/bin/python || echo python3)}

@@ -9,7 +9,7 @@
 #
 #   OMP_NUM_THREADS=1 nice -n 19 sweeps/bf16_fix_cost_meters.sh
 #
-# The decision: python scripts/te_reads_meter_decision.py multirun/bf16_fix_cost_ladder
+# The decision: python -m readback.cli.decide te_reads_meter multirun/bf16_fix_cost_ladder
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-$(test -x .venv/bin/python && echo .venv/bin/python || echo python3)}

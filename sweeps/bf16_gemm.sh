@@ -3,7 +3,7 @@
 # fp32 (the default: an FP32 GEMM of the BF16 values, rounded once) and native (torch's BF16 GEMM),
 # the tiny FOG of `make train` (1,000 steps, the embedded text). The runs of one experiment and
 # seed share everything but the kernel, so the two kernels are compared seed by seed:
-#   python -m readback.analysis multirun/bf16_gemm --control none --pair-axis precision.bf16_gemm=native
+#   python -m readback.cli.analysis multirun/bf16_gemm --control none --pair-axis precision.bf16_gemm=native
 # 30 runs; about 40 minutes on 2 cores (SEEDS=, EXPERIMENTS= for fewer).
 #
 #   sweeps/bf16_gemm.sh [OVERRIDES...]

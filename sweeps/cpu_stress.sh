@@ -12,7 +12,7 @@
 #
 # Runs land in multirun/cpu_stress/<experiment>/<precision.site_margin,seed>/; the results page (paired-seed
 # table per stress, loss, row-sum, mechanism plots):
-#   python -m readback.analysis multirun/cpu_stress --html
+#   python -m readback.cli.analysis multirun/cpu_stress --html
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-$(test -x .venv/bin/python && echo .venv/bin/python || echo python3)}

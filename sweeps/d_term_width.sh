@@ -15,9 +15,9 @@
 # Runs land in multirun/d_term_width/T<T>/<experiment>/<overrides>/, each meter's bias.* in the
 # run's bias/width/ and the onset's in bias/dose/margin<K>/; run again, it continues unfinished
 # trainings and measures only what has no bias.json or dose.json yet. At the end, the tables and
-# figures of what is measured so far: python -m readback.bias.shapes "$SWEEP_DIR" --out
+# figures of what is measured so far: python -m readback.cli.bias_shapes "$SWEEP_DIR" --out
 # "$SWEEP_DIR/shapes" (per shape, and each length against the shortest) and
-# python -m readback.bias.onset "$SWEEP_DIR" --out "$SWEEP_DIR/onset" (per shape and K).
+# python -m readback.cli.bias_onset "$SWEEP_DIR" --out "$SWEEP_DIR/onset" (per shape and K).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-$(test -x .venv/bin/python && echo .venv/bin/python || echo python3)}
@@ -49,5 +49,5 @@ for T in ${LENGTHS:-128 512 1024}; do
             --out "$run/bias/dose"
     done
 done
-"$PY" -m readback.bias.shapes "$SWEEP_DIR" --out "$SWEEP_DIR/shapes"
-[ -z "$DOSE" ] || "$PY" -m readback.bias.onset "$SWEEP_DIR" --out "$SWEEP_DIR/onset"
+"$PY" -m readback.cli.bias_shapes "$SWEEP_DIR" --out "$SWEEP_DIR/shapes"
+[ -z "$DOSE" ] || "$PY" -m readback.cli.bias_onset "$SWEEP_DIR" --out "$SWEEP_DIR/onset"

@@ -13,7 +13,7 @@
 #   sweeps/nvfp4_switches.sh [OVERRIDES...]      (SEEDS=200,201 runs a subset, e.g. one stream a core)
 #
 # Runs land in multirun/nvfp4_switches/reuse_rounded/<switches,seed>/; the tests:
-#   python scripts/nvfp4_switches_decision.py multirun/nvfp4_switches
+#   python -m readback.cli.decide nvfp4_switches multirun/nvfp4_switches
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-$(test -x .venv/bin/python && echo .venv/bin/python || echo python3)}

@@ -10,7 +10,7 @@
 #                                                          e.g. one stream a core: "train d2_t4096")
 #
 # Checkpoints land in multirun/parts_ladder/<name>/, meters in <name>/bias/; the decision:
-#   python scripts/parts_ladder_decision.py multirun/parts_ladder
+#   python -m readback.cli.decide parts_ladder multirun/parts_ladder
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-$(test -x .venv/bin/python && echo .venv/bin/python || echo python3)}

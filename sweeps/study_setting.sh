@@ -14,7 +14,7 @@
 #   sweeps/study_setting.sh [OVERRIDES...]      (SEEDS=300,302,304,306 runs a subset, e.g. one stream a core)
 #
 # Runs land in multirun/study_setting/<experiment>/<precision.site_margin,seed>/; the tests:
-#   python scripts/study_setting_decision.py multirun/study_setting
+#   python -m readback.cli.decide study_setting multirun/study_setting
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-$(test -x .venv/bin/python && echo .venv/bin/python || echo python3)}

@@ -3,7 +3,7 @@ a traceback. What the program finished before stays as it was written: each prog
 files whole (``readback.train.checkpoint.atomic.atomic_write_text`` and the like), so an interrupted
 one leaves the finished files and no torn one.
 
-    @ends_on_ctrl_c("readback.analysis")
+    @ends_on_ctrl_c("python -m readback.cli.analysis")
     def main(argv=None): ...
 """
 

@@ -1,4 +1,4 @@
-"""readback.analysis on whole sweeps: ``python -m readback.analysis`` as a process on the
+"""readback.analysis on whole sweeps: ``python -m readback.cli.analysis`` as a process on the
 hand-written study, and the loader, tables and report on a real tiny sweep made by train.py."""
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from toys import REPO
 def test_cli_module_default_out(tmp_path):
     sweep = write_study(tmp_path / "sweep")
     proc = subprocess.run(
-        [sys.executable, "-m", "readback.analysis", str(sweep)],
+        [sys.executable, "-m", "readback.cli.analysis", str(sweep)],
         capture_output=True,
         text=True,
         timeout=120,

@@ -1,4 +1,4 @@
-"""``python -m readback.audit`` as a process: its JSON rows, and a bad argument (one line, exit 2)."""
+"""``python -m readback.cli.audit`` as a process: its JSON rows, and a bad argument (one line, exit 2)."""
 
 import json
 import subprocess
@@ -10,7 +10,7 @@ from readback.policy import POLICIES
 def test_cli_json(tmp_path):
     path = tmp_path / "audit.json"
     done = subprocess.run(
-        [sys.executable, "-m", "readback.audit", "--json", str(path), "--seed", "1"],
+        [sys.executable, "-m", "readback.cli.audit", "--json", str(path), "--seed", "1"],
         capture_output=True,
         text=True,
         timeout=120,
@@ -32,7 +32,7 @@ def test_cli_json(tmp_path):
 
 def test_bad_argument_exit_2_as_a_process():
     done = subprocess.run(
-        [sys.executable, "-m", "readback.audit", "--seed", "x"], capture_output=True, text=True, timeout=60
+        [sys.executable, "-m", "readback.cli.audit", "--seed", "x"], capture_output=True, text=True, timeout=60
     )
     assert done.returncode == 2
     assert len(done.stderr.strip().splitlines()) == 1

@@ -16,9 +16,9 @@ import pytest
 import torch
 
 from readback.bias.dose import D_READ, plot_dose, rows_of
-from readback.bias.shapes import main as shapes_main
 from readback.cli.bias import load_run
 from readback.cli.bias import main as bias_main
+from readback.cli.bias_shapes import main as shapes_main
 from readback.errors import ConfigError
 from readback.numerics import CurrentScalingState, DelayedScalingState
 from readback.train.records.identity import cpu_kind

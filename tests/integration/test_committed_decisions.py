@@ -1,7 +1,7 @@
 """The committed decisions are what their committed records give: each results folder's
-``runs*.tar.xz``, extracted and passed through its decision script, writes the committed
-``decision.json`` again. A page may say no more than its records show, so a record or a decision
-edited by hand, or a script changed after its call, fails here."""
+``runs*.tar.xz``, extracted and passed through its decision (``readback.analysis.decisions``),
+writes the committed ``decision.json`` again. A page may say no more than its records show, so a
+record or a decision edited by hand, or a decision's code changed after its call, fails here."""
 
 from __future__ import annotations
 
@@ -11,14 +11,13 @@ from pathlib import Path
 
 import pytest
 
-import parts_ladder_decision
-import study_setting_decision
+from readback.analysis.decisions import parts_ladder, study_setting
 
 RESULTS = Path(__file__).resolve().parents[2] / "docs" / "results" / "d_term"
 
 CASES = [
-    ("parts_ladder", parts_ladder_decision, "multirun/parts_ladder"),
-    ("study_setting", study_setting_decision, "multirun/study_setting"),
+    ("parts_ladder", parts_ladder, "multirun/parts_ladder"),
+    ("study_setting", study_setting, "multirun/study_setting"),
 ]
 
 

@@ -71,7 +71,7 @@ def test_the_main_job_logs_the_gradient_error_and_ends_with_the_command_that_plo
     last = proc.stderr.strip().splitlines()[-2:]
     assert last[0] == f"outputs: {run_dir}"
     command = last[1].removeprefix("plots and report: ").split()
-    assert command[:3] == ["python", "-m", "readback.analysis"]
+    assert command[:3] == ["python", "-m", "readback.cli.analysis"]
     plot = subprocess.run(
         [sys.executable, *command[1:]], cwd=REPO, env=env, capture_output=True, text=True, timeout=300
     )

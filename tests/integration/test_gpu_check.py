@@ -89,7 +89,7 @@ def test_without_te_it_runs_the_other_parts_and_names_the_ones_that_did_not_run(
 
 
 def test_the_exit_code_counts_the_failed_parts(tmp_path, fake_python):
-    result = _check(tmp_path, fake_python, FAKE_PLAN=_plan(tmp_path, TE_MISSING), FAKE_FAIL="readback.audit")
+    result = _check(tmp_path, fake_python, FAKE_PLAN=_plan(tmp_path, TE_MISSING), FAKE_FAIL="readback.cli.audit")
     summary = (tmp_path / "out" / "summary.txt").read_text()
     assert result.returncode == 1 and "audit: FAILED rc=1" in summary and "9 part(s) ran, 1 failed" in summary
 

@@ -12,7 +12,7 @@ import subprocess
 import pytest
 
 from readback.analysis import final_loss_table, load_runs
-from readback.analysis.__main__ import main as cli_main
+from readback.cli.analysis import main as cli_main
 from readback.train.records.identity import code_version
 from sweeps import EXPERIMENTS
 
@@ -84,7 +84,7 @@ def test_html_report_renders_its_images_and_tables_in_a_browser(real_sweep, tmp_
     assert len(tables["Runs"]) == 1 + 4
     how = {r[0]: r[1] for r in tables["How it was made"][1:]}
     assert how["runs: command"].startswith("python train.py -m +experiment=") and "CPUs" in how["runs: machine"]
-    assert how["report: command"].startswith("python -m readback.analysis ")
+    assert how["report: command"].startswith("python -m readback.cli.analysis ")
     commits = {json.loads(f.read_text())["code"]["commit"] for f in sweep.glob("*/*/launch.json")}
     assert len(commits) == 1 and (None in commits) == (code_version()["commit"] is None)  # this checkout's
     commit = commits.pop()

@@ -95,7 +95,10 @@ def test_extending_a_sweep_keeps_finished_runs_and_their_wandb_runs(real_sweep, 
         folders = [f for f, _ in by_name[name]]
         assert len(folders) == 2 and all(f.name.endswith(f"-{run_id}") for f in folders), folders
     proc = subprocess.run(
-        [sys.executable, "-m", "readback.sync", str(sweep), "--dry-run"], capture_output=True, text=True, timeout=300
+        [sys.executable, "-m", "readback.cli.sync", str(sweep), "--dry-run"],
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     listed = [line for line in proc.stdout.splitlines() if "group" in line]

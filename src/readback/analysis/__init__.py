@@ -5,7 +5,7 @@
     print(format_final_loss_table(final_loss_table(runs)))
     plot_loss(runs, path="loss.png")
 
-``python -m readback.analysis SWEEP_DIR [SWEEP_DIR ...] [--out DIR] [--html] [--control EXP]``
+``python -m readback.cli.analysis SWEEP_DIR [SWEEP_DIR ...] [--out DIR] [--html] [--control EXP]``
 writes every plot as PNG, the final-loss table with paired-seed differences from the control,
 ``report.md`` and, with ``--html``, one self-contained ``report.html`` (default
 ``DIR = SWEEP_DIR/analysis``; :mod:`readback.analysis.report`). See :mod:`readback.analysis.load`

@@ -7,14 +7,13 @@ import json
 import logging
 import os
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 from readback.analysis.load import Runs, natural_key
 from readback.analysis.records import runs_from_records
 from readback.jsonl import read_jsonl_counted
-from readback.stopping import ends_on_ctrl_c
 
 log = logging.getLogger(__name__)
 
@@ -122,25 +121,3 @@ def load_runs(
         if n:
             e["run_id"] = f"{e['run_id']}#{n}"
     return runs_from_records(entries, keys=keys)
-
-
-def decision_main(
-    description: str, decide: Callable[[Path], dict[str, Any]], report: Callable[[dict[str, Any]], str], argv=None
-) -> None:
-    """The command line of a pre-registered test's decision script, ``SWEEP [--out DIR]``: the
-    calls ``decide`` makes on the sweep's runs, printed as ``report`` words them and, with
-    ``--out``, written to ``DIR/decision.md`` and ``DIR/decision.json``."""
-    import argparse
-
-    parser = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("sweep", type=Path)
-    parser.add_argument("--out", type=Path)
-    args = parser.parse_args(argv)
-    with ends_on_ctrl_c(parser.prog, "nothing was written"):
-        decision = decide(args.sweep)
-    text = report(decision).rstrip("\n") + "\n"
-    print(text, end="")
-    if args.out:
-        args.out.mkdir(parents=True, exist_ok=True)
-        (args.out / "decision.md").write_text(text)
-        (args.out / "decision.json").write_text(json.dumps(decision, indent=1) + "\n")

@@ -78,7 +78,7 @@ def this_machine() -> str:
 
 
 def this_command(argv: Sequence[str] | None = None) -> str:
-    return "python -m readback.analysis " + shlex.join(list(sys.argv[1:] if argv is None else argv))
+    return "python -m readback.cli.analysis " + shlex.join(list(sys.argv[1:] if argv is None else argv))
 
 
 def _sections(

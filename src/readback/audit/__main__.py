@@ -1,7 +1,6 @@
-"""``python -m readback.audit``: see ``readback.audit``."""
+"""The old command, ``python -m readback.audit``, which pages and scripts name: it runs
+``python -m readback.cli.audit`` with the same arguments."""
 
-import sys
+import runpy
 
-from readback.audit import main
-
-sys.exit(main())
+runpy.run_module("readback.cli.audit", run_name="__main__", alter_sys=True)

@@ -1,5 +1,5 @@
 """Which tensors autograd saves in one training step of any model, and what storing each as FP8
-would cost the gradient (``python -m readback.audit_model``).
+would cost the gradient (``python -m readback.cli.audit_model``).
 
     rows = audit_saved(model, lambda: loss_of(model, batch))
     print(to_markdown(rows))

@@ -1,6 +1,6 @@
 """What each inexact step of the backward contributes to the gradient bias, across checkpoints.
 
-``python -m readback.bias.attribution LABEL=BIAS_JSON [LABEL=BIAS_JSON ...] --out DIR
+``python -m readback.cli.bias_attribution LABEL=BIAS_JSON [LABEL=BIAS_JSON ...] --out DIR
 [--groups total,*.attn.qkv] [--contributions GLOBS] [--reference contrib.exact_read.attention.D]``
 
 Reads the bias meter's ``bias.json`` of several checkpoints (each measured by ``python -m
@@ -16,15 +16,9 @@ the reference read's bias (the threshold at which a training comparison would be
 
 from __future__ import annotations
 
-import argparse
 import fnmatch
-import json
 import math
-import sys
 from pathlib import Path
-
-from readback.bias.report import write_table
-from readback.stopping import ends_on_ctrl_c
 
 D_READ = "contrib.exact_read.attention.D"
 
@@ -153,25 +147,7 @@ def plot(table: dict, path: str | Path | None = None):
     return fig
 
 
-@ends_on_ctrl_c("python -m readback.bias.attribution")
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m readback.bias.attribution", description=__doc__.split("\n\n")[2])
-    parser.add_argument("measured", nargs="+", metavar="LABEL=BIAS_JSON")
-    parser.add_argument("--out", type=Path, required=True)
-    parser.add_argument("--groups", default="total,*.attn.qkv", help="comma-separated globs of gradient groups")
-    parser.add_argument("--contributions", default="*", help="comma-separated globs of contributions (no contrib.)")
-    parser.add_argument("--reference", default=D_READ, help=f"the contribution the others are compared with ({D_READ})")
-    args = parser.parse_args(argv)
-    measured = {}
-    for item in args.measured:
-        label, sep, path = item.partition("=")
-        if not (label and sep and Path(path).is_file()):
-            parser.exit(2, f"{parser.prog}: error: {item!r} is not LABEL=BIAS_JSON of an existing file\n")
-        measured[label] = json.loads(Path(path).read_text())
-    table = attribution(measured, args.groups.split(","), args.reference, tuple(args.contributions.split(",")))
-    write_table(args.out, "attribution", table, to_markdown(table, args.reference), lambda path: plot(table, path))
-    return 0
+if __name__ == "__main__":  # the old command, which sweeps and pages name: python -m readback.cli.bias_attribution
+    import runpy
 
-
-if __name__ == "__main__":
-    sys.exit(main())
+    runpy.run_module("readback.cli.bias_attribution", run_name="__main__", alter_sys=True)

@@ -1,7 +1,7 @@
 """Where the D read's bias sets in, per model shape: each run measured at several stresses K,
 seeds pooled, against where O's rms lands on O8's grid.
 
-``python -m readback.bias.onset SWEEP_DIR --out DIR [--measured 'bias/dose/margin*' bias/width]``
+``python -m readback.cli.bias_onset SWEEP_DIR --out DIR [--measured 'bias/dose/margin*' bias/width]``
 
 Every run folder under ``SWEEP_DIR`` with a ``bias.json`` in a folder matching one of the
 ``--measured`` globs (relative to the run) gives one point per measurement: its K is the margin
@@ -15,17 +15,13 @@ panel per layer and head dim, a line per T, E4M3's smallest normal drawn). Seeds
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
-import sys
 from pathlib import Path
 
 from readback.bias.attribution import D_READ
-from readback.bias.report import write_table
 from readback.bias.shapes import pool, run_point
 from readback.numerics.formats import E4M3
-from readback.stopping import ends_on_ctrl_c
 
 PATTERN = "attn.core.output"
 SCALE = 1e4  # the table's unit for the debiased squared bias
@@ -133,26 +129,7 @@ def plot(rows: list[dict], path: str | Path | None = None):
     return fig
 
 
-@ends_on_ctrl_c("python -m readback.bias.onset")
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m readback.bias.onset", description=__doc__.split("\n\n")[1])
-    parser.add_argument("sweep", type=Path)
-    parser.add_argument("--out", type=Path, required=True)
-    parser.add_argument(
-        "--measured",
-        nargs="+",
-        default=["bias/dose/margin*", "bias/width"],
-        help="globs of the meter's folders, relative to each run (bias/dose/margin* bias/width)",
-    )
-    parser.add_argument("--read", default=D_READ, help=f"the contribution to tabulate ({D_READ})")
-    args = parser.parse_args(argv)
-    rows = onset_rows(args.sweep, args.measured, args.read)
-    if not rows:
-        parser.exit(2, f"{parser.prog}: error: no run under {args.sweep} has {' or '.join(args.measured)}/bias.json\n")
-    tree = {"read": args.read, "measured": args.measured, "rows": rows}
-    write_table(args.out, "onset", tree, to_markdown(rows, args.read), lambda path: plot(rows, path))
-    return 0
+if __name__ == "__main__":  # the old command, which sweeps and pages name: python -m readback.cli.bias_onset
+    import runpy
 
-
-if __name__ == "__main__":
-    sys.exit(main())
+    runpy.run_module("readback.cli.bias_onset", run_name="__main__", alter_sys=True)

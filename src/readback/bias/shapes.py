@@ -1,6 +1,6 @@
 """The reuse D read's bias against the model's shape: head dimension and sequence length.
 
-``python -m readback.bias.shapes SWEEP_DIR --out DIR [--measured bias/width] [--read READ] [--seeds 2,3]``
+``python -m readback.cli.bias_shapes SWEEP_DIR --out DIR [--measured bias/width] [--read READ] [--seeds 2,3]``
 
 Finds every run under ``SWEEP_DIR`` that the bias meter measured (``RUN/<measured>/bias.json``),
 takes its shape from ``RUN/.hydra/config.yaml`` (head dim ``model.d_model / model.n_heads``,
@@ -18,10 +18,8 @@ meter's own SE where a shape has one seed.
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
-import sys
 from collections import defaultdict
 from pathlib import Path
 
@@ -29,10 +27,8 @@ from omegaconf import OmegaConf
 
 from readback.bias.attribution import D_READ
 from readback.bias.dose import json_number
-from readback.bias.report import write_table
 from readback.jsonl import read_jsonl
 from readback.numerics.formats import E4M3
-from readback.stopping import ends_on_ctrl_c
 
 STATS = (
     "share",
@@ -263,34 +259,7 @@ def plot(rows: list[dict], path: str | Path | None = None):
     return fig
 
 
-def seed_list(text: str) -> list[int]:
-    """``--seeds 2,3``: a comma-separated list of integers."""
-    return [int(seed) for seed in text.split(",")]
+if __name__ == "__main__":  # the old command, which sweeps and pages name: python -m readback.cli.bias_shapes
+    import runpy
 
-
-@ends_on_ctrl_c("python -m readback.bias.shapes")
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m readback.bias.shapes", description=__doc__.split("\n\n")[1])
-    parser.add_argument("sweep", type=Path)
-    parser.add_argument("--out", type=Path, required=True)
-    parser.add_argument("--measured", default="bias/width", help="where in each run the meter wrote (bias/width)")
-    parser.add_argument("--read", default=D_READ, help=f"the contribution to tabulate ({D_READ})")
-    parser.add_argument(
-        "--seeds", type=seed_list, help="only these seeds, e.g. 2,3 (a test on runs made after a trend was seen)"
-    )
-    args = parser.parse_args(argv)
-    runs = measured_runs(args.sweep, args.measured)
-    points = [run_point(run, args.measured, args.read) for run in runs]
-    if args.seeds:
-        points = [p for p in points if p["seed"] in args.seeds]
-    if not points:
-        seeds_text = f" of seeds {','.join(map(str, args.seeds))}" if args.seeds else ""
-        parser.exit(2, f"{parser.prog}: error: no run{seeds_text} under {args.sweep} has {args.measured}/bias.json\n")
-    rows = pool(points)
-    tree = {"read": args.read, "rows": rows, "length_contrasts": length_contrasts(rows), "runs": points}
-    write_table(args.out, "shapes", tree, to_markdown(rows, points, args.read), lambda path: plot(rows, path))
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())
+    runpy.run_module("readback.cli.bias_shapes", run_name="__main__", alter_sys=True)

@@ -27,7 +27,7 @@ from readback.analysis import (
     runs_from_records,
     write_report,
 )
-from readback.analysis.__main__ import main as cli_main
+from readback.cli.analysis import main as cli_main
 from sweeps import (
     CONTROL_FINAL,
     CONTROL_VAL,

@@ -11,9 +11,9 @@ import pytest
 import yaml
 
 from readback.analysis import final_loss_table, format_final_loss_table, load_runs, paired_table, runs_from_records
-from readback.analysis.__main__ import main as cli_main
 from readback.analysis.paired import axis_table, paired_curve, t_quantile
 from readback.analysis.plots import plot_paired_gap
+from readback.cli.analysis import main as cli_main
 from sweeps import EXPERIMENTS, config, records, summary, write_run
 
 # final losses by (experiment, lr, seed): seeds share a large offset (init, data order) that

@@ -7,8 +7,9 @@ import sys
 import pytest
 import torch
 
-from readback.audit import main, run_audit, te
+from readback.audit import run_audit, te
 from readback.audit.core import TOL, audit, match, read_of
+from readback.cli.audit import main
 from readback.policy import POLICIES
 
 

@@ -8,7 +8,8 @@ import math
 
 import pytest
 
-from readback.bias.attribution import D_READ, attribution, main, shares, to_markdown
+from readback.bias.attribution import D_READ, attribution, shares, to_markdown
+from readback.cli.bias_attribution import main
 
 
 def _stats(bias, floor, debiased, debiased_se):

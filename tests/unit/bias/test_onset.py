@@ -8,7 +8,8 @@ import json
 import pytest
 
 from meter_records import measure, measured_run
-from readback.bias.onset import main, measurements, onset_rows
+from readback.bias.onset import measurements, onset_rows
+from readback.cli.bias_onset import main
 
 
 @pytest.fixture

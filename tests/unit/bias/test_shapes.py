@@ -9,7 +9,8 @@ import math
 import pytest
 
 from meter_records import measured_run
-from readback.bias.shapes import _last_rowsum_z, length_contrasts, main, measured_runs, pool, run_point
+from readback.bias.shapes import _last_rowsum_z, length_contrasts, measured_runs, pool, run_point
+from readback.cli.bias_shapes import main
 
 
 @pytest.fixture

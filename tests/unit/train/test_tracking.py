@@ -51,7 +51,7 @@ def test_identity_from_overrides():
 
 
 def test_sync_refuses_a_directory_without_offline_runs(tmp_path, capsys):
-    from readback.sync import main
+    from readback.cli.sync import main
 
     assert main([str(tmp_path)]) == 2
     assert "no offline wandb runs" in capsys.readouterr().err

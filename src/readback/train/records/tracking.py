@@ -6,7 +6,7 @@ the minimum of ``loss``.
 
 A requeued job resumes the run id stored in its checkpoint (``resume="allow"``): online it is
 one run; offline each start writes another ``wandb/offline-run-<time>-<id>`` folder, and
-``python -m readback.sync`` uploads them in start order into that one run.
+``python -m readback.cli.sync`` uploads them in start order into that one run.
 """
 
 from __future__ import annotations

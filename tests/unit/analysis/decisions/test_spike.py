@@ -1,4 +1,4 @@
-"""scripts/spike_decision.py: the pre-registered falsifiers on records built to cross each line."""
+"""readback.analysis.decisions.spike: the pre-registered falsifiers on records built to cross each line."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import math
 import pandas as pd
 import pytest
 
-from spike_decision import ONE_SIDED_T, ratchet, slope
+from readback.analysis.decisions.spike import ONE_SIDED_T, ratchet, slope
 
 
 def _history(ratios: list[float]) -> pd.DataFrame:

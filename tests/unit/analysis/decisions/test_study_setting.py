@@ -1,4 +1,4 @@
-"""scripts/study_setting_decision.py: the pre-registered calls on final losses built to cross each line."""
+"""readback.analysis.decisions.study_setting: the pre-registered calls on final losses built to cross each line."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from study_setting_decision import (
+from readback.analysis.decisions.study_setting import (
     ARMS,
     BF16_O_FIX,
     CONTROL,

@@ -1,4 +1,4 @@
-"""scripts/nvfp4_switches_decision.py: the pre-registered calls on final losses built to cross
+"""readback.analysis.decisions.nvfp4_switches: the pre-registered calls on final losses built to cross
 each line, arms read from run folder names, and a diverged run's seed tested both ways."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from nvfp4_switches_decision import ARMS, BOTH, DEFAULT, NEAREST, WEIGHTS_1D, arm_of, paired_tests
+from readback.analysis.decisions.nvfp4_switches import ARMS, BOTH, DEFAULT, NEAREST, WEIGHTS_1D, arm_of, paired_tests
 
 NOISE = np.array([1.0, -1.0, 2.0, -2.0, 0.5, -0.5, 1.5, -1.5]) * 0.002
 

@@ -1,10 +1,10 @@
-"""scripts/te_reads_meter_decision.py: the pre-registered calls on meter records built to cross each line."""
+"""readback.analysis.decisions.te_reads_meter: the pre-registered calls on meter records built to cross each line."""
 
 from __future__ import annotations
 
 import json
 
-from te_reads_meter_decision import decide, report
+from readback.analysis.decisions.te_reads_meter import decide, report
 
 
 def _stats(debiased: float = 0.0, se: float = 1e-5) -> dict:

@@ -1,4 +1,4 @@
-"""scripts/bf16_bwd_decision.py: the pre-registered calls on final losses built to cross each line."""
+"""readback.analysis.decisions.bf16_bwd: the pre-registered calls on final losses built to cross each line."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from bf16_bwd_decision import CONTROL, FIX, MARGIN, REUSE, finals, paired, verdict
+from readback.analysis.decisions.bf16_bwd import CONTROL, FIX, MARGIN, REUSE, finals, paired, verdict
 
 NOISE = np.array([1, -1, 2, -2, 0.5, -0.5, 1.5, -1.5, 0, 0.25, -0.25, 0.75, -0.75, 1.25, -1.25, 0.0]) * 0.002
 
@@ -61,7 +61,7 @@ def test_the_decision_is_written_as_json(tmp_path):
     """Every figure of a decision is plain JSON (numpy integers and floats included)."""
     import json
 
-    from bf16_bwd_decision import meter_figures
+    from readback.analysis.decisions.bf16_bwd import meter_figures
 
     runs = pd.DataFrame({"run_id": ["a", "b"], "experiment": [REUSE, FIX], "seed": [1, 1]})
     key = "grad_bias/contrib.exact_read.attention.D/layers.0.attn.qkv"

@@ -1,4 +1,4 @@
-"""scripts/parts_ladder_decision.py: the pre-registered calls on meter records built to cross each line."""
+"""readback.analysis.decisions.parts_ladder: the pre-registered calls on meter records built to cross each line."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from parts_ladder_decision import PARTS, decide, detected, grows, report
+from readback.analysis.decisions.parts_ladder import PARTS, decide, detected, grows, report
 
 
 def _stats(debiased: float = 0.0, se: float = 1.0, projection: float = 0.0) -> dict:

@@ -1,4 +1,4 @@
-"""scripts/bf16_fix_cost_decision.py: the pre-registered calls on final losses built to cross each
+"""readback.analysis.decisions.bf16_fix_cost: the pre-registered calls on final losses built to cross each
 line, the refusals (CPU kinds, commits, a branch that does not continue its base), and the run
 records it reads (summaries and launch histories, as the trainer writes them)."""
 
@@ -10,7 +10,8 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from bf16_fix_cost_decision import ARMS, branch_check, call, contrasts, decide, figure, judged, refusal, side
+from readback.analysis.decisions.bf16_fix_cost import ARMS, branch_check, call, contrasts, decide, judged, refusal
+from readback.analysis.decisions.common import figure, side
 
 NOISE = np.array([1, -1, 2, -2, 0.5, -0.5, 1.5, -1.5]) * 0.001
 SEEDS = range(700, 708)
@@ -134,7 +135,7 @@ def test_decide_reads_the_records_the_trainer_writes(tmp_path):
 
 
 def test_each_arm_s_meter_figure_is_its_own_policy_s_error():
-    from bf16_fix_cost_decision import meter_figures
+    from readback.analysis.decisions.bf16_fix_cost import meter_figures
 
     runs = pd.DataFrame({"run_id": ["r", "b"], "arm": ["R", "B"], "seed": [700, 700]})
     index = pd.MultiIndex.from_tuples([("r", 2000), ("b", 2000)], names=["run", "step"])
