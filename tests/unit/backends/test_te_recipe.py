@@ -12,8 +12,8 @@ import re
 import types
 
 import pytest
+from readback.backends.precision import variant_spec
 
-from readback.backends.precision import spec_of
 from readback.backends.te import convert as convert_te
 from readback.backends.te import facts as te_facts
 from readback.backends.te import parts as te_backend
@@ -75,7 +75,7 @@ def test_converted_model_gets_the_fog_runs_te_recipe(monkeypatch, overrides, ver
 
     fog = _built(lambda: te_backend.make_recipe(te_plan.te_plan(cfg, version, H100).te_recipe, version))
     converted = _built(
-        lambda: convert_te.te_recipe(Numerics(spec_of(cfg.precision, cfg.policy, cfg.attention), seed=cfg.seed))
+        lambda: convert_te.te_recipe(Numerics(variant_spec(cfg.precision, cfg.policy, cfg.attention), seed=cfg.seed))
     )
     assert converted == fog
 

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from readback.backends import build_model
-from readback.bias import Variant, measure_bias, spec_of
+from readback.bias import Variant, measure_bias, variant_spec
 from readback.bias.backward_parts import (
     FORWARD_READS,
     PARTS,
@@ -27,7 +27,7 @@ FIELDS = ("attention_bwd_precision", "attention_bwd_qkv", "attention_bwd_probs",
 
 def _under(name: str, policy: str = "reuse_rounded"):
     base = numerics_spec("fp8", None, "reuse_rounded")
-    return spec_of(Variant(name, "", policy=policy, backward=backward(name)), base)
+    return variant_spec(Variant(name, "", policy=policy, backward=backward(name)), base)
 
 
 def _rounds(spec) -> tuple[bool, bool, bool]:

@@ -22,11 +22,11 @@ def test_only_the_bf16_backward_experiments_read_as_te(experiment):
 
 
 def test_the_spec_carries_the_flavour_and_its_reads():
-    from readback.backends.precision import spec_of
+    from readback.backends.precision import variant_spec
 
     for bwd_reads in ("te", "forward"):
         c = validate(compose("+experiment=reuse_rounded_bf16_bwd", f"attention.bwd_reads={bwd_reads}"))
-        spec = spec_of(c.precision, c.policy, c.attention)
+        spec = variant_spec(c.precision, c.policy, c.attention)
         assert spec.attention_bwd_reads == bwd_reads and spec.attention_bwd_precision == "bf16"
         assert spec.reads == read_rules("reuse_rounded", bwd_reads)
 

@@ -8,9 +8,9 @@ import pickle
 
 import pytest
 import torch
+from readback.backends.precision import variant_spec
 
 from readback.backends import build_model
-from readback.backends.precision import spec_of
 from readback.numerics import (
     E4M3,
     E5M2,
@@ -214,6 +214,6 @@ def test_the_recipe_object_takes_the_groups_fields_but_the_linears_own():
         "precision.amax_history_len=8",
         "attention.recipe=delayed",
     )
-    own = spec_of(cfg.precision, cfg.policy, cfg.attention).attention_recipe
+    own = variant_spec(cfg.precision, cfg.policy, cfg.attention).attention_recipe
     assert own == DelayedScaling(margin=2, fp8_format=Format.E4M3, amax_history_len=8)
-    assert spec_of(cfg.precision, cfg.policy, cfg.attention).recipe.backward_override == "dequantized"
+    assert variant_spec(cfg.precision, cfg.policy, cfg.attention).recipe.backward_override == "dequantized"

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from readback.bias.variants import spec_of, variants
+from readback.bias.variants import variant_spec, variants
 from readback.numerics import CurrentScaling
 from readback.numerics.state import Numerics
 from readback.ops import numerics_spec, read_rules
@@ -120,13 +120,13 @@ def test_bias_variants_switch_each_te_read_alone():
     )
     names = {v.name: v for v in variants(numerics)}
     for gradient in ("D", "dQ", "dK", "dP", "dV", "dS"):
-        spec = spec_of(names[f"exact_read.attention.{gradient}"], numerics.spec)
+        spec = variant_spec(names[f"exact_read.attention.{gradient}"], numerics.spec)
         exact = read_rules("exact")["attention"][gradient]
         switched = {g for g, m in spec.reads["attention"].items() if m != numerics.spec.reads["attention"][g]}
         assert switched == {gradient} and spec.reads["attention"][gradient] == exact
     # a policy variant keeps the run's flavour; exact (and all_exact) reads the forward's operands
-    assert spec_of(names["no_saved_copy"], numerics.spec).reads["attention"]["dQ"] == "original"
-    assert spec_of(names["all_exact"], numerics.spec).reads == read_rules("exact")
+    assert variant_spec(names["no_saved_copy"], numerics.spec).reads["attention"]["dQ"] == "original"
+    assert variant_spec(names["all_exact"], numerics.spec).reads == read_rules("exact")
 
 
 @pytest.mark.parametrize("gradient", ["D", "dQ", "dK", "dP", "dV", "dS"])
@@ -139,7 +139,7 @@ def test_each_variant_backward_runs_and_changes_the_gradient(gradient):
             "fp8", CurrentScaling(), "reuse_rounded", attention_bwd_precision="fp32", attention_bwd_reads="te"
         )
     )
-    spec = spec_of(next(v for v in variants(numerics) if v.name == f"exact_read.attention.{gradient}"), numerics.spec)
+    spec = variant_spec(next(v for v in variants(numerics) if v.name == f"exact_read.attention.{gradient}"), numerics.spec)
     grads = {}
     for label, s in (("te", numerics.spec), ("switched", spec)):
         q, k, v = (x[n].clone().requires_grad_() for n in ("q", "k", "v"))

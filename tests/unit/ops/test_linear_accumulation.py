@@ -6,9 +6,9 @@ import pickle
 
 import pytest
 import torch
+from readback.backends.precision import variant_spec
 
 import readback.numerics.gemm as gemm
-from readback.backends.precision import spec_of
 from readback.config import from_saved, validate
 from readback.errors import ConfigError
 from readback.numerics import CurrentScaling
@@ -21,7 +21,7 @@ from toys import compose
 
 
 def numerics_of(cfg):
-    return Numerics(spec_of(cfg.precision, cfg.policy, cfg.attention), seed=cfg.seed)
+    return Numerics(variant_spec(cfg.precision, cfg.policy, cfg.attention), seed=cfg.seed)
 
 
 @pytest.mark.parametrize(
