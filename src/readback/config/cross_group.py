@@ -132,7 +132,7 @@ def require_margin(key: str, margin: object) -> None:
 
 
 def _check_amax_spike(cfg: Config, p: Fp8Settings, sites: list[str]) -> None:
-    """An amax spike needs an amax history to hold it (delayed scaling, readback's own sites), a
+    """An amax spike needs readback's own sites (``NumericsSettings.check``: delayed scaling), a
     step after which the run still trains, and a pattern that matches FP8 ``sites`` of the model
     that keep a history (BF16 sites, and sites scaled otherwise under another ``attention.recipe``,
     it also matches are left alone, as by ``precision.site_margin``)."""
@@ -143,13 +143,6 @@ def _check_amax_spike(cfg: Config, p: Fp8Settings, sites: list[str]) -> None:
     if spike is None:
         return
     value = dict(p.amax_spike)
-    require(
-        "delayed" in (p.recipe, cfg.attention.recipe),
-        "precision.amax_spike",
-        value,
-        f"null under precision.recipe={p.recipe}, or attention.recipe=delayed for the attention "
-        "core's sites (only delayed scaling keeps an amax history to hold a spike)",
-    )
     require(
         cfg.backend.name == "emulated",
         "precision.amax_spike",

@@ -175,7 +175,7 @@ def fp8_settings_of(recipe: ScalingRecipe, **values: Any) -> Fp8Settings:
         "override_linear_precision": list(recipe.override_linear_precision),
         "fp8_format": recipe.fp8_format.name,
     }
-    return Fp8Settings(name="fp8", recipe=recipe.KEY, **fields, **values)
+    return Fp8Settings(name="fp8", recipe=recipe.KEY, **{**fields, **values})
 
 
 @dataclass

@@ -34,14 +34,16 @@ class NumericsSettings:
 
     def check(self) -> None:
         """The rules between the groups (each group has checked its own fields): the policy is one
-        of ``POLICIES``; ``attention.recipe`` and the backward's parts are an FP8 run's; ``exact``
-        reads the forward's operands; ``bwd_reads=te`` is a BF16 backward's after an FP8 forward."""
+        of ``POLICIES``; an amax spike needs delayed scaling; ``attention.recipe`` and the backward's
+        parts are an FP8 run's; ``exact`` reads the forward's operands; ``bwd_reads=te`` is a BF16
+        backward's after an FP8 forward."""
         a, policy, fp8 = self.attention, self.policy, self.fp8 is not None
         require(policy in POLICIES, "policy", policy, ", ".join(POLICIES))
         require(a.recipe is None or fp8, a.key("recipe"), a.recipe, "null under precision=bf16 (no FP8 core)")
         for key, value in a.parts_set_apart().items():
             require(fp8, a.key(key), value, "null under precision=bf16 (no FP8 forward to read apart from)")
             require(policy != "exact", a.key(key), value, "null with policy=exact (it reads the forward's operands)")
+        self._check_amax_spike()
         in_d = a.round_grad_output_in_d  # D = rowsum(P * dP) reads no dO of D's own
         require(
             in_d is None or D_READS[policy] != "none",
@@ -58,3 +60,17 @@ class NumericsSettings:
         )
         reason = next((text for bad, text in why if bad), None)
         require(reason is None, a.key("bwd_reads"), a.bwd_reads, f"forward ({reason})")
+
+    def _check_amax_spike(self) -> None:
+        """Only delayed scaling keeps an amax history to hold a spike: the linears' recipe or the
+        attention core's own."""
+        p = self.fp8
+        if p is None or p.amax_spike is None:
+            return
+        require(
+            "delayed" in (p.recipe, self.attention.recipe),
+            p.key("amax_spike"),
+            dict(p.amax_spike),
+            f"null under precision.recipe={p.recipe}, or attention.recipe=delayed for the attention "
+            "core's sites (only delayed scaling keeps an amax history to hold a spike)",
+        )
