@@ -38,9 +38,9 @@ import torch.nn.functional as F
 
 from readback.numerics import CurrentScaling, DelayedScaling
 from readback.numerics.state import Numerics
-from readback.ops import numerics_spec
 from readback.ops.attention import attention
 from readback.stopping import ends_on_ctrl_c
+from specs import make_spec
 from step import cpu_description
 
 HEADS, GROUPS, DIM = 8, 4, 128
@@ -77,9 +77,7 @@ def build(variant: str, seq: int):
     policy, backward = spec.split("/")
     bwd, bwd_reads = BACKWARDS[backward]
     scaling = CurrentScaling() if recipe == "current" else DelayedScaling()
-    numerics = Numerics(
-        numerics_spec("fp8", scaling, policy, attention_bwd_precision=bwd, attention_bwd_reads=bwd_reads)
-    )
+    numerics = Numerics(make_spec("fp8", scaling, policy, attention=dict(bwd_precision=bwd, bwd_reads=bwd_reads)))
 
     def forward():
         q, k, v = (t.clone().requires_grad_() for t in (q0, k0, v0))
@@ -138,7 +136,7 @@ def stack_step() -> dict:
     cfg = FOGConfig(
         n_layers=16, d_model=1024, n_heads=HEADS, n_kv_groups=GROUPS, ffn_dim=6144, vocab_size=32768, seq_len=4096
     )
-    model = FOG(cfg, Numerics(numerics_spec("fp8", DelayedScaling(), "reuse_rounded", attention_bwd_precision="fp8")))
+    model = FOG(cfg, Numerics(make_spec("fp8", DelayedScaling(), "reuse_rounded", attention=dict(bwd_precision="fp8"))))
     x = torch.randint(0, cfg.vocab_size, (2, cfg.seq_len), generator=torch.Generator().manual_seed(0))
     start = time.perf_counter()
     rise = peak_rise(lambda: model(x, x.roll(-1, 1)).backward())

@@ -43,10 +43,10 @@ def _sdpa(batch: int, seq: int) -> Callable[[], None]:
 def _readback(kernel: str, batch: int, seq: int) -> Callable[[], None]:
     from readback.numerics import DelayedScaling
     from readback.numerics.state import Numerics
-    from readback.ops import numerics_spec
     from readback.ops.attention import attention
+    from specs import make_spec
 
-    numerics = Numerics(numerics_spec("fp8", DelayedScaling(), "reuse_rounded", attention_kernel=kernel))
+    numerics = Numerics(make_spec("fp8", DelayedScaling(), "reuse_rounded", attention=dict(kernel=kernel)))
     q = torch.randn(batch, HEADS, seq, HEAD_DIM, device="cuda", requires_grad=True)
     k, v = (torch.randn(batch, GROUPS, seq, HEAD_DIM, device="cuda", requires_grad=True) for _ in range(2))
     grad = torch.randn(batch, seq, HEADS * HEAD_DIM, device="cuda")

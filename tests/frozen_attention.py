@@ -77,7 +77,7 @@ def value(t: torch.Tensor | QTensor, dtype: torch.dtype) -> torch.Tensor:
 def held(numerics: Numerics) -> torch.dtype:
     """The dtype the backward holds its non-FP8 reads in: BF16 under flavour ``te`` in a BF16
     backward (as TE holds them), else the run's (FP32; FP64 without rounding)."""
-    bf16 = numerics.spec.attention_bwd_reads == "te" and numerics.attention_bwd_precision == "bf16"
+    bf16 = numerics.spec.attention.bwd_reads == "te" and numerics.bwd_gemm_precision == "bf16"
     return torch.bfloat16 if bf16 else numerics.dtype
 
 
@@ -185,7 +185,7 @@ class _Attention(torch.autograd.Function):
     @staticmethod
     def backward(fctx: Any, d_out: torch.Tensor, _data: Any, _scale: Any) -> tuple[torch.Tensor | None, ...]:
         numerics, name, saved = fctx.numerics, fctx.name, load(fctx)
-        precision, dtype = numerics.attention_bwd_precision, numerics.dtype
+        precision, dtype = numerics.bwd_gemm_precision, numerics.dtype
         reads = numerics.spec.reads["attention"]
         batch, heads, seq, dim = fctx.shape
 

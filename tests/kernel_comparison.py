@@ -12,8 +12,8 @@ import torch
 from readback.numerics import CurrentScaling, DelayedScaling, QTensor
 from readback.numerics.site import Site
 from readback.numerics.state import Numerics
-from readback.ops import numerics_spec
 from readback.ops.attention import attention
+from specs import make_spec
 
 NAME = "layers.0.attn.core"
 _ONE_BF16_UNIT = 2.0**-8  # relative
@@ -36,7 +36,7 @@ def _run(
     the codes and scales each site rounded (site -> list), the taped S and P8, O, dQ, dK, dV, the
     counts and the D-term's row sums of the second step, on the CPU."""
     numerics = Numerics(
-        numerics_spec("fp8", RECIPES[recipe](), policy, rounding=rounding, attention_kernel=kernel), seed=3
+        make_spec("fp8", RECIPES[recipe](), policy, rounding=rounding, attention=dict(kernel=kernel)), seed=3
     )
     rounded: dict = {}
     quantize_at = Site.quantize

@@ -22,3 +22,13 @@ POLICIES = {
     "original": "attention D-term reads the high-precision O (Transformer Engine current scaling)",
     "exact": "every gradient reads what its forward used: the gradient of the executed forward",
 }
+# What each policy's attention D-term (D = rowsum(dO * O)) reads: the one read the policies differ
+# in (ops.attention.READS takes its D column from here; "none": D = rowsum(P * dP), no O read).
+D_READS = {
+    "reuse_rounded": "rounded",  # the O8 saved for the projection's wgrad
+    "fresh_reround": "fresh",  # a new stochastic rounding of the saved O
+    "no_saved_copy": "none",  # rowsum(P * dP): exact, reads no O
+    "original": "original",  # high-precision O (off by P's rounding)
+    "exact": "none",
+}
+assert tuple(D_READS) == tuple(POLICIES)

@@ -7,13 +7,13 @@ import torch.multiprocessing as mp
 
 from readback.numerics import E4M3, DelayedScaling
 from readback.numerics.state import Numerics
-from readback.ops import numerics_spec
+from specs import make_spec
 
 
 def _rank(rank: int, world: int, port: int, out) -> None:
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     try:
-        numerics = Numerics(numerics_spec("fp8", DelayedScaling(amax_history_len=4)))
+        numerics = Numerics(make_spec("fp8", DelayedScaling(amax_history_len=4)))
         numerics.site("x").quantize(torch.full((8,), 2.0 + 6.0 * rank))  # amax 2 on rank 0, 8 on rank 1
         numerics.end_step()
         out[rank] = float(numerics.site("x").state.scale)

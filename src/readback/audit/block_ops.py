@@ -23,7 +23,10 @@ from readback.numerics import (
     NVFP4BlockScaling,
     NVFP4Quantizer,
 )
+from readback.numerics.attention_settings import AttentionSettings
 from readback.numerics.blockscale import COLUMNWISE
+from readback.numerics.precision_settings import fp8_settings_of
+from readback.numerics.settings import NumericsSettings
 from readback.numerics.state import Numerics
 from readback.ops import numerics_spec
 
@@ -45,7 +48,10 @@ def rb_linear_blocks(setup: Setup, policy: str, recipe: BlockScalingRecipe) -> l
         weight[::32] *= 2.0**16
         upstream.view(-1, d // 2)[::32] *= 2.0**-16
         upstream[..., ::32] *= 2.0**-16
-    numerics = Numerics(numerics_spec("fp8", recipe, policy, attention_bwd_precision="fp32"), seed=setup.seed)
+    settings = NumericsSettings(
+        fp8_settings_of(recipe), AttentionSettings(bwd_precision="fp32", bwd_reads="forward"), policy
+    )
+    numerics = Numerics(numerics_spec(settings), seed=setup.seed)
     got, record, ref = linear_gradients(numerics, x, weight, upstream)
 
     def copies(tensor: str, original: torch.Tensor, executed: BlockQTensor) -> dict[str, torch.Tensor]:

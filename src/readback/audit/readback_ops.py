@@ -1,6 +1,6 @@
 """readback's own ops under each policy, against their straight-through replay.
 
-Forward in FP8 (E4M3, current scaling); the backward GEMMs run in FP32 (``attention_bwd_precision="fp32"``,
+Forward in FP8 (E4M3, current scaling); the backward GEMMs run in FP32 (``attention.bwd_precision=fp32``,
 ``override_linear_precision=(False, True, True)``), so the backward's own arithmetic does not blur
 which value it read. The op's ``numerics.tape`` gives the executed bits: the ``rounded``
 candidate, and the replay (the reference). ``fresh`` is reproduced exactly: the op's re-rounding
@@ -24,6 +24,9 @@ from readback.audit.harness import (
     xielu_slope,
 )
 from readback.numerics import CurrentScaling, QTensor, quantize
+from readback.numerics.attention_settings import AttentionSettings
+from readback.numerics.precision_settings import fp8_settings_of
+from readback.numerics.settings import NumericsSettings
 from readback.numerics.state import Numerics
 from readback.numerics.streams import RandomStreams
 from readback.ops import activation as activation_op
@@ -40,17 +43,11 @@ def audit_numerics(
     policy: str, seed: int, rounding: str = "nearest", bwd_reads: str = "forward", **parts: str
 ) -> Numerics:
     """The audits' numerics; ``parts``: the attention backward's parts set apart (``qkv``, ``probs``)."""
-    spec = numerics_spec(
-        "fp8",
-        RECIPE,
-        policy,
-        attention_bwd_precision="fp32",
-        rounding=rounding,
-        attention_bwd_reads=bwd_reads,
-        attention_bwd_qkv=parts.get("qkv"),
-        attention_bwd_probs=parts.get("probs"),
+    attention = AttentionSettings(
+        bwd_precision="fp32", bwd_reads=bwd_reads, bwd_qkv=parts.get("qkv"), bwd_probs=parts.get("probs")
     )
-    return Numerics(spec, seed=seed)
+    settings = NumericsSettings(fp8_settings_of(RECIPE, rounding=rounding), attention, policy)
+    return Numerics(numerics_spec(settings), seed=seed)
 
 
 def taped_backprop(numerics: Numerics, forward, inputs: dict[str, torch.Tensor], upstream: torch.Tensor):

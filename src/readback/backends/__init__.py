@@ -14,10 +14,10 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from readback.backends.precision import spec_of
 from readback.backends.settings import BACKENDS, ModelSettings
 from readback.model import FOG, fog_config
 from readback.numerics.state import Numerics
+from readback.ops import numerics_spec
 
 if TYPE_CHECKING:
     from readback.backends.hf import HFCausalLM
@@ -40,7 +40,7 @@ def build_model(cfg: ModelSettings, device: str | torch.device = "cpu") -> FOG |
 
         return build_te_model(cfg, device)
     with torch.device(device):
-        return FOG(fog_config(cfg.model), Numerics(spec_of(cfg.precision, cfg.policy, cfg.attention), seed=cfg.seed))
+        return FOG(fog_config(cfg.model), Numerics(numerics_spec(cfg.numerics), seed=cfg.seed))
 
 
 def site_implementations(cfg: ModelSettings) -> dict[str, str]:

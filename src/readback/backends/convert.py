@@ -31,13 +31,13 @@ from omegaconf import OmegaConf
 from omegaconf.errors import ValidationError
 
 from readback.backends.converted import ConvertParts, SDPARouter, eps_of
-from readback.backends.precision import spec_of
 from readback.errors import ConfigError, choose, require, some_of
-from readback.numerics.spec import PRECISIONS
+from readback.numerics.attention_settings import AttentionSettings
+from readback.numerics.precision_settings import PRECISIONS, Fp8Settings, PrecisionSettings, ReferencePrecision
+from readback.numerics.settings import NumericsSettings
 from readback.numerics.state import Numerics
 from readback.ops import numerics_spec
 from readback.overrides import RENAMED_KEYS
-from readback.policy import POLICIES
 
 FP8_ALIGNMENT = 16
 # transformers' Conv1D keeps its weight as (in, out); te.Linear holds (out, in) and would need a
@@ -99,21 +99,17 @@ def _numerics(
     precision, policy: str, attention_bwd_precision: str, seed: int, attention_recipe: str | None = None
 ) -> Numerics:
     """The ``Numerics`` of ``precision``: ``"fp8"``, ``"bf16"``, ``"off"``, or a mapping of recipe
-    keys (Transformer Engine's names), checked by the ``precision`` group's own schema."""
-    from readback.backends.precision import Attention, Fp8Precision, Precision  # the checks, one line each
+    keys (Transformer Engine's names), checked by the numerics settings' own schema and rules."""
     from readback.fields import valid_text
 
-    choose("policy", policy, POLICIES)
-    attention = Attention(bwd_precision=attention_bwd_precision, bwd_reads="forward", recipe=attention_recipe)
+    attention = AttentionSettings(bwd_precision=attention_bwd_precision, bwd_reads="forward", recipe=attention_recipe)
     if isinstance(precision, str):
         precision = {"name": precision}
     precision = dict(
         cast(Mapping[str, Any], OmegaConf.to_container(precision)) if OmegaConf.is_config(precision) else precision
     )
     name = choose("precision.name", precision.pop("name", "fp8"), PRECISIONS)
-    if name == "off":
-        return Numerics(numerics_spec("off", policy=policy), seed=seed)
-    schema = Fp8Precision if name == "fp8" else Precision
+    schema = {"fp8": Fp8Settings, "bf16": PrecisionSettings, "off": ReferencePrecision}[name]
     keys = [f.name for f in dataclasses.fields(schema) if f.name != "name"]
     for key in precision:
         if f"precision.{key}" in RENAMED_KEYS:  # the attention core's recipe: an argument of its own now
@@ -126,10 +122,11 @@ def _numerics(
         raise ConfigError(
             f"precision.{error.key}", values.get(error.key), valid_text(schema, str(error.key)) or "a value of its type"
         ) from None
-    settings = OmegaConf.to_object(node)  # ranges and choices
-    assert isinstance(settings, Precision)
-    attention.check_against(settings, policy)
-    return Numerics(spec_of(settings, policy, attention), seed=seed)
+    groups = OmegaConf.to_object(node)  # ranges and choices
+    assert isinstance(groups, PrecisionSettings)
+    settings = NumericsSettings(groups, attention, policy)
+    settings.check()
+    return Numerics(numerics_spec(settings), seed=seed)
 
 
 def _matches(name: str, patterns: Iterable[str]) -> str | None:

@@ -5,9 +5,10 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 
 from readback.backends.attention_kernel import kernel_to_run
-from readback.backends.precision import Attention, Precision, fp8_settings
 from readback.backends.settings import ModelSettings
-from readback.numerics.spec import GEMMS, in_bf16_layers, resolve_accumulation
+from readback.numerics.precision_settings import GEMMS, resolve_accumulation
+from readback.numerics.settings import NumericsSettings
+from readback.numerics.spec import in_bf16_layers
 from readback.ops import read_rules
 from readback.ops.attention import READ_OPERANDS
 
@@ -32,19 +33,20 @@ _READ_LABELS = {
 }
 
 
-def attention_reads(policy: str, group: Attention) -> dict[str, str]:
-    """``{"attention_core.<gradient>": what it reads}`` of readback's attention op under ``policy``
-    and the ``attention`` group (the backward's flavour and the parts it sets apart)."""
-    reads = read_rules(policy, group.bwd_reads, None, group.bwd_qkv, group.bwd_probs)["attention"]
+def attention_reads(settings: NumericsSettings) -> dict[str, str]:
+    """``{"attention_core.<gradient>": what it reads}`` of readback's attention op under the
+    settings' policy and attention group (the backward's flavour and the parts it sets apart)."""
+    reads = read_rules(settings.policy, settings.attention)["attention"]
     return {f"attention_core.{g}": _READ_LABELS[reads[g]].format(x) for g, x in READ_OPERANDS.items()}
 
 
-def attention_core_label(attention: Attention, precision: Precision, on_cuda: bool | None = None) -> str:
+def attention_core_label(settings: NumericsSettings, on_cuda: bool | None = None) -> str:
     """readback's attention op, on the Triton kernel where ``attention.kernel`` runs it (on CUDA
     where ``on_cuda``; None: as on this machine), with ``attention.recipe`` where it gives it its
     own recipe."""
-    kernel = " on readback.kernels (Triton)" if kernel_to_run(attention, precision, on_cuda) == "triton" else ""
-    own = f" (attention.recipe={attention.recipe})" if attention.recipe else ""
+    kernel = " on readback.kernels (Triton)" if kernel_to_run(settings, on_cuda) == "triton" else ""
+    recipe = settings.attention.recipe
+    own = f" (attention.recipe={recipe})" if recipe else ""
     return READBACK_SITES["attention_core"] + kernel + own
 
 
@@ -55,14 +57,14 @@ def lm_head_in_bf16(fp8: bool, bf16_layers: Sequence[str]) -> bool:
 
 def site_implementations(cfg: ModelSettings) -> dict[str, str]:
     """``{site: implementation}`` of a ``backend=emulated`` run, for the run's summary."""
-    p = fp8_settings(cfg.precision)
+    p = cfg.numerics.fp8
     head_bf16 = lm_head_in_bf16(p is not None, p.bf16_layers if p is not None else ())
     tied = " (tied embedding)" if cfg.model.tied else ""
     return {
         **READBACK_SITES,
-        "attention_core": attention_core_label(cfg.attention, cfg.precision),
+        "attention_core": attention_core_label(cfg.numerics),
         "lm_head": READBACK_SITES["lm_head"] + tied + (" in BF16" if head_bf16 else ""),
-        **attention_reads(cfg.policy, cfg.attention),
+        **attention_reads(cfg.numerics),
         **({} if p is None else accumulations(p.accumulation, p.accumulation_gemms)),
     }
 

@@ -20,13 +20,13 @@ from omegaconf import MISSING
 
 from readback.backends.convert import ConvertReport, convert
 from readback.backends.emulated import READBACK_SITES, attention_reads
-from readback.backends.precision import spec_of
 from readback.backends.settings import ModelSettings
 from readback.errors import ConfigError
 from readback.fields import one_of
 from readback.model.fog import Linear
 from readback.model.settings import Model
 from readback.numerics.state import Numerics
+from readback.ops import numerics_spec
 
 UNAVAILABLE = "needs transformers (pip install -e .[hf]); use model=tiny for readback's FOG"
 
@@ -120,7 +120,7 @@ def build_hf_model(cfg: ModelSettings, device: str | torch.device = "cpu") -> HF
     m = hf_model(cfg)
     with torch.device(device):
         lm = llama(m)
-    numerics = Numerics(spec_of(cfg.precision, cfg.policy, cfg.attention), seed=cfg.seed)
+    numerics = Numerics(numerics_spec(cfg.numerics), seed=cfg.seed)
     try:
         report = convert(lm, numerics, backend=cfg.backend.name, filter=tuple(m.filter))
     except ConfigError as error:
@@ -147,5 +147,5 @@ def site_implementations(cfg: ModelSettings) -> dict[str, str]:
             "attention_core": READBACK_SITES["attention_core"] + " (routed SDPA)",
             "embedding": "torch.nn.Embedding",
         }
-        reads = attention_reads(cfg.policy, cfg.attention)
+        reads = attention_reads(cfg.numerics)
     return {"model": f"transformers {m.architecture}", **sites, "left_in_high_precision": ", ".join(m.filter), **reads}

@@ -9,9 +9,11 @@ from typing import Protocol
 
 from omegaconf import MISSING
 
-from readback.backends.precision import Attention, Precision
 from readback.fields import Checked, one_of
 from readback.model.settings import Model
+from readback.numerics.attention_settings import AttentionSettings
+from readback.numerics.precision_settings import PrecisionSettings
+from readback.numerics.settings import NumericsSettings
 
 BACKENDS = ("emulated", "te")
 ATTENTION_CORES = ("auto", "readback")  # backend=te: auto (TE's where it can run the experiment) | readback
@@ -38,10 +40,12 @@ class ModelSettings(Protocol):
     @property
     def model(self) -> Model: ...
     @property
-    def precision(self) -> Precision: ...
+    def precision(self) -> PrecisionSettings: ...
     @property
     def policy(self) -> str: ...
     @property
-    def attention(self) -> Attention: ...
+    def attention(self) -> AttentionSettings: ...
     @property
     def backend(self) -> Backend: ...
+    @property
+    def numerics(self) -> NumericsSettings: ...

@@ -31,17 +31,15 @@ from typing import Any
 
 from readback.bias.variants import Variant
 
-# a part -> (its NumericsSpec field, or the gradient of attention_bwd_rounds), its value in TE's
-# FP8 backward, in its BF16 backward
+# a part -> (its attention setting, its value in TE's FP8 backward, in its BF16 backward)
 PARTS: dict[str, tuple[str, Any, Any]] = {
-    "qkv": ("attention_bwd_qkv", "forward", "original"),  # (a) what dQ, dK, dP read of Q, K, V
-    "probs": ("attention_bwd_probs", "forward", "rebuilt"),  # (b) what dV, dS read of P
-    "grad_output": ("grad_output", True, False),  # (c) dO rounded to E5M2
-    "grad_scores": ("grad_scores", True, False),  # (d) dS rounded to E5M2
-    "gemms": ("attention_bwd_precision", "fp8", "bf16"),  # (e) the GEMMs
+    "qkv": ("bwd_qkv", "forward", "original"),  # (a) what dQ, dK, dP read of Q, K, V
+    "probs": ("bwd_probs", "forward", "rebuilt"),  # (b) what dV, dS read of P
+    "grad_output": ("round_grad_output", True, False),  # (c) dO rounded to E5M2
+    "grad_scores": ("round_grad_scores", True, False),  # (d) dS rounded to E5M2
+    "gemms": ("bwd_precision", "fp8", "bf16"),  # (e) the GEMMs
 }
-D_PART = ("grad_output_in_d", True, False)  # the dO that D reads: D's own inputs' 2 x 2
-ROUNDED = ("grad_output", "grad_scores", "grad_output_in_d")
+D_PART = ("round_grad_output_in_d", True, False)  # the dO that D reads: D's own inputs' 2 x 2
 # TE's BF16 backward with both of its own reads, (a) and (b), put back as the forward had them: a BF16
 # backward of the forward's Q8, K8, V8 and P8 (``attention.bwd_reads=forward``); named on request only
 FORWARD_READS = "bf16+qkv+probs"
@@ -49,17 +47,16 @@ POLICIES = ("reuse_rounded", "fresh_reround", "no_saved_copy")
 
 
 def backward(name: str) -> dict[str, Any]:
-    """The spec fields of backward ``name`` (one of :func:`backwards`): ``attention_bwd_*``
-    values, ``attention_bwd_rounds`` as ``(gradient, rounds)`` pairs."""
+    """The attention settings of backward ``name`` (one of :func:`backwards`); the dO that D reads
+    rounds as dO does unless the name sets it apart."""
     if name not in (*backwards(), FORWARD_READS):
         raise ValueError(f"no backward {name!r}; valid: {[*backwards(), FORWARD_READS]}")
     end, *parts = name.replace("+", "-").split("-")
     values = {field: bf16 if end == "bf16" else fp8 for field, fp8, bf16 in PARTS.values()}
     for part in parts:
-        field, fp8, bf16 = {**PARTS, D_PART[0]: D_PART}[part]
+        field, fp8, bf16 = {**PARTS, "grad_output_in_d": D_PART}[part]
         values[field] = fp8 if end == "bf16" else bf16
-    rounds = tuple((g, values.pop(g)) for g in ROUNDED if g in values)
-    return {"attention_bwd_reads": "forward", **values, "attention_bwd_rounds": rounds}
+    return {"bwd_reads": "forward", "round_grad_output_in_d": None, **values}
 
 
 def backwards() -> list[str]:

@@ -4,9 +4,10 @@ kind of the linears' backward GEMMs accumulating in IEEE FP32 instead of the ten
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
-from readback.numerics.spec import GEMMS, NumericsSpec
+from readback.numerics.precision_settings import GEMMS
+from readback.numerics.spec import NumericsSpec
 from readback.ops import read_rules
 from readback.policy import POLICIES
 
@@ -17,7 +18,7 @@ class Variant:
     ``reads`` ``{op: {gradient: mode}}`` overrides entries of it; ``exact_bwd`` names the ops
     (``attention``, ``linear``) whose backward runs in FP32 with no gradient rounding;
     ``accumulation`` ``{gemm: mode}`` overrides how the linears' ``dgrad``/``wgrad`` GEMMs add;
-    ``backward`` ``{spec field: value}`` replaces the attention backward's precision, flavour and
+    ``backward`` ``{attention setting: value}`` replaces the attention backward's precision, flavour and
     parts (``readback.bias.backward_parts``)."""
 
     name: str
@@ -84,23 +85,21 @@ def variants(numerics) -> list[Variant]:
 
 def _rounds_backward(numerics, op: str) -> bool:
     if op == "attention":
-        return numerics.attention_bwd_precision in ("fp8", "bf16")
+        return numerics.bwd_gemm_precision in ("fp8", "bf16")
     return numerics.precision == "fp8" and "fp8" in (
         numerics.linear_precision("dgrad"),
         numerics.linear_precision("wgrad"),
     )
 
 
-def spec_of(variant: Variant, spec: NumericsSpec) -> NumericsSpec:
+def variant_spec(variant: Variant, spec: NumericsSpec) -> NumericsSpec:
     """The spec ``variant``'s backward runs under, made from the run's ``spec`` (a new one: no
     table of the ops or of the policies changes)."""
     policy = variant.policy or spec.policy
     if variant.backward:
-        spec = replace(spec, **variant.backward)
+        spec = spec.with_attention(**variant.backward)
     if variant.policy or variant.backward:  # in the run's (or the variant's) attention-backward flavour
-        recipe = spec.recipe if spec.precision == "fp8" else None
-        reads = read_rules(policy, spec.attention_bwd_reads, recipe, spec.attention_bwd_qkv, spec.attention_bwd_probs)
-        spec = spec.with_reads(policy, reads)
+        spec = spec.with_reads(policy, read_rules(policy, spec.attention, spec.recipe))
     if variant.reads:
         unknown = [(op, g) for op, grads in variant.reads.items() for g in grads if g not in spec.reads.get(op, {})]
         if unknown:
@@ -112,11 +111,10 @@ def spec_of(variant: Variant, spec: NumericsSpec) -> NumericsSpec:
     if variant.accumulation:
         if not set(variant.accumulation) <= {"dgrad", "wgrad"}:
             raise ValueError(f"accumulation {variant.accumulation}: only the backward's dgrad and wgrad can switch")
-        switched = tuple(variant.accumulation.get(g, a) for g, a in zip(GEMMS, spec.accumulation))
-        spec = replace(spec, accumulation=switched)
+        spec = spec.with_precision(accumulation_gemms={**dict(zip(GEMMS, spec.accumulation)), **variant.accumulation})
     return spec
 
 
 def applied(numerics, variant: Variant):
     """Run the block's backward as ``variant`` says; the run's own spec after."""
-    return numerics.using(spec_of(variant, numerics.spec))
+    return numerics.using(variant_spec(variant, numerics.spec))

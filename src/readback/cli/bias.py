@@ -268,7 +268,7 @@ def _measure(args, site_margin: dict[str, int] | None, out_for, shown: bool = Tr
     if args.part_variants is None:
         result = measure_bias(model, batches, dtype=DTYPES[args.dtype])
     else:  # the backwards between TE's two are an FP8 forward's
-        precision = model.numerics.spec.precision
+        precision = model.numerics.spec.precision.name
         require(
             precision == "fp8", "--parts", args.parts or "every backward", f"a run with an FP8 forward, not {precision}"
         )

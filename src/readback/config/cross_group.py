@@ -9,10 +9,10 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 from readback.backends.attention_kernel import kernel_cannot_run
-from readback.backends.precision import Fp8Precision, amax_spike_of, spec_of, underflow_words
 from readback.errors import ConfigError, require
-from readback.numerics import RECIPES, BlockScalingRecipe, DelayedScaling
-from readback.ops import attention_triton
+from readback.numerics import DelayedScaling
+from readback.numerics.precision_settings import Fp8Settings, amax_spike_of, underflow_words
+from readback.ops import attention_triton, numerics_spec
 from readback.train.settings import Config
 
 FP8_ALIGNMENT = 16  # FP8 GEMMs need every dimension divisible by 16
@@ -34,17 +34,17 @@ def check_between_groups(cfg: Config) -> None:
         m.vocab_size,
         f"null (the data's) or an integer >= data.vocab_size={cfg.data.vocab_size}",
     )
-    cfg.attention.check_against(cfg.precision, cfg.policy)
+    cfg.numerics.check()
     if cfg.attention.kernel == "triton":
         _check_triton(cfg)
-    if isinstance(cfg.precision, Fp8Precision):
+    if isinstance(cfg.precision, Fp8Settings):
         _check_fp8(cfg, cfg.precision)
 
 
 def _check_triton(cfg: Config) -> None:
     """``attention.kernel=triton`` where the kernel runs: on CUDA or in the interpreter, under
     settings, a head dim and instruments that it runs."""
-    reason = kernel_cannot_run(cfg.attention, cfg.precision) or attention_triton.cannot_run_here()
+    reason = kernel_cannot_run(cfg.numerics) or attention_triton.cannot_run_here()
     require(reason is None, "attention.kernel", cfg.attention.kernel, f"ops ({reason})")
     head_dim = cfg.model.d_model // cfg.model.n_heads
     require(
@@ -61,7 +61,7 @@ def _check_triton(cfg: Config) -> None:
     )
 
 
-def _check_fp8(cfg: Config, p: Fp8Precision) -> None:
+def _check_fp8(cfg: Config, p: Fp8Settings) -> None:
     from readback.model.fog import rounding_owners, rounding_sites
 
     m = cfg.model
@@ -71,8 +71,6 @@ def _check_fp8(cfg: Config, p: Fp8Precision) -> None:
         ("model head_dim", m.d_model // m.n_heads),
     ):
         require(value % FP8_ALIGNMENT == 0, key, value, f"a multiple of {FP8_ALIGNMENT} under precision=fp8")
-    if issubclass(RECIPES[p.recipe], BlockScalingRecipe):
-        _check_block_recipe(p)
     sites = rounding_sites(m.n_layers)
     if p.site_margin is not None:
         check_site_margin(p.site_margin, cfg, sites)
@@ -96,13 +94,6 @@ def _check_fp8(cfg: Config, p: Fp8Precision) -> None:
         )
 
 
-def _check_block_recipe(p: Fp8Precision) -> None:
-    """A block recipe's quantisers (``numerics.blockscale``) round to nearest, as TE's do: a
-    stochastic rounding would reach only the per-tensor sites (the attention core's)."""
-    why = f"under precision.recipe={p.recipe} (its block quantisers round to nearest)"
-    require(p.rounding == "nearest", "precision.rounding", p.rounding, f"nearest {why}")
-
-
 def check_site_margin(
     site_margin: Mapping[str, object], cfg: Config, sites: list[str], key: str = "precision.site_margin"
 ) -> None:
@@ -119,7 +110,7 @@ def check_site_margin(
         "a mapping {site pattern: margin}, e.g. {attn.core.output: 14}",
     )
     require(
-        isinstance(cfg.precision, Fp8Precision),
+        isinstance(cfg.precision, Fp8Settings),
         key,
         dict(site_margin),
         "null under precision=bf16 (no FP8 scale to divide)",
@@ -140,8 +131,8 @@ def require_margin(key: str, margin: object) -> None:
     require(isinstance(margin, int) and not isinstance(margin, bool) and margin >= 0, key, margin, "an integer >= 0")
 
 
-def _check_amax_spike(cfg: Config, p: Fp8Precision, sites: list[str]) -> None:
-    """An amax spike needs an amax history to hold it (delayed scaling, readback's own sites), a
+def _check_amax_spike(cfg: Config, p: Fp8Settings, sites: list[str]) -> None:
+    """An amax spike needs readback's own sites (``NumericsSettings.check``: delayed scaling), a
     step after which the run still trains, and a pattern that matches FP8 ``sites`` of the model
     that keep a history (BF16 sites, and sites scaled otherwise under another ``attention.recipe``,
     it also matches are left alone, as by ``precision.site_margin``)."""
@@ -152,13 +143,6 @@ def _check_amax_spike(cfg: Config, p: Fp8Precision, sites: list[str]) -> None:
     if spike is None:
         return
     value = dict(p.amax_spike)
-    require(
-        "delayed" in (p.recipe, cfg.attention.recipe),
-        "precision.amax_spike",
-        value,
-        f"null under precision.recipe={p.recipe}, or attention.recipe=delayed for the attention "
-        "core's sites (only delayed scaling keeps an amax history to hold a spike)",
-    )
     require(
         cfg.backend.name == "emulated",
         "precision.amax_spike",
@@ -174,7 +158,7 @@ def _check_amax_spike(cfg: Config, p: Fp8Precision, sites: list[str]) -> None:
         f"and trainer.steps={steps}",
     )
     require_site_pattern("precision.amax_spike.site", spike.site, sites)
-    spec = spec_of(p, cfg.policy, cfg.attention)  # which recipe, and so which history, each site has
+    spec = numerics_spec(cfg.numerics)  # which recipe, and so which history, each site has
     fp8_sites = [s for s in sites if not in_bf16_layers(s, p.bf16_layers)]
     require_site_pattern(
         "precision.amax_spike.site",
@@ -191,7 +175,7 @@ def _check_amax_spike(cfg: Config, p: Fp8Precision, sites: list[str]) -> None:
     )
 
 
-def _check_margin_sums(cfg: Config, p: Fp8Precision, sites: list[str]) -> None:
+def _check_margin_sums(cfg: Config, p: Fp8Settings, sites: list[str]) -> None:
     """``precision.margin`` plus the site margins matching a site, and an amax spike's ``k``
     there (for ``amax_history_len`` steps it lowers the scale as a margin of ``k`` would), against
     the bound of the site's format (``FP8Format.zero_margin``); the largest of them is refused."""
@@ -200,7 +184,7 @@ def _check_margin_sums(cfg: Config, p: Fp8Precision, sites: list[str]) -> None:
     from readback.numerics.spec import in_bf16_layers
 
     spike = amax_spike_of(p.amax_spike)
-    spec = spec_of(p, cfg.policy, cfg.attention)
+    spec = numerics_spec(cfg.numerics)
     for site in sites:
         if in_bf16_layers(site, p.bf16_layers):
             continue  # BF16 sites are unscaled: no margin applies

@@ -10,16 +10,16 @@ import typing
 from hydra.core.config_store import ConfigStore
 
 from readback.backends.hf import HfModel
-from readback.backends.precision import Fp8Precision, Precision
 from readback.backends.settings import Backend, TeBackend
 from readback.data.settings import FinewebData, ShakespeareData, SyntheticData
+from readback.numerics.precision_settings import Fp8Settings, PrecisionSettings
 from readback.train.settings import Config, Logger, WandbLogger
 
 # Option schemas of the groups whose options differ in keys: conf/<group>/<option>.yaml names
 # ``schema_<option>`` first in its defaults list.
 OPTION_SCHEMAS: dict[str, dict[str, type]] = {
     "model": {"hf": HfModel},
-    "precision": {"fp8": Fp8Precision, "bf16": Precision},
+    "precision": {"fp8": Fp8Settings, "bf16": PrecisionSettings},
     "data": {"shakespeare": ShakespeareData, "synthetic": SyntheticData, "fineweb_edu": FinewebData},
     "backend": {"emulated": Backend, "te": TeBackend},
     "logger": {"none": Logger, "wandb": WandbLogger},

@@ -54,10 +54,10 @@ class Numerics:
         return self._spec
 
     # The spec's settings, read-only, under the names the ops use.
-    precision = property(lambda self: self._spec.precision)
+    precision = property(lambda self: self._spec.precision.name)
     recipe = property(lambda self: self._spec.recipe)
     policy = property(lambda self: self._spec.policy)
-    attention_bwd_precision = property(lambda self: self._spec.attention_bwd_precision)
+    bwd_gemm_precision = property(lambda self: self._spec.bwd_gemm_precision)
     rounding = property(lambda self: self._spec.rounding)
     bf16_gemm = property(lambda self: self._spec.bf16_gemm)
     tape = property(lambda self: self._tape)

@@ -4,7 +4,7 @@ Forward: Q, K, V rounded (E4M3), ``S = c Q8 K8^T``, ``P = softmax(S)``, P rounde
 ``O = P8 V8``, and O rounded to O8 (``rounding`` nearest or stochastic), which is returned for the
 output projection to multiply and save.
 
-Backward (``attention_bwd_precision`` fp8: dO and dS rounded to E5M2 before their GEMMs; bf16/fp32: not)::
+Backward (``attention.bwd_precision`` fp8: dO and dS rounded to E5M2 before their GEMMs; bf16/fp32: not)::
 
     dV = P8^T dO     dP = dO V8^T     D = rowsum(dO * O_read)  or  rowsum(P * dP)
     dS = P * (dP - D)                 dQ = c dS K8             dK = c dS^T Q8
@@ -41,17 +41,18 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from readback.numerics import QTensor, pinned
-from readback.numerics.spec import ATTENTION_BWD_READS, ATTENTION_SITES, frozen_reads
+from readback.numerics import QTensor, attention_settings, pinned
+from readback.numerics.spec import ATTENTION_SITES, frozen_reads
 from readback.ops import attention_backward, attention_forward, attention_triton, mechanism
 from readback.ops import attention_parts as parts
 from readback.ops.saved import load, save
+from readback.policy import D_READS
 
 if TYPE_CHECKING:
     from readback.numerics.state import Numerics
 
 # The sites an attention core named ``name`` rounds at (``{name}.q``, ...): its GEMMs' operands and O.
-SITES = ATTENTION_SITES  # declared with the spec, whose attention_recipe scales them
+SITES = ATTENTION_SITES  # declared with the spec, whose attention recipe scales them
 GRADIENT_SITES = ("grad_output", "grad_scores")  # rounded in the recipe's backward format
 # gradient -> the forward value it reads (dO is every gradient's other operand):
 #   dV reads P (the PV GEMM's operand), dS reads P (the softmax's output), D reads O,
@@ -59,15 +60,7 @@ GRADIENT_SITES = ("grad_output", "grad_scores")  # rounded in the recipe's backw
 READ_OPERANDS = {"D": "O", "dQ": "K", "dK": "Q", "dV": "P", "dP": "V", "dS": "P"}
 QKV_READERS, P_READERS = ("dQ", "dK", "dP"), ("dV", "dS")  # attention.bwd_qkv's and bwd_probs's gradients
 _CORRECT = parts.FORWARD_READS  # which copy of it each gradient but D reads under every policy
-READS = frozen_reads(
-    {
-        "reuse_rounded": {**_CORRECT, "D": "rounded"},  # the O8 saved for the projection's wgrad
-        "fresh_reround": {**_CORRECT, "D": "fresh"},  # a new stochastic rounding of the saved O
-        "no_saved_copy": {**_CORRECT, "D": "none"},  # rowsum(P * dP): exact, reads no O
-        "original": {**_CORRECT, "D": "original"},  # high-precision O (off by P's rounding)
-        "exact": {**_CORRECT, "D": "none"},
-    }
-)
+READS = frozen_reads({policy: {**_CORRECT, "D": d_read} for policy, d_read in D_READS.items()})
 # The backward's flavour (attention.bwd_reads), laid over the policy's row (``ops.read_rules``;
 # D stays the policy's, and ``exact`` takes no flavour): ``forward`` reads the operands the FP8
 # forward multiplied; ``te`` what TE's BF16 backward (NVTE_FP8_DPA_BWD=0) reads: the original
@@ -78,7 +71,21 @@ BWD_READS = frozen_reads(
         "te": {"dQ": "original", "dK": "original", "dP": "original", "dV": "rebuilt", "dS": "rebuilt"},
     }
 )
-assert tuple(BWD_READS) == ATTENTION_BWD_READS
+assert tuple(BWD_READS) == attention_settings.BWD_READS
+# Transformer Engine's attention core reading a policy's D: (its per-tensor recipe, its backward's
+# precision, the policy) -> (what D reads, TE's switches that make it read so); backends/te/attention
+# maps a run onto it. Where TE has no such switch readback's core runs (TE's reads of the other
+# gradients: backends/te/facts.te_attention_reads).
+TE_D_READS = {
+    ("delayed", "fp8", "reuse_rounded"): ("O8 (the core's output_fp8)", {"NVTE_FP8_DPA_BWD": "1"}),
+    ("delayed", "bf16", "reuse_rounded"): ("O8 dequantised to BF16", {"NVTE_FP8_DPA_BWD": "0"}),
+    ("current", "fp8", "reuse_rounded"): (
+        "O8 (quantised by the core's O quantizer)",
+        {"NVTE_FP8_DPA_BWD": "1", "NVTE_DPA_FP8CS_O_in_F16": "0"},
+    ),
+    ("current", "fp8", "original"): ("original O (F16)", {"NVTE_FP8_DPA_BWD": "1", "NVTE_DPA_FP8CS_O_in_F16": "1"}),
+    ("current", "bf16", "original"): ("original O (F16)", {"NVTE_FP8_DPA_BWD": "0"}),
+}
 # What each (gradient, read mode) needs saved: the forward's rounded Q8, K8, V8 (``q8``, ...),
 # P8's scale and the start of its keyed draws (``p8_scale``, ``p8_draws``), the originals (``q``,
 # ``k``, ``v``), the FP8 forward's LSE, its O before rounding (``out``); O8 is always saved. P is

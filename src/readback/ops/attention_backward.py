@@ -51,7 +51,7 @@ def backward(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """dQ, dK, dV (B, H, T, hd; K's and V's per query head) from dO (``grad``, B, T, H hd); ``ctx``
     carries the forward's shape, softmax scale, GEMM, rounding and mechanism switch."""
-    precision, dtype, bf16_gemm = numerics.attention_bwd_precision, numerics.dtype, numerics.bf16_gemm
+    precision, dtype, bf16_gemm = numerics.bwd_gemm_precision, numerics.dtype, numerics.bf16_gemm
     reads, spec = numerics.spec.reads["attention"], numerics.spec
     coded = {"dO": spec.attention_rounds("grad_output"), "dS": spec.attention_rounds("grad_scores")}
     coded |= {g: reads[g] == "rounded" for g in ("dQ", "dK", "dP", "dV")}

@@ -155,9 +155,9 @@ def held(numerics: Numerics) -> torch.dtype:
     """The dtype the backward holds its non-FP8 reads in: BF16 in a BF16 backward that reads the
     originals (flavour ``te``, or ``bwd_qkv``, ``bwd_probs`` set apart), as TE holds them, else
     the run's (FP32; FP64 without rounding)."""
-    spec = numerics.spec
-    departs = spec.attention_bwd_reads == "te" or {spec.attention_bwd_qkv, spec.attention_bwd_probs} - {None, "forward"}
-    return torch.bfloat16 if departs and numerics.attention_bwd_precision == "bf16" else numerics.dtype
+    a = numerics.spec.attention
+    departs = a.bwd_reads == "te" or {a.bwd_qkv, a.bwd_probs} - {None, "forward"}
+    return torch.bfloat16 if departs and numerics.bwd_gemm_precision == "bf16" else numerics.dtype
 
 
 def d_term_o(numerics: Numerics, name: str, saved: dict[str, Any]) -> torch.Tensor | QTensor | None:

@@ -46,7 +46,7 @@ def runs(numerics: Numerics, name: str, q: torch.Tensor) -> bool:
     """Whether the core ``name`` of queries ``q`` runs on the kernel: ``attention.kernel`` triton,
     or auto on CUDA where triton imports and the kernel runs the spec (``unsupported``) and the
     head dim."""
-    kernel = numerics.spec.attention_kernel
+    kernel = numerics.spec.attention.kernel
     if kernel != "auto":
         return kernel == "triton"
     runnable = cannot_run_here() is None and runs_head_dim(q.shape[-1])
@@ -55,7 +55,7 @@ def runs(numerics: Numerics, name: str, q: torch.Tensor) -> bool:
 
 def settings_refused(fp8: bool, bwd_precision: str, bwd_reads: str, parts_apart: bool, per_tensor: bool) -> str | None:
     """What of a run's settings the kernel does not run, or None: the one rule of the config's
-    check (``backends.precision.Attention``) and of the op's (``unsupported``)."""
+    check (``backends.attention_kernel``) and of the op's (``unsupported``)."""
     if not fp8:
         return "the triton kernel runs precision=fp8 only"
     if bwd_precision != "fp8" or bwd_reads != "forward" or parts_apart:
@@ -69,11 +69,11 @@ def unsupported(numerics: Numerics, name: str) -> str | None:
     """Why the kernel cannot run core ``name`` as ``numerics`` rounds it (a bias-meter variant's
     spec too: its reads), or None when it can."""
     spec = numerics.spec
-    fp8 = spec.precision == "fp8"
+    fp8 = spec.precision.name == "fp8"
     sites = [numerics.site(f"{name}.{site}") for site in ("q", "k", "v", "probs")] if fp8 else []
     per_tensor = all(s.fmt is E4M3 and isinstance(s.state, DelayedScalingState | CurrentScalingState) for s in sites)
-    parts_apart = bool(spec.attention_bwd_rounds or spec.attention_bwd_qkv or spec.attention_bwd_probs)
-    why = settings_refused(fp8, spec.attention_bwd_precision, spec.attention_bwd_reads, parts_apart, per_tensor)
+    parts_apart = bool(spec.attention.parts_set_apart())
+    why = settings_refused(fp8, spec.bwd_gemm_precision, spec.attention.bwd_reads, parts_apart, per_tensor)
     reads = spec.reads["attention"]
     if why is None and any(reads[g] != mode for g, mode in parts.FORWARD_READS.items()):
         return "the triton kernel reads the forward's operands only (Q8, K8, V8, P8; P for dS)"

@@ -15,15 +15,16 @@ from typing import Any
 
 from omegaconf import MISSING
 
-from readback.backends.precision import Attention, Precision
 from readback.backends.settings import Backend
 from readback.data.settings import Data
 from readback.data.stream import Layout
 from readback.errors import ConfigError
 from readback.fields import Checked, integer, items, number, one_of
 from readback.model.settings import Model
+from readback.numerics.attention_settings import AttentionSettings
+from readback.numerics.precision_settings import PrecisionSettings
+from readback.numerics.settings import NumericsSettings
 from readback.overrides import with_current_keys
-from readback.policy import POLICIES
 from readback.probe.settings import Probe
 
 DEVICES = ("auto", "cpu", "cuda")
@@ -167,14 +168,20 @@ class Config(Checked):
     experiment: str = MISSING
     seed: int = integer(minimum=0)
     model: Model = MISSING
-    precision: Precision = MISSING
-    policy: str = one_of(POLICIES)  # readback.policy: which value each gradient reads
-    attention: Attention = MISSING
+    precision: PrecisionSettings = MISSING
+    policy: str = MISSING  # readback.policy: which value each gradient reads (checked with the numerics)
+    attention: AttentionSettings = MISSING
     data: Data = MISSING
     backend: Backend = MISSING
     logger: Logger = MISSING
     trainer: Trainer = MISSING
     probe: Probe = MISSING
+
+    @property
+    def numerics(self) -> NumericsSettings:
+        """The precision and attention groups and the policy, as the one settings object the
+        numerics are made from (``ops.numerics_spec``)."""
+        return NumericsSettings(self.precision, self.attention, self.policy)
 
     def layout(self, *, rank: int, world_size: int) -> Layout:
         """How rank ``rank`` of ``world_size`` takes its batches of the run's data."""

@@ -20,7 +20,7 @@ from readback.errors import ConfigError
 from readback.numerics.state import Numerics, Site
 from readback.ops import linear as linear_op
 from readback.ops import norm as norm_op
-from readback.ops import numerics_spec
+from specs import make_spec
 from toys import REPO
 
 # FP8 forward, FP32 backward GEMMs: what a gradient read is then told apart from GEMM round-off.
@@ -412,7 +412,7 @@ def test_readbacks_own_modules_are_not_converted_again():
 
     fog = FOG(
         FOGConfig(n_layers=1, d_model=32, n_heads=2, n_kv_groups=1, ffn_dim=48, vocab_size=64, seq_len=8),
-        Numerics(numerics_spec("off")),
+        Numerics(make_spec("off")),
     )
     model = sequential()
     readback.convert(model)

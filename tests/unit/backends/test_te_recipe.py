@@ -13,7 +13,6 @@ import types
 
 import pytest
 
-from readback.backends.precision import spec_of
 from readback.backends.te import convert as convert_te
 from readback.backends.te import facts as te_facts
 from readback.backends.te import parts as te_backend
@@ -23,6 +22,7 @@ from readback.backends.te.facts import Hardware
 from readback.errors import ConfigError
 from readback.numerics import DelayedScaling
 from readback.numerics.state import Numerics
+from readback.ops import numerics_spec
 from toys import REPO
 from toys import config as compose
 
@@ -74,9 +74,7 @@ def test_converted_model_gets_the_fog_runs_te_recipe(monkeypatch, overrides, ver
     cfg = compose("+experiment=fresh_reround", "backend=te", *overrides)
 
     fog = _built(lambda: te_backend.make_recipe(te_plan.te_plan(cfg, version, H100).te_recipe, version))
-    converted = _built(
-        lambda: convert_te.te_recipe(Numerics(spec_of(cfg.precision, cfg.policy, cfg.attention), seed=cfg.seed))
-    )
+    converted = _built(lambda: convert_te.te_recipe(Numerics(numerics_spec(cfg.numerics), seed=cfg.seed)))
     assert converted == fog
 
 

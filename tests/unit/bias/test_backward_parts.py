@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from readback.backends import build_model
-from readback.bias import Variant, measure_bias, spec_of
+from readback.bias import Variant, measure_bias, variant_spec
 from readback.bias.backward_parts import (
     FORWARD_READS,
     PARTS,
@@ -20,14 +20,14 @@ from readback.bias.backward_parts import (
 )
 from readback.cli.bias_options import part_variants_of
 from readback.errors import ConfigError
-from readback.ops import numerics_spec
+from specs import make_spec
 
-FIELDS = ("attention_bwd_precision", "attention_bwd_qkv", "attention_bwd_probs", "attention_bwd_reads")
+FIELDS = ("bwd_precision", "bwd_qkv", "bwd_probs", "bwd_reads")  # the attention settings a backward sets
 
 
 def _under(name: str, policy: str = "reuse_rounded"):
-    base = numerics_spec("fp8", None, "reuse_rounded")
-    return spec_of(Variant(name, "", policy=policy, backward=backward(name)), base)
+    base = make_spec("fp8", None, "reuse_rounded")
+    return variant_spec(Variant(name, "", policy=policy, backward=backward(name)), base)
 
 
 def _rounds(spec) -> tuple[bool, bool, bool]:
@@ -37,12 +37,12 @@ def _rounds(spec) -> tuple[bool, bool, bool]:
 def test_the_two_ends_are_te_s_fp8_and_bf16_backwards():
     for policy in ("reuse_rounded", "fresh_reround", "original"):
         fp8, bf16 = _under("fp8", policy), _under("bf16", policy)
-        te = numerics_spec("fp8", None, policy, attention_bwd_precision="bf16", attention_bwd_reads="te")
+        te = make_spec("fp8", None, policy, attention=dict(bwd_precision="bf16", bwd_reads="te"))
         assert bf16.reads == te.reads and _rounds(bf16) == _rounds(te) == (False, False, False)
-        assert bf16.attention_bwd_precision == "bf16"
-        plain = numerics_spec("fp8", None, policy)
+        assert bf16.bwd_gemm_precision == "bf16"
+        plain = make_spec("fp8", None, policy)
         assert fp8.reads == plain.reads and _rounds(fp8) == _rounds(plain) == (True, True, True)
-        assert fp8.attention_bwd_precision == "fp8"
+        assert fp8.bwd_gemm_precision == "fp8"
 
 
 @pytest.mark.parametrize("part", [*PARTS, "grad_output_in_d"])
@@ -52,15 +52,15 @@ def test_a_switched_part_differs_from_its_end_in_that_part_alone(part):
         if name not in backwards():
             continue
         ends, switched = _under(end), _under(name)
-        changed = {f for f in FIELDS if getattr(ends, f) != getattr(switched, f)}
+        changed = {f for f in FIELDS if getattr(ends.attention, f) != getattr(switched.attention, f)}
         changed |= {f"rounds.{i}" for i, (a, b) in enumerate(zip(_rounds(ends), _rounds(switched))) if a != b}
         changed |= {f"reads.{g}" for g, m in ends.reads["attention"].items() if switched.reads["attention"][g] != m}
         wanted = {
-            "qkv": {"attention_bwd_qkv", "reads.dQ", "reads.dK", "reads.dP"},
-            "probs": {"attention_bwd_probs", "reads.dV", "reads.dS"},
+            "qkv": {"bwd_qkv", "reads.dQ", "reads.dK", "reads.dP"},
+            "probs": {"bwd_probs", "reads.dV", "reads.dS"},
             "grad_output": {"rounds.0", "rounds.2"},  # D's dO follows the GEMMs' unless set apart
             "grad_scores": {"rounds.1"},
-            "gemms": {"attention_bwd_precision"},
+            "gemms": {"bwd_precision"},
             "grad_output_in_d": {"rounds.2"},
         }[part]
         assert changed == wanted, (name, changed)
@@ -104,9 +104,9 @@ def test_the_forward_reads_backward_is_bwd_reads_forward_in_bf16_and_te_reads_it
     backward over the forward's Q8, K8, V8 and P8 that ``attention.bwd_reads=forward`` runs."""
     for policy in ("reuse_rounded", "no_saved_copy", "original"):
         ours = _under(FORWARD_READS, policy)
-        forward = numerics_spec("fp8", None, policy, attention_bwd_precision="bf16", attention_bwd_reads="forward")
+        forward = make_spec("fp8", None, policy, attention=dict(bwd_precision="bf16", bwd_reads="forward"))
         assert ours.reads == forward.reads and _rounds(ours) == _rounds(forward) == (False, False, False)
-        assert ours.attention_bwd_precision == "bf16" and (ours.attention_bwd_qkv, ours.attention_bwd_probs) == (
+        assert ours.bwd_gemm_precision == "bf16" and (ours.attention.bwd_qkv, ours.attention.bwd_probs) == (
             "forward",
             "forward",
         )

@@ -33,8 +33,8 @@ import torch
 from readback.bias import measure_bias
 from readback.numerics import CurrentScaling
 from readback.numerics.state import Numerics
-from readback.ops import numerics_spec
 from readback.ops.attention import attention
+from specs import make_spec
 
 BATCH, HEADS, SEQ, DIM = 16, 2, 8, 4
 SOFTMAX_SCALE = 8.0  # logits' rounding errors of order one: a bias the meter resolves in 96 batches
@@ -109,13 +109,12 @@ class PlantedRebuild(torch.nn.Module):
 @pytest.fixture(scope="module", params=["reuse_rounded", "original"])
 def measured(request):
     """The meter on the planted problem, D from O8 (``reuse_rounded``) or from O (``original``)."""
-    spec = numerics_spec(
+    spec = make_spec(
         "fp8",
         CurrentScaling(),
         request.param,
-        attention_bwd_precision="fp32",
-        attention_bwd_reads="te",
         rounding="stochastic",
+        attention=dict(bwd_precision="fp32", bwd_reads="te"),
     )
     model = PlantedRebuild(Numerics(spec))
     expected = model.expected()

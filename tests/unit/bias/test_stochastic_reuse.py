@@ -21,8 +21,8 @@ import torch
 from readback.bias import measure_bias
 from readback.numerics import E4M3, CurrentScaling
 from readback.numerics.state import Numerics
-from readback.ops import numerics_spec
 from readback.ops.attention import attention
+from specs import make_spec
 
 ROWS, HEADS, DIM = 32, 2, 8
 SOFTMAX_SCALE = 0.125
@@ -70,13 +70,13 @@ class PlantedCurvature(torch.nn.Module):
 @pytest.fixture(scope="module")
 def measured():
     numerics = Numerics(
-        numerics_spec(
+        make_spec(
             "fp8",
             CurrentScaling(),
             "reuse_rounded",
-            attention_bwd_precision="fp32",
             rounding="stochastic",
             site_margin={"core.output": MARGIN},
+            attention=dict(bwd_precision="fp32"),
         )
     )
     model = PlantedCurvature(numerics)

@@ -11,11 +11,10 @@ import pytest
 import torch
 
 from readback.backends import site_implementations
-from readback.backends.precision import spec_of
 from readback.config import validate
 from readback.errors import ConfigError
 from readback.numerics.state import Numerics
-from readback.ops import attention_triton
+from readback.ops import attention_triton, numerics_spec
 from toys import REPO, TWO_STEP_RUN, compose
 
 pytest.importorskip("triton", reason="triton is not installed")
@@ -25,8 +24,8 @@ def test_auto_runs_the_ops_core_on_a_cpu(monkeypatch):
     monkeypatch.setattr("torch.cuda.is_available", lambda: False)
     cfg = validate(compose("+experiment=reuse_rounded"))
     assert cfg.attention.kernel == "auto"
-    numerics = Numerics(spec_of(cfg.precision, cfg.policy, cfg.attention))
-    assert numerics.spec.attention_kernel == "auto"
+    numerics = Numerics(numerics_spec(cfg.numerics))
+    assert numerics.spec.attention.kernel == "auto"
     assert not attention_triton.runs(numerics, "layers.0.attn.core", torch.zeros(1, 2, 16, 64))
     assert site_implementations(cfg)["attention_core"] == "readback.ops.attention"
 
@@ -34,7 +33,7 @@ def test_auto_runs_the_ops_core_on_a_cpu(monkeypatch):
 def test_triton_under_the_interpreter_is_the_spec_s_and_the_summary_s(monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     cfg = validate(compose("+experiment=fresh_reround", "attention.kernel=triton"))
-    assert spec_of(cfg.precision, cfg.policy, cfg.attention).attention_kernel == "triton"
+    assert numerics_spec(cfg.numerics).attention.kernel == "triton"
     assert site_implementations(cfg)["attention_core"] == "readback.ops.attention on readback.kernels (Triton)"
 
 

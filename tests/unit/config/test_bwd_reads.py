@@ -22,13 +22,13 @@ def test_only_the_bf16_backward_experiments_read_as_te(experiment):
 
 
 def test_the_spec_carries_the_flavour_and_its_reads():
-    from readback.backends.precision import spec_of
+    from readback.ops import numerics_spec
 
     for bwd_reads in ("te", "forward"):
         c = validate(compose("+experiment=reuse_rounded_bf16_bwd", f"attention.bwd_reads={bwd_reads}"))
-        spec = spec_of(c.precision, c.policy, c.attention)
-        assert spec.attention_bwd_reads == bwd_reads and spec.attention_bwd_precision == "bf16"
-        assert spec.reads == read_rules("reuse_rounded", bwd_reads)
+        spec = numerics_spec(c.numerics)
+        assert spec.attention.bwd_reads == bwd_reads and spec.bwd_gemm_precision == "bf16"
+        assert spec.reads == read_rules("reuse_rounded", c.attention)
 
 
 @pytest.mark.parametrize(

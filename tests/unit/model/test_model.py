@@ -9,8 +9,8 @@ from readback.backends import build_model
 from readback.model import ActivationStats, kurtosis
 from readback.model.fog import FOG, FOGConfig, Parts, rope, rotation, rounding_owners
 from readback.numerics.state import Numerics
-from readback.ops import numerics_spec
 from readback.ops.activation import BETA, EPS
+from specs import make_spec
 from toys import config as compose
 from toys import train_on_one_batch
 
@@ -20,7 +20,7 @@ VOCAB_128 = ("data=synthetic", "data.vocab_size=128", "model.vocab_size=128")
 def _tiny(precision="off", **kw):
     cfg = FOGConfig(n_layers=2, d_model=32, n_heads=4, n_kv_groups=2, ffn_dim=48, vocab_size=64, seq_len=8, **kw)
     torch.manual_seed(0)
-    return FOG(cfg, Numerics(numerics_spec(precision)))
+    return FOG(cfg, Numerics(make_spec(precision)))
 
 
 @pytest.mark.parametrize(
@@ -188,7 +188,7 @@ def test_fog_takes_every_linear_norm_core_and_activation_from_its_parts():
             return super().attention_core(cfg, name, index)
 
     cfg = FOGConfig(n_layers=1, d_model=32, n_heads=4, n_kv_groups=2, ffn_dim=48, vocab_size=64, seq_len=8, tied=False)
-    numerics = Numerics(numerics_spec("off"))
+    numerics = Numerics(make_spec("off"))
     model = FOG(cfg, numerics, Recording(numerics))
     names = ["qkv", "q_norm (frozen)", "k_norm (frozen)", "core", "proj"]
     assert made == [

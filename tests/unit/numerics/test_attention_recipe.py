@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from readback.backends import build_model
-from readback.backends.precision import spec_of
+from readback.errors import ConfigError
 from readback.numerics import (
     E4M3,
     E5M2,
@@ -20,12 +20,17 @@ from readback.numerics import (
     DelayedScalingState,
     Format,
     MXFP8BlockScaling,
+    ScalingRecipe,
 )
+from readback.numerics.attention_settings import AttentionSettings
+from readback.numerics.precision_settings import fp8_settings_of
+from readback.numerics.settings import NumericsSettings
 from readback.numerics.spec import is_attention_site
 from readback.numerics.state import Numerics
 from readback.ops import numerics_spec
 from readback.ops.attention import attention
 from readback.ops.linear import linear
+from specs import make_spec
 from toys import config, train_on_one_batch
 
 TINY = (
@@ -157,8 +162,8 @@ def test_the_linears_read_nothing_of_the_attention_recipe():
     x, w = torch.randn(4, 8, 64, generator=g), torch.randn(32, 64, generator=g)
     q, k, v = (torch.randn(2, 2, 32, 16, generator=g) * 4 for _ in range(3))
     outputs = []
-    for own in (None, DelayedScaling(fp8_format=Format.E4M3, amax_history_len=2)):
-        numerics = Numerics(numerics_spec(recipe=MXFP8BlockScaling(), attention_recipe=own))
+    for own in (None, "delayed"):  # in MXFP8's format, E4M3
+        numerics = Numerics(make_spec(recipe=MXFP8BlockScaling(), amax_history_len=2, attention={"recipe": own}))
         for _ in range(2):
             y = linear(x, w, numerics, "layers.0.mlp.up")
             o, _ = attention(q, k, v, numerics, CORE)
@@ -171,12 +176,12 @@ def test_the_linears_read_nothing_of_the_attention_recipe():
 def test_a_checkpoint_restores_the_attention_sites_with_their_own_recipe():
     """``load_state_dict`` makes the sites from their names before any op runs: the core's get
     the attention recipe's state back, history and all."""
-    spec_kwargs = dict(recipe=MXFP8BlockScaling(), attention_recipe=DelayedScaling(amax_history_len=3))
-    numerics = Numerics(numerics_spec(**spec_kwargs))
+    spec_kwargs = dict(recipe=MXFP8BlockScaling(), amax_history_len=3, attention={"recipe": "delayed"})
+    numerics = Numerics(make_spec(**spec_kwargs))
     numerics.site(f"{CORE}.output").quantize(torch.linspace(-3, 2, 16))
     numerics.site("layers.0.mlp.up.input").quantize(torch.ones(4))
     numerics.end_step()
-    resumed = Numerics(numerics_spec(**spec_kwargs))
+    resumed = Numerics(make_spec(**spec_kwargs))
     resumed.load_state_dict(numerics.state_dict())
     state = resumed.sites[f"{CORE}.output"].state
     assert isinstance(state, DelayedScalingState) and state.history.tolist() == [3.0, 0.0, 0.0]
@@ -184,26 +189,29 @@ def test_a_checkpoint_restores_the_attention_sites_with_their_own_recipe():
 
 
 def test_the_spec_takes_a_per_tensor_attention_recipe_of_an_fp8_run_and_pickles_it():
-    spec = Numerics(numerics_spec(recipe=CurrentScaling(), attention_recipe=DelayedScaling(amax_history_len=5))).spec
+    spec = make_spec(recipe=CurrentScaling(), amax_history_len=5, attention={"recipe": "delayed"})
     assert pickle.loads(pickle.dumps(spec)).attention_recipe == DelayedScaling(amax_history_len=5)
     assert spec.recipe_for(f"{CORE}.q").KEY == "delayed" and spec.recipe_for("layers.0.attn.qkv.input").KEY == "current"
-    with pytest.raises(ValueError, match="attention_recipe"):
-        Numerics(numerics_spec(recipe=CurrentScaling(), attention_recipe=MXFP8BlockScaling()))  # not emulated
-    assert Numerics(numerics_spec("bf16", attention_recipe=DelayedScaling())).spec.attention_recipe is None  # FP8 only
+    with pytest.raises(ConfigError, match=r"attention\.recipe"):
+        make_spec(recipe=CurrentScaling(), attention={"recipe": "mxfp8"})  # not emulated
+    assert make_spec("bf16", attention={"recipe": "delayed"}).attention_recipe is None  # FP8 only
 
 
 def test_an_amax_spike_needs_a_history_somewhere():
-    from readback.numerics.spike import AmaxSpike
+    spike = {"site": "attn.core.output", "step": 2, "k": 3}
 
-    spike = AmaxSpike("attn.core.output", 2, 3)
-    Numerics(numerics_spec(recipe=CurrentScaling(), attention_recipe=DelayedScaling(), amax_spike=spike))
-    Numerics(numerics_spec(recipe=DelayedScaling(), attention_recipe=CurrentScaling(), amax_spike=spike))
-    with pytest.raises(ValueError, match="delayed scaling"):
-        Numerics(numerics_spec(recipe=CurrentScaling(), attention_recipe=CurrentScaling(), amax_spike=spike))
+    def settings(linears: ScalingRecipe, core: str) -> NumericsSettings:
+        attention = AttentionSettings(bwd_precision="fp8", bwd_reads="forward", recipe=core)
+        return NumericsSettings(fp8_settings_of(linears, amax_spike=spike), attention, "reuse_rounded")
+
+    settings(CurrentScaling(), "delayed").check()
+    settings(DelayedScaling(), "current").check()
+    with pytest.raises(ConfigError, match="delayed scaling"):
+        settings(CurrentScaling(), "current").check()
 
 
 def test_the_recipe_object_takes_the_groups_fields_but_the_linears_own():
-    """``Fp8Precision.attention_scaling_recipe``: margin, history, algorithm and interval from the
+    """``AttentionSettings.scaling_recipe``: margin, history, algorithm and interval from the
     group, the linears' format (HYBRID under NVFP4), never the linears' backward switches."""
     cfg = config(
         "+experiment=reuse_rounded",
@@ -214,6 +222,6 @@ def test_the_recipe_object_takes_the_groups_fields_but_the_linears_own():
         "precision.amax_history_len=8",
         "attention.recipe=delayed",
     )
-    own = spec_of(cfg.precision, cfg.policy, cfg.attention).attention_recipe
+    own = numerics_spec(cfg.numerics).attention_recipe
     assert own == DelayedScaling(margin=2, fp8_format=Format.E4M3, amax_history_len=8)
-    assert spec_of(cfg.precision, cfg.policy, cfg.attention).recipe.backward_override == "dequantized"
+    assert numerics_spec(cfg.numerics).recipe.backward_override == "dequantized"

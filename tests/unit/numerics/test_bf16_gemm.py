@@ -8,7 +8,7 @@ import torch
 
 from readback.numerics import fp8_mm, matmul, round_bf16
 from readback.numerics.gemm import BF16_GEMMS, bf16_mm
-from readback.ops import numerics_spec
+from specs import make_spec
 from toys import config
 
 
@@ -81,7 +81,7 @@ def test_an_unknown_kernel_is_refused():
     with pytest.raises(ValueError, match="bf16_gemm"):
         bf16_mm(_bf16(2, 2, seed=0), _bf16(2, 2, seed=1), "amx")
     with pytest.raises(ValueError, match="bf16_gemm"):
-        numerics_spec("bf16", bf16_gemm="amx")
+        make_spec("bf16", bf16_gemm="amx")
 
 
 @pytest.mark.parametrize("experiment", ["reuse_rounded", "bf16_baseline"])

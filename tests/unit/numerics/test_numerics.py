@@ -36,7 +36,7 @@ from readback.numerics import (
 from readback.numerics.rounding import decode, uniform
 from readback.numerics.scale_state import new_state
 from readback.numerics.state import Numerics
-from readback.ops import numerics_spec
+from specs import make_spec
 
 FORMATS = [E4M3, E5M2]
 F32_MAX = float(torch.finfo(torch.float32).max)
@@ -664,7 +664,7 @@ def test_check_scales_names_the_site_whose_own_scale_was_unusable():
     subnormal scale: counted at its site, raised once by ``check_scales``, then cleared."""
     from readback.errors import NumericsError
 
-    numerics = Numerics(numerics_spec("fp8", recipe=CurrentScaling(margin=18)))
+    numerics = Numerics(make_spec("fp8", recipe=CurrentScaling(margin=18)))
     numerics.site("a.input").quantize(torch.tensor([1.0, -2.0]))
     numerics.site("b.input").quantize(torch.tensor([3e38, 1.0]))
     numerics.site("a.input").quantize(torch.tensor([1.0]), scale=torch.tensor(0.0))  # a reused scale: not its own

@@ -6,22 +6,28 @@ E4M3, a constant tensor) and is back exactly when that entry leaves the history,
 from __future__ import annotations
 
 import copy
+import dataclasses
 
 import pytest
 import torch
 
+from readback.errors import ConfigError
 from readback.numerics import E4M3, CurrentScaling, DelayedScaling, compute_scale
+from readback.numerics.attention_settings import AttentionSettings
+from readback.numerics.precision_settings import fp8_settings_of
+from readback.numerics.settings import NumericsSettings
 from readback.numerics.spike import AmaxSpike
 from readback.numerics.state import Numerics
-from readback.ops import numerics_spec
+from specs import make_spec
 
 SPIKED, OTHER = "layers.0.attn.core.output", "layers.0.attn.core.q"  # matched by attn.core.output, and not
 STEPS = 24
+FP8_BACKWARD = AttentionSettings(bwd_precision="fp8", bwd_reads="forward")
 
 
 def _numerics(spike: AmaxSpike | None, history: int = 8, algo: str = "max"):
     recipe = DelayedScaling(amax_history_len=history, amax_compute_algo=algo)
-    return Numerics(numerics_spec(recipe=recipe, amax_spike=spike))
+    return Numerics(make_spec(recipe=recipe, amax_spike=None if spike is None else dataclasses.asdict(spike)))
 
 
 def _tensors(constant: bool) -> list[torch.Tensor]:
@@ -115,10 +121,10 @@ def test_a_run_resumed_at_any_step_injects_once_and_matches_the_uninterrupted_on
 
 
 def test_a_spike_needs_delayed_scaling_and_steps_and_k_from_1():
-    with pytest.raises(ValueError, match="delayed scaling"):
-        Numerics(numerics_spec(recipe=CurrentScaling(), amax_spike=AmaxSpike("attn.core.output", 5, 3)))
-    with pytest.raises(ValueError, match="delayed scaling"):
-        Numerics(numerics_spec("bf16", amax_spike=AmaxSpike("attn.core.output", 5, 3)))
+    spike = {"site": "attn.core.output", "step": 5, "k": 3}
+    current = NumericsSettings(fp8_settings_of(CurrentScaling(), amax_spike=spike), FP8_BACKWARD, "reuse_rounded")
+    with pytest.raises(ConfigError, match="delayed scaling"):
+        current.check()
     for step, k in ((0, 3), (5, 0)):
         with pytest.raises(ValueError, match="must be >= 1"):
             AmaxSpike("attn.core.output", step, k)

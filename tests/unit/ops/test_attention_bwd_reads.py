@@ -7,11 +7,18 @@ from __future__ import annotations
 import pytest
 import torch
 
-from readback.bias.variants import spec_of, variants
+from readback.bias.variants import variant_spec, variants
+from readback.errors import ConfigError
 from readback.numerics import CurrentScaling
+from readback.numerics.attention_settings import AttentionSettings
+from readback.numerics.precision_settings import fp8_settings_of
+from readback.numerics.settings import NumericsSettings
 from readback.numerics.state import Numerics
-from readback.ops import numerics_spec, read_rules
+from readback.ops import read_rules
 from readback.ops.attention import BWD_READS, attention
+from specs import make_spec
+
+TE_BACKWARD = AttentionSettings(bwd_precision="bf16", bwd_reads="te")
 
 C = 0.125
 B, H, G, T, HD = 2, 4, 2, 24, 16
@@ -35,7 +42,7 @@ def _inputs(seed: int = 0) -> dict[str, torch.Tensor]:
 def _run(policy: str, bwd: str, bwd_reads: str, x: dict[str, torch.Tensor]):
     """The op's (dQ, dK, dV) and its forward's record."""
     numerics = Numerics(
-        numerics_spec("fp8", CurrentScaling(), policy, attention_bwd_precision=bwd, attention_bwd_reads=bwd_reads)
+        make_spec("fp8", CurrentScaling(), policy, attention=dict(bwd_precision=bwd, bwd_reads=bwd_reads))
     )
     q, k, v = (x[n].clone().requires_grad_() for n in ("q", "k", "v"))
     with numerics.taping() as tape:
@@ -100,33 +107,28 @@ def test_te_reads_in_a_bf16_backward_hold_bf16_values():
 
 def test_the_flavour_is_laid_over_every_policy_but_exact():
     for policy in ("reuse_rounded", "fresh_reround", "no_saved_copy", "original"):
-        reads = read_rules(policy, "te")["attention"]
+        reads = read_rules(policy, TE_BACKWARD)["attention"]
         assert reads == {**read_rules(policy)["attention"], **BWD_READS["te"]}
         assert reads["D"] == read_rules(policy)["attention"]["D"]  # D stays the policy's
-    assert read_rules("exact", "te") == read_rules("exact")
-    with pytest.raises(ValueError, match="attention_bwd_reads='te' needs"):
-        Numerics(
-            numerics_spec(
-                "fp8", CurrentScaling(), "reuse_rounded", attention_bwd_precision="fp8", attention_bwd_reads="te"
-            )
-        )
+    assert read_rules("exact", TE_BACKWARD) == read_rules("exact")
+    fp8_backward = AttentionSettings(bwd_precision="fp8", bwd_reads="te")
+    with pytest.raises(ConfigError, match=r"attention\.bwd_reads='te'.*bwd_precision=fp8"):
+        NumericsSettings(fp8_settings_of(CurrentScaling()), fp8_backward, "reuse_rounded").check()
 
 
 def test_bias_variants_switch_each_te_read_alone():
     numerics = Numerics(
-        numerics_spec(
-            "fp8", CurrentScaling(), "reuse_rounded", attention_bwd_precision="bf16", attention_bwd_reads="te"
-        )
+        make_spec("fp8", CurrentScaling(), "reuse_rounded", attention=dict(bwd_precision="bf16", bwd_reads="te"))
     )
     names = {v.name: v for v in variants(numerics)}
     for gradient in ("D", "dQ", "dK", "dP", "dV", "dS"):
-        spec = spec_of(names[f"exact_read.attention.{gradient}"], numerics.spec)
+        spec = variant_spec(names[f"exact_read.attention.{gradient}"], numerics.spec)
         exact = read_rules("exact")["attention"][gradient]
         switched = {g for g, m in spec.reads["attention"].items() if m != numerics.spec.reads["attention"][g]}
         assert switched == {gradient} and spec.reads["attention"][gradient] == exact
     # a policy variant keeps the run's flavour; exact (and all_exact) reads the forward's operands
-    assert spec_of(names["no_saved_copy"], numerics.spec).reads["attention"]["dQ"] == "original"
-    assert spec_of(names["all_exact"], numerics.spec).reads == read_rules("exact")
+    assert variant_spec(names["no_saved_copy"], numerics.spec).reads["attention"]["dQ"] == "original"
+    assert variant_spec(names["all_exact"], numerics.spec).reads == read_rules("exact")
 
 
 @pytest.mark.parametrize("gradient", ["D", "dQ", "dK", "dP", "dV", "dS"])
@@ -135,11 +137,11 @@ def test_each_variant_backward_runs_and_changes_the_gradient(gradient):
     changes the gradient."""
     x = _inputs(2)
     numerics = Numerics(
-        numerics_spec(
-            "fp8", CurrentScaling(), "reuse_rounded", attention_bwd_precision="fp32", attention_bwd_reads="te"
-        )
+        make_spec("fp8", CurrentScaling(), "reuse_rounded", attention=dict(bwd_precision="fp32", bwd_reads="te"))
     )
-    spec = spec_of(next(v for v in variants(numerics) if v.name == f"exact_read.attention.{gradient}"), numerics.spec)
+    spec = variant_spec(
+        next(v for v in variants(numerics) if v.name == f"exact_read.attention.{gradient}"), numerics.spec
+    )
     grads = {}
     for label, s in (("te", numerics.spec), ("switched", spec)):
         q, k, v = (x[n].clone().requires_grad_() for n in ("q", "k", "v"))

@@ -14,19 +14,20 @@ from readback.numerics.formats import E4M3
 from readback.numerics.rounding import KeyedDraws, quantize
 from readback.numerics.site import Site
 from readback.numerics.state import Numerics
-from readback.ops import attention_parts, numerics_spec
+from readback.ops import attention_parts
 from readback.ops.attention import attention, replay
 from readback.policy import POLICIES
+from specs import make_spec
 
-NAME = "layers.0.attn.core"  # a core's name: attention_recipe scales its sites
+NAME = "layers.0.attn.core"  # a core's name: attention.recipe scales its sites
 B, H, G, HD = 2, 4, 2, 16
-# (linears' recipe, attention_recipe): delayed scaling warmed up a step, current, a block recipe
+# (linears' recipe, attention.recipe): delayed scaling warmed up a step, current, a block recipe
 # whose attention core is per-tensor, and a core with a recipe of its own
 RECIPES = {
     "delayed": (DelayedScaling(), None),
     "current": (CurrentScaling(), None),
     "mxfp8": (MXFP8BlockScaling(), None),
-    "delayed+current": (DelayedScaling(), CurrentScaling()),
+    "delayed+current": (DelayedScaling(), "current"),
 }
 GRADIENT_OBSERVATIONS = ("attn_grad_flushed/", "attn_grad_subnormal/", "attn_grad_amax_to_rms/")
 FLAVOURS = [("fp8", "forward"), ("bf16", "forward"), ("fp32", "forward"), ("bf16", "te"), ("fp32", "te")]
@@ -93,13 +94,11 @@ def test_every_code_and_gradient_is_the_untiled_ops(monkeypatch, seq, recipe, bw
         runs = []
         for op in (frozen_attention.attention, attention):
             numerics = Numerics(
-                numerics_spec(
+                make_spec(
                     "fp8",
                     linears,
                     policy,
-                    attention_bwd_precision=bwd,
-                    attention_bwd_reads=bwd_reads,
-                    attention_recipe=core,
+                    attention=dict(bwd_precision=bwd, bwd_reads=bwd_reads, recipe=core),
                 )
             )
             runs.append(_run(op, numerics, x, monkeypatch))
@@ -122,7 +121,7 @@ def test_the_bf16_baseline_and_rounding_off_are_the_untiled_ops(precision):
     grads = []
     for op in (frozen_attention.attention, attention):
         numerics = Numerics(
-            numerics_spec(precision, policy="exact", attention_bwd_precision="bf16" if precision == "bf16" else "fp8")
+            make_spec(precision, policy="exact", attention=dict(bwd_precision="bf16" if precision == "bf16" else "fp8"))
         )
         q, k, v = (t.clone().requires_grad_() for t in x[:3])
         o, _ = op(q, k, v, numerics, NAME)
@@ -168,7 +167,7 @@ def test_stochastic_p_is_unbiased_and_its_draws_do_not_depend_on_the_blocks(monk
         monkeypatch.setattr(attention_parts, "BLOCK_ELEMENTS", 0)
         monkeypatch.setattr(attention_parts, "MIN_ROWS", rows)
         numerics = Numerics(
-            numerics_spec("fp8", CurrentScaling(), "exact", attention_bwd_precision="fp32", rounding="stochastic"),
+            make_spec("fp8", CurrentScaling(), "exact", rounding="stochastic", attention=dict(bwd_precision="fp32")),
             seed=seed,
         )
         out = []
@@ -228,7 +227,7 @@ def test_exact_policies_equal_the_reference_at_t_4096_and_save_no_t_by_t_tensor(
     q0 = torch.randn(1, heads, seq, dim, generator=g) * 2
     k0, v0 = (torch.randn(1, 1, seq, dim, generator=g) for _ in range(2))
     d_out = torch.randn(1, seq, heads * dim, generator=g)
-    numerics = Numerics(numerics_spec("fp8", CurrentScaling(), policy, attention_bwd_precision="fp32"))
+    numerics = Numerics(make_spec("fp8", CurrentScaling(), policy, attention=dict(bwd_precision="fp32")))
     q, k, v = (t.clone().requires_grad_() for t in (q0, k0, v0))
     with numerics.taping() as tape:
         o, _ = attention(q, k, v, numerics, NAME)

@@ -11,12 +11,12 @@ import torch
 from readback.model.fog import FOG, FOGConfig
 from readback.numerics import NVFP4BlockScaling
 from readback.numerics.state import Numerics
-from readback.ops import numerics_spec
 from readback.ops.compiled import compiled
+from specs import make_spec
 
 CFG = FOGConfig(n_layers=1, d_model=32, n_heads=4, n_kv_groups=2, ffn_dim=48, vocab_size=64, seq_len=16)
 SETUPS = {
-    "bf16": dict(precision="bf16", policy="exact", attention_bwd_precision="bf16"),
+    "bf16": dict(precision="bf16", policy="exact", attention=dict(bwd_precision="bf16")),
     "reuse_rounded": dict(precision="fp8", policy="reuse_rounded"),
     "no_saved_copy": dict(precision="fp8", policy="no_saved_copy"),
     # stochastic roundings draw from generator states (readback.numerics.uniform), which trace
@@ -29,7 +29,7 @@ SETUPS = {
 
 def _model(setup: str) -> FOG:
     torch.manual_seed(0)
-    return FOG(CFG, Numerics(numerics_spec(**SETUPS[setup])))
+    return FOG(CFG, Numerics(make_spec(**SETUPS[setup])))
 
 
 def _batch() -> tuple[torch.Tensor, torch.Tensor]:

@@ -8,20 +8,20 @@ import pytest
 import torch
 
 import readback.numerics.gemm as gemm
-from readback.backends.precision import spec_of
 from readback.config import from_saved, validate
 from readback.errors import ConfigError
 from readback.numerics import CurrentScaling
-from readback.numerics.spec import resolve_accumulation
+from readback.numerics.precision_settings import resolve_accumulation
 from readback.numerics.state import Numerics
 from readback.ops import numerics_spec
 from readback.ops.linear import linear
 from readback.train.settings import plain_config
+from specs import make_spec
 from toys import compose
 
 
 def numerics_of(cfg):
-    return Numerics(spec_of(cfg.precision, cfg.policy, cfg.attention), seed=cfg.seed)
+    return Numerics(numerics_spec(cfg.numerics), seed=cfg.seed)
 
 
 @pytest.mark.parametrize(
@@ -36,7 +36,7 @@ def numerics_of(cfg):
 )
 def test_a_name_and_its_overrides_resolve_to_fprop_dgrad_wgrad(name, gemms, resolved):
     assert resolve_accumulation(name, gemms) == resolved
-    spec = numerics_spec("fp8", CurrentScaling(), accumulation=name, accumulation_gemms=gemms)
+    spec = make_spec("fp8", CurrentScaling(), accumulation=name, accumulation_gemms=gemms)
     assert spec.accumulation == resolved and pickle.loads(pickle.dumps(spec)) == spec
     assert [spec.linear_accumulation(g) for g in ("fprop", "dgrad", "wgrad")] == list(resolved)
 
@@ -60,7 +60,7 @@ def run_linear(accumulation: str, monkeypatch) -> tuple[list[str], torch.Tensor,
     g = torch.Generator().manual_seed(0)
     x = (torch.randn(64, 64, generator=g) * torch.logspace(-4, 2, 64)).requires_grad_()
     weight = torch.randn(32, 64, generator=g).requires_grad_()
-    numerics = Numerics(numerics_spec("fp8", CurrentScaling(), "reuse_rounded", accumulation=accumulation))
+    numerics = Numerics(make_spec("fp8", CurrentScaling(), "reuse_rounded", accumulation=accumulation))
     y = linear(x, weight, numerics, "fc")
     y.backward(torch.randn(64, 32, generator=g))
     return calls, y.detach(), weight.grad

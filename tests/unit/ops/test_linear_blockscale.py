@@ -13,8 +13,9 @@ from readback.numerics import Float8BlockScaling, MXFP8BlockScaling, NVFP4BlockS
 from readback.numerics.blockscale import COLUMNWISE, ROWWISE
 from readback.numerics.gemm import bf16_mm, block_mm
 from readback.numerics.state import Numerics
-from readback.ops import numerics_spec, read_rules
+from readback.ops import read_rules
 from readback.ops.linear import linear
+from specs import make_spec
 
 RECIPES = [MXFP8BlockScaling(), Float8BlockScaling(), Float8BlockScaling(w_block_scaling_dim=1)]
 NVFP4_NEAREST = NVFP4BlockScaling(disable_stochastic_rounding=True)  # its copies can be made again here
@@ -27,7 +28,7 @@ NVFP4_RECIPES = [
 
 def _run(recipe, policy="reuse_rounded", exact_backward=False):
     """``(x, w, dy, numerics, reference dX, reference dW)`` of one linear call (M=256, K=256, N=128)."""
-    numerics = Numerics(numerics_spec("fp8", recipe, policy))
+    numerics = Numerics(make_spec("fp8", recipe, policy))
     if exact_backward:
         numerics._spec = numerics.spec.with_exact_backward("linear")
     torch.manual_seed(0)
@@ -118,7 +119,7 @@ def test_exact_policy_takes_no_recipe_reads_and_per_tensor_recipes_set_none():
 
 
 def test_a_shape_off_the_mxfp8_block_is_refused_as_te_refuses_it():
-    numerics = Numerics(numerics_spec("fp8", MXFP8BlockScaling(), "reuse_rounded"))
+    numerics = Numerics(make_spec("fp8", MXFP8BlockScaling(), "reuse_rounded"))
     with pytest.raises(ValueError, match="multiples of 32"):
         linear(torch.randn(4, 48), torch.randn(32, 48), numerics, "lin")
 

@@ -15,12 +15,13 @@ from readback.numerics import E4M3, CurrentScaling, QTensor, quantize
 from readback.numerics.site import rounding_figures
 from readback.numerics.state import Numerics
 from readback.ops import attention as attention_op
-from readback.ops import attention_parts, mechanism, numerics_spec
+from readback.ops import attention_parts, mechanism
+from specs import make_spec
 from toys import config
 
 
 def test_logits_and_entropy_by_hand():
-    numerics = Numerics(numerics_spec(precision="off"))
+    numerics = Numerics(make_spec(precision="off"))
     scores = torch.tensor([[[[1.0, 9.0], [2.0, 4.0]]]])
     probs = torch.tensor([[[[1.0, 0.0], [0.5, 0.5]]]])
     mechanism.observe_logits(numerics, "a", scores, probs)
@@ -52,7 +53,7 @@ def test_dterm_cosine_is_minus_one_for_a_one_signed_d_and_small_for_a_signless_o
     g = torch.Generator().manual_seed(0)
     probs = torch.softmax(torch.randn(2, 2, 64, 64, generator=g), -1)
     keys = torch.randn(2, 2, 64, 8, generator=g)
-    numerics = Numerics(numerics_spec(precision="off"))
+    numerics = Numerics(make_spec(precision="off"))
     d_term = mechanism.DTermCosine(keys)
     d_term.add(probs, torch.full((2, 2, 64, 1), 0.3))
     d_term.observe(numerics, "a")
@@ -69,7 +70,7 @@ def test_dterm_cosine_over_row_blocks_is_that_of_the_whole_layer():
     g = torch.Generator().manual_seed(1)
     probs = torch.softmax(torch.randn(2, 2, 100, 100, generator=g), -1)
     keys, row_term = torch.randn(2, 2, 100, 8, generator=g), torch.randn(2, 2, 100, 1, generator=g) + 0.2
-    whole, blocked = Numerics(numerics_spec(precision="off")), Numerics(numerics_spec(precision="off"))
+    whole, blocked = Numerics(make_spec(precision="off")), Numerics(make_spec(precision="off"))
     d_term = mechanism.DTermCosine(keys)
     d_term.add(probs, row_term)
     d_term.observe(whole, "a")
@@ -100,7 +101,7 @@ def test_the_row_blocked_backward_logs_the_cosine_one_block_would(monkeypatch, p
     def cosine(row_block: int) -> float:
         monkeypatch.setattr(attention_parts, "BLOCK_ELEMENTS", 0)
         monkeypatch.setattr(attention_parts, "MIN_ROWS", row_block)
-        numerics = Numerics(numerics_spec(recipe=CurrentScaling(), policy=policy))
+        numerics = Numerics(make_spec(recipe=CurrentScaling(), policy=policy))
         with numerics.measuring():
             o, _ = attention_op.attention(*(t.clone().requires_grad_() for t in (q, k, v)), numerics, "a")
             o.backward(d_o)

@@ -14,15 +14,16 @@ import torch
 
 from readback.numerics import CurrentScaling
 from readback.numerics.state import Numerics
-from readback.ops import OPS, numerics_spec, read_rules
+from readback.ops import OPS, read_rules
 from readback.ops.attention import attention
+from specs import make_spec
 
 SRC = Path(__file__).resolve().parents[3] / "src" / "readback"
 STATE_MODULE = SRC / "ops" / "numerics.py"
 
 
 def test_the_spec_is_frozen_and_its_reads_read_only():
-    spec = numerics_spec("fp8", CurrentScaling(), "reuse_rounded", site_margin={"attn.core.output": 3})
+    spec = make_spec("fp8", CurrentScaling(), "reuse_rounded", site_margin={"attn.core.output": 3})
     with pytest.raises(dataclasses.FrozenInstanceError):
         spec.policy = "exact"  # type: ignore[misc]
     with pytest.raises(TypeError):
@@ -42,12 +43,12 @@ def test_op_read_tables_are_read_only_after_import():
 
 
 def test_numerics_settings_and_modes_cannot_be_assigned():
-    numerics = Numerics(numerics_spec("fp8", CurrentScaling(), "reuse_rounded"))
+    numerics = Numerics(make_spec("fp8", CurrentScaling(), "reuse_rounded"))
     for name in (
         "spec",
         "policy",
         "recipe",
-        "attention_bwd_precision",
+        "bwd_gemm_precision",
         "rounding",
         "precision",
         "tape",
@@ -59,7 +60,7 @@ def test_numerics_settings_and_modes_cannot_be_assigned():
 
 
 def test_context_managers_switch_a_mode_for_their_block_only():
-    numerics = Numerics(numerics_spec("fp8", CurrentScaling(), "reuse_rounded"))
+    numerics = Numerics(make_spec("fp8", CurrentScaling(), "reuse_rounded"))
     exact = numerics.spec.with_reads("exact", read_rules("exact"))
     with numerics.using(exact):
         assert numerics.read("attention", "D") == "none" and numerics.policy == "exact"

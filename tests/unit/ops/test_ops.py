@@ -10,7 +10,7 @@ import torch
 
 from readback.numerics import E4M3, E5M2, CurrentScaling, DelayedScaling, compute_scale, quantize
 from readback.numerics.state import Numerics
-from readback.ops import OPS, attention_parts, numerics_spec, read_rules
+from readback.ops import OPS, attention_parts, read_rules
 from readback.ops import attention as attention_mod
 from readback.ops import linear as linear_mod
 from readback.ops import norm as norm_mod
@@ -19,6 +19,7 @@ from readback.ops.attention import attention
 from readback.ops.linear import linear
 from readback.ops.norm import layer_norm, rms_norm
 from readback.policy import POLICIES, READ_MODES
+from specs import make_spec
 
 SOFTMAX_SCALE = 0.125
 
@@ -63,7 +64,7 @@ def _gradcheck(fn, *inputs):
 
 @pytest.mark.parametrize("policy", list(POLICIES))
 def test_gradcheck_linear(policy):
-    numerics = Numerics(numerics_spec("off", policy=policy))
+    numerics = Numerics(make_spec("off", policy=policy))
     g = _gen(0)
     x = torch.randn(2, 3, 5, dtype=torch.float64, generator=g, requires_grad=True)
     w = torch.randn(4, 5, dtype=torch.float64, generator=g, requires_grad=True)
@@ -73,7 +74,7 @@ def test_gradcheck_linear(policy):
 @pytest.mark.parametrize("policy", list(POLICIES))
 @pytest.mark.parametrize("variant", ["learnable", "frozen", "round_output"])
 def test_gradcheck_rms_norm(policy, variant):
-    numerics = Numerics(numerics_spec("off", policy=policy))
+    numerics = Numerics(make_spec("off", policy=policy))
     g = _gen(1)
     x = torch.randn(2, 3, 6, dtype=torch.float64, generator=g, requires_grad=True)
     gain = (torch.rand(6, dtype=torch.float64, generator=g) + 0.5).requires_grad_(variant != "frozen")
@@ -88,7 +89,7 @@ def test_gradcheck_rms_norm(policy, variant):
 @pytest.mark.parametrize("variant", ["affine", "no_bias", "round_output"])
 def test_layer_norm_gradients_equal_autograd_of_torch_layer_norm(variant):
     """gradcheck, and every gradient equal to autograd through ``F.layer_norm`` (float64)."""
-    numerics = Numerics(numerics_spec("off"))
+    numerics = Numerics(make_spec("off"))
     g = _gen(11)
     x = (torch.randn(2, 3, 6, dtype=torch.float64, generator=g) * 2 + 1).requires_grad_()
     gain = (torch.rand(6, dtype=torch.float64, generator=g) + 0.5).requires_grad_()
@@ -107,7 +108,7 @@ def test_layer_norm_gradients_equal_autograd_of_torch_layer_norm(variant):
 
 @pytest.mark.parametrize("policy", list(POLICIES))
 def test_gradcheck_attention_gqa_causal(policy):
-    numerics = Numerics(numerics_spec("off", policy=policy))
+    numerics = Numerics(make_spec("off", policy=policy))
     g = _gen(2)
     q = torch.randn(1, 4, 5, 4, dtype=torch.float64, generator=g, requires_grad=True)
     k = torch.randn(1, 2, 5, 4, dtype=torch.float64, generator=g, requires_grad=True)
@@ -117,7 +118,7 @@ def test_gradcheck_attention_gqa_causal(policy):
 
 @pytest.mark.parametrize("policy", list(POLICIES))
 def test_gradcheck_xielu(policy):
-    numerics = Numerics(numerics_spec("off", policy=policy))
+    numerics = Numerics(make_spec("off", policy=policy))
     x = torch.randn(3, 7, dtype=torch.float64, generator=_gen(3))
     x = (x + 0.05 * x.sign()).requires_grad_()  # keep clear of the kinks at eps and 0
     alpha_p = torch.tensor(0.8, dtype=torch.float64, requires_grad=True)
@@ -149,7 +150,7 @@ def _run_attention(policy: str, recipe, inputs, warmup: bool):
     """One measured forward/backward (after a warm-up step when asked); returns the gradients,
     the output, the recorded forward and what the numerics observed."""
     q0, k0, v0, d_out = inputs
-    numerics = Numerics(numerics_spec("fp8", recipe, policy=policy, attention_bwd_precision="fp32"))
+    numerics = Numerics(make_spec("fp8", recipe, policy=policy, attention=dict(bwd_precision="fp32")))
     if warmup:
         q, k, v = (t.clone().requires_grad_() for t in (q0, k0, v0))
         attention(q, k, v, numerics, "attn")[0].backward(d_out)
@@ -187,7 +188,7 @@ def test_attention_in_query_blocks_is_the_whole_attention(monkeypatch, policy, r
     def run():
         q0, k0, v0, d_out = _attention_inputs(5)
         numerics = Numerics(
-            numerics_spec("fp8", recipe, policy=policy, attention_bwd_precision=attention_bwd_precision)
+            make_spec("fp8", recipe, policy=policy, attention=dict(bwd_precision=attention_bwd_precision))
         )
         results = []
         for grow in (1, 1e3):  # the second step runs on delayed scales from the first: dS saturates
@@ -225,9 +226,7 @@ def test_attention_saves_no_t_by_t_tensor():
     for policy in POLICIES:
         for bwd, bwd_reads in (("fp8", "forward"), ("bf16", "te")):
             numerics = Numerics(
-                numerics_spec(
-                    "fp8", CurrentScaling(), policy, attention_bwd_precision=bwd, attention_bwd_reads=bwd_reads
-                )
+                make_spec("fp8", CurrentScaling(), policy, attention=dict(bwd_precision=bwd, bwd_reads=bwd_reads))
             )
             o, _ = attention(q.requires_grad_(), k, v, numerics, "attn")
             shapes = [tuple(t.shape) for t in o.grad_fn.saved_tensors]
@@ -343,7 +342,7 @@ def test_attention_fresh_reround_is_unbiased_over_steps():
     repeats = 300
 
     def dq_samples(policy, n):
-        numerics = Numerics(numerics_spec("fp8", CurrentScaling(), policy=policy, attention_bwd_precision="fp32"))
+        numerics = Numerics(make_spec("fp8", CurrentScaling(), policy=policy, attention=dict(bwd_precision="fp32")))
         q = q0.clone().requires_grad_()
         out, _ = attention(q, k0, v0, numerics, "attn")
         samples = []
@@ -424,7 +423,7 @@ def _linear_inputs(seed: int = 0):
 @pytest.mark.parametrize("warmup", [False, True], ids=["first-step", "warm"])
 def test_linear_high_precision_backward_matches_reference(warmup):
     x0, w0, d_y = _linear_inputs()
-    numerics = Numerics(numerics_spec("fp8", DelayedScaling(override_linear_precision=(False, True, True))))
+    numerics = Numerics(make_spec("fp8", DelayedScaling(override_linear_precision=(False, True, True))))
     assert [numerics.linear_precision(g) for g in ("fprop", "dgrad", "wgrad")] == ["fp8", "fp32", "fp32"]
     if warmup:
         linear(x0, w0, numerics, "lin")
@@ -449,7 +448,7 @@ def test_linear_high_precision_backward_matches_reference(warmup):
 
 def test_linear_fp8_backward_by_hand():
     x0, w0, d_y = _linear_inputs(1)
-    numerics = Numerics(numerics_spec("fp8", CurrentScaling()))
+    numerics = Numerics(make_spec("fp8", CurrentScaling()))
     with numerics.taping() as tape:
         x, w = x0.clone().requires_grad_(), w0.clone().requires_grad_()
         linear(x, w, numerics, "lin").backward(d_y)
@@ -477,7 +476,7 @@ def test_linear_fp8_backward_by_hand():
 def test_linear_multiplies_the_producers_copy():
     """With ``x_q`` the linear records and multiplies the copy it was handed."""
     x0, w0, _ = _linear_inputs(2)
-    numerics = Numerics(numerics_spec("fp8", CurrentScaling()))
+    numerics = Numerics(make_spec("fp8", CurrentScaling()))
     with numerics.taping() as tape:
         xq = quantize(x0, E4M3, torch.tensor(3.0))
         linear(xq.dequantize(), w0, numerics, "lin", x_q=xq)
@@ -496,7 +495,7 @@ def test_rms_norm_round_output_reads():
     x0 = torch.randn(2, 6, 16, generator=g) * 3
     gain0 = torch.rand(16, generator=g) + 0.5
     d_y = torch.randn(2, 6, 16, generator=g)
-    numerics = Numerics(numerics_spec("fp8", CurrentScaling()))
+    numerics = Numerics(make_spec("fp8", CurrentScaling()))
     with numerics.taping() as tape:
         x, gain = x0.clone().requires_grad_(), gain0.clone().requires_grad_()
         y, yq = rms_norm(x, gain, numerics, "norm", round_output=True)
@@ -542,7 +541,7 @@ def test_xielu_values_at_hand_picked_points():
         x,
         torch.tensor(a_p, dtype=torch.float64),
         torch.tensor(a_n, dtype=torch.float64),
-        Numerics(numerics_spec("off")),
+        Numerics(make_spec("off")),
     )
 
     def f(v):
@@ -565,7 +564,7 @@ def test_xielu_op_forward_is_the_reference_formula_bit_for_bit():
     x = torch.cat([torch.tensor(extremes), torch.randn(50_000, generator=_gen(3)) * torch.logspace(-8, 2, 50_000)])
     for a_p, a_n in ((0.8, 0.8), (0.05, 2.5)):
         a_p, a_n = torch.tensor([a_p]), torch.tensor([a_n])
-        got = xielu(x, a_p, a_n, Numerics(numerics_spec("bf16")))
+        got = xielu(x, a_p, a_n, Numerics(make_spec("bf16")))
         want = replay(x, a_p, a_n)
         assert torch.equal(got.view(torch.int32), want.view(torch.int32))
 
@@ -577,7 +576,7 @@ def test_xielu_gradient_matches_autograd_of_formula():
     a_p = torch.tensor(0.8, dtype=torch.float64, requires_grad=True)
     a_n = torch.tensor(0.9, dtype=torch.float64, requires_grad=True)
     d_y = torch.linspace(-1, 2, len(points), dtype=torch.float64)
-    got = torch.autograd.grad(xielu(x, a_p, a_n, Numerics(numerics_spec("off"))), (x, a_p, a_n), d_y)
+    got = torch.autograd.grad(xielu(x, a_p, a_n, Numerics(make_spec("off"))), (x, a_p, a_n), d_y)
     want = torch.autograd.grad(_xielu_formula(x, a_p, a_n), (x, a_p, a_n), d_y)
     for g, w in zip(got, want):
         torch.testing.assert_close(g, w, rtol=1e-12, atol=1e-15)
@@ -585,7 +584,7 @@ def test_xielu_gradient_matches_autograd_of_formula():
     x32 = torch.randn(64, generator=_gen(5), requires_grad=True)
     p32 = torch.tensor(0.8, requires_grad=True)
     n32 = torch.tensor(0.8, requires_grad=True)
-    got = torch.autograd.grad(xielu(x32, p32, n32, Numerics(numerics_spec("off"))).sum(), (x32, p32, n32))
+    got = torch.autograd.grad(xielu(x32, p32, n32, Numerics(make_spec("off"))).sum(), (x32, p32, n32))
     want = torch.autograd.grad(_xielu_formula(x32, p32, n32).sum(), (x32, p32, n32))
     for g, w in zip(got, want):
         torch.testing.assert_close(g, w)
@@ -601,9 +600,9 @@ def _stochastic(numerics: Numerics, site: str, x: torch.Tensor, stream: str = "f
 
 def test_stochastic_rounding_streams_are_reproducible_and_independent():
     x = torch.randn(2048, generator=_gen(6))
-    a = Numerics(numerics_spec("fp8", CurrentScaling(), rounding="stochastic"), seed=11)
-    b = Numerics(numerics_spec("fp8", CurrentScaling(), rounding="stochastic"), seed=11)
-    other_seed = Numerics(numerics_spec("fp8", CurrentScaling(), rounding="stochastic"), seed=12)
+    a = Numerics(make_spec("fp8", CurrentScaling(), rounding="stochastic"), seed=11)
+    b = Numerics(make_spec("fp8", CurrentScaling(), rounding="stochastic"), seed=11)
+    other_seed = Numerics(make_spec("fp8", CurrentScaling(), rounding="stochastic"), seed=12)
     first = _stochastic(a, "l0.attn.output", x)
     assert torch.equal(first, _stochastic(b, "l0.attn.output", x))  # same seed, site, step
     assert not torch.equal(first, _stochastic(other_seed, "l0.attn.output", x))
@@ -613,7 +612,7 @@ def test_stochastic_rounding_streams_are_reproducible_and_independent():
     fresh_b = _stochastic(b, "l0.attn.output", x, stream="fresh")
     assert torch.equal(fresh_a, fresh_b)
 
-    c = Numerics(numerics_spec("fp8", CurrentScaling(), rounding="stochastic"), seed=11)
+    c = Numerics(make_spec("fp8", CurrentScaling(), rounding="stochastic"), seed=11)
     c.end_step()
     next_step = _stochastic(c, "l0.attn.output", x)
     assert not torch.equal(first, next_step)  # another step
@@ -641,7 +640,7 @@ def _block(numerics: Numerics, x, params) -> torch.Tensor:
 @pytest.mark.parametrize("recipe", [DelayedScaling(), CurrentScaling()], ids=["delayed", "current"])
 def test_saturation_counts_the_elements_clipped(recipe):
     """Counted exactly when some element overflows once scaled, and 0 (the pass skipped) when none does."""
-    numerics = Numerics(numerics_spec("fp8", recipe))
+    numerics = Numerics(make_spec("fp8", recipe))
     site = numerics.site("x")
     x = torch.linspace(-1.0, 1.0, 101)
     site.quantize(x, scale=torch.tensor(E4M3.max))  # the ends land exactly on max: not beyond
@@ -665,7 +664,7 @@ def test_numerics_state_dict_restores_scales_and_streams():
     recipe = DelayedScaling(amax_history_len=4)
 
     def make():
-        return Numerics(numerics_spec("fp8", recipe, policy="fresh_reround", rounding="stochastic"), seed=3)
+        return Numerics(make_spec("fp8", recipe, policy="fresh_reround", rounding="stochastic"), seed=3)
 
     original = make()
     with torch.no_grad():
@@ -693,7 +692,7 @@ def test_numerics_state_dict_restores_scales_and_streams():
 @pytest.mark.parametrize("policy", list(POLICIES))
 def test_saved_bytes_per_policy(policy):
     q, k, v, _ = _attention_inputs()
-    numerics = Numerics(numerics_spec("fp8", CurrentScaling(), policy=policy, attention_bwd_precision="fp32"))
+    numerics = Numerics(make_spec("fp8", CurrentScaling(), policy=policy, attention=dict(bwd_precision="fp32")))
     attention(q, k, v, numerics, "attn")
     saves_out = attention_mod.READS[policy]["D"] in ("original", "fresh")
     assert ("attention.out" in numerics.saved_bytes) == saves_out
@@ -707,7 +706,7 @@ def test_saved_bytes_count_the_copies_attention_keeps():
     """Attention's backward holds FP8 copies of Q, K and V (one byte per element: K and V either
     per KV group or expanded to the query heads), never the high-precision K and V."""
     q, k, v, _ = _attention_inputs()
-    numerics = Numerics(numerics_spec("fp8", CurrentScaling(), policy="exact", attention_bwd_precision="fp32"))
+    numerics = Numerics(make_spec("fp8", CurrentScaling(), policy="exact", attention=dict(bwd_precision="fp32")))
     attention(q, k, v, numerics, "attn")
     assert numerics.saved_bytes["attention.q"] == B * H * T * HD
     fp8_copies = (B * G * T * HD, B * H * T * HD)

@@ -13,9 +13,9 @@ from readback.model import rounding_sites
 from readback.numerics import E4M3, E5M2, CurrentScaling, compute_scale
 from readback.numerics.site import Site
 from readback.numerics.state import Numerics
-from readback.ops import numerics_spec
 from readback.ops.attention import attention
 from readback.ops.linear import linear
+from specs import make_spec
 from toys import config
 
 
@@ -25,8 +25,8 @@ def _compose(*overrides):
 
 def test_site_margin_is_the_recipe_margin_at_matched_sites_only():
     x = torch.randn(64, 32)
-    stressed = Numerics(numerics_spec(recipe=CurrentScaling(), site_margin={"attn.core.output": 5}))
-    te_margin = Numerics(numerics_spec(recipe=CurrentScaling(margin=5)))
+    stressed = Numerics(make_spec(recipe=CurrentScaling(), site_margin={"attn.core.output": 5}))
+    te_margin = Numerics(make_spec(recipe=CurrentScaling(margin=5)))
     matched = stressed.site("layers.1.attn.core.output").quantize(x)
     assert torch.equal(matched.scale, compute_scale(x.abs().amax(), E4M3, margin=5))
     assert torch.equal(matched.data.float(), te_margin.site("any").quantize(x).data.float())
@@ -47,7 +47,7 @@ def test_site_margin_reaches_every_read_of_the_site(policy, monkeypatch):
         return q
 
     monkeypatch.setattr(Site, "quantize", spy)
-    numerics = Numerics(numerics_spec(recipe=CurrentScaling(), policy=policy, site_margin={"core.output": 7}))
+    numerics = Numerics(make_spec(recipe=CurrentScaling(), policy=policy, site_margin={"core.output": 7}))
     q, k, v = (torch.randn(2, h, 16, 16, requires_grad=True) for h in (4, 2, 2))
     w = torch.randn(32, 64, requires_grad=True)
     o, oq = attention(q, k, v, numerics, "layers.0.attn.core")
@@ -64,7 +64,7 @@ def test_site_margin_reaches_every_read_of_the_site(policy, monkeypatch):
 def test_underflow_counts_zeros_and_subnormals_of_a_hand_made_tensor():
     # E4M3 at scale 1 (amax 448): normals start at 2**-6 = 0.015625, subnormal spacing 2**-9.
     x = torch.tensor([0.0, 448.0, 1.0, 0.01, 0.0005, 0.0156, -0.003, 0.0])
-    numerics = Numerics(numerics_spec(recipe=CurrentScaling()))
+    numerics = Numerics(make_spec(recipe=CurrentScaling()))
     numerics.site("t").quantize(x)
     # nonzero: 6; 0.01 and -0.003 are subnormals, 0.0005 flushes to 0, 0.0156 rounds up to 2**-6.
     assert numerics.underflow_fractions() == {"t": pytest.approx(3 / 6)}
@@ -78,7 +78,7 @@ def test_underflow_count_on_codes_matches_the_values(fmt):
     """The count taken on the codes' exponent bits is the count of nonzero elements whose
     rounded value is below the smallest normal, for both formats, NaN and zeros included."""
     x = torch.cat([torch.randn(20_000) * torch.logspace(-12, 1, 20_000), torch.tensor([0.0, -0.0, float("nan")])])
-    numerics = Numerics(numerics_spec(recipe=CurrentScaling(fp8_format="e4m3" if fmt is E4M3 else "hybrid")))
+    numerics = Numerics(make_spec(recipe=CurrentScaling(fp8_format="e4m3" if fmt is E4M3 else "hybrid")))
     site = numerics.site("t", "fwd" if fmt is E4M3 else "bwd")
     q = site.quantize(x)
     nonzero = x != 0
@@ -90,8 +90,8 @@ def test_underflow_count_on_codes_matches_the_values(fmt):
 def test_site_margin_pushes_the_output_into_underflow():
     x = torch.randn(4096)
     plain, stressed = (
-        Numerics(numerics_spec(recipe=CurrentScaling())),
-        Numerics(numerics_spec(recipe=CurrentScaling(), site_margin={"o": 14})),
+        Numerics(make_spec(recipe=CurrentScaling())),
+        Numerics(make_spec(recipe=CurrentScaling(), site_margin={"o": 14})),
     )
     plain.site("o").quantize(x), stressed.site("o").quantize(x)
     assert plain.underflow_fractions()["o"] < 0.01 < 0.9 < stressed.underflow_fractions()["o"]

@@ -25,13 +25,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from readback.backends.precision import Attention, Fp8Precision
 from readback.backends.settings import ModelSettings
 from readback.backends.te.facts import SINCE, Hardware, dpa_recipe_refusal, fp8_attention_refusal, te_attention_reads
 from readback.backends.te.recipe import RECIPES, refuse_unsupported_fields
 from readback.errors import ConfigError
+from readback.numerics.attention_settings import AttentionSettings
+from readback.numerics.precision_settings import Fp8Settings
 from readback.numerics.spec import DPA_DELAYED_ALGO, DPA_DELAYED_HISTORY_LEN
-from readback.ops.attention import READ_OPERANDS
+from readback.ops.attention import READ_OPERANDS, TE_D_READS
 
 PER_TENSOR = ("delayed", "current")
 # Read by Transformer Engine when it is imported, not when attention runs (module-level os.getenv:
@@ -61,7 +62,7 @@ class TEAttention:
     reads: dict[str, str]
 
 
-def attention_kind(p8: Fp8Precision, group: Attention) -> str | None:
+def attention_kind(p8: Fp8Settings, group: AttentionSettings) -> str | None:
     """The per-tensor recipe TE's FP8 attention would run: ``attention.recipe``, else the linears'
     where it is per tensor; None under a block recipe (TE leaves attention unquantised)."""
     if group.recipe is not None:
@@ -69,7 +70,7 @@ def attention_kind(p8: Fp8Precision, group: Attention) -> str | None:
     return p8.recipe if p8.recipe in PER_TENSOR else None
 
 
-def te_attention(p8: Fp8Precision | None, policy: str, group: Attention, vt) -> TEAttention | None:
+def te_attention(p8: Fp8Settings | None, policy: str, group: AttentionSettings, vt) -> TEAttention | None:
     """TE's attention core where one of its switches reproduces the policy's D-term read under the
     attention's recipe (the ``attention`` group), else ``None`` (readback's core runs it)."""
     bwd, bwd_reads = group.bwd_precision, group.bwd_reads
@@ -83,7 +84,7 @@ def te_attention(p8: Fp8Precision | None, policy: str, group: Attention, vt) -> 
     if bwd == "bf16" and bwd_reads != "te":
         return None  # a BF16 backward reading Q8, K8, V8: no TE switch
     kind = attention_kind(p8, group)
-    found = _d_read(kind, policy, bwd) if kind is not None else None
+    found = TE_D_READS.get((kind, bwd, policy)) if kind is not None else None
     if kind is None or found is None:
         return None
     o_read, switches = found
@@ -95,23 +96,7 @@ def te_attention(p8: Fp8Precision | None, policy: str, group: Attention, vt) -> 
     return TEAttention(kind, own, {**switches, **_recipe_env(p8, group, kind, own, vt)}, label, reads)
 
 
-def _d_read(kind: str, policy: str, bwd: str) -> tuple[str, dict[str, str]] | None:
-    """``(what D reads, TE's switches)`` where TE's attention under recipe ``kind`` reads for D
-    what ``policy`` asks, with the FP8 (``bwd`` fp8) or BF16 backward; else None."""
-    dpa_bwd = "1" if bwd == "fp8" else "0"
-    if kind == "delayed" and policy == "reuse_rounded":
-        return ("O8 (the core's output_fp8)" if bwd == "fp8" else "O8 dequantised to BF16"), {
-            "NVTE_FP8_DPA_BWD": dpa_bwd
-        }
-    if kind == "current" and bwd == "fp8" and policy in ("reuse_rounded", "original"):
-        o_read = "original O (F16)" if policy == "original" else "O8 (quantised by the core's O quantizer)"
-        return o_read, {"NVTE_FP8_DPA_BWD": dpa_bwd, "NVTE_DPA_FP8CS_O_in_F16": "1" if policy == "original" else "0"}
-    if kind == "current" and bwd == "bf16" and policy == "original":
-        return "original O (F16)", {"NVTE_FP8_DPA_BWD": dpa_bwd}
-    return None
-
-
-def _recipe_env(p8: Fp8Precision, group: Attention, kind: str, own: bool, vt) -> dict[str, str]:
+def _recipe_env(p8: Fp8Settings, group: AttentionSettings, kind: str, own: bool, vt) -> dict[str, str]:
     """``NVTE_DPA_FP8_RECIPE`` and the variables of the recipe it makes, pinned where TE reads them
     (>= 2.8) so that the environment cannot change the attention's recipe: empty (the linears')
     unless the attention has its own; then its DelayedScaling's history and algorithm from the
@@ -142,7 +127,7 @@ def _gradient_reads(reads: dict[str, str]) -> dict[str, str]:
 
 
 def check_te_attention(
-    cfg: ModelSettings, p8: Fp8Precision, attention: TEAttention, fp8_mha: bool, vt, hw: Hardware, where: str
+    cfg: ModelSettings, p8: Fp8Settings, attention: TEAttention, fp8_mha: bool, vt, hw: Hardware, where: str
 ) -> None:
     """Refuse, in one line, what TE's FP8 attention cannot train here: an attention recipe of its
     own on a TE or under a linear recipe that has none (``facts.dpa_recipe_refusal``), or with

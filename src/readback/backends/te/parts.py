@@ -31,7 +31,6 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from readback.backends.precision import spec_of
 from readback.backends.settings import ModelSettings
 from readback.backends.te.plan import IMPORT_TIME_ENV, TEPlan, site_implementations, te_plan
 from readback.backends.te.recipe import RECIPES, TERecipe
@@ -40,6 +39,7 @@ from readback.model import FOG, fog_config
 from readback.model.fog import XIELU, AttentionCore, FOGConfig, Linear, Parts
 from readback.numerics.spec import in_bf16_layers
 from readback.numerics.state import Numerics
+from readback.ops import numerics_spec
 from readback.ops.linear import linear
 
 UNAVAILABLE = (
@@ -241,7 +241,7 @@ class TEParts(Parts):
 def readback_numerics(cfg: ModelSettings) -> Numerics:
     """The run's Numerics, the recipe object TE's recipe is made from; readback's ops read it for
     the sites they own (per tensor under MXFP8: ``numerics.MXFP8BlockScaling``)."""
-    return Numerics(spec_of(cfg.precision, cfg.policy, cfg.attention), seed=cfg.seed)
+    return Numerics(numerics_spec(cfg.numerics), seed=cfg.seed)
 
 
 def build_te_model(cfg: ModelSettings, device: str | torch.device = "cuda") -> FOG:

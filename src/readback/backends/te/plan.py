@@ -37,13 +37,13 @@ from typing import Any
 from readback.backends.emulated import READBACK_SITES, attention_core_label, lm_head_in_bf16
 from readback.backends.emulated import accumulations as readback_accumulations
 from readback.backends.emulated import attention_reads as readback_attention_reads
-from readback.backends.precision import fp8_settings
 from readback.backends.settings import ATTENTION_CORES, ModelSettings, TeBackend
 from readback.backends.te.attention import IMPORT_TIME_ENV, check_te_attention, projection_label, te_attention
 from readback.backends.te.facts import SINCE, Hardware
 from readback.backends.te.linear import linear_label
 from readback.backends.te.recipe import INSTALLED, TERecipe, resolve_target, te_recipe_plan
 from readback.errors import ConfigError, choose, require
+from readback.numerics.precision_settings import fp8_settings
 
 __all__ = ["IMPORT_TIME_ENV", "PINNED_BACKEND", "TEPlan", "site_implementations", "te_plan"]
 # One attention kernel per experiment: cuDNN's fused attention (the only FP8 one), never a
@@ -126,8 +126,8 @@ def te_plan(cfg: ModelSettings, te_version: str | None = INSTALLED, hardware: Ha
     else:
         env, attention_label, attention_reads = (
             {},
-            attention_core_label(cfg.attention, cfg.precision, on_cuda=True),  # TE runs on CUDA only
-            readback_attention_reads(policy, cfg.attention),
+            attention_core_label(cfg.numerics, on_cuda=True),  # TE runs on CUDA only
+            readback_attention_reads(cfg.numerics),
         )
 
     if recipe is not None:

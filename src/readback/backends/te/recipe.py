@@ -89,7 +89,7 @@ def resolve_target(te_version: str | None, hardware: Hardware) -> tuple[str | No
 def te_recipe_plan(
     recipe: ScalingRecipe | None, rounding: str, te_version: str | None = INSTALLED, hardware: Hardware = INSTALLED
 ) -> TERecipe | None:
-    """The one mapping of readback's recipe object (``Fp8Precision.scaling_recipe``, a run's
+    """The one mapping of readback's recipe object (``Fp8Settings.scaling_recipe``, a run's
     ``Numerics.recipe``) with the forward's ``rounding`` onto a Transformer Engine recipe, for
     ``backend=te`` and for ``convert(backend="te")`` alike (``None`` without FP8; TE's FP8
     attention off, see ``TERecipe.for_attention``). Raises ``ConfigError`` (one line) for a

@@ -1,9 +1,7 @@
-"""The ``precision`` and ``attention`` groups' schemas: the numerics of a run, as Hydra composes
-them and as ``readback.convert`` accepts them from Python (one set of types, ranges and error words
-for both); ``spec_of``, a run's ``NumericsSpec`` from them and its policy, in one step.
-
-It sits with the backends because ``readback.convert`` checks its arguments with it;
-``readback.config`` registers it with the other groups.
+"""The ``precision`` group's schema: how a run rounds, as Hydra composes it and as
+``readback.convert`` accepts it from Python (one set of types, ranges and error words for both).
+``Fp8Settings.scaling_recipe`` makes the one recipe object the emulation and the TE mapping read.
+``numerics.settings.NumericsSettings`` holds it with the attention group and the policy.
 """
 
 from __future__ import annotations
@@ -15,34 +13,32 @@ from typing import Any
 
 from readback.errors import ConfigError, require
 from readback.fields import Checked, integer, items, number, one_of
-from readback.numerics import (
+from readback.numerics.accumulation import MODES as ACCUMULATION_MODES
+from readback.numerics.formats import Format, FP8Format
+from readback.numerics.gemm import BF16_GEMMS
+from readback.numerics.rounding import ROUNDINGS
+from readback.numerics.scaling import (
     AMAX_COMPUTE_ALGOS,
     BACKWARD_OVERRIDES,
     RECIPES,
-    ROUNDINGS,
+    BlockScalingRecipe,
     DelayedScaling,
     Float8BlockScaling,
-    Format,
-    FP8Format,
     NVFP4BlockScaling,
     ScalingRecipe,
 )
-from readback.numerics.gemm import BF16_GEMMS
-from readback.numerics.spec import (
-    ACCUMULATIONS,
-    ATTENTION_BWD_PRECISIONS,
-    ATTENTION_BWD_PROBS,
-    ATTENTION_BWD_QKV,
-    ATTENTION_BWD_READS,
-    ATTENTION_KERNELS,
-    ATTENTION_RECIPES,
-    PRECISIONS,
-    NumericsSpec,
-    resolve_accumulation,
-)
 from readback.numerics.spike import AmaxSpike
-from readback.ops import numerics_spec
-from readback.ops.attention import READS
+
+# "off": no rounding and FP64 GEMMs, for references (gradcheck, the probe's), never a run's setting
+PRECISIONS = ("fp8", "bf16", "off")
+GEMMS = ("fprop", "dgrad", "wgrad")
+# precision.accumulation: each device's own (native), IEEE FP32 everywhere, or Hopper's recipe,
+# which Transformer Engine and torch._scaled_mm's defaults give: fast fprop, split dgrad and wgrad.
+ACCUMULATIONS = {
+    "native": ("native",) * 3,
+    "ieee": ("ieee",) * 3,
+    "hopper": ("fast", "split", "split"),
+}
 
 # The recipe fields' defaults: Transformer Engine's default recipe, as numerics.scaling declares
 # it, and its Float8BlockScaling and NVFP4BlockScaling for the fields only those recipes have.
@@ -52,16 +48,16 @@ NVFP4 = NVFP4BlockScaling()
 
 
 @dataclass
-class Precision(Checked):
+class PrecisionSettings(Checked):
     KEY = "precision"
-    name: str = one_of(PRECISIONS[:2])  # "off" is for reference computations, not runs
+    name: str = one_of(PRECISIONS[:2])  # "off" is for reference computations, not runs (REFERENCE)
     # The BF16 GEMMs (bf16_layers, a BF16 attention backward) off CUDA: fp32 (an FP32 GEMM of the
     # BF16 values, rounded once to BF16: FP32 speed on any CPU) | native (torch's BF16 GEMM).
     bf16_gemm: str = one_of(BF16_GEMMS, default=BF16_GEMMS[0])
 
 
 @dataclass
-class Fp8Precision(Precision):
+class Fp8Settings(PrecisionSettings):
     """The FP8 settings, in Transformer Engine's recipe vocabulary. ``recipe`` names the recipe's
     class (``numerics.RECIPES``) and the recipe fields follow, with the recipes' defaults
     (``fp8_format`` null: the recipe's own, as in TE); ``scaling_recipe`` makes the one recipe
@@ -153,6 +149,9 @@ class Fp8Precision(Precision):
         if self.recipe == "nvfp4":
             fmt = self.format().name
             require(fmt == "E4M3", self.key("fp8_format"), fmt, "E4M3 or null under precision.recipe=nvfp4 (scales)")
+        if issubclass(RECIPES[self.recipe], BlockScalingRecipe):  # its quantisers round to nearest, as TE's
+            why = f"nearest under precision.recipe={self.recipe} (its block quantisers round to nearest)"
+            require(self.rounding == "nearest", self.key("rounding"), self.rounding, why)
         if self.recipe in ("blockwise", "nvfp4"):
             no_margin = f"0 under precision.recipe={self.recipe} (no margin)"
             require(self.margin == 0, self.key("margin"), self.margin, no_margin)
@@ -165,6 +164,43 @@ class Fp8Precision(Precision):
             dims,
             "at most one 2 (Transformer Engine: no GEMM of two 128x128-block operands)",
         )
+
+
+def fp8_settings_of(recipe: ScalingRecipe, **values: Any) -> Fp8Settings:
+    """The FP8 settings whose ``scaling_recipe()`` is ``recipe`` (its class's key and its fields),
+    with ``values`` for the fields no recipe has (``rounding``, ``accumulation``, ...): for code
+    that starts from a recipe object (the audits, the tests) rather than from a config."""
+    fields = {f.name: getattr(recipe, f.name) for f in dataclasses.fields(recipe)}
+    fields |= {
+        "override_linear_precision": list(recipe.override_linear_precision),
+        "fp8_format": recipe.fp8_format.name,
+    }
+    return Fp8Settings(name="fp8", recipe=recipe.KEY, **{**fields, **values})
+
+
+@dataclass
+class ReferencePrecision(PrecisionSettings):
+    """No rounding and FP64 GEMMs: the precision of reference computations (gradcheck, the
+    probe's, ``readback.convert(precision="off")``); no config composes it."""
+
+    name: str = "off"
+
+
+REFERENCE = ReferencePrecision()
+
+
+def resolve_accumulation(name: str, gemms: Mapping[str, str] | None = None) -> tuple[str, str, str]:
+    """``(fprop, dgrad, wgrad)`` accumulations of ``precision.accumulation`` with its per-GEMM
+    overrides (``{gemm: fast | split | ieee}``)."""
+    if name not in ACCUMULATIONS:
+        raise ValueError(f"accumulation={name!r}; valid: {list(ACCUMULATIONS)}")
+    resolved = dict(zip(GEMMS, ACCUMULATIONS[name]))
+    for gemm, mode in (gemms or {}).items():
+        if gemm not in GEMMS or mode not in ACCUMULATION_MODES:
+            raise ValueError(f"accumulation of {gemm!r}: {mode!r}; valid: {{{', '.join(GEMMS)}}}: {ACCUMULATION_MODES}")
+        resolved[gemm] = mode
+    fprop, dgrad, wgrad = (resolved[g] for g in GEMMS)
+    return fprop, dgrad, wgrad
 
 
 def amax_spike_of(value: Any) -> AmaxSpike | None:
@@ -191,116 +227,11 @@ def underflow_words(fmt: FP8Format) -> str:
     )
 
 
-@dataclass
-class Attention(Checked):
-    """The attention core's own settings: its backward's GEMM precision, what that backward reads
-    besides the policy's D read (``ops.attention.BWD_READS``), and its FP8 recipe."""
-
-    KEY = "attention"
-    bwd_precision: str = one_of(ATTENTION_BWD_PRECISIONS)
-    bwd_reads: str = one_of(ATTENTION_BWD_READS)
-    recipe: str | None = one_of(
-        ATTENTION_RECIPES,
-        default=None,
-        note="no mxfp8: how TE's MXFP8 attention rounds P and dP is inside cuDNN, not in TE's source",
-    )
-    # The backward's parts, each apart from what bwd_reads and bwd_precision give (null): dQ's, dK's, dP's
-    # read of Q, K, V; dV's, dS's of P; dO's and dS's E5M2 rounding, and that of the dO D reads.
-    bwd_qkv: str | None = one_of(ATTENTION_BWD_QKV, default=None)
-    bwd_probs: str | None = one_of(ATTENTION_BWD_PROBS, default=None)
-    round_grad_output: bool | None = None
-    round_grad_scores: bool | None = None
-    round_grad_output_in_d: bool | None = None
-    # the core that runs it: ops (PyTorch, tiled in Python) | triton (readback.kernels) | auto
-    # (triton where it runs, on CUDA with triton installed, and runs these settings; else ops)
-    kernel: str = one_of(ATTENTION_KERNELS, default="auto")
-
-    def parts_set_apart(self) -> dict[str, Any]:
-        """The parts of the backward set apart from its flavour and precision (keys not null)."""
-        keys = ("bwd_qkv", "bwd_probs", "round_grad_output", "round_grad_scores", "round_grad_output_in_d")
-        return {k: getattr(self, k) for k in keys if getattr(self, k) is not None}
-
-    def check_against(self, precision: Precision, policy: str) -> None:
-        """The rules with the other groups: ``recipe`` and the parts are an FP8 run's; ``bwd_reads=te``
-        reads as TE's BF16 backward after an FP8 forward; ``exact`` reads the forward's operands."""
-        fp8 = precision.name == "fp8"
-        require(self.recipe is None or fp8, self.key("recipe"), self.recipe, "null under precision=bf16 (no FP8 core)")
-        for key, value in self.parts_set_apart().items():
-            require(fp8, self.key(key), value, "null under precision=bf16 (no FP8 forward to read apart from)")
-            require(policy != "exact", self.key(key), value, "null with policy=exact (it reads the forward's operands)")
-        in_d, no_o = self.round_grad_output_in_d, READS.get(policy, {}).get("D") == "none"  # D = rowsum(P * dP)
-        require(
-            in_d is None or not no_o, self.key("round_grad_output_in_d"), in_d, f"null: policy={policy}'s D reads no O"
-        )
-        if self.bwd_reads == "forward":
-            return
-        why = (
-            (self.bwd_precision != "bf16", f"with bwd_precision={self.bwd_precision}: te is a BF16 backward's reads"),
-            (not fp8, "with precision=bf16: without FP8 the originals are what the forward multiplied"),
-            (policy == "exact", "with policy=exact, which reads what the forward multiplied"),
-        )
-        reason = next((text for bad, text in why if bad), None)
-        require(reason is None, self.key("bwd_reads"), self.bwd_reads, f"forward ({reason})")
-
-    def scaling_recipe(self, p: Fp8Precision) -> ScalingRecipe | None:
-        """The core's own recipe object (None without ``recipe``): its class with the fields of the
-        precision group ``p`` it has, but for the linears' own (``override_linear_precision``,
-        ``backward_override``), which keep their defaults, in ``format(p)``."""
-        if self.recipe is None:
-            return None
-        cls = ATTENTION_RECIPES[self.recipe]
-        linear_only = ("override_linear_precision", "backward_override")
-        fields = {f.name: getattr(p, f.name) for f in dataclasses.fields(cls) if f.name not in linear_only}
-        return cls(**{**fields, "fp8_format": self.format(p)})
-
-    def format(self, p: Fp8Precision) -> Format:
-        """The core's format: the linears' (``p.format()``), which TE's attention recipe reuses, but
-        HYBRID under NVFP4, whose ``fp8_format`` is its block scales' (E4M3 only): TE's attention
-        there takes ``NVTE_DPA_FP8_FORMAT``, HYBRID by default."""
-        return Format.HYBRID if self.recipe and p.recipe == "nvfp4" else p.format()
-
-
-def fp8_settings(p: Precision) -> Fp8Precision | None:
+def fp8_settings(p: PrecisionSettings) -> Fp8Settings | None:
     """``p``'s FP8 settings, ``None`` without FP8; a ``TypeError`` for an untyped FP8 group (a
     composed ``DictConfig`` not yet built into the schema's dataclasses by ``readback.config``)."""
-    if isinstance(p, Fp8Precision):
+    if isinstance(p, Fp8Settings):
         return p
     if p.name == "fp8":
         raise TypeError(f"precision=fp8 as {type(p).__name__}: build the typed config (readback.config.typed)")
     return None
-
-
-def spec_of(precision: Precision, policy: str, attention: Attention) -> NumericsSpec:
-    """The run's ``NumericsSpec`` from the ``precision`` and ``attention`` groups and ``policy``
-    (``Numerics(spec, seed=...)`` runs it)."""
-    p = fp8_settings(precision)
-    if p is None:
-        return numerics_spec(
-            precision=precision.name,
-            policy=policy,
-            attention_bwd_precision=attention.bwd_precision,
-            attention_bwd_reads=attention.bwd_reads,
-            bf16_gemm=precision.bf16_gemm,
-            attention_kernel=attention.kernel,
-        )
-    return numerics_spec(
-        precision=p.name,
-        recipe=p.scaling_recipe(),
-        policy=policy,
-        attention_bwd_precision=attention.bwd_precision,
-        attention_bwd_reads=attention.bwd_reads,
-        attention_recipe=attention.scaling_recipe(p),
-        attention_bwd_qkv=attention.bwd_qkv,
-        attention_bwd_probs=attention.bwd_probs,
-        attention_round_grad_output=attention.round_grad_output,
-        attention_round_grad_scores=attention.round_grad_scores,
-        attention_round_grad_output_in_d=attention.round_grad_output_in_d,
-        rounding=p.rounding,
-        bf16_sites=tuple(p.bf16_layers),
-        site_margin=dict(p.site_margin or {}),
-        accumulation=p.accumulation,
-        accumulation_gemms=dict(p.accumulation_gemms or {}),
-        bf16_gemm=p.bf16_gemm,
-        amax_spike=amax_spike_of(p.amax_spike),
-        attention_kernel=attention.kernel,
-    )
