@@ -101,7 +101,7 @@ def check_site_margin(
     ``--site-margin`` alike: a mapping of site patterns under precision=fp8 with backend=emulated,
     each matching one of ``sites``, to margins >= 0 (what the margins add up to at each site:
     :func:`_check_margin_sums`)."""
-    from readback.numerics.site import require_site_pattern
+    from readback.numerics.site_patterns import require_site_pattern
 
     require(
         isinstance(site_margin, dict) and all(isinstance(k, str) for k in site_margin),
@@ -136,7 +136,7 @@ def _check_amax_spike(cfg: Config, p: Fp8Settings, sites: list[str]) -> None:
     step after which the run still trains, and a pattern that matches FP8 ``sites`` of the model
     that keep a history (BF16 sites, and sites scaled otherwise under another ``attention.recipe``,
     it also matches are left alone, as by ``precision.site_margin``)."""
-    from readback.numerics.site import require_site_pattern
+    from readback.numerics.site_patterns import require_site_pattern
     from readback.numerics.spec import in_bf16_layers
 
     spike = amax_spike_of(p.amax_spike)  # its shape: checked with the group
@@ -180,7 +180,7 @@ def _check_margin_sums(cfg: Config, p: Fp8Settings, sites: list[str]) -> None:
     there (for ``amax_history_len`` steps it lowers the scale as a margin of ``k`` would), against
     the bound of the site's format (``FP8Format.zero_margin``); the largest of them is refused."""
     from readback.model.fog import is_gradient_site
-    from readback.numerics.site import site_matches
+    from readback.numerics.site_patterns import site_matches
     from readback.numerics.spec import in_bf16_layers
 
     spike = amax_spike_of(p.amax_spike)

@@ -7,14 +7,12 @@ and owned by ``readback.numerics.state.Numerics``.
 
 from __future__ import annotations
 
-import fnmatch
-import re
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
 
-from readback.errors import NumericsError, require
+from readback.errors import NumericsError
 from readback.numerics import (
     BF16,
     BlockQTensor,
@@ -283,23 +281,3 @@ def count_nonzero(x: torch.Tensor) -> torch.Tensor:
     if torch.compiler.is_compiling() and x.numel() < 2**31:  # a mask is summed as it is, not compared
         return (x if x.dtype == torch.bool else x != 0).sum(dtype=torch.int32)
     return torch.count_nonzero(x)
-
-
-def site_matches(name: str, pattern: str) -> bool:
-    """A site pattern is a glob over the site name, matching whole trailing components too:
-    ``attn.core.output`` matches ``layers.3.attn.core.output``."""
-    return fnmatch.fnmatchcase(name, pattern) or fnmatch.fnmatchcase(name, f"*.{pattern}")
-
-
-def site_kinds(sites: list[str]) -> list[str]:
-    """The kinds of ``sites``, each once: names without their layer (``layers.3.attn.core.output``
-    -> ``attn.core.output``), the words a refused site pattern is answered with."""
-    return list(dict.fromkeys(re.sub(r"^layers\.\d+\.", "", s) for s in sites))
-
-
-def require_site_pattern(
-    key: str, pattern: str, sites: list[str], valid: str = "site patterns (globs) matching"
-) -> None:
-    """``ConfigError`` naming ``key`` unless ``pattern`` matches one of ``sites``; the refusal
-    lists the kinds of those sites after ``valid`` (every option taking a site pattern answers so)."""
-    require(any(site_matches(s, pattern) for s in sites), key, pattern, f"{valid} " + ", ".join(site_kinds(sites)))

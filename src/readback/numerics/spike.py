@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from readback.numerics.scale_state import DelayedScalingState
-from readback.numerics.site import site_matches
+from readback.numerics.site_patterns import site_matches
 
 if TYPE_CHECKING:
     from readback.numerics.site import Site

@@ -24,7 +24,8 @@ from readback.numerics import (
 )
 from readback.numerics.observations import Observations
 from readback.numerics.scale_state import new_state
-from readback.numerics.site import ScalingState, Site, UnitScale, check_scales, site_matches
+from readback.numerics.site import ScalingState, Site, UnitScale, check_scales
+from readback.numerics.site_patterns import site_matches
 from readback.numerics.spec import NumericsSpec
 from readback.numerics.streams import RandomStreams
 
