@@ -9,8 +9,10 @@ Damage (:class:`Damaged`): an empty directory; an index (``.metadata``) missing,
 not DCP's; a shard file shorter than the index needs (a deleted one: 0 bytes); a shard whose size
 or CRC-32 differs from what its rank recorded, or that no record names; a garbled record. A
 damaged checkpoint is renamed ``step_XXXXXXX.damaged`` (:func:`move_aside`), never deleted, and
-the next older one tried; pruning counts intact ones only. An I/O error (``EIO``, ``ESTALE``)
-says nothing about the files: :func:`verify` tries again, then raises it, moving nothing.
+the next older one tried; pruning counts intact ones only. A checkpoint set aside for another
+reason (:func:`set_aside`: newer than a log behind it, rewound) is kept the same way. An I/O
+error (``EIO``, ``ESTALE``) says nothing about the files: :func:`verify` tries again, then raises
+it, moving nothing.
 """
 
 from __future__ import annotations
@@ -212,8 +214,9 @@ def load_latest_checkpoint(
     ckpt_dir: Path, quiet: bool = False, *, move_damaged: bool = True, up_to: int | None = None
 ) -> tuple[Path, dict[str, Any]] | None:
     """The newest intact checkpoint (of a step ``up_to`` at most, if given) and its shared state
-    (format, step, world size, config, ...), if that loads. A damaged one (:func:`verify`) is moved aside (``move_damaged``; else named in a
-    warning) and skipped, an unreadable one skipped with a warning. ``quiet``, the entry point's
+    (format, step, world size, config, ...), if that loads. A damaged one (:func:`verify`) is
+    moved aside (``move_damaged``; else named in a warning) and skipped, an unreadable one
+    skipped with a warning. ``quiet``, the entry point's
     look ahead (on every rank of a launch, before the run's log exists): sizes checked, not
     checksums (the run's own resume reads those, once), nothing moved or logged. An I/O error
     that outlasts the retries is raised (``OSError``): nothing is moved for it."""
