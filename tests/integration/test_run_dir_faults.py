@@ -197,14 +197,15 @@ def finished(tmp_path_factory) -> Path:
     return run_dir
 
 
-def test_a_log_that_is_not_a_file_is_refused_in_one_line(tmp_path, finished):
+@pytest.mark.parametrize("log_gap", ["warn", "rewind"])
+def test_a_log_that_is_not_a_file_is_refused_in_one_line(tmp_path, finished, log_gap):
     """A directory in ``metrics.jsonl``'s place (a copy gone wrong): the resume refuses it in one
-    line, before the first step, and leaves the run as it was."""
+    line, before the first step, and leaves the run as it was, whichever ``trainer.log_gap``."""
     run_dir = shutil.copytree(finished, tmp_path / "run")
     (run_dir / "metrics.jsonl").unlink()
     (run_dir / "metrics.jsonl").mkdir()
     before = _snapshot(run_dir)
-    rc, output = _finish(_start(run_dir, "trainer.keep_last=3", "trainer.resume=true"))
+    rc, output = _finish(_start(run_dir, "trainer.keep_last=3", "trainer.resume=true", f"trainer.log_gap={log_gap}"))
     says = f"a run directory whose metrics.jsonl is a file: {run_dir / 'metrics.jsonl'} is not"
     _assert_short_error(rc, output, says)
     assert _snapshot(run_dir) == before
