@@ -1,9 +1,10 @@
 """A run directory that misbehaves under a running job, with the real ``train.py`` in
 subprocesses: a holder stopped past its lease and woken after another run took the directory
-over and finished, a disk that fills while ``metrics.jsonl`` is written, and a log that is not
-a file. Each ends in at most three lines on stderr, no traceback, and loses nothing that was
-there before (docs/faults.md). The lock's own cases, in-process and with stopped holder
-processes, are in tests/unit/train/test_writer_lock.py.
+over and finished, a disk that fills while ``metrics.jsonl`` is written, a log that is not a
+file, and a log behind its checkpoint under each ``trainer.log_gap``. Each ends in at most three
+lines on stderr, no traceback, and loses nothing that was there before (docs/faults.md). The
+lock's own cases, in-process and with stopped holder processes, are in
+tests/unit/train/test_writer_lock.py.
 """
 
 from __future__ import annotations
