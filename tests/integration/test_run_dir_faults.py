@@ -1,9 +1,10 @@
 """A run directory that misbehaves under a running job, with the real ``train.py`` in
 subprocesses: a holder stopped past its lease and woken after another run took the directory
-over and finished, a disk that fills while ``metrics.jsonl`` is written, and a log that is not
-a file. Each ends in at most three lines on stderr, no traceback, and loses nothing that was
-there before (docs/faults.md). The lock's own cases, in-process and with stopped holder
-processes, are in tests/unit/train/test_writer_lock.py.
+over and finished, a disk that fills while ``metrics.jsonl`` is written, a log that is not a
+file, and a log behind its checkpoint under each ``trainer.log_gap``. Each ends in at most three
+lines on stderr, no traceback, and loses nothing that was there before (docs/faults.md). The
+lock's own cases, in-process and with stopped holder processes, are in
+tests/unit/train/test_writer_lock.py.
 """
 
 from __future__ import annotations
@@ -197,39 +198,101 @@ def finished(tmp_path_factory) -> Path:
     return run_dir
 
 
-def test_a_log_that_is_not_a_file_is_refused_in_one_line(tmp_path, finished):
+@pytest.mark.parametrize("log_gap", ["warn", "rewind"])
+def test_a_log_that_is_not_a_file_is_refused_in_one_line(tmp_path, finished, log_gap):
     """A directory in ``metrics.jsonl``'s place (a copy gone wrong): the resume refuses it in one
-    line, before the first step, and leaves the run as it was."""
+    line, before the first step, and leaves the run as it was, whichever ``trainer.log_gap``."""
     run_dir = shutil.copytree(finished, tmp_path / "run")
     (run_dir / "metrics.jsonl").unlink()
     (run_dir / "metrics.jsonl").mkdir()
     before = _snapshot(run_dir)
-    rc, output = _finish(_start(run_dir, "trainer.keep_last=3", "trainer.resume=true"))
+    rc, output = _finish(_start(run_dir, "trainer.keep_last=3", "trainer.resume=true", f"trainer.log_gap={log_gap}"))
     says = f"a run directory whose metrics.jsonl is a file: {run_dir / 'metrics.jsonl'} is not"
     _assert_short_error(rc, output, says)
     assert _snapshot(run_dir) == before
 
 
-def test_a_log_behind_its_checkpoint_is_named_and_can_be_rebuilt(tmp_path, finished):
+def _cut_log(run_dir: Path, keep: int) -> None:
+    """Keep the first ``keep`` lines of ``metrics.jsonl`` (steps 1 to ``keep``); 0: delete it."""
+    log = run_dir / "metrics.jsonl"
+    lines = log.read_text().splitlines(keepends=True)
+    log.unlink()
+    if keep:
+        log.write_text("".join(lines[:keep]))
+
+
+def _gap(has: str, first: int) -> str:
+    return (
+        f"metrics.jsonl {has}, but the checkpoint of step {STEPS} logged up to step {STEPS}: the records of steps "
+        f"{first}-{STEPS} are missing"
+    )
+
+
+def _set_aside(run_dir: Path) -> list[str]:
+    return sorted(p.name for p in (run_dir / "checkpoints").glob("step_*.after_log_gap*"))
+
+
+def test_a_log_behind_its_checkpoint_goes_on_with_a_warning_naming_the_rewind(tmp_path, finished):
     """``metrics.jsonl`` cut short behind the checkpoints (a node crash loses lines never synced,
-    not the fsynced checkpoint): the resume names the missing steps and the checkpoint the log
-    covers; resumed from that one, the run logs them again, the same records as before."""
+    not the fsynced checkpoint), ``trainer.log_gap=warn`` (the default): the resume goes on from
+    the newest checkpoint, naming the missing steps and the checkpoint that ``rewind`` would log
+    them again from; no checkpoint is moved."""
     run_dir = shutil.copytree(finished, tmp_path / "run")
     whole = _results(run_dir)
-    lines = (run_dir / "metrics.jsonl").read_text().splitlines(keepends=True)
-    (run_dir / "metrics.jsonl").write_text("".join(lines[:5]))  # steps 1-5 kept
+    _cut_log(run_dir, 5)
     rc, output = _finish(_start(run_dir, "trainer.keep_last=3", "trainer.resume=true"))
     assert rc == 0, output[-3000:]
     covered = run_dir / "checkpoints" / "step_0000004"
     says = (
-        f"metrics.jsonl ends at step 5, but the checkpoint of step {STEPS} logged up to step {STEPS}: the records "
-        f"of steps 6-{STEPS} are missing, and this run goes on without them (to log them again from a checkpoint "
-        f"the log covers: move the newer checkpoints aside and resume from {covered})"
+        f"{_gap('ends at step 5', 6)}, and this run goes on without them (trainer.log_gap=rewind logs them again "
+        f"from {covered}, the newest checkpoint the log covers, the newer ones moved aside)"
     )
-    assert says in output, output[-3000:]
-    for step in (8, 12):  # what the warning says to do
-        newer = run_dir / "checkpoints" / f"step_{step:07d}"
-        newer.rename(tmp_path / newer.name)
-    rc, output = _finish(_start(run_dir, "trainer.keep_last=3", "trainer.resume=true"))
-    assert rc == 0 and "missing" not in output, output[-3000:]
+    assert says in output and f"step {STEPS})" in output.split("resumed from")[1], output[-3000:]
+    assert _results(run_dir) == whole[:5] and _set_aside(run_dir) == []
+    assert [s for s, _ in list_checkpoints(run_dir / "checkpoints")] == [4, 8, STEPS]
+
+
+def test_a_log_behind_its_checkpoint_is_rebuilt_by_a_rewind(tmp_path, finished):
+    """The same cut log under ``trainer.log_gap=rewind``: the run resumes from step 4, the newest
+    checkpoint the log covers, and logs steps 5-12 again, the same records, each once; the
+    checkpoints of steps 8 and 12 are set aside, their files as they were."""
+    run_dir = shutil.copytree(finished, tmp_path / "run")
+    whole = _results(run_dir)
+    newer = {step: _snapshot(run_dir / "checkpoints" / f"step_{step:07d}") for step in (8, STEPS)}
+    _cut_log(run_dir, 5)
+    rc, output = _finish(_start(run_dir, "trainer.keep_last=3", "trainer.resume=true", "trainer.log_gap=rewind"))
+    assert rc == 0, output[-3000:]
+    covered = run_dir / "checkpoints" / "step_0000004"
+    says = (
+        f"{_gap('ends at step 5', 6)}; trainer.log_gap=rewind: resuming from {covered}, the newest checkpoint the "
+        f"log covers, to train and log them again, the newer checkpoints moved aside to "
+        f"step_0000008.after_log_gap, step_{STEPS:07d}.after_log_gap (trainer.log_gap=warn goes on from the newest"
+    )
+    assert says in output and f"resumed from {covered} (step 4)" in output, output[-3000:]
     assert _results(run_dir) == whole
+    assert _set_aside(run_dir) == ["step_0000008.after_log_gap", f"step_{STEPS:07d}.after_log_gap"]
+    for step, files in newer.items():
+        assert _snapshot(run_dir / "checkpoints" / f"step_{step:07d}.after_log_gap") == files
+    assert [s for s, _ in list_checkpoints(run_dir / "checkpoints")] == [4, 8, STEPS]
+
+
+def test_a_deleted_log_goes_on_with_a_warning_or_refuses_a_rewind_in_one_line(tmp_path, finished):
+    """``metrics.jsonl`` deleted: no checkpoint is covered. ``rewind`` refuses in one line before
+    anything is written (starting over from step 0 is a new run's cost, not a resume's), naming
+    the missing steps and ``warn``; ``warn`` goes on from the newest checkpoint."""
+    run_dir = shutil.copytree(finished, tmp_path / "run")
+    _cut_log(run_dir, 0)
+    before = _snapshot(run_dir)
+    rc, output = _finish(_start(run_dir, "trainer.resume=true", "trainer.log_gap=rewind"))
+    newest = run_dir / "checkpoints" / f"step_{STEPS:07d}"
+    says = (
+        f"trainer.log_gap='rewind' is not valid; valid: warn, or a checkpoint the log covers: "
+        f"{_gap('has no record', 1)}, and no intact checkpoint of a step up to 0 is left in {run_dir / 'checkpoints'} "
+        f"to log them again from (trainer.log_gap=warn goes on from {newest} without them; "
+    )
+    _assert_short_error(rc, output, says)
+    assert _snapshot(run_dir) == before
+    rc, output = _finish(_start(run_dir, "trainer.resume=true"))
+    assert rc == 0, output[-3000:]
+    says = f"{_gap('has no record', 1)}, and this run goes on without them (no checkpoint the log covers is left"
+    assert says in output and _set_aside(run_dir) == [], output[-3000:]

@@ -36,7 +36,7 @@ from readback.train.settings import RESOLVED_KEYS
 log = logging.getLogger(__name__)
 
 # How this launch runs, never taken from the run: whether it resumes, and under what.
-LAUNCH_KEYS = ("trainer.resume", "trainer.resume_changed_config", "trainer.dry_run")
+LAUNCH_KEYS = ("trainer.resume", "trainer.resume_changed_config", "trainer.log_gap", "trainer.dry_run")
 OVERRIDES_FILE = Path(".hydra") / "overrides.yaml"
 CONFIG_FILE = Path(".hydra") / "config.yaml"
 

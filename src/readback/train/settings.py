@@ -30,6 +30,7 @@ from readback.probe.settings import Probe
 DEVICES = ("auto", "cpu", "cuda")
 PARALLEL = ("ddp", "fsdp")  # readback.train.parallel: DDP, or FSDP2's fully_shard
 NONFINITE_GRADS = ("stop", "skip")
+LOG_GAPS = ("warn", "rewind")  # a resume whose metrics.jsonl lacks records its checkpoint logged
 LOGGERS = ("none", "wandb")
 WANDB_MODES = ("auto", "online", "offline", "disabled")
 # Keys a checkpoint can only be resumed under with the value it was trained with: its tensors would
@@ -65,6 +66,7 @@ RESUMABLE_KEYS = (
     "trainer.keep_last",
     "trainer.ckpt_async",
     "trainer.lock_lease_s",
+    "trainer.log_gap",  # where a resume starts when its log lost records: the same run either way
     "trainer.log_every",
     "trainer.eval_every",
     "trainer.eval_batches",
@@ -137,6 +139,7 @@ class Trainer(Checked):
     lock_lease_s: float = number(0, low_open=True)
     resume: bool = MISSING
     resume_changed_config: bool = MISSING
+    log_gap: str = one_of(LOG_GAPS)
     preempt_signals: list[str] = MISSING
     dry_run: bool = MISSING
     device: str = one_of(DEVICES)

@@ -116,8 +116,15 @@ def test_another_option_picked_on_the_command_line_is_a_change_of_the_keys_it_se
 
 
 def test_the_launch_keys_are_never_the_runs(study):
-    cfg = typed(_resumed(study, ["trainer.resume=true"]))
-    assert not cfg.trainer.resume_changed_config and not cfg.trainer.dry_run
+    """A run saved under another resume choice (``trainer.log_gap=rewind``, ...) resumes under
+    today's, unless the command line gives it again."""
+    conf, run_dir = study
+    saved = dict(saved_config(run_dir) or {})
+    saved["trainer"] = {**saved["trainer"], "log_gap": "rewind", "resume_changed_config": True}
+    cfg = typed(resumed_config(saved, ["trainer.resume=true"], conf))
+    assert not cfg.trainer.resume_changed_config and not cfg.trainer.dry_run and cfg.trainer.log_gap == "warn"
+    cfg = typed(resumed_config(saved, ["trainer.resume=true", "trainer.log_gap=rewind"], conf))
+    assert cfg.trainer.log_gap == "rewind"
 
 
 def test_the_run_directory_records_the_config_it_goes_on_with(study, tmp_path):

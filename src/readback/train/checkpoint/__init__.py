@@ -4,6 +4,7 @@
 * :mod:`~readback.train.checkpoint.states` -- the model's, the optimizer's and the random generators' state
 * :mod:`~readback.train.checkpoint.dirs` -- commit, damage check, moving aside, pruning
 * :mod:`~readback.train.checkpoint.resumption` -- the resume plan, refused under a config that changes the run
+* :mod:`~readback.train.checkpoint.log_gap` -- a log behind its checkpoint: go on with a warning, or rewind
 * :mod:`~readback.train.checkpoint.writer_lock` -- one writer per run directory: rank 0's lock, with a lease
 * :mod:`~readback.train.checkpoint.io` -- DCP files and their checksums, loading without running code
 * :mod:`~readback.train.checkpoint.atomic` -- small files written all at once

@@ -9,8 +9,10 @@ Damage (:class:`Damaged`): an empty directory; an index (``.metadata``) missing,
 not DCP's; a shard file shorter than the index needs (a deleted one: 0 bytes); a shard whose size
 or CRC-32 differs from what its rank recorded, or that no record names; a garbled record. A
 damaged checkpoint is renamed ``step_XXXXXXX.damaged`` (:func:`move_aside`), never deleted, and
-the next older one tried; pruning counts intact ones only. An I/O error (``EIO``, ``ESTALE``)
-says nothing about the files: :func:`verify` tries again, then raises it, moving nothing.
+the next older one tried; pruning counts intact ones only. A checkpoint set aside for another
+reason (:func:`set_aside`: newer than a log behind it, rewound) is kept the same way. An I/O
+error (``EIO``, ``ESTALE``) says nothing about the files: :func:`verify` tries again, then raises
+it, moving nothing.
 """
 
 from __future__ import annotations
@@ -132,15 +134,22 @@ def _size(path: Path) -> int:
         return 0
 
 
-def move_aside(path: Path, reason: str) -> Path:
-    """Rename the damaged checkpoint ``path`` to ``<name>.damaged`` (``.damaged.2``, ... if
-    taken), with one warning line naming it and ``reason``."""
+def set_aside(path: Path, suffix: str) -> Path:
+    """Rename the checkpoint ``path`` to ``<name>.<suffix>`` (``.<suffix>.2``, ... if taken):
+    out of every resume's and pruning's sight, its files never deleted or overwritten."""
     path = Path(path)
-    target, n = path.with_name(f"{path.name}.damaged"), 2
+    target, n = path.with_name(f"{path.name}.{suffix}"), 2
     while target.exists():
-        target, n = path.with_name(f"{path.name}.damaged.{n}"), n + 1
+        target, n = path.with_name(f"{path.name}.{suffix}.{n}"), n + 1
     os.rename(path, target)
     fsync_dir(path.parent)
+    return target
+
+
+def move_aside(path: Path, reason: str) -> Path:
+    """Set the damaged checkpoint ``path`` aside as ``<name>.damaged``, with one warning line
+    naming it and ``reason``."""
+    target = set_aside(path, "damaged")
     log.warning("checkpoint %s is damaged (%s): moved aside to %s", path, reason, target.name)
     return target
 
@@ -202,15 +211,18 @@ def remove_stale_temp_files(directory: Path) -> list[Path]:
 
 
 def load_latest_checkpoint(
-    ckpt_dir: Path, quiet: bool = False, *, move_damaged: bool = True
+    ckpt_dir: Path, quiet: bool = False, *, move_damaged: bool = True, up_to: int | None = None
 ) -> tuple[Path, dict[str, Any]] | None:
-    """The newest intact checkpoint and its shared state (format, step, world size, config, ...),
-    if that loads. A damaged one (:func:`verify`) is moved aside (``move_damaged``; else named in a
-    warning) and skipped, an unreadable one skipped with a warning. ``quiet``, the entry point's
+    """The newest intact checkpoint (of a step ``up_to`` at most, if given) and its shared state
+    (format, step, world size, config, ...), if that loads. A damaged one (:func:`verify`) is
+    moved aside (``move_damaged``; else named in a warning) and skipped, an unreadable one
+    skipped with a warning. ``quiet``, the entry point's
     look ahead (on every rank of a launch, before the run's log exists): sizes checked, not
     checksums (the run's own resume reads those, once), nothing moved or logged. An I/O error
     that outlasts the retries is raised (``OSError``): nothing is moved for it."""
     for step, path in reversed(list_checkpoints(ckpt_dir)):
+        if up_to is not None and step > up_to:
+            continue
         try:
             verify(path, checksums=not quiet)
         except Damaged as e:

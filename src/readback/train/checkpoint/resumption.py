@@ -23,6 +23,7 @@ from readback.train.checkpoint.dirs import (
     load_latest_checkpoint,
     moved_aside,
 )
+from readback.train.checkpoint.log_gap import rewind_plan, set_aside_after_gap
 from readback.train.preemption import requeued
 from readback.train.settings import ARCHITECTURE_KEYS, Config, config_changes
 
@@ -38,7 +39,10 @@ def resume_plan(run_dir: Path, cfg: Config, *, quiet: bool = False) -> tuple[Pat
       overwritten) -- unless this is a requeued Slurm job or a torchrun restart, which resumes;
     * ``trainer.resume`` is true and none of its checkpoints loads;
     * the newest readable checkpoint has another format than :data:`CHECKPOINT_FORMAT`, or was
-      trained under another config (:func:`check_changes`).
+      trained under another config (:func:`check_changes`);
+    * ``trainer.log_gap`` is ``rewind``, the log lacks records of that checkpoint, and no
+      checkpoint the log covers is left (:mod:`~readback.train.checkpoint.log_gap`), which
+      otherwise is the one to resume from, the newer ones set aside once every check passed.
     """
     ckpt_dir = checkpoint_dir(run_dir)
     found = list_checkpoints(ckpt_dir)
@@ -79,6 +83,9 @@ def resume_plan(run_dir: Path, cfg: Config, *, quiet: bool = False) -> tuple[Pat
             f"a run directory with an intact, readable checkpoint: none of the "
             f"{len(found)} in {ckpt_dir} is (remove them, and any step_*.damaged, to start afresh)",
         )
+    newer: list[Path] = []
+    if cfg.trainer.log_gap == "rewind":
+        latest, newer, gap = rewind_plan(run_dir, latest, quiet=quiet)
     path, state = latest
     if state.get("format") != CHECKPOINT_FORMAT:
         raise ConfigError(
@@ -88,6 +95,8 @@ def resume_plan(run_dir: Path, cfg: Config, *, quiet: bool = False) -> tuple[Pat
             f"{state.get('format')!r} (resume it with the readback that wrote it)",
         )
     check_changes(config_changes(state.get("config"), cfg), path, cfg.trainer.resume_changed_config)
+    if newer and not quiet:
+        set_aside_after_gap(newer, path, gap)
     return path, state
 
 

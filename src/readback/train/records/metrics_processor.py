@@ -14,6 +14,7 @@ import torch
 
 from readback.progress import Off, Progress, progress
 from readback.train.checkpoint import RunDirTaken, WriterLock, checkpoint_dir, list_checkpoints
+from readback.train.checkpoint.log_gap import missing_records
 from readback.train.contract import TrainableModel
 from readback.train.distributed import DistEnv
 from readback.train.records.launches import close_launch
@@ -84,22 +85,18 @@ class MetricsProcessor:
             self._warn_log_gap(run_dir, resume_step, self.logger.jsonl.last_step)
 
     def _warn_log_gap(self, run_dir: Path, resume_step: int, last: int) -> None:
-        """The log lacks records that the run it resumes wrote (a node crash lost lines never
-        synced, though the checkpoint was; the file was deleted): name them, and the checkpoint that
-        would log them again. The run goes on; what is gone stays gone unless the user rewinds."""
+        """The log lacks records that the run it resumes wrote (``trainer.log_gap=warn``): name
+        them, and the checkpoint from which ``rewind`` would log them again. The run goes on; what
+        is gone stays gone (:mod:`~readback.train.checkpoint.log_gap`)."""
         covered = [p for s, p in list_checkpoints(checkpoint_dir(run_dir)) if s <= last]
-        rebuild = f"move the newer checkpoints aside and resume from {covered[-1]}" if covered else "none is left"
-        has = f"ends at step {last}" if last else "has no record"
-        log.warning(
-            "metrics.jsonl %s, but the checkpoint of step %d logged up to step %d: the records of steps %d-%d are "
-            "missing, and this run goes on without them (to log them again from a checkpoint the log covers: %s)",
-            has,
-            resume_step,
-            self.window.last_logged_step,
-            last + 1,
-            self.window.last_logged_step,
-            rebuild,
+        rewind = (
+            f"trainer.log_gap=rewind logs them again from {covered[-1]}, the newest checkpoint the log covers, "
+            "the newer ones moved aside"
+            if covered
+            else "no checkpoint the log covers is left, from which trainer.log_gap=rewind could log them again"
         )
+        gap = missing_records(last, resume_step, self.window.last_logged_step)
+        log.warning("%s, and this run goes on without them (%s)", gap, rewind)
 
     def log_start(self, experiment: str, *, steps: int, accum: int) -> None:
         if self.env.is_main:
