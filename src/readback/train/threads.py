@@ -23,9 +23,10 @@ log = logging.getLogger(__name__)
 
 AUTO = "auto"
 ENV = "OMP_NUM_THREADS"
-# model.name -> the threads ``auto`` gives it, measured with benchmarks/threads.py; a size not named
-# here gets every core this process may run on.
-AUTO_THREADS = {"tiny": 1}
+# model.name -> the threads ``auto`` gives it, measured with benchmarks/threads.py on 2 cores shared
+# with other work, where one thread was the fastest for both, quiet or not (docs/performance.md); a
+# size not named here (the GPU sizes: the host side of a rank) gets every core this process may run on.
+AUTO_THREADS = {"tiny": 1, "small": 1}
 
 
 def is_thread_count(value: str) -> bool:

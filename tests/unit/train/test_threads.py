@@ -5,6 +5,9 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
+import subprocess
+from pathlib import Path
 
 import pytest
 import torch
@@ -14,6 +17,8 @@ from readback.errors import ConfigError
 from readback.train import run
 from readback.train.settings import config_changes, plain_config
 from readback.train.threads import AUTO_THREADS, ENV, choose_threads
+
+REPO = Path(__file__).parents[3]
 
 
 @pytest.mark.parametrize("bad", ["zero", "0", "-2", "1.5", "Auto"])
@@ -68,3 +73,22 @@ def test_a_resume_under_another_thread_setting_is_refused():
     1 and 2 threads), so the setting is not one a resume may change."""
     saved = plain_config(toys.make_cfg())
     assert config_changes(saved, toys.make_cfg(**{"trainer.threads": "1"})) == [("trainer.threads", "auto", "1")]
+
+
+@pytest.mark.parametrize(
+    ("args", "caller", "expected"),
+    [
+        (["hydra/launcher=local"], None, lambda runs: str(max(1, len(os.sched_getaffinity(0)) // runs))),
+        (["hydra/launcher=local"], "3", lambda runs: "3"),
+        ([], None, lambda runs: ""),
+    ],
+)
+def test_the_cpu_sweep_gives_runs_started_at_once_their_share_of_the_cores(tmp_path, args, caller, expected):
+    python = tmp_path / "python"
+    python.write_text('#!/bin/sh\necho "${OMP_NUM_THREADS:-}"\n')
+    python.chmod(0o755)
+    env = {k: v for k, v in os.environ.items() if k != ENV} | {"PYTHON": str(python), "EXPERIMENTS": "a,b"}
+    if caller:
+        env[ENV] = caller
+    out = subprocess.run(["bash", str(REPO / "sweeps/cpu_mini.sh"), *args], env=env, capture_output=True, text=True)
+    assert out.stdout.strip() == expected(2 * 3), out.stderr  # 2 experiments x 3 seeds
