@@ -13,11 +13,24 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-$(test -x .venv/bin/python && echo .venv/bin/python || echo python3)}
+EXPERIMENTS=${EXPERIMENTS:-reuse_rounded,fresh_reround,no_saved_copy,reuse_rounded_bf16_bwd,bf16_baseline}
+SEEDS=0,1,2
+
+# One run after the other, each takes the threads trainer.threads=auto gives it. With
+# hydra/launcher=local every run starts at once, so each takes its share of the cores, cores / runs
+# and at least 1 (auto reads OMP_NUM_THREADS; one set by the caller stands).
+if [[ " $* " == *" hydra/launcher=local "* ]]; then
+    IFS=, read -ra experiments <<<"$EXPERIMENTS"
+    IFS=, read -ra seeds <<<"$SEEDS"
+    runs=$(( ${#experiments[@]} * ${#seeds[@]} ))
+    share=$(( $(nproc) / runs ))
+    export OMP_NUM_THREADS=${OMP_NUM_THREADS:-$(( share > 0 ? share : 1 ))}
+fi
 
 exec "$PY" train.py --multirun \
     hydra.sweep.dir="${SWEEP_DIR:-multirun/cpu_mini}" \
-    +experiment="${EXPERIMENTS:-reuse_rounded,fresh_reround,no_saved_copy,reuse_rounded_bf16_bwd,bf16_baseline}" \
-    seed=0,1,2 \
+    +experiment="$EXPERIMENTS" \
+    seed="$SEEDS" \
     +sweep=cpu_mini \
     trainer.resume=true trainer.progress=false \
     "$@"

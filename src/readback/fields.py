@@ -69,6 +69,11 @@ def one_of(choices: Iterable[str | int], default: Any = MISSING, note: str = "")
 
 def items(text: str, test: Callable[[list[Any]], bool], default: Any = MISSING) -> Any:
     """A list field with a test over the whole list (its length, its items' ranges)."""
+    return matching(text, test, default)
+
+
+def matching(text: str, test: Callable[[Any], bool], default: Any = MISSING) -> Any:
+    """A field whose values pass ``test``, which ``text`` describes (a setting of words and numbers)."""
     return _field(Valid(text, test), default)
 
 

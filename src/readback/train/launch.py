@@ -21,6 +21,7 @@ from readback.train.distributed import (
 from readback.train.dry_run import dry_run
 from readback.train.preemption import PreemptionGuard
 from readback.train.settings import Config
+from readback.train.threads import apply_threads
 from readback.train.trainer import Trainer
 
 
@@ -47,6 +48,8 @@ def run(cfg: Config, run_dir: Path, builders: Builders | None = None) -> dict[st
     env = init_distributed(cfg.trainer.device, cfg.trainer.timeouts.startup_s, trace_dir=run_dir)
     det_before = torch.are_deterministic_algorithms_enabled()
     warn_before = torch.is_deterministic_algorithms_warn_only_enabled()
+    threads_before = torch.get_num_threads()
+    apply_threads(cfg.trainer.threads, cfg.model.name)
     if env.device.type == "cpu":
         torch.use_deterministic_algorithms(True, warn_only=True)
         keep_freed_memory()
@@ -58,6 +61,7 @@ def run(cfg: Config, run_dir: Path, builders: Builders | None = None) -> dict[st
             return Trainer(cfg, run_dir, env, accum, experiment, builders, guard, writer).train()
     finally:
         torch.use_deterministic_algorithms(det_before, warn_only=warn_before)
+        torch.set_num_threads(threads_before)
         cleanup(env)
 
 

@@ -19,13 +19,14 @@ from readback.backends.settings import Backend
 from readback.data.settings import Data
 from readback.data.stream import Layout
 from readback.errors import ConfigError
-from readback.fields import Checked, integer, items, number, one_of
+from readback.fields import Checked, integer, items, matching, number, one_of
 from readback.model.settings import Model
 from readback.numerics.attention_settings import AttentionSettings
 from readback.numerics.precision_settings import PrecisionSettings
 from readback.numerics.settings import NumericsSettings
 from readback.overrides import with_current_keys
 from readback.probe.settings import Probe
+from readback.train.threads import is_thread_count
 
 DEVICES = ("auto", "cpu", "cuda")
 PARALLEL = ("ddp", "fsdp")  # readback.train.parallel: DDP, or FSDP2's fully_shard
@@ -147,6 +148,7 @@ class Trainer(Checked):
     gpu_memory_gb: float = number(0, low_open=True)
     progress: bool = MISSING
     compile: bool = MISSING
+    threads: str = matching("auto or an integer >= 1", is_thread_count)  # readback.train.threads
     optim: Optim = MISSING
     divergence: Divergence = MISSING
     timeouts: Timeouts = MISSING
