@@ -15,13 +15,7 @@ from typing import Any
 
 import torch
 
-from readback.numerics import (
-    BF16,
-    BlockQTensor,
-    DelayedScalingState,
-    FP8Format,
-    QTensor,
-)
+from readback.numerics import BF16, BlockQTensor, DelayedScalingState, FP8Format, QTensor
 from readback.numerics.observations import Observations
 from readback.numerics.scale_state import new_state
 from readback.numerics.site import ScalingState, Site, UnitScale, check_scales
