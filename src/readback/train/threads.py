@@ -50,8 +50,10 @@ def choose_threads(setting: str, model_name: str, environ: Mapping[str, str], co
 
 
 def apply_threads(setting: str, model_name: str) -> int:
-    """Set torch's intra-op threads for this run, log the count and why; return it."""
+    """Set torch's intra-op threads for this run and return the count; the run's start line says
+    it (``MetricsProcessor.log_start``), why it is that one only at debug level, so that a run
+    that fails at once still says so in three lines."""
     threads, why = choose_threads(setting, model_name, os.environ, usable_cores())
     torch.set_num_threads(threads)
-    log.info("intra-op threads: %d (%s)", threads, why)
+    log.debug("intra-op threads: %d (%s)", threads, why)
     return threads

@@ -61,10 +61,11 @@ def test_a_run_trains_on_the_count_it_logs_and_gives_the_process_its_own_back(tm
     before = torch.get_num_threads()
     threads = 2 if before == 1 else 1
     cfg = toys.make_cfg(**{"trainer.threads": str(threads), "trainer.steps": 2, "trainer.ckpt_every": 2})
-    with caplog.at_level(logging.INFO, logger="readback.train.threads"):
+    with caplog.at_level(logging.DEBUG, logger="readback.train"):
         run(cfg, tmp_path / "run", dataclasses.replace(builders, model=model))
     assert seen == [threads]
-    assert f"intra-op threads: {threads} (trainer.threads)" in caplog.text
+    assert f"intra-op threads: {threads} (trainer.threads)" in caplog.text  # why, at debug level
+    assert f"cpu, {threads} intra-op threads" in caplog.text  # the run's start line
     assert torch.get_num_threads() == before
 
 

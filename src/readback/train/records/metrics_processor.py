@@ -101,7 +101,7 @@ class MetricsProcessor:
     def log_start(self, experiment: str, *, steps: int, accum: int) -> None:
         if self.env.is_main:
             log.info(
-                "%s: %s params, %.4g FLOPs/token, %d steps x %d tokens, accum %d, world %d, %s",
+                "%s: %s params, %.4g FLOPs/token, %d steps x %d tokens, accum %d, world %d, %s, %d intra-op threads",
                 experiment,
                 f"{self.n_params:,}",
                 self.flops_per_token,
@@ -110,6 +110,7 @@ class MetricsProcessor:
                 accum,
                 self.env.world_size,
                 self.env.device,
+                torch.get_num_threads(),
             )
 
     def open_progress_bar(self, total: int, initial: int, desc: str) -> None:
