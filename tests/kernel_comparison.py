@@ -60,7 +60,8 @@ def _run(
     out: dict = {}
     for _ in range(2):
         rounded.clear()
-        q, k, v = (t.to(device).requires_grad_() for t in x[:3])
+        # copies: on the CPU ``to`` returns the input itself, whose .grad would add up over steps and runs
+        q, k, v = (t.to(device, copy=True).requires_grad_() for t in x[:3])
         with numerics.taping() as tape:
             o, _ = attention(q, k, v, numerics, NAME)
         o.backward(x[3].to(device))
