@@ -15,6 +15,18 @@ difference is then at most one BF16 unit plus a code step (2**-3 for E4M3, 2**-2
 times the root of the stepped share, ``_bound``; the D-term's row sums likewise, and the sites'
 counts within ``_FLIPS`` of their nonzero elements. (In the interpreter the two cores' codes,
 counts and O have come out identical on these inputs, and dQ, dK, dV identical or within 3e-5.)
+
+The BF16 backward (``attention.bwd_precision=bf16``, both flavours of ``bwd_reads``) rounds dO and
+dS to BF16, not FP8, and adds no count: the same sites round and count in both cores. Its GEMMs
+read BF16 values (Q8, K8, V8, P8 decoded and scaled, or the original Q, K, V and the rebuilt P),
+so the FP32 sum order is again the only difference (the ops core's one GEMM per block of rows,
+the kernel's 64-key tiles): a GEMM output one BF16 unit apart where it straddles, and dS's BF16
+values a unit apart where dP's or its own rounding did, at every element at worst
+(``_gradient_bounds``: three units for dQ, dK; two for dV from the rebuilt P, whose FP32 values
+differ by the LSE's sum order, the kernel's online ``log(row sum) + row max`` against
+``torch.logsumexp``). Such straddles are rare: a share ``_STRADDLES`` (1/128) of a gradient's
+elements may differ at all, where a rounding left out changes about a third of them. (In the
+interpreter dQ, dK and dV have come out identical on these inputs, or a share 1e-4 of dK's.)
 """
 
 import pytest
@@ -44,3 +56,32 @@ def test_every_policy_recipe_and_rounding(monkeypatch, policy, recipe, rounding)
 )
 def test_shapes(monkeypatch, shape, policy, recipe, rounding):
     compare(shape, policy, recipe, rounding, monkeypatch)
+
+
+# The BF16 backward, both flavours: every policy with each, nearest and stochastic rounding
+# alternating, so that each flavour and each policy meets both; then shapes as above.
+BF16_BACKWARD = [
+    (policy, reads, ("nearest", "stochastic")[(i + j) % 2], ("delayed", "current")[i % 2])
+    for i, policy in enumerate(POLICIES)
+    for j, reads in enumerate(("forward", "te"))
+]
+BF16_SHAPES = [
+    ((1, 4, 2, 24, 128), "fresh_reround", "current", "stochastic", "te"),
+    ((1, 2, 2, 128, 64), "reuse_rounded", "delayed", "nearest", "forward"),
+    ((2, 2, 1, 71, 64), "no_saved_copy", "current", "stochastic", "forward"),
+    ((1, 4, 2, 128, 128), "original", "delayed", "nearest", "te"),
+]
+
+
+@pytest.mark.parametrize(("policy", "reads", "rounding", "recipe"), BF16_BACKWARD)
+def test_bf16_backward_every_policy(monkeypatch, policy, reads, rounding, recipe):
+    compare(SMALL, policy, recipe, rounding, monkeypatch, backward=dict(bwd_precision="bf16", bwd_reads=reads))
+
+
+@pytest.mark.parametrize(
+    ("shape", "policy", "recipe", "rounding", "reads"),
+    BF16_SHAPES,
+    ids=[f"{c[4]}-T{c[0][3]}d{c[0][4]}H{c[0][1]}G{c[0][2]}" for c in BF16_SHAPES],
+)
+def test_bf16_backward_shapes(monkeypatch, shape, policy, recipe, rounding, reads):
+    compare(shape, policy, recipe, rounding, monkeypatch, backward=dict(bwd_precision="bf16", bwd_reads=reads))
