@@ -6,11 +6,11 @@ under the FP8 backward that reads what the forward multiplied (dO8, dS8, Q8, K8,
 the BF16 backward (``attention_tiles``: what a tile reads) with either flavour's reads
 (``attention.bwd_reads``): ``forward``, Q8, K8, V8 and P8 as BF16 values, P recomputed from the
 forward's row statistics; ``te``, the original Q, K, V and P rebuilt from them with the forward's
-LSE. Each tile recomputes S and P, P8 with the forward's scale and keyed draws where dV reads it
-(its very codes), and dS, rounded to the backward's format (E5M2 under the hybrid recipe) with
-dS's scale, or to BF16. The D-term comes in per row (``d_term``: the policy's
-``rowsum(dO * O_read)``, formed by ``ops``) or, for ``rowsum(P * dP)``, from a pass of its own.
-Three kernels:
+LSE (or one of each, ``bwd_qkv`` or ``bwd_probs`` set apart). Each tile recomputes S and P,
+P8 with the forward's scale and keyed draws where dV reads it (its very codes), and dS, rounded
+to the backward's format (E5M2 under the hybrid recipe) with dS's scale, or to BF16. The
+D-term comes in per row (``d_term``: the policy's ``rowsum(dO * O_read)``, formed by ``ops``)
+or, for ``rowsum(P * dP)``, from a pass of its own. Three kernels:
 
 * ``_rows``: per block of query rows, ``rowsum(P * dP)`` (D read ``none``) and, when dS's scale is
   computed from its whole amax (current scaling), that amax; run only when one is needed;

@@ -6,15 +6,16 @@ sites here.
 What it runs: the FP8 forward; the FP8 backward that reads what the forward multiplied
 (``attention.bwd_reads=forward``, dO and dS rounded); the BF16 backward of either flavour
 (``forward``: Q8, K8, V8, P8 as BF16 values; ``te``: the original Q, K, V and P rebuilt with the
-forward's LSE); under any policy's D read, nearest or stochastic rounding, per-tensor delayed or
-current scaling. ``supports`` says so, and
-``unsupported`` names what it does not run yet (the ops core runs those).
+forward's LSE; ``bwd_qkv`` and ``bwd_probs`` set apart or not); under any policy's D read,
+nearest or stochastic rounding, per-tensor delayed or current scaling. ``unsupported`` names what it
+does not run yet (the ops core runs those).
 """
 
 from __future__ import annotations
 
 import importlib.util
 import os
+from collections.abc import Collection
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -55,16 +56,20 @@ def runs(numerics: Numerics, name: str, q: torch.Tensor) -> bool:
     return q.device.type == "cuda" and runnable and unsupported(numerics, name) is None
 
 
-def settings_refused(fp8: bool, bwd_precision: str, bwd_reads: str, parts_apart: bool, per_tensor: bool) -> str | None:
+def settings_refused(
+    fp8: bool, bwd_precision: str, bwd_reads: str, parts_apart: Collection[str], per_tensor: bool
+) -> str | None:
     """What of a run's settings the kernel does not run, or None: the one rule of the config's
-    check (``backends.attention_kernel``) and of the op's (``unsupported``)."""
+    check (``backends.attention_kernel``) and of the op's (``unsupported``). ``parts_apart``: the
+    names of the backward's parts set apart (``AttentionSettings.parts_set_apart``)."""
     if not fp8:
         return "the triton kernel runs precision=fp8 only"
-    runs = bwd_precision == "bf16" or (bwd_precision == "fp8" and bwd_reads == "forward")
-    if not runs or parts_apart:
+    fp8_runs = bwd_precision == "fp8" and bwd_reads == "forward" and not parts_apart
+    bf16_runs = bwd_precision == "bf16" and set(parts_apart) <= {"bwd_qkv", "bwd_probs"}
+    if not (fp8_runs or bf16_runs):
         return (
-            "the triton kernel runs bwd_precision=fp8 with bwd_reads=forward, or bwd_precision=bf16 with"
-            " either bwd_reads, and no part set apart only"
+            "the triton kernel runs bwd_precision=fp8 with bwd_reads=forward and no part set apart, or"
+            " bwd_precision=bf16 with either bwd_reads and no rounding of dO or dS set apart, only"
         )
     if not per_tensor:
         return "the triton kernel runs per-tensor scaling only: set attention.recipe under a block recipe"
@@ -78,12 +83,17 @@ def unsupported(numerics: Numerics, name: str) -> str | None:
     fp8 = spec.precision.name == "fp8"
     sites = [numerics.site(f"{name}.{site}") for site in ("q", "k", "v", "probs")] if fp8 else []
     per_tensor = all(s.fmt is E4M3 and isinstance(s.state, DelayedScalingState | CurrentScalingState) for s in sites)
-    parts_apart = bool(spec.attention.parts_set_apart())
+    parts_apart = spec.attention.parts_set_apart()
     why = settings_refused(fp8, spec.bwd_gemm_precision, spec.attention.bwd_reads, parts_apart, per_tensor)
-    reads, flavour = spec.reads["attention"], spec.attention.bwd_reads
-    flavour_reads = {**parts.FORWARD_READS, **parts.BWD_READS[flavour]}
-    if why is None and any(reads[g] != mode for g, mode in flavour_reads.items()):
-        return f"the triton kernel reads what bwd_reads={flavour} reads only (no bias-meter variant of it)"
+    reads = spec.reads["attention"]
+    # one copy of Q, K, V for dQ, dK, dP (rounded or original); P for dV, dS the forward's or rebuilt
+    qkv, probs = {reads["dQ"], reads["dK"], reads["dP"]}, (reads["dV"], reads["dS"])
+    if spec.bwd_gemm_precision == "fp8":
+        runs_reads = all(reads[g] == mode for g, mode in parts.FORWARD_READS.items())
+    else:
+        runs_reads = qkv in ({"rounded"}, {"original"}) and probs in (("rounded", "original"), ("rebuilt", "rebuilt"))
+    if why is None and not runs_reads:
+        return "the triton kernel reads each of Q, K, V and P in one copy only (no bias-meter variant)"
     return why
 
 
@@ -139,7 +149,8 @@ def backward(
     q8, k8, v8 = saved["q8"], saved["k8"], saved["v8"]
     one = torch.ones((), device=grad.device)
     qk_inv = p_scale = p8_inv = one  # S's and P8's scales: a rebuilt P reads neither
-    if numerics.spec.attention.bwd_reads == "te":  # P = exp(c Q K^T - LSE): row max the LSE, row sum one
+    reads = numerics.spec.reads["attention"]
+    if reads["dS"] == "rebuilt":  # P = exp(c Q K^T - LSE): row max the LSE, row sum one
         scores_operands = (saved["q"], saved["k"])
         row_stats = (saved["lse"], torch.ones_like(saved["lse"]))
     else:
@@ -153,8 +164,8 @@ def backward(
         dp_inv = d_out.scale_inv * v8.scale_inv
     else:  # BF16 values: Q8, K8, V8 as their GEMMs read them, or the originals (held in BF16)
         assert isinstance(d_out, torch.Tensor)
-        rounded = (q8, k8, v8)
-        values = [saved[n] if t is None else t.dequantize(torch.bfloat16) for n, t in zip("qkv", rounded)]
+        original = reads["dQ"] == "original"
+        values = (saved[n] for n in "qkv") if original else (t.dequantize(torch.bfloat16) for t in (q8, k8, v8))
         gemm_operands = (*values, d_out)
         inverse, dp_inv = (one, one, one), one
     scales = torch.stack([qk_inv, p_scale, dp_inv, *inverse, p8_inv]).float()

@@ -21,7 +21,21 @@ CASES = [  # (batch, heads, groups, T, head dim), policy, recipe, rounding: fog_
 ]
 
 
+BF16_BACKWARD = [  # the BF16 backward's flavours, each with fog_390m's head dim and GQA once
+    ((1, 8, 4, 256, 128), "reuse_rounded", "delayed", "nearest", "te"),
+    ((2, 2, 1, 200, 64), "original", "current", "stochastic", "forward"),
+    ((1, 4, 2, 130, 128), "original", "delayed", "stochastic", "te"),
+]
+
+
 @pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") == "1", reason="the interpreter runs on the CPU")
 @pytest.mark.parametrize(("shape", "policy", "recipe", "rounding"), CASES)
 def test_the_kernel_on_cuda_rounds_as_the_ops_core(monkeypatch, shape, policy, recipe, rounding):
     compare(shape, policy, recipe, rounding, monkeypatch, "cuda")
+
+
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") == "1", reason="the interpreter runs on the CPU")
+@pytest.mark.parametrize(("shape", "policy", "recipe", "rounding", "reads"), BF16_BACKWARD)
+def test_the_bf16_backward_on_cuda_rounds_as_the_ops_core(monkeypatch, shape, policy, recipe, rounding, reads):
+    backward = dict(bwd_precision="bf16", bwd_reads=reads)
+    compare(shape, policy, recipe, rounding, monkeypatch, "cuda", backward)

@@ -24,8 +24,9 @@ the kernel's 64-key tiles): a GEMM output one BF16 unit apart where it straddles
 values a unit apart where dP's or its own rounding did, at every element at worst
 (``_gradient_bounds``: three units for dQ, dK; two for dV from the rebuilt P, whose FP32 values
 differ by the LSE's sum order, the kernel's online ``log(row sum) + row max`` against
-``torch.logsumexp``). Such straddles are rare: a share ``_STRADDLES`` (1/128) of a gradient's
-elements may differ at all, where a rounding left out changes about a third of them. (In the
+``torch.logsumexp``). Such straddles are rare: a share ``_straddles`` (4 K 2**-16 for sums of K
+terms; 1/64 at K = 256) of a gradient's elements may differ at all, where a rounding left out
+changes about a third of them. (In the
 interpreter dQ, dK and dV have come out identical on these inputs, or a share 1e-4 of dK's.)
 """
 
@@ -85,3 +86,17 @@ def test_bf16_backward_every_policy(monkeypatch, policy, reads, rounding, recipe
 )
 def test_bf16_backward_shapes(monkeypatch, shape, policy, recipe, rounding, reads):
     compare(shape, policy, recipe, rounding, monkeypatch, backward=dict(bwd_precision="bf16", bwd_reads=reads))
+
+
+# The BF16 backward with what dQ, dK, dP read (bwd_qkv) or what dV, dS read (bwd_probs) set apart
+# from its flavour: the originals with the forward's P, and a rebuilt P with Q8, K8, V8
+BF16_PARTS = [
+    ("reuse_rounded", "nearest", dict(bwd_reads="forward", bwd_qkv="original")),
+    ("original", "stochastic", dict(bwd_reads="forward", bwd_probs="rebuilt")),
+    ("no_saved_copy", "stochastic", dict(bwd_reads="te", bwd_qkv="forward")),
+]
+
+
+@pytest.mark.parametrize(("policy", "rounding", "parts"), BF16_PARTS, ids=[str(c[2]) for c in BF16_PARTS])
+def test_bf16_backward_parts_set_apart(monkeypatch, policy, rounding, parts):
+    compare(SMALL, policy, "delayed", rounding, monkeypatch, backward=dict(bwd_precision="bf16", **parts))
