@@ -53,13 +53,16 @@ class BackwardFormat:
 def _rows(
     sq_ptr, sk_ptr, v_ptr, do_ptr, max_ptr, sum_ptr, d_ptr, scales_ptr, amax_ptr, softmax_scale, T, H, GROUP_HEADS,
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, MANTISSA: tl.constexpr, BIAS: tl.constexpr,
-    GRAD_FP8: tl.constexpr, REBUILT: tl.constexpr, D_FROM_P: tl.constexpr, AMAX: tl.constexpr,
+    GRAD_FP8: tl.constexpr, QKV_CODES: tl.constexpr, DP_FP32: tl.constexpr, DV_FP32: tl.constexpr,
+    REBUILT: tl.constexpr, D_FROM_P: tl.constexpr, AMAX: tl.constexpr,
 ):  # fmt: skip
     block, bh = tl.program_id(0), tl.program_id(1)
     kv_head = (bh // H) * (H // GROUP_HEADS) + (bh % H) // GROUP_HEADS
     rows = block * BLOCK_M + tl.arange(0, BLOCK_M)
     q = load_rows(sq_ptr + bh * T * HEAD_DIM, rows, T, HEAD_DIM, not REBUILT, 3, 7)
     do = load_rows(do_ptr + bh * T * HEAD_DIM, rows, T, HEAD_DIM, GRAD_FP8, MANTISSA, BIAS)
+    if DP_FP32:  # dO8's values, as a GEMM of FP32 operands reads them
+        do = do * tl.load(scales_ptr + 8)
     row_max, row_sum = (
         tl.load(max_ptr + bh * T + rows, mask=rows < T, other=0.0),
         tl.load(sum_ptr + bh * T + rows, mask=rows < T, other=1.0),
@@ -71,7 +74,7 @@ def _rows(
         for start in range(0, end, BLOCK_N):
             keys = start + tl.arange(0, BLOCK_N)
             p, dp, _ = tile(q, do, d, row_max, row_sum, rows, keys, k_head, v_head, scales_ptr, softmax_scale, T,
-                            HEAD_DIM, GRAD_FP8, REBUILT)  # fmt: skip
+                            HEAD_DIM, QKV_CODES, DP_FP32, REBUILT)  # fmt: skip
             d += tl.sum(p * dp, 1)
         tl.store(d_ptr + bh * T + rows, d, mask=rows < T)
     else:
@@ -81,7 +84,7 @@ def _rows(
         for start in range(0, end, BLOCK_N):
             keys = start + tl.arange(0, BLOCK_N)
             _, _, ds = tile(q, do, d, row_max, row_sum, rows, keys, k_head, v_head, scales_ptr, softmax_scale, T,
-                            HEAD_DIM, GRAD_FP8, REBUILT)  # fmt: skip
+                            HEAD_DIM, QKV_CODES, DP_FP32, REBUILT)  # fmt: skip
             amax = tl.maximum(amax, tl.max(tl.max(tl.where(rows[:, None] < T, tl.abs(ds), 0.0), 1), 0))
         tl.atomic_max(amax_ptr, amax)
 
@@ -91,7 +94,8 @@ def _grad_q(
     sq_ptr, sk_ptr, k_ptr, v_ptr, do_ptr, max_ptr, sum_ptr, d_ptr, scales_ptr, dq_ptr, rowsum_ptr, counts_ptr,
     amax_ptr, softmax_scale, T, H, GROUP_HEADS,
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, MANTISSA: tl.constexpr, BIAS: tl.constexpr,
-    MAX: tl.constexpr, GRAD_FP8: tl.constexpr, REBUILT: tl.constexpr,
+    MAX: tl.constexpr, GRAD_FP8: tl.constexpr, QKV_CODES: tl.constexpr, DP_FP32: tl.constexpr,
+    DV_FP32: tl.constexpr, REBUILT: tl.constexpr,
 ):  # fmt: skip
     block, bh = tl.program_id(0), tl.program_id(1)
     kv_head = (bh // H) * (H // GROUP_HEADS) + (bh % H) // GROUP_HEADS
@@ -99,6 +103,8 @@ def _grad_q(
     in_rows = rows[:, None] < T
     q = load_rows(sq_ptr + bh * T * HEAD_DIM, rows, T, HEAD_DIM, not REBUILT, 3, 7)
     do = load_rows(do_ptr + bh * T * HEAD_DIM, rows, T, HEAD_DIM, GRAD_FP8, MANTISSA, BIAS)
+    if DP_FP32:  # dO8's values, as a GEMM of FP32 operands reads them
+        do = do * tl.load(scales_ptr + 8)
     row_max, row_sum = (
         tl.load(max_ptr + bh * T + rows, mask=rows < T, other=0.0),
         tl.load(sum_ptr + bh * T + rows, mask=rows < T, other=1.0),
@@ -115,7 +121,7 @@ def _grad_q(
     for start in range(0, end, BLOCK_N):
         keys = start + tl.arange(0, BLOCK_N)
         _, _, ds = tile(q, do, d, row_max, row_sum, rows, keys, score_k, v_head, scales_ptr, softmax_scale, T,
-                        HEAD_DIM, GRAD_FP8, REBUILT)  # fmt: skip
+                        HEAD_DIM, QKV_CODES, DP_FP32, REBUILT)  # fmt: skip
         ds = tl.where(in_rows, ds, 0.0)
         rowsum += tl.sum(ds, 1)
         if GRAD_FP8:
@@ -125,10 +131,12 @@ def _grad_q(
             n_saturated += fp8.count(saturated)
             n_underflowed += fp8.count(nonzero & ((codes & (0x7F ^ ((1 << MANTISSA) - 1))) == 0))
             n_nonzero += fp8.count(nonzero)
+            if DP_FP32:  # dS8's values
+                r = r * tl.load(scales_ptr + 9)
         else:
             r = fp8.round_bf16(ds)
-        acc += tl.dot(r, load_rows(k_head, keys, T, HEAD_DIM, GRAD_FP8, 3, 7), input_precision="ieee")
-    dq = fp8.round_bf16(acc * tl.load(scales_ptr + 4)) * softmax_scale
+        acc += tl.dot(r, load_rows(k_head, keys, T, HEAD_DIM, QKV_CODES, 3, 7), input_precision="ieee")
+    dq = acc * softmax_scale if DP_FP32 else fp8.round_bf16(acc * tl.load(scales_ptr + 4)) * softmax_scale
     dims = tl.arange(0, HEAD_DIM)
     tl.store(dq_ptr + (bh * T + rows[:, None]) * HEAD_DIM + dims[None, :], dq, mask=in_rows)
     tl.store(rowsum_ptr + bh * T + rows, rowsum, mask=rows < T)
@@ -144,8 +152,8 @@ def _grad_kv(
     sq_ptr, sk_ptr, q_ptr, v_ptr, do_ptr, max_ptr, sum_ptr, d_ptr, scales_ptr, draws_ptr, dk_ptr, dv_ptr,
     softmax_scale, T, H, GROUP_HEADS,
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, MANTISSA: tl.constexpr, BIAS: tl.constexpr,
-    MAX: tl.constexpr, GRAD_FP8: tl.constexpr, REBUILT: tl.constexpr, SEPARATE: tl.constexpr,
-    STOCHASTIC: tl.constexpr,
+    MAX: tl.constexpr, GRAD_FP8: tl.constexpr, QKV_CODES: tl.constexpr, DP_FP32: tl.constexpr,
+    DV_FP32: tl.constexpr, REBUILT: tl.constexpr, SEPARATE: tl.constexpr, STOCHASTIC: tl.constexpr,
 ):  # fmt: skip
     block, bh = tl.program_id(0), tl.program_id(1)
     kv_head = (bh // H) * (H // GROUP_HEADS) + (bh % H) // GROUP_HEADS
@@ -160,17 +168,19 @@ def _grad_kv(
         rows = start + tl.arange(0, BLOCK_M)
         q = load_rows(sq_ptr + bh * T * HEAD_DIM, rows, T, HEAD_DIM, not REBUILT, 3, 7)
         # dK's Q: the scores' own, or another (the BF16 backward's Q8 values)
-        q_gemm = load_rows(q_ptr + bh * T * HEAD_DIM, rows, T, HEAD_DIM, GRAD_FP8, 3, 7) if SEPARATE else q
+        q_gemm = load_rows(q_ptr + bh * T * HEAD_DIM, rows, T, HEAD_DIM, QKV_CODES, 3, 7) if SEPARATE else q
         do = load_rows(do_ptr + bh * T * HEAD_DIM, rows, T, HEAD_DIM, GRAD_FP8, MANTISSA, BIAS)
+        do_values = do * tl.load(scales_ptr + 8)  # dO8's values, where a GEMM of FP32 operands reads them
         row_max = tl.load(max_ptr + bh * T + rows, mask=rows < T, other=0.0)
         row_sum = tl.load(sum_ptr + bh * T + rows, mask=rows < T, other=1.0)
         d = tl.load(d_ptr + bh * T + rows, mask=rows < T, other=0.0)
-        p, _, ds = tile(q, do, d, row_max, row_sum, rows, keys, score_k, v_head, scales_ptr, softmax_scale, T,
-                        HEAD_DIM, GRAD_FP8, REBUILT)  # fmt: skip
+        do_dp = do_values if DP_FP32 else do
+        p, _, ds = tile(q, do_dp, d, row_max, row_sum, rows, keys, score_k, v_head, scales_ptr, softmax_scale, T,
+                        HEAD_DIM, QKV_CODES, DP_FP32, REBUILT)  # fmt: skip
         in_rows = rows[:, None] < T
         p = tl.where(in_rows, p, 0.0)
-        if REBUILT:  # dV reads the rebuilt P, in BF16
-            p_dv = fp8.round_bf16(p)
+        if REBUILT:  # dV reads the rebuilt P: in FP32 (an FP8 backward), or in BF16
+            p_dv = p if DV_FP32 else fp8.round_bf16(p)
         else:  # P8: its grid values (FP8), or its values in BF16 (decoded and scaled back)
             p_dv, _, _ = round_probs(p, rows, keys, key, first, T, p_scale, STOCHASTIC)
             if not GRAD_FP8:
@@ -178,14 +188,17 @@ def _grad_kv(
         ds = tl.where(in_rows, ds, 0.0)
         if GRAD_FP8:
             ds_gemm, _, _ = round_grad(ds, ds_scale, MANTISSA, BIAS, MAX)
+            if DP_FP32:  # dS8's values
+                ds_gemm = ds_gemm * tl.load(scales_ptr + 9)
         else:
             ds_gemm = fp8.round_bf16(ds)
-        acc_v += tl.dot(tl.trans(p_dv), do, input_precision="ieee")
+        acc_v += tl.dot(tl.trans(p_dv), do_values if DV_FP32 else do, input_precision="ieee")
         acc_k += tl.dot(tl.trans(ds_gemm), q_gemm, input_precision="ieee")
     dims = tl.arange(0, HEAD_DIM)
     at = (bh * T + keys[:, None]) * HEAD_DIM + dims[None, :]
-    tl.store(dk_ptr + at, fp8.round_bf16(acc_k * tl.load(scales_ptr + 5)) * softmax_scale, mask=keys[:, None] < T)
-    tl.store(dv_ptr + at, fp8.round_bf16(acc_v * tl.load(scales_ptr + 6)), mask=keys[:, None] < T)
+    d_k = acc_k * softmax_scale if DP_FP32 else fp8.round_bf16(acc_k * tl.load(scales_ptr + 5)) * softmax_scale
+    tl.store(dk_ptr + at, d_k, mask=keys[:, None] < T)
+    tl.store(dv_ptr + at, acc_v if DV_FP32 else fp8.round_bf16(acc_v * tl.load(scales_ptr + 6)), mask=keys[:, None] < T)
 
 
 @dataclass(frozen=True)
@@ -203,8 +216,9 @@ class Backward:
 
 
 def _data(t: torch.Tensor) -> torch.Tensor:
-    """A kernel's view of an operand: FP8 codes as bytes, BF16 values as they are."""
-    return t.contiguous() if t.dtype == torch.bfloat16 else t.contiguous().view(torch.uint8)
+    """A kernel's view of an operand: FP8 codes as bytes, BF16 or FP32 values as they are."""
+    codes = t.dtype in (torch.float8_e4m3fn, torch.float8_e5m2)
+    return t.contiguous().view(torch.uint8) if codes else t.contiguous()
 
 
 def backward(
@@ -221,13 +235,15 @@ def backward(
     """The backward of query heads' Q (B, H, T, hd) over the groups' K, V (B, G, T, hd).
 
     ``scores_operands``: the Q, K that S is recomputed from: the forward's E4M3 codes Q8, K8 (P from
-    ``row_stats``, row max and row sum), or BF16 Q, K (P rebuilt: ``row_stats`` the LSE and ones).
-    ``gemm_operands``: the Q, K, V that dK, dQ, dP read and dO, as FP8 codes (dO in ``fmt``, the
-    FP8 backward) or BF16 values (``fmt`` None, the BF16 backward; dS is then rounded to BF16).
-    ``d_term`` (B, H, T): D per row, or None for ``rowsum(P * dP)``. ``scales`` (FP32): ``[s_q^-1
-    s_k^-1, P's scale, s_dO^-1 s_v^-1, s_k^-1, s_q^-1, s_p^-1 s_dO^-1, s_p^-1]``, the GEMMs' inverse
-    scales (ones for BF16 operands), dQ's and dK's to be multiplied by dS's, and P8's inverse scale
-    (P8's BF16 values); ``ds_scale``: dS's scale (the site's own, delayed scaling), or the
+    ``row_stats``, row max and row sum), or the original Q, K (P rebuilt: ``row_stats`` the LSE
+    and ones). ``gemm_operands``: the Q, K, V that dK, dQ, dP read (E4M3 codes, or values) and
+    dO: the FP8 backward's dO8 in ``fmt`` (a GEMM with an operand of values, the original Q, K, V
+    in FP32 or a rebuilt P, runs in FP32, unrounded), or the BF16 backward's BF16 values (``fmt``
+    None; dS is then rounded to BF16). ``d_term`` (B, H, T): D per row, or None for
+    ``rowsum(P * dP)``. ``scales`` (FP32): ``[s_q^-1 s_k^-1, P's scale, s_dO^-1 s_v^-1, s_k^-1,
+    s_q^-1, s_p^-1 s_dO^-1, s_p^-1, s_dO^-1]``, the GEMMs' inverse scales (ones for values), dQ's
+    and dK's to be multiplied by dS's, P8's inverse scale (P8's BF16 values) and dO8's (its FP32
+    values); ``ds_scale``: dS's scale (the site's own, delayed scaling), or the
     function that computes it from the whole dS's amax (current scaling). ``draws``: P's keyed
     draws' ``[key, first row]``, or None (nearest)."""
     sq, sk = (_data(t) for t in scores_operands)
@@ -235,16 +251,18 @@ def backward(
     batch, heads, seq, dim = q.shape
     device = q.device
     row_max, row_sum = row_stats
-    grad_fp8, rebuilt = fmt is not None, sq.dtype == torch.bfloat16
+    grad_fp8, qkv_codes, rebuilt = fmt is not None, q.dtype == torch.uint8, sq.dtype != torch.uint8
     mantissa, bias, fmt_max = (fmt.mantissa, fmt.bias, fmt.max) if fmt is not None else (0, 0, 0.0)
-    flags = dict(MANTISSA=mantissa, BIAS=bias, GRAD_FP8=grad_fp8, REBUILT=rebuilt)
+    # an FP8 backward's GEMMs of an operand that is no FP8 code run in FP32, never rounded
+    fp32 = dict(DP_FP32=grad_fp8 and not qkv_codes, DV_FP32=grad_fp8 and rebuilt)
+    flags = dict(MANTISSA=mantissa, BIAS=bias, GRAD_FP8=grad_fp8, QKV_CODES=qkv_codes, REBUILT=rebuilt, **fp32)
     shape = dict(HEAD_DIM=dim, BLOCK_M=BLOCK, BLOCK_N=BLOCK, **flags)
     common = (softmax_scale, seq, heads, heads // k.shape[1])
     grid = (triton.cdiv(seq, BLOCK), batch * heads)
     amax = torch.zeros((), dtype=torch.float32, device=device)
     d = torch.empty(batch, heads, seq, dtype=torch.float32, device=device) if d_term is None else d_term.contiguous()
     amax_first = callable(ds_scale)
-    gemm_scales = torch.cat([scales[:3], torch.zeros(5, device=device)])
+    gemm_scales = torch.cat([scales[:3], torch.zeros(5, device=device), scales[7:], torch.zeros(1, device=device)])
     if d_term is None or amax_first:
         _rows[grid](
             sq, sk, v, do, row_max, row_sum, d, gemm_scales, amax, *common, **shape,
@@ -253,7 +271,7 @@ def backward(
     scale = ds_scale(amax.clone()) if callable(ds_scale) else ds_scale
     ds_inv = scale.reciprocal()
     gemm_scales = torch.stack(
-        [scales[0], scales[1], scales[2], scale, ds_inv * scales[3], ds_inv * scales[4], scales[5], scales[6]]
+        [scales[0], scales[1], scales[2], scale, ds_inv * scales[3], ds_inv * scales[4], *scales[5:], ds_inv]
     )
     d_q, d_k, d_v = (torch.empty(batch, heads, seq, dim, dtype=torch.float32, device=device) for _ in range(3))
     rowsum = torch.empty(batch, heads, seq, dtype=torch.float32, device=device)

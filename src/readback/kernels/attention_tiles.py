@@ -1,10 +1,11 @@
 """The attention backward's tiles (``attention_backward``'s kernels run them): a block of query
 rows against a block of keys, as ``ops.attention_backward`` computes each value.
 
-What a tile reads is chosen at compile time: the FP8 backward's codes (``GRAD_FP8``: dO in the
-backward's format, Q, K, V in E4M3, scaled in each GEMM's epilogue) or the BF16 backward's BF16
-values (unscaled); P recomputed from the forward's Q8, K8 and row statistics, or rebuilt from the
-original Q, K and the forward's LSE (``REBUILT``: flavour ``te``).
+What a tile reads is chosen at compile time: the FP8 backward's codes (dO in the backward's
+format, Q, K, V in E4M3, scaled in each GEMM's epilogue; the original Q, K, V in FP32 where
+``bwd_qkv`` sets them apart) or the BF16 backward's BF16 values (unscaled); P recomputed from
+the forward's Q8, K8 and row statistics, or rebuilt from the original Q, K and the forward's LSE
+(``REBUILT``: flavour ``te``, or ``bwd_probs`` set apart).
 """
 
 from __future__ import annotations
@@ -44,13 +45,16 @@ def probs(q, k_head, keys, rows, row_max, row_sum, qk_scale_inv, softmax_scale, 
 
 @triton.jit
 def tile(q, do, d, row_max, row_sum, rows, keys, k_head, v_head, scales_ptr, softmax_scale, T,
-         HEAD_DIM: tl.constexpr, GRAD_FP8: tl.constexpr, REBUILT: tl.constexpr):  # fmt: skip
+         HEAD_DIM: tl.constexpr, QKV_CODES: tl.constexpr, DP_FP32: tl.constexpr, REBUILT: tl.constexpr):  # fmt: skip
     """P and dP of the tile (query ``rows`` x ``keys``), and ``dS = P (dP - D)``; ``q`` the rows'
-    scores operand, ``k_head`` the keys' (``probs``), ``v_head`` dP's V."""
+    scores operand, ``k_head`` the keys' (``probs``), ``v_head`` dP's V (``QKV_CODES``: E4M3
+    codes). ``DP_FP32``: dP is an FP8 backward's GEMM of dO8's values (``do``, scaled) and the
+    original V, in FP32 and never rounded; else its output is scaled and rounded to BF16."""
     p = probs(q, k_head, keys, rows, row_max, row_sum, tl.load(scales_ptr), softmax_scale, T, HEAD_DIM, REBUILT)
-    v = load_rows(v_head, keys, T, HEAD_DIM, GRAD_FP8, 3, 7)
+    v = load_rows(v_head, keys, T, HEAD_DIM, QKV_CODES, 3, 7)
     dp = tl.dot(do, tl.trans(v), input_precision="ieee")
-    dp = fp8.round_bf16(dp * tl.load(scales_ptr + 2))
+    if not DP_FP32:
+        dp = fp8.round_bf16(dp * tl.load(scales_ptr + 2))
     return p, dp, (dp - d[:, None]) * p
 
 

@@ -6,8 +6,8 @@ sites here.
 What it runs: the FP8 forward; the FP8 backward that reads what the forward multiplied
 (``attention.bwd_reads=forward``, dO and dS rounded); the BF16 backward of either flavour
 (``forward``: Q8, K8, V8, P8 as BF16 values; ``te``: the original Q, K, V and P rebuilt with the
-forward's LSE; ``bwd_qkv`` and ``bwd_probs`` set apart or not); under any policy's D read,
-nearest or stochastic rounding, per-tensor delayed or current scaling. ``unsupported`` names what it
+forward's LSE); either with ``bwd_qkv`` and ``bwd_probs`` set apart or not; under any policy's D
+read, nearest or stochastic rounding, per-tensor delayed or current scaling. ``unsupported`` names what it
 does not run yet (the ops core runs those).
 """
 
@@ -64,12 +64,11 @@ def settings_refused(
     names of the backward's parts set apart (``AttentionSettings.parts_set_apart``)."""
     if not fp8:
         return "the triton kernel runs precision=fp8 only"
-    fp8_runs = bwd_precision == "fp8" and bwd_reads == "forward" and not parts_apart
-    bf16_runs = bwd_precision == "bf16" and set(parts_apart) <= {"bwd_qkv", "bwd_probs"}
-    if not (fp8_runs or bf16_runs):
+    runs = bwd_precision == "bf16" or (bwd_precision == "fp8" and bwd_reads == "forward")
+    if not runs or not set(parts_apart) <= {"bwd_qkv", "bwd_probs"}:
         return (
-            "the triton kernel runs bwd_precision=fp8 with bwd_reads=forward and no part set apart, or"
-            " bwd_precision=bf16 with either bwd_reads and no rounding of dO or dS set apart, only"
+            "the triton kernel runs bwd_precision=fp8 with bwd_reads=forward or bwd_precision=bf16 with"
+            " either bwd_reads, and no rounding of dO or dS set apart, only"
         )
     if not per_tensor:
         return "the triton kernel runs per-tensor scaling only: set attention.recipe under a block recipe"
@@ -88,10 +87,7 @@ def unsupported(numerics: Numerics, name: str) -> str | None:
     reads = spec.reads["attention"]
     # one copy of Q, K, V for dQ, dK, dP (rounded or original); P for dV, dS the forward's or rebuilt
     qkv, probs = {reads["dQ"], reads["dK"], reads["dP"]}, (reads["dV"], reads["dS"])
-    if spec.bwd_gemm_precision == "fp8":
-        runs_reads = all(reads[g] == mode for g, mode in parts.FORWARD_READS.items())
-    else:
-        runs_reads = qkv in ({"rounded"}, {"original"}) and probs in (("rounded", "original"), ("rebuilt", "rebuilt"))
+    runs_reads = qkv in ({"rounded"}, {"original"}) and probs in (("rounded", "original"), ("rebuilt", "rebuilt"))
     if why is None and not runs_reads:
         return "the triton kernel reads each of Q, K, V and P in one copy only (no bias-meter variant)"
     return why
@@ -157,18 +153,22 @@ def backward(
         scores_operands, row_stats = (q8.data, k8.data), (saved["row_max"], saved["row_sum"])
         qk_inv, p_scale = q8.scale_inv * k8.scale_inv, saved["p8_scale"]
         p8_inv = QTensor(q8.data, p_scale, E4M3).scale_inv  # P8's values: a code times its inverse scale
+    original = reads["dQ"] == "original"  # dQ, dK, dP read the original Q, K, V (held as ``held`` says)
     if fp8:
         assert isinstance(d_out, QTensor)
-        gemm_operands = (q8.data, k8.data, v8.data, d_out.data)
-        inverse = (k8.scale_inv, q8.scale_inv, p8_inv * d_out.scale_inv)
-        dp_inv = d_out.scale_inv * v8.scale_inv
-    else:  # BF16 values: Q8, K8, V8 as their GEMMs read them, or the originals (held in BF16)
+        d_out_inv = d_out.scale_inv
+        if original:  # GEMMs of values in FP32, unscaled
+            gemm_operands = (saved["q"], saved["k"], saved["v"], d_out.data)
+            inverse, dp_inv = (one, one, p8_inv * d_out_inv), one
+        else:
+            gemm_operands = (q8.data, k8.data, v8.data, d_out.data)
+            inverse, dp_inv = (k8.scale_inv, q8.scale_inv, p8_inv * d_out_inv), d_out_inv * v8.scale_inv
+    else:  # BF16 values: Q8, K8, V8 as their GEMMs read them, or the originals
         assert isinstance(d_out, torch.Tensor)
-        original = reads["dQ"] == "original"
         values = (saved[n] for n in "qkv") if original else (t.dequantize(torch.bfloat16) for t in (q8, k8, v8))
         gemm_operands = (*values, d_out)
-        inverse, dp_inv = (one, one, one), one
-    scales = torch.stack([qk_inv, p_scale, dp_inv, *inverse, p8_inv]).float()
+        inverse, dp_inv, d_out_inv = (one, one, one), one, one
+    scales = torch.stack([qk_inv, p_scale, dp_inv, *inverse, p8_inv, d_out_inv]).float()
     ds_scale: Any = one  # a BF16 backward rounds dS to BF16, unscaled: no site
     bwd_format = None
     if fp8:

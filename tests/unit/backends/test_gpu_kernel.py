@@ -21,10 +21,11 @@ CASES = [  # (batch, heads, groups, T, head dim), policy, recipe, rounding: fog_
 ]
 
 
-BF16_BACKWARD = [  # the BF16 backward's flavours, each with fog_390m's head dim and GQA once
-    ((1, 8, 4, 256, 128), "reuse_rounded", "delayed", "nearest", "te"),
-    ((2, 2, 1, 200, 64), "original", "current", "stochastic", "forward"),
-    ((1, 4, 2, 130, 128), "original", "delayed", "stochastic", "te"),
+BACKWARDS = [  # the BF16 backward's flavours, and parts set apart, each with fog_390m's head dim and GQA once
+    ((1, 8, 4, 256, 128), "reuse_rounded", "delayed", "nearest", dict(bwd_precision="bf16", bwd_reads="te")),
+    ((2, 2, 1, 200, 64), "original", "current", "stochastic", dict(bwd_precision="bf16", bwd_reads="forward")),
+    ((1, 4, 2, 130, 128), "original", "delayed", "stochastic", dict(bwd_precision="bf16", bwd_reads="te")),
+    ((1, 4, 2, 130, 128), "no_saved_copy", "delayed", "nearest", dict(bwd_qkv="original", bwd_probs="rebuilt")),
 ]
 
 
@@ -35,7 +36,6 @@ def test_the_kernel_on_cuda_rounds_as_the_ops_core(monkeypatch, shape, policy, r
 
 
 @pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") == "1", reason="the interpreter runs on the CPU")
-@pytest.mark.parametrize(("shape", "policy", "recipe", "rounding", "reads"), BF16_BACKWARD)
-def test_the_bf16_backward_on_cuda_rounds_as_the_ops_core(monkeypatch, shape, policy, recipe, rounding, reads):
-    backward = dict(bwd_precision="bf16", bwd_reads=reads)
+@pytest.mark.parametrize(("shape", "policy", "recipe", "rounding", "backward"), BACKWARDS)
+def test_other_backwards_on_cuda_round_as_the_ops_core(monkeypatch, shape, policy, recipe, rounding, backward):
     compare(shape, policy, recipe, rounding, monkeypatch, "cuda", backward)

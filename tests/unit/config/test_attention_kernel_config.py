@@ -43,7 +43,7 @@ def test_triton_under_the_interpreter_is_the_spec_s_and_the_summary_s(monkeypatc
     [
         (("+experiment=reuse_rounded", "attention.bwd_precision=fp32"), "bwd_precision=fp8 with bwd_reads=forward"),
         (("+experiment=bf16_baseline",), "precision=fp8 only"),
-        (("+experiment=reuse_rounded", "attention.round_grad_scores=false"), "no part set apart"),
+        (("+experiment=reuse_rounded", "attention.round_grad_scores=false"), "no rounding of dO or dS"),
         (("+experiment=reuse_rounded_bf16_bwd", "attention.round_grad_output=true"), "no rounding of dO or dS"),
         (("+experiment=reuse_rounded", "model.d_model=96", "model.n_heads=2"), "model head_dim is 48"),
         (("+experiment=reuse_rounded", "probe.bias_every=10"), "the bias meter's variants"),

@@ -28,6 +28,12 @@ differ by the LSE's sum order, the kernel's online ``log(row sum) + row max`` ag
 terms; 1/64 at K = 256) of a gradient's elements may differ at all, where a rounding left out
 changes about a third of them. (In the
 interpreter dQ, dK and dV have come out identical on these inputs, or a share 1e-4 of dK's.)
+
+What dQ, dK, dP read (``bwd_qkv``) and dV, dS read (``bwd_probs``) set apart choose the operands
+alone. Under the FP8 backward a GEMM of an original or a rebuilt P with dO8's or dS8's values runs
+in FP32 and is not rounded (``ops.attention_backward``'s ``gemm_of``): such an output differs by
+the FP32 sum order alone, at most K FP32 units (2**-24) relative, within the FP8 bounds, which
+stand for dS8's code steps. (In the interpreter: within 2e-7.)
 """
 
 import pytest
@@ -88,15 +94,19 @@ def test_bf16_backward_shapes(monkeypatch, shape, policy, recipe, rounding, read
     compare(shape, policy, recipe, rounding, monkeypatch, backward=dict(bwd_precision="bf16", bwd_reads=reads))
 
 
-# The BF16 backward with what dQ, dK, dP read (bwd_qkv) or what dV, dS read (bwd_probs) set apart
-# from its flavour: the originals with the forward's P, and a rebuilt P with Q8, K8, V8
-BF16_PARTS = [
-    ("reuse_rounded", "nearest", dict(bwd_reads="forward", bwd_qkv="original")),
-    ("original", "stochastic", dict(bwd_reads="forward", bwd_probs="rebuilt")),
-    ("no_saved_copy", "stochastic", dict(bwd_reads="te", bwd_qkv="forward")),
+# What dQ, dK, dP read (bwd_qkv) or what dV, dS read (bwd_probs) set apart from the backward's
+# flavour: the originals with the forward's P, a rebuilt P with Q8, K8, V8, and both; under the
+# BF16 backward, and under the FP8 one, whose GEMMs of an original or a rebuilt P run in FP32
+PARTS = [
+    (SMALL, "reuse_rounded", "nearest", dict(bwd_precision="bf16", bwd_qkv="original")),
+    (SMALL, "original", "stochastic", dict(bwd_precision="bf16", bwd_probs="rebuilt")),
+    (SMALL, "no_saved_copy", "stochastic", dict(bwd_precision="bf16", bwd_reads="te", bwd_qkv="forward")),
+    (SMALL, "reuse_rounded", "nearest", dict(bwd_qkv="original")),
+    (SMALL, "original", "stochastic", dict(bwd_probs="rebuilt")),
+    ((1, 4, 2, 71, 128), "fresh_reround", "nearest", dict(bwd_qkv="original", bwd_probs="rebuilt")),
 ]
 
 
-@pytest.mark.parametrize(("policy", "rounding", "parts"), BF16_PARTS, ids=[str(c[2]) for c in BF16_PARTS])
-def test_bf16_backward_parts_set_apart(monkeypatch, policy, rounding, parts):
-    compare(SMALL, policy, "delayed", rounding, monkeypatch, backward=dict(bwd_precision="bf16", **parts))
+@pytest.mark.parametrize(("shape", "policy", "rounding", "parts"), PARTS, ids=[str(c[3]) for c in PARTS])
+def test_parts_set_apart(monkeypatch, shape, policy, rounding, parts):
+    compare(shape, policy, "delayed", rounding, monkeypatch, backward=parts)
