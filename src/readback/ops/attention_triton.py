@@ -152,7 +152,7 @@ def backward(
     else:
         scores_operands, row_stats = (q8.data, k8.data), (saved["row_max"], saved["row_sum"])
         qk_inv, p_scale = q8.scale_inv * k8.scale_inv, saved["p8_scale"]
-        p8_inv = QTensor(q8.data, p_scale, E4M3).scale_inv  # P8's values: a code times its inverse scale
+        p8_inv = p_scale.reciprocal()  # P8's inverse scale (``QTensor.scale_inv``): its values' factor
     original = reads["dQ"] == "original"  # dQ, dK, dP read the original Q, K, V (held as ``held`` says)
     if fp8:
         assert isinstance(d_out, QTensor)
