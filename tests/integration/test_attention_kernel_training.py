@@ -1,5 +1,6 @@
 """A tiny FOG trained 20 steps through ``train.py`` on the Triton attention core (in Triton's
-interpreter) against the ops core: the same losses and the same FP8 counts at every step.
+interpreter) against the ops core, under the FP8 backward (``reuse_rounded``) and TE's BF16
+backward (``reuse_rounded_bf16_bwd``): the same losses and the same FP8 counts at every step.
 
 Why they agree: the two cores' codes differ only where an FP32 sum of different order straddles
 a rounding point (``tests/unit/kernels/test_attention_kernel.py``), which none does on this run
@@ -19,7 +20,6 @@ from toys import REPO
 pytest.importorskip("triton", reason="triton is not installed")
 
 RUN = (
-    "+experiment=reuse_rounded",
     "data=synthetic",
     "logger=none",
     "trainer.progress=false",
@@ -38,10 +38,11 @@ RUN = (
 )
 
 
-def _train(kernel: str, tmp_path) -> list[dict]:
+def _train(experiment: str, kernel: str, tmp_path) -> list[dict]:
     run_dir = tmp_path / kernel
     env = dict(os.environ, OMP_NUM_THREADS="1", WANDB_MODE="disabled", TRITON_INTERPRET="1")
-    cmd = [sys.executable, "train.py", *RUN, f"attention.kernel={kernel}", f"hydra.run.dir={run_dir}"]
+    cmd = [sys.executable, "train.py", f"+experiment={experiment}", *RUN, f"attention.kernel={kernel}"]
+    cmd.append(f"hydra.run.dir={run_dir}")
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-2000:]
     summary = json.loads((run_dir / "summary.json").read_text())
@@ -52,8 +53,9 @@ def _train(kernel: str, tmp_path) -> list[dict]:
 
 
 @pytest.mark.slow
-def test_twenty_steps_on_the_kernel_are_the_ops_core_s(tmp_path):
-    ops, triton = _train("ops", tmp_path), _train("triton", tmp_path)
+@pytest.mark.parametrize("experiment", ["reuse_rounded", "reuse_rounded_bf16_bwd"])  # FP8, BF16 backward (te)
+def test_twenty_steps_on_the_kernel_are_the_ops_core_s(tmp_path, experiment):
+    ops, triton = _train(experiment, "ops", tmp_path), _train(experiment, "triton", tmp_path)
     assert [r["step"] for r in ops] == [r["step"] for r in triton] == list(range(1, 21))
     for a, b in zip(ops, triton):
         assert abs(a["loss"] - b["loss"]) <= 1e-3 * abs(a["loss"]), (a["step"], a["loss"], b["loss"])
