@@ -17,7 +17,8 @@ from typing import TYPE_CHECKING
 import torch
 
 from readback.numerics import QTensor
-from readback.numerics.site import rounding_figures, underflow_counts
+from readback.numerics.counts import underflow_counts
+from readback.numerics.site import rounding_figures
 
 if TYPE_CHECKING:
     from readback.numerics.state import Numerics
