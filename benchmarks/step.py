@@ -23,15 +23,13 @@ what the emulation costs; against the GPT, what FOG's own blocks cost.
 runs it in one process: the step's taped backward is the probe's repeat 0, and the probe adds
 the reference (plain autograd over the replayed forward) and the comparison. ``--compile`` adds
 each variant's ``torch.compile`` twin (``<variant>+compile``, readback's through
-``readback.ops.compiled``, after one eager step that creates the sites); its compilation is done
-in the warm-up, outside the timed rounds. ``<variant>+fused`` is the eager variant with
-each FP8 site in one compiled region (``readback.numerics.fused``), compiled in the warm-up too. The timed
-variants share one process with the trainer's malloc settings
-(``readback.train.launch.keep_freed_memory``). Memory is each variant's peak RSS over a few steps,
-measured in its own process, as its rise over the RSS after building the model: once with glibc's
-default malloc (whose heap keeps freed blocks, so the figure includes fragmentation) and once with
-``MALLOC_MMAP_THRESHOLD_=65536`` (large tensors are mapped and unmapped, so the RSS follows the
-live tensors).
+``readback.ops.compiled``, after one eager step that creates the sites); its compilation is
+done in the warm-up, outside the timed rounds. The timed variants share one process with the
+trainer's malloc settings (``readback.train.launch.keep_freed_memory``). Memory is each
+variant's peak RSS over a few steps, measured in its own process, as its rise over the RSS
+after building the model: once with glibc's default malloc (whose heap keeps freed blocks, so
+the figure includes fragmentation) and once with ``MALLOC_MMAP_THRESHOLD_=65536`` (large
+tensors are mapped and unmapped, so the RSS follows the live tensors).
 """
 
 from __future__ import annotations
@@ -54,7 +52,6 @@ from hydra import compose, initialize_config_dir
 from peers import PlainGPT, plain_fog
 from readback.backends import build_model
 from readback.config import CONF_DIR, typed
-from readback.numerics import fused
 from readback.ops.compiled import compiled
 from readback.probe import GradientProbe, train_taped
 from readback.stopping import ends_on_ctrl_c
@@ -86,7 +83,6 @@ def cpu_description(cpuinfo: str = "/proc/cpuinfo") -> str:
 
 
 COMPILED = "+compile"
-FUSED = "+fused"  # ``<variant>+fused``: its FP8 sites rounded and counted in one compiled loop each
 RECIPE = "@"  # ``<experiment>@<recipe>``: the experiment under ``precision.recipe=<recipe>`` (e.g. reuse_rounded@mxfp8)
 
 
@@ -94,7 +90,6 @@ def build(variant: str, size: str, batch: int, overrides: tuple[str, ...] = ()):
     """``(step function, FOG for the FLOP formula)`` of one variant, on fixed random tokens;
     ``overrides`` change readback's configuration."""
     variant, compile_it = variant.removesuffix(COMPILED), variant.endswith(COMPILED)
-    variant, fuse_it = variant.removesuffix(FUSED), variant.endswith(FUSED)
     variant, _, recipe = variant.partition(RECIPE)
     experiment = variant if variant in READBACK else "reuse_rounded"
     overrides = (*overrides, *([f"precision.recipe={recipe}"] if recipe else []))
@@ -111,7 +106,6 @@ def build(variant: str, size: str, batch: int, overrides: tuple[str, ...] = ()):
     forward = model
 
     def step():
-        fused.enable(fuse_it)  # process-wide: each variant sets its own
         with autocast:
             loss = forward(x, y)
         loss.backward()

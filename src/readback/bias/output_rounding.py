@@ -24,8 +24,7 @@ import math
 from collections import defaultdict
 
 from readback.numerics import QTensor
-from readback.numerics.counts import EXPONENT_BITS, underflow_counts
-from readback.numerics.site import rounding_figures
+from readback.numerics.site import EXPONENT_BITS, rounding_figures, underflow_counts
 
 SUFFIX = ".core"  # the attention op's name is its module's, plus this
 

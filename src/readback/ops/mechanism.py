@@ -17,8 +17,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from readback.numerics import QTensor
-from readback.numerics.counts import underflow_counts
-from readback.numerics.site import rounding_figures
+from readback.numerics.site import rounding_figures, underflow_counts
 
 if TYPE_CHECKING:
     from readback.numerics.state import Numerics

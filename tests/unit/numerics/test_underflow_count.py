@@ -8,8 +8,7 @@ import pytest
 import torch
 
 from readback.numerics import E4M3, E5M2, quantize
-from readback.numerics.counts import EXPONENT_BITS, count_nonzero, normal_threshold, underflow_counts
-from readback.numerics.site import _count_saturated
+from readback.numerics.site import EXPONENT_BITS, _count_saturated, count_nonzero, normal_threshold, underflow_counts
 
 
 def _around_the_threshold(fmt) -> torch.Tensor:
