@@ -23,6 +23,7 @@ import torch
 from readback.numerics import E4M3, QTensor
 from readback.numerics.scale_state import CurrentScalingState, DelayedScalingState
 from readback.ops import attention_parts as parts
+from readback.ops import mechanism
 from readback.ops.attention_forward import Forward
 
 if TYPE_CHECKING:
@@ -110,8 +111,10 @@ def forward(
     scales = torch.stack([qq.scale_inv * kq.scale_inv, p_scale, p_scale.reciprocal() * vq.scale_inv]).float()
     start = site.claim(batch * heads * seq, qq.data.device) if numerics.rounding == "stochastic" else None
     taping = numerics.tape is not None
-    result = kernel.forward(qq.data, kq.data, vq.data, scales, softmax_scale, start, taping)
+    result = kernel.forward(qq.data, kq.data, vq.data, scales, softmax_scale, start, taping, numerics.mechanism)
     site.count(*result.counts)
+    if result.sums is not None:
+        mechanism.observe_logit_sums(numerics, name, (result.row_max, result.row_sum), result.sums)
     probs = None if result.probs is None else QTensor(result.probs, p_scale, site.fmt)
     lse = None  # a rebuilt P's statistics, LSE = log(row sum) + row max, as torch.logsumexp forms it
     if "rebuilt" in numerics.spec.reads["attention"].values():
