@@ -138,6 +138,10 @@ def backward(
     d_out_in_d: torch.Tensor | QTensor
     if fp8:
         d_out = d_out_in_d = numerics.site(f"{name}.grad_output", "bwd").quantize(grad.to(dtype))
+        if ctx.mechanism:  # as the ops core adds it: dO as held
+            grad_rounding = mechanism.GradientRounding(f"{name}.grad_output")
+            grad_rounding.add(grad.to(parts.held(numerics)), d_out)
+            grad_rounding.observe(numerics)
     else:
         d_out, d_out_in_d = grad.to(torch.bfloat16), grad.to(parts.held(numerics))
     o_read = parts.d_term_o(numerics, name, saved)  # None: D = rowsum(P * dP), formed by the kernel
@@ -184,11 +188,32 @@ def backward(
         else:  # the step's scale; this dS's amax joins the step's once the kernel has it
             ds_scale = site.scale_for(torch.zeros((), device=grad.device), torch.zeros((), device=grad.device))
     result = kernel.backward(
-        scores_operands, gemm_operands, row_stats, d_term, scales, ds_scale, ctx.scale, saved["p8_draws"], bwd_format
-    )
+        scores_operands, gemm_operands, row_stats, d_term, scales, ds_scale, ctx.scale, saved["p8_draws"], bwd_format,
+        ctx.mechanism,
+    )  # fmt: skip
     if bwd_format is not None:
         if not site.reads_amax_first:
             site.scale_for(result.amax, result.amax)
         site.count(*result.counts)
     numerics.observe(f"attn_rowsum/{name}", result.rowsum)
+    if ctx.mechanism:
+        _observe_mechanism(numerics, name, result, inverse[0], bwd_format is not None)
     return result.d_q, result.d_k, result.d_v
+
+
+def _observe_mechanism(numerics: Numerics, name: str, result: Any, key_inverse: torch.Tensor, fp8: bool) -> None:
+    """The backward's mechanism statistics from the kernel's per-row results (``result``, a
+    ``kernels.attention_backward.Backward``), as ``ops.mechanism`` forms them: the D-term cosine
+    of ``kbar`` (in K's values: times ``key_inverse``) and D; dS8's rounding (an FP8 backward),
+    over as many elements as the ops core's blocks of dS hold (their hidden keys' zeros too)."""
+    d_term = mechanism.DTermCosine()
+    d_term.add_mean_keys(result.mean_key * key_inverse, result.d[..., None])
+    d_term.observe(numerics, name)
+    if fp8:
+        batch, heads, seq = result.d.shape
+        size = sum(batch * heads * (rows.stop - rows.start) * rows.stop for rows in parts.query_blocks(batch, heads, seq))
+        _, underflowed, nonzero = result.counts
+        grad_rounding = mechanism.GradientRounding(f"{name}.grad_scores")
+        squares, flushed = result.sums.double().sum((1, 2, 3))
+        grad_rounding.add_counts(torch.stack([nonzero, flushed, underflowed]), squares, result.amax, size)
+        grad_rounding.observe(numerics)

@@ -78,26 +78,31 @@ class DTermCosine:
     cosine of the whole flattened tensors is ``sum(d.k) / sqrt(sum(d.d) sum(k.k))``, and each
     of the three sums adds over blocks (of ``ROWS`` rows), so no T x T matrix is kept for it."""
 
-    def __init__(self, keys: torch.Tensor):
-        self.keys = keys.detach()  # (B, H, T, hd), the K the backward's dQ GEMM reads
-        self.sums = torch.zeros(3, dtype=torch.float64, device=keys.device)
+    def __init__(self, keys: torch.Tensor | None = None):
+        # (B, H, T, hd), the K the backward's dQ GEMM reads (None where ``kbar`` comes formed)
+        self.keys = None if keys is None else keys.detach()
+        self.sums: torch.Tensor | None = None  # FP64: sum(d.k), sum(d.d), sum(k.k)
 
     def add(self, probs: torch.Tensor, row_term: torch.Tensor) -> None:
         """One block: its probabilities (B, H, rows, keys) and D (B, H, rows, 1), added
         ``ROWS`` query rows at a time, so that the sums do not depend on the op's blocks."""
+        assert self.keys is not None
         keys = self.keys[:, :, : probs.shape[-1]]
         for i in range(0, probs.shape[-2], ROWS):
             mean_key = probs[:, :, i : i + ROWS].detach() @ keys  # (B, H, rows, hd)
             self.add_mean_keys(mean_key, row_term[:, :, i : i + ROWS])
 
     def add_mean_keys(self, mean_key: torch.Tensor, row_term: torch.Tensor) -> None:
-        """Rows whose ``kbar = P K`` (B, H, rows, hd) is formed already (by a kernel: ``keys`` is
-        then any tensor on their device), and their D (B, H, rows, 1)."""
+        """Rows whose ``kbar = P K`` (B, H, rows, hd) is formed already (by ``add``, or a kernel),
+        and their D (B, H, rows, 1)."""
         mean_key = mean_key.double()
         d_term = -row_term.detach().double() * mean_key
-        self.sums += torch.stack([(d_term * mean_key).sum(), d_term.square().sum(), mean_key.square().sum()])
+        sums = torch.stack([(d_term * mean_key).sum(), d_term.square().sum(), mean_key.square().sum()])
+        self.sums = sums if self.sums is None else self.sums + sums
 
     def observe(self, numerics: Numerics, name: str) -> None:
+        if self.sums is None:
+            return
         dot, d_norm2, k_norm2 = self.sums
         cosine = dot / (d_norm2 * k_norm2).sqrt().clamp_min(1e-30)
         numerics.observe(f"attn_dq_dterm_cos/{name}", cosine)
