@@ -197,17 +197,18 @@ def backward(
         site.count(*result.counts)
     numerics.observe(f"attn_rowsum/{name}", result.rowsum)
     if ctx.mechanism:
-        _observe_mechanism(numerics, name, result, inverse[0], bwd_format is not None)
+        _observe_mechanism(numerics, name, result, bwd_format is not None)
     return result.d_q, result.d_k, result.d_v
 
 
-def _observe_mechanism(numerics: Numerics, name: str, result: Any, key_inverse: torch.Tensor, fp8: bool) -> None:
+def _observe_mechanism(numerics: Numerics, name: str, result: Any, fp8: bool) -> None:
     """The backward's mechanism statistics from the kernel's per-row results (``result``, a
     ``kernels.attention_backward.Backward``), as ``ops.mechanism`` forms them: the D-term cosine
-    of ``kbar`` (in K's values: times ``key_inverse``) and D; dS8's rounding (an FP8 backward),
-    over as many elements as the ops core's blocks of dS hold (their hidden keys' zeros too)."""
+    of ``kbar`` and D (``kbar`` in K8's codes where dQ reads them: the cosine does not depend on
+    K's scale); dS8's rounding (an FP8 backward), over as many elements as the ops core's blocks
+    of dS hold (their hidden keys' zeros too)."""
     d_term = mechanism.DTermCosine()
-    d_term.add_mean_keys(result.mean_key * key_inverse, result.d[..., None])
+    d_term.add_mean_keys(result.mean_key, result.d[..., None])
     d_term.observe(numerics, name)
     if fp8:
         batch, heads, seq = result.d.shape
