@@ -33,20 +33,7 @@ import triton.language as tl
 
 from readback.kernels import fp8
 from readback.kernels.attention_forward import BLOCK, round_probs
-from readback.kernels.attention_tiles import load_rows, round_grad, tile
-
-
-@dataclass(frozen=True)
-class BackwardFormat:
-    """The FP8 format dO and dS are rounded to: E5M2 (hybrid) or E4M3."""
-
-    mantissa: int
-    bias: int
-    max: float
-
-    @property
-    def min_exponent(self) -> int:
-        return 1 - self.bias
+from readback.kernels.attention_tiles import BackwardFormat, load_rows, round_grad, tile
 
 
 @triton.jit

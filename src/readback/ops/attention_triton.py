@@ -8,7 +8,8 @@ What it runs: the FP8 forward; the FP8 backward that reads what the forward mult
 (``forward``: Q8, K8, V8, P8 as BF16 values; ``te``: the original Q, K, V and P rebuilt with the
 forward's LSE); either with ``bwd_qkv`` and ``bwd_probs`` set apart or not; under any policy's D
 read, nearest or stochastic rounding, per-tensor delayed or current scaling. ``unsupported`` names what it
-does not run yet (the ops core runs those).
+does not run yet (the ops core runs those). On log steps (``numerics.mechanism``) the kernels
+also return per-row sums from which ``ops.mechanism`` forms the ops core's statistics.
 """
 
 from __future__ import annotations
@@ -129,6 +130,7 @@ def backward(
     """``attention_backward.backward`` on the kernel: dQ, dK, dV (B, H, T, hd; K's and V's per
     query head) from dO (``grad``, B, T, H hd)."""
     from readback.kernels import attention_backward as kernel
+    from readback.kernels.attention_tiles import BackwardFormat
 
     batch, heads, seq, dim = ctx.shape
     dtype, fp8 = numerics.dtype, numerics.bwd_gemm_precision == "fp8"
@@ -182,7 +184,7 @@ def backward(
         site = numerics.site(f"{name}.grad_scores", "bwd")
         fmt = site.fmt
         assert fmt is not None
-        bwd_format = kernel.BackwardFormat(fmt.mantissa_bits, 1 - fmt.min_exponent, fmt.max)
+        bwd_format = BackwardFormat(fmt.mantissa_bits, 1 - fmt.min_exponent, fmt.max)
         if site.reads_amax_first:
             ds_scale = lambda amax: site.scale_for(amax, amax)  # noqa: E731
         else:  # the step's scale; this dS's amax joins the step's once the kernel has it
@@ -212,7 +214,8 @@ def _observe_mechanism(numerics: Numerics, name: str, result: Any, fp8: bool) ->
     d_term.observe(numerics, name)
     if fp8:
         batch, heads, seq = result.d.shape
-        size = sum(batch * heads * (rows.stop - rows.start) * rows.stop for rows in parts.query_blocks(batch, heads, seq))
+        blocks = parts.query_blocks(batch, heads, seq)
+        size = sum(batch * heads * (rows.stop - rows.start) * rows.stop for rows in blocks)
         _, underflowed, nonzero = result.counts
         grad_rounding = mechanism.GradientRounding(f"{name}.grad_scores")
         squares, flushed = result.sums.double().sum((1, 2, 3))

@@ -123,7 +123,8 @@ class GradientRounding:
         x = x.detach()
         underflowed, nonzero = underflow_counts(x, q)
         flushed = nonzero - torch.count_nonzero(q.data.view(torch.uint8) & 0x7F)  # a zero code: all but the sign 0
-        self.add_counts(torch.stack([nonzero, flushed, underflowed]), x.double().square().sum(), x.abs().amax(), x.numel())
+        squares, amax = x.double().square().sum(), x.abs().amax()
+        self.add_counts(torch.stack([nonzero, flushed, underflowed]), squares, amax, x.numel())
 
     def add_counts(self, counts: torch.Tensor, squares: torch.Tensor, amax: torch.Tensor, size: int) -> None:
         """A block's figures counted already (by a kernel): ``counts`` its nonzero, flushed and
