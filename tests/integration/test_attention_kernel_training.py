@@ -6,7 +6,9 @@ Why they agree: the two cores' codes differ only where an FP32 sum of different 
 a rounding point (``tests/unit/kernels/test_attention_kernel.py``), which none does on this run
 (the losses come out identical); the bound allows a loss a thousandth apart, far below one
 step's change, and the counts a share of a thousandth. ``attn_rowsum`` (the D-term's row sums)
-adds in another order in the kernel: it is held to 1e-4 relative."""
+adds in another order in the kernel: it is held to 1e-4 relative. Every step is a log step, and
+the kernel logs every metric the ops core does, the mechanism statistics included (their
+figures against the ops core's: ``tests/unit/kernels/test_attention_kernel_mechanism.py``)."""
 
 import json
 import os
@@ -58,6 +60,8 @@ def test_twenty_steps_on_the_kernel_are_the_ops_core_s(tmp_path, experiment):
     ops, triton = _train(experiment, "ops", tmp_path), _train(experiment, "triton", tmp_path)
     assert [r["step"] for r in ops] == [r["step"] for r in triton] == list(range(1, 21))
     for a, b in zip(ops, triton):
+        assert a.keys() == b.keys(), (a["step"], sorted(a.keys() ^ b.keys()))
+        assert any(k.startswith("attn_dq_dterm_cos/") for k in a), a["step"]  # the mechanism statistics are logged
         assert abs(a["loss"] - b["loss"]) <= 1e-3 * abs(a["loss"]), (a["step"], a["loss"], b["loss"])
         counts = [k for k in a if k.startswith(("fp8_underflow/", "fp8_saturation/"))]
         assert counts and all(abs(a[k] - b[k]) <= 1e-3 * max(abs(a[k]), 1) for k in counts), a["step"]

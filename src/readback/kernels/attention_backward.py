@@ -33,20 +33,7 @@ import triton.language as tl
 
 from readback.kernels import fp8
 from readback.kernels.attention_forward import BLOCK, round_probs
-from readback.kernels.attention_tiles import load_rows, round_grad, tile
-
-
-@dataclass(frozen=True)
-class BackwardFormat:
-    """The FP8 format dO and dS are rounded to: E5M2 (hybrid) or E4M3."""
-
-    mantissa: int
-    bias: int
-    max: float
-
-    @property
-    def min_exponent(self) -> int:
-        return 1 - self.bias
+from readback.kernels.attention_tiles import BackwardFormat, load_rows, round_grad, tile
 
 
 @triton.jit
@@ -92,10 +79,10 @@ def _rows(
 @triton.jit
 def _grad_q(
     sq_ptr, sk_ptr, k_ptr, v_ptr, do_ptr, max_ptr, sum_ptr, d_ptr, scales_ptr, dq_ptr, rowsum_ptr, counts_ptr,
-    amax_ptr, softmax_scale, T, H, GROUP_HEADS,
+    amax_ptr, mean_key_ptr, sums_ptr, softmax_scale, T, H, GROUP_HEADS,
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, MANTISSA: tl.constexpr, BIAS: tl.constexpr,
     MAX: tl.constexpr, GRAD_FP8: tl.constexpr, QKV_CODES: tl.constexpr, DP_FP32: tl.constexpr,
-    DV_FP32: tl.constexpr, REBUILT: tl.constexpr,
+    DV_FP32: tl.constexpr, REBUILT: tl.constexpr, MECHANISM: tl.constexpr,
 ):  # fmt: skip
     block, bh = tl.program_id(0), tl.program_id(1)
     kv_head = (bh // H) * (H // GROUP_HEADS) + (bh % H) // GROUP_HEADS
@@ -118,12 +105,19 @@ def _grad_q(
     rowsum = tl.zeros([BLOCK_M], tl.float32)
     amax = tl.full([], 0.0, tl.float32)
     n_saturated, n_underflowed, n_nonzero = tl.full([], 0, tl.int32), tl.full([], 0, tl.int32), tl.full([], 0, tl.int32)
+    mean_key = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)  # MECHANISM: kbar = P K (K's codes or values)
+    squares = tl.zeros([BLOCK_M], tl.float32)  # MECHANISM: dS's sum of squares and flushed elements per row
+    flushed = tl.zeros([BLOCK_M], tl.float32)
     for start in range(0, end, BLOCK_N):
         keys = start + tl.arange(0, BLOCK_N)
-        _, _, ds = tile(q, do, d, row_max, row_sum, rows, keys, score_k, v_head, scales_ptr, softmax_scale, T,
+        p, _, ds = tile(q, do, d, row_max, row_sum, rows, keys, score_k, v_head, scales_ptr, softmax_scale, T,
                         HEAD_DIM, QKV_CODES, DP_FP32, REBUILT)  # fmt: skip
         ds = tl.where(in_rows, ds, 0.0)
         rowsum += tl.sum(ds, 1)
+        k = load_rows(k_head, keys, T, HEAD_DIM, QKV_CODES, 3, 7)
+        if MECHANISM:
+            mean_key += tl.dot(p, k, input_precision="ieee")
+            squares += tl.sum(ds * ds, 1)
         if GRAD_FP8:
             amax = tl.maximum(amax, tl.max(tl.max(tl.abs(ds), 1), 0))
             r, codes, saturated = round_grad(ds, ds_scale, MANTISSA, BIAS, MAX)
@@ -131,15 +125,21 @@ def _grad_q(
             n_saturated += fp8.count(saturated)
             n_underflowed += fp8.count(nonzero & ((codes & (0x7F ^ ((1 << MANTISSA) - 1))) == 0))
             n_nonzero += fp8.count(nonzero)
+            if MECHANISM:  # a zero code, all but the sign 0
+                flushed += tl.sum((nonzero & ((codes & 0x7F) == 0)).to(tl.float32), 1)
             if DP_FP32:  # dS8's values
                 r = r * tl.load(scales_ptr + 9)
         else:
             r = fp8.round_bf16(ds)
-        acc += tl.dot(r, load_rows(k_head, keys, T, HEAD_DIM, QKV_CODES, 3, 7), input_precision="ieee")
+        acc += tl.dot(r, k, input_precision="ieee")
     dq = acc * softmax_scale if DP_FP32 else fp8.round_bf16(acc * tl.load(scales_ptr + 4)) * softmax_scale
     dims = tl.arange(0, HEAD_DIM)
     tl.store(dq_ptr + (bh * T + rows[:, None]) * HEAD_DIM + dims[None, :], dq, mask=in_rows)
     tl.store(rowsum_ptr + bh * T + rows, rowsum, mask=rows < T)
+    if MECHANISM:
+        tl.store(mean_key_ptr + (bh * T + rows[:, None]) * HEAD_DIM + dims[None, :], mean_key, mask=in_rows)
+        tl.store(sums_ptr + bh * T + rows, squares, mask=rows < T)
+        tl.store(sums_ptr + tl.num_programs(1) * T + bh * T + rows, flushed, mask=rows < T)
     if GRAD_FP8:
         tl.atomic_add(counts_ptr, n_saturated.to(tl.int64))
         tl.atomic_add(counts_ptr + 1, n_underflowed.to(tl.int64))
@@ -205,7 +205,9 @@ def _grad_kv(
 class Backward:
     """dQ, dK, dV (B, H, T, hd; dK, dV per query head); dS8's counts (int64: saturated,
     underflowed, nonzero) and amax (zeros in a BF16 backward); ``rowsum(dS)`` per row (B, H, T),
-    the D-term's error."""
+    the D-term's error; D per row (B, H, T). When asked for (the mechanism statistics), each row's
+    ``kbar = P K`` (B, H, T, hd; in K's codes where the dQ GEMM reads codes, unscaled) and sums
+    (2, B, H, T) of dS^2 and of dS's elements that dS8 flushes to zero; else None."""
 
     d_q: torch.Tensor
     d_k: torch.Tensor
@@ -213,6 +215,9 @@ class Backward:
     counts: torch.Tensor
     amax: torch.Tensor
     rowsum: torch.Tensor
+    d: torch.Tensor
+    mean_key: torch.Tensor | None
+    sums: torch.Tensor | None
 
 
 def _data(t: torch.Tensor) -> torch.Tensor:
@@ -231,6 +236,7 @@ def backward(
     softmax_scale: float,
     draws: torch.Tensor | None,
     fmt: BackwardFormat | None,
+    mechanism: bool = False,
 ) -> Backward:
     """The backward of query heads' Q (B, H, T, hd) over the groups' K, V (B, G, T, hd).
 
@@ -245,7 +251,8 @@ def backward(
     and dK's to be multiplied by dS's, P8's inverse scale (P8's BF16 values) and dO8's (its FP32
     values); ``ds_scale``: dS's scale (the site's own, delayed scaling), or the
     function that computes it from the whole dS's amax (current scaling). ``draws``: P's keyed
-    draws' ``[key, first row]``, or None (nearest)."""
+    draws' ``[key, first row]``, or None (nearest). ``mechanism``: also ``Backward.mean_key`` and
+    ``sums``; the gradients, counts and row sums are the same bits either way."""
     sq, sk = (_data(t) for t in scores_operands)
     q, k, v, do = (_data(t) for t in gemm_operands)
     batch, heads, seq, dim = q.shape
@@ -277,12 +284,16 @@ def backward(
     rowsum = torch.empty(batch, heads, seq, dtype=torch.float32, device=device)
     counts = torch.zeros(3, dtype=torch.int64, device=device)
     amax.zero_()
+    mean_key = torch.empty(batch, heads, seq, dim, dtype=torch.float32, device=device) if mechanism else None
+    sums = torch.empty(2, batch, heads, seq, dtype=torch.float32, device=device) if mechanism else None
     _grad_q[grid](
-        sq, sk, k, v, do, row_max, row_sum, d, gemm_scales, d_q, rowsum, counts, amax, *common, **shape, MAX=fmt_max
-    )
+        sq, sk, k, v, do, row_max, row_sum, d, gemm_scales, d_q, rowsum, counts, amax,
+        d_q if mean_key is None else mean_key, rowsum if sums is None else sums, *common, **shape, MAX=fmt_max,
+        MECHANISM=mechanism,
+    )  # fmt: skip
     no_draws = torch.zeros(2, dtype=torch.int64, device=device)
     _grad_kv[grid](
         sq, sk, q, v, do, row_max, row_sum, d, gemm_scales, no_draws if draws is None else draws, d_k, d_v, *common,
         **shape, MAX=fmt_max, SEPARATE=sq.data_ptr() != q.data_ptr(), STOCHASTIC=draws is not None,
     )  # fmt: skip
-    return Backward(d_q, d_k, d_v, counts, amax, rowsum)
+    return Backward(d_q, d_k, d_v, counts, amax, rowsum, d, mean_key, sums)

@@ -10,6 +10,8 @@ the forward's Q8, K8 and row statistics, or rebuilt from the original Q, K and t
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import triton
 import triton.language as tl
 
@@ -56,6 +58,19 @@ def tile(q, do, d, row_max, row_sum, rows, keys, k_head, v_head, scales_ptr, sof
     if not DP_FP32:
         dp = fp8.round_bf16(dp * tl.load(scales_ptr + 2))
     return p, dp, (dp - d[:, None]) * p
+
+
+@dataclass(frozen=True)
+class BackwardFormat:
+    """The FP8 format dO and dS are rounded to: E5M2 (hybrid) or E4M3."""
+
+    mantissa: int
+    bias: int
+    max: float
+
+    @property
+    def min_exponent(self) -> int:
+        return 1 - self.bias
 
 
 @triton.jit

@@ -8,7 +8,8 @@ What it runs: the FP8 forward; the FP8 backward that reads what the forward mult
 (``forward``: Q8, K8, V8, P8 as BF16 values; ``te``: the original Q, K, V and P rebuilt with the
 forward's LSE); either with ``bwd_qkv`` and ``bwd_probs`` set apart or not; under any policy's D
 read, nearest or stochastic rounding, per-tensor delayed or current scaling. ``unsupported`` names what it
-does not run yet (the ops core runs those).
+does not run yet (the ops core runs those). On log steps (``numerics.mechanism``) the kernels
+also return per-row sums from which ``ops.mechanism`` forms the ops core's statistics.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ import torch
 from readback.numerics import E4M3, QTensor
 from readback.numerics.scale_state import CurrentScalingState, DelayedScalingState
 from readback.ops import attention_parts as parts
+from readback.ops import mechanism
 from readback.ops.attention_forward import Forward
 
 if TYPE_CHECKING:
@@ -110,8 +112,10 @@ def forward(
     scales = torch.stack([qq.scale_inv * kq.scale_inv, p_scale, p_scale.reciprocal() * vq.scale_inv]).float()
     start = site.claim(batch * heads * seq, qq.data.device) if numerics.rounding == "stochastic" else None
     taping = numerics.tape is not None
-    result = kernel.forward(qq.data, kq.data, vq.data, scales, softmax_scale, start, taping)
+    result = kernel.forward(qq.data, kq.data, vq.data, scales, softmax_scale, start, taping, numerics.mechanism)
     site.count(*result.counts)
+    if result.sums is not None:
+        mechanism.observe_logit_sums(numerics, name, (result.row_max, result.row_sum), result.sums)
     probs = None if result.probs is None else QTensor(result.probs, p_scale, site.fmt)
     lse = None  # a rebuilt P's statistics, LSE = log(row sum) + row max, as torch.logsumexp forms it
     if "rebuilt" in numerics.spec.reads["attention"].values():
@@ -126,6 +130,7 @@ def backward(
     """``attention_backward.backward`` on the kernel: dQ, dK, dV (B, H, T, hd; K's and V's per
     query head) from dO (``grad``, B, T, H hd)."""
     from readback.kernels import attention_backward as kernel
+    from readback.kernels.attention_tiles import BackwardFormat
 
     batch, heads, seq, dim = ctx.shape
     dtype, fp8 = numerics.dtype, numerics.bwd_gemm_precision == "fp8"
@@ -135,6 +140,10 @@ def backward(
     d_out_in_d: torch.Tensor | QTensor
     if fp8:
         d_out = d_out_in_d = numerics.site(f"{name}.grad_output", "bwd").quantize(grad.to(dtype))
+        if ctx.mechanism:  # as the ops core adds it: dO as held
+            grad_rounding = mechanism.GradientRounding(f"{name}.grad_output")
+            grad_rounding.add(grad.to(parts.held(numerics)), d_out)
+            grad_rounding.observe(numerics)
     else:
         d_out, d_out_in_d = grad.to(torch.bfloat16), grad.to(parts.held(numerics))
     o_read = parts.d_term_o(numerics, name, saved)  # None: D = rowsum(P * dP), formed by the kernel
@@ -175,17 +184,40 @@ def backward(
         site = numerics.site(f"{name}.grad_scores", "bwd")
         fmt = site.fmt
         assert fmt is not None
-        bwd_format = kernel.BackwardFormat(fmt.mantissa_bits, 1 - fmt.min_exponent, fmt.max)
+        bwd_format = BackwardFormat(fmt.mantissa_bits, 1 - fmt.min_exponent, fmt.max)
         if site.reads_amax_first:
             ds_scale = lambda amax: site.scale_for(amax, amax)  # noqa: E731
         else:  # the step's scale; this dS's amax joins the step's once the kernel has it
             ds_scale = site.scale_for(torch.zeros((), device=grad.device), torch.zeros((), device=grad.device))
     result = kernel.backward(
-        scores_operands, gemm_operands, row_stats, d_term, scales, ds_scale, ctx.scale, saved["p8_draws"], bwd_format
-    )
+        scores_operands, gemm_operands, row_stats, d_term, scales, ds_scale, ctx.scale, saved["p8_draws"], bwd_format,
+        ctx.mechanism,
+    )  # fmt: skip
     if bwd_format is not None:
         if not site.reads_amax_first:
             site.scale_for(result.amax, result.amax)
         site.count(*result.counts)
     numerics.observe(f"attn_rowsum/{name}", result.rowsum)
+    if ctx.mechanism:
+        _observe_mechanism(numerics, name, result, bwd_format is not None)
     return result.d_q, result.d_k, result.d_v
+
+
+def _observe_mechanism(numerics: Numerics, name: str, result: Any, fp8: bool) -> None:
+    """The backward's mechanism statistics from the kernel's per-row results (``result``, a
+    ``kernels.attention_backward.Backward``), as ``ops.mechanism`` forms them: the D-term cosine
+    of ``kbar`` and D (``kbar`` in K8's codes where dQ reads them: the cosine does not depend on
+    K's scale); dS8's rounding (an FP8 backward), over as many elements as the ops core's blocks
+    of dS hold (their hidden keys' zeros too)."""
+    d_term = mechanism.DTermCosine()
+    d_term.add_mean_keys(result.mean_key, result.d[..., None])
+    d_term.observe(numerics, name)
+    if fp8:
+        batch, heads, seq = result.d.shape
+        blocks = parts.query_blocks(batch, heads, seq)
+        size = sum(batch * heads * (rows.stop - rows.start) * rows.stop for rows in blocks)
+        _, underflowed, nonzero = result.counts
+        grad_rounding = mechanism.GradientRounding(f"{name}.grad_scores")
+        squares, flushed = result.sums.double().sum((1, 2, 3))
+        grad_rounding.add_counts(torch.stack([nonzero, flushed, underflowed]), squares, result.amax, size)
+        grad_rounding.observe(numerics)
