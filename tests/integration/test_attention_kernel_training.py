@@ -1,11 +1,14 @@
 """A tiny FOG trained 20 steps through ``train.py`` on the Triton attention core (in Triton's
-interpreter) against the ops core: the same losses and the same FP8 counts at every step.
+interpreter) against the ops core, under the FP8 backward (``reuse_rounded``) and TE's BF16
+backward (``reuse_rounded_bf16_bwd``): the same losses and the same FP8 counts at every step.
 
 Why they agree: the two cores' codes differ only where an FP32 sum of different order straddles
 a rounding point (``tests/unit/kernels/test_attention_kernel.py``), which none does on this run
 (the losses come out identical); the bound allows a loss a thousandth apart, far below one
 step's change, and the counts a share of a thousandth. ``attn_rowsum`` (the D-term's row sums)
-adds in another order in the kernel: it is held to 1e-4 relative."""
+adds in another order in the kernel: it is held to 1e-4 relative. Every step is a log step, and
+the kernel logs every metric the ops core does, the mechanism statistics included (their
+figures against the ops core's: ``tests/unit/kernels/test_attention_kernel_mechanism.py``)."""
 
 import json
 import os
@@ -19,7 +22,6 @@ from toys import REPO
 pytest.importorskip("triton", reason="triton is not installed")
 
 RUN = (
-    "+experiment=reuse_rounded",
     "data=synthetic",
     "logger=none",
     "trainer.progress=false",
@@ -38,10 +40,11 @@ RUN = (
 )
 
 
-def _train(kernel: str, tmp_path) -> list[dict]:
+def _train(experiment: str, kernel: str, tmp_path) -> list[dict]:
     run_dir = tmp_path / kernel
     env = dict(os.environ, OMP_NUM_THREADS="1", WANDB_MODE="disabled", TRITON_INTERPRET="1")
-    cmd = [sys.executable, "train.py", *RUN, f"attention.kernel={kernel}", f"hydra.run.dir={run_dir}"]
+    cmd = [sys.executable, "train.py", f"+experiment={experiment}", *RUN, f"attention.kernel={kernel}"]
+    cmd.append(f"hydra.run.dir={run_dir}")
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-2000:]
     summary = json.loads((run_dir / "summary.json").read_text())
@@ -52,10 +55,13 @@ def _train(kernel: str, tmp_path) -> list[dict]:
 
 
 @pytest.mark.slow
-def test_twenty_steps_on_the_kernel_are_the_ops_core_s(tmp_path):
-    ops, triton = _train("ops", tmp_path), _train("triton", tmp_path)
+@pytest.mark.parametrize("experiment", ["reuse_rounded", "reuse_rounded_bf16_bwd"])  # FP8, BF16 backward (te)
+def test_twenty_steps_on_the_kernel_are_the_ops_core_s(tmp_path, experiment):
+    ops, triton = _train(experiment, "ops", tmp_path), _train(experiment, "triton", tmp_path)
     assert [r["step"] for r in ops] == [r["step"] for r in triton] == list(range(1, 21))
     for a, b in zip(ops, triton):
+        assert a.keys() == b.keys(), (a["step"], sorted(a.keys() ^ b.keys()))
+        assert any(k.startswith("attn_dq_dterm_cos/") for k in a), a["step"]  # the mechanism statistics are logged
         assert abs(a["loss"] - b["loss"]) <= 1e-3 * abs(a["loss"]), (a["step"], a["loss"], b["loss"])
         counts = [k for k in a if k.startswith(("fp8_underflow/", "fp8_saturation/"))]
         assert counts and all(abs(a[k] - b[k]) <= 1e-3 * max(abs(a[k]), 1) for k in counts), a["step"]

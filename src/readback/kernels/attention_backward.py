@@ -1,13 +1,16 @@
-"""The FP8 attention core's backward as Triton kernels: ``ops.attention_backward``'s arithmetic
-under the FP8 backward that reads what the forward multiplied (``attention.bwd_reads=forward``)::
+"""The FP8 attention core's backward as Triton kernels: ``ops.attention_backward``'s arithmetic::
 
-    dV = P8^T dO8    dP = dO8 V8^T    dS = P (dP - D)    dQ = c dS8 K8    dK = c dS8^T Q8
+    dV = P^T dO    dP = dO V^T    dS = P (dP - D)    dQ = c dS K    dK = c dS^T Q
 
-Each tile recomputes S and ``P = exp(S - row_max) / row_sum`` from the forward's row statistics (the forward's
-bits), P8 with the forward's scale and keyed draws (its very codes), and dS, rounded to the
-backward's format (E5M2 under the hybrid recipe) with dS's scale. The D-term comes in per row
-(``d_term``: the policy's ``rowsum(dO * O_read)``, formed by ``ops``) or, for ``rowsum(P * dP)``,
-from a pass of its own. Three kernels:
+under the FP8 backward that reads what the forward multiplied (dO8, dS8, Q8, K8, V8, P8), and
+the BF16 backward (``attention_tiles``: what a tile reads) with either flavour's reads
+(``attention.bwd_reads``): ``forward``, Q8, K8, V8 and P8 as BF16 values, P recomputed from the
+forward's row statistics; ``te``, the original Q, K, V and P rebuilt from them with the forward's
+LSE (or one of each, ``bwd_qkv`` or ``bwd_probs`` set apart). Each tile recomputes S and P,
+P8 with the forward's scale and keyed draws where dV reads it (its very codes), and dS, rounded
+to the backward's format (E5M2 under the hybrid recipe) with dS's scale, or to BF16. The
+D-term comes in per row (``d_term``: the policy's ``rowsum(dO * O_read)``, formed by ``ops``)
+or, for ``rowsum(P * dP)``, from a pass of its own. Three kernels:
 
 * ``_rows``: per block of query rows, ``rowsum(P * dP)`` (D read ``none``) and, when dS's scale is
   computed from its whole amax (current scaling), that amax; run only when one is needed;
@@ -15,8 +18,8 @@ from a pass of its own. Three kernels:
 * ``_grad_kv``: per block of keys and query head, dK and dV over the query blocks that see them
   (each head's; ``ops`` adds a group's heads).
 
-Every GEMM multiplies decoded codes in FP32 and rounds its scaled output once to BF16, as the
-emulated GEMM and ``SplitK`` do.
+Every GEMM multiplies FP8 codes' or BF16 values in FP32 (exact products, FP32 sums) and rounds
+its (scaled) output once to BF16, as the emulated GEMMs and ``SplitK`` do.
 """
 
 from __future__ import annotations
@@ -29,78 +32,36 @@ import triton
 import triton.language as tl
 
 from readback.kernels import fp8
-from readback.kernels.attention_forward import BLOCK, probs_tile, round_probs, scores_tile
-
-
-@dataclass(frozen=True)
-class BackwardFormat:
-    """The FP8 format dO and dS are rounded to: E5M2 (hybrid) or E4M3."""
-
-    mantissa: int
-    bias: int
-    max: float
-
-    @property
-    def min_exponent(self) -> int:
-        return 1 - self.bias
-
-
-@triton.jit
-def _tile(
-    q, do, d, row_max, row_sum, rows, keys, k_head, v_head, scales_ptr, softmax_scale, T, HEAD_DIM: tl.constexpr
-):  # fmt: skip
-    """P and dP of the tile (query ``rows`` x ``keys``), and ``dS = P (dP - D)``."""
-    s = scores_tile(q, k_head, keys, T, HEAD_DIM, tl.load(scales_ptr), softmax_scale, rows)
-    p = probs_tile(s, row_max, row_sum)
-    dims = tl.arange(0, HEAD_DIM)
-    v_codes = tl.load(v_head + keys[:, None] * HEAD_DIM + dims[None, :], mask=keys[:, None] < T, other=0)
-    dp = tl.dot(do, tl.trans(fp8.decode(v_codes, 3, 7)), input_precision="ieee")
-    dp = fp8.round_bf16(dp * tl.load(scales_ptr + 2))
-    return p, dp, (dp - d[:, None]) * p
-
-
-@triton.jit
-def _round_grad(ds, ds_scale, MANTISSA: tl.constexpr, BIAS: tl.constexpr, MAX: tl.constexpr):
-    """dS8 (nearest, saturating): its grid values, codes, and which elements saturated."""
-    y = ds * ds_scale
-    saturated = tl.abs(y) > MAX
-    y = tl.minimum(tl.maximum(y, -MAX), MAX)
-    r = fp8.round_to_grid(y, y, False, MANTISSA, 1 - BIAS)
-    return r, fp8.encode(r, y, MANTISSA, BIAS), saturated
-
-
-@triton.jit
-def _load_rows(ptr, rows, T, HEAD_DIM: tl.constexpr, MANTISSA: tl.constexpr, BIAS: tl.constexpr):
-    """Decoded codes of ``rows`` of one head's (T, hd) tensor."""
-    dims = tl.arange(0, HEAD_DIM)
-    codes = tl.load(ptr + rows[:, None] * HEAD_DIM + dims[None, :], mask=rows[:, None] < T, other=0)
-    return fp8.decode(codes, MANTISSA, BIAS)
+from readback.kernels.attention_forward import BLOCK, round_probs
+from readback.kernels.attention_tiles import BackwardFormat, load_rows, round_grad, tile
 
 
 @triton.jit
 def _rows(
-    q_ptr, k_ptr, v_ptr, do_ptr, max_ptr, sum_ptr, d_ptr, scales_ptr, amax_ptr, softmax_scale, T, H, GROUP_HEADS,
-    HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    MANTISSA: tl.constexpr, BIAS: tl.constexpr, D_FROM_P: tl.constexpr, AMAX: tl.constexpr,
+    sq_ptr, sk_ptr, v_ptr, do_ptr, max_ptr, sum_ptr, d_ptr, scales_ptr, amax_ptr, softmax_scale, T, H, GROUP_HEADS,
+    HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, MANTISSA: tl.constexpr, BIAS: tl.constexpr,
+    GRAD_FP8: tl.constexpr, QKV_CODES: tl.constexpr, DP_FP32: tl.constexpr, DV_FP32: tl.constexpr,
+    REBUILT: tl.constexpr, D_FROM_P: tl.constexpr, AMAX: tl.constexpr,
 ):  # fmt: skip
     block, bh = tl.program_id(0), tl.program_id(1)
     kv_head = (bh // H) * (H // GROUP_HEADS) + (bh % H) // GROUP_HEADS
     rows = block * BLOCK_M + tl.arange(0, BLOCK_M)
-    q = _load_rows(q_ptr + bh * T * HEAD_DIM, rows, T, HEAD_DIM, 3, 7)
-    do = _load_rows(do_ptr + bh * T * HEAD_DIM, rows, T, HEAD_DIM, MANTISSA, BIAS)
+    q = load_rows(sq_ptr + bh * T * HEAD_DIM, rows, T, HEAD_DIM, not REBUILT, 3, 7)
+    do = load_rows(do_ptr + bh * T * HEAD_DIM, rows, T, HEAD_DIM, GRAD_FP8, MANTISSA, BIAS)
+    if DP_FP32:  # dO8's values, as a GEMM of FP32 operands reads them
+        do = do * tl.load(scales_ptr + 8)
     row_max, row_sum = (
         tl.load(max_ptr + bh * T + rows, mask=rows < T, other=0.0),
         tl.load(sum_ptr + bh * T + rows, mask=rows < T, other=1.0),
     )
-    k_head, v_head = k_ptr + kv_head * T * HEAD_DIM, v_ptr + kv_head * T * HEAD_DIM
+    k_head, v_head = sk_ptr + kv_head * T * HEAD_DIM, v_ptr + kv_head * T * HEAD_DIM
     end = tl.minimum((block + 1) * BLOCK_M, T)
     d = tl.zeros([BLOCK_M], tl.float32)
     if D_FROM_P:
         for start in range(0, end, BLOCK_N):
             keys = start + tl.arange(0, BLOCK_N)
-            p, dp, _ = _tile(
-                q, do, d, row_max, row_sum, rows, keys, k_head, v_head, scales_ptr, softmax_scale, T, HEAD_DIM
-            )
+            p, dp, _ = tile(q, do, d, row_max, row_sum, rows, keys, k_head, v_head, scales_ptr, softmax_scale, T,
+                            HEAD_DIM, QKV_CODES, DP_FP32, REBUILT)  # fmt: skip
             d += tl.sum(p * dp, 1)
         tl.store(d_ptr + bh * T + rows, d, mask=rows < T)
     else:
@@ -109,31 +70,34 @@ def _rows(
         amax = tl.full([], 0.0, tl.float32)
         for start in range(0, end, BLOCK_N):
             keys = start + tl.arange(0, BLOCK_N)
-            _, _, ds = _tile(
-                q, do, d, row_max, row_sum, rows, keys, k_head, v_head, scales_ptr, softmax_scale, T, HEAD_DIM
-            )
+            _, _, ds = tile(q, do, d, row_max, row_sum, rows, keys, k_head, v_head, scales_ptr, softmax_scale, T,
+                            HEAD_DIM, QKV_CODES, DP_FP32, REBUILT)  # fmt: skip
             amax = tl.maximum(amax, tl.max(tl.max(tl.where(rows[:, None] < T, tl.abs(ds), 0.0), 1), 0))
         tl.atomic_max(amax_ptr, amax)
 
 
 @triton.jit
 def _grad_q(
-    q_ptr, k_ptr, v_ptr, do_ptr, max_ptr, sum_ptr, d_ptr, scales_ptr, dq_ptr, rowsum_ptr, counts_ptr, amax_ptr,
-    softmax_scale, T, H, GROUP_HEADS,
-    HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    MANTISSA: tl.constexpr, BIAS: tl.constexpr, MAX: tl.constexpr,
+    sq_ptr, sk_ptr, k_ptr, v_ptr, do_ptr, max_ptr, sum_ptr, d_ptr, scales_ptr, dq_ptr, rowsum_ptr, counts_ptr,
+    amax_ptr, mean_key_ptr, sums_ptr, softmax_scale, T, H, GROUP_HEADS,
+    HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, MANTISSA: tl.constexpr, BIAS: tl.constexpr,
+    MAX: tl.constexpr, GRAD_FP8: tl.constexpr, QKV_CODES: tl.constexpr, DP_FP32: tl.constexpr,
+    DV_FP32: tl.constexpr, REBUILT: tl.constexpr, MECHANISM: tl.constexpr,
 ):  # fmt: skip
     block, bh = tl.program_id(0), tl.program_id(1)
     kv_head = (bh // H) * (H // GROUP_HEADS) + (bh % H) // GROUP_HEADS
     rows = block * BLOCK_M + tl.arange(0, BLOCK_M)
     in_rows = rows[:, None] < T
-    q = _load_rows(q_ptr + bh * T * HEAD_DIM, rows, T, HEAD_DIM, 3, 7)
-    do = _load_rows(do_ptr + bh * T * HEAD_DIM, rows, T, HEAD_DIM, MANTISSA, BIAS)
+    q = load_rows(sq_ptr + bh * T * HEAD_DIM, rows, T, HEAD_DIM, not REBUILT, 3, 7)
+    do = load_rows(do_ptr + bh * T * HEAD_DIM, rows, T, HEAD_DIM, GRAD_FP8, MANTISSA, BIAS)
+    if DP_FP32:  # dO8's values, as a GEMM of FP32 operands reads them
+        do = do * tl.load(scales_ptr + 8)
     row_max, row_sum = (
         tl.load(max_ptr + bh * T + rows, mask=rows < T, other=0.0),
         tl.load(sum_ptr + bh * T + rows, mask=rows < T, other=1.0),
     )
     d = tl.load(d_ptr + bh * T + rows, mask=rows < T, other=0.0)
+    score_k = sk_ptr + kv_head * T * HEAD_DIM
     k_head, v_head = k_ptr + kv_head * T * HEAD_DIM, v_ptr + kv_head * T * HEAD_DIM
     ds_scale = tl.load(scales_ptr + 3)
     end = tl.minimum((block + 1) * BLOCK_M, T)
@@ -141,39 +105,60 @@ def _grad_q(
     rowsum = tl.zeros([BLOCK_M], tl.float32)
     amax = tl.full([], 0.0, tl.float32)
     n_saturated, n_underflowed, n_nonzero = tl.full([], 0, tl.int32), tl.full([], 0, tl.int32), tl.full([], 0, tl.int32)
+    mean_key = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)  # MECHANISM: kbar = P K (K's codes or values)
+    squares = tl.zeros([BLOCK_M], tl.float32)  # MECHANISM: dS's sum of squares and flushed elements per row
+    flushed = tl.zeros([BLOCK_M], tl.float32)
     for start in range(0, end, BLOCK_N):
         keys = start + tl.arange(0, BLOCK_N)
-        _, _, ds = _tile(q, do, d, row_max, row_sum, rows, keys, k_head, v_head, scales_ptr, softmax_scale, T, HEAD_DIM)
+        p, _, ds = tile(q, do, d, row_max, row_sum, rows, keys, score_k, v_head, scales_ptr, softmax_scale, T,
+                        HEAD_DIM, QKV_CODES, DP_FP32, REBUILT)  # fmt: skip
         ds = tl.where(in_rows, ds, 0.0)
         rowsum += tl.sum(ds, 1)
-        amax = tl.maximum(amax, tl.max(tl.max(tl.abs(ds), 1), 0))
-        r, codes, saturated = _round_grad(ds, ds_scale, MANTISSA, BIAS, MAX)
-        nonzero = ds != 0.0
-        n_saturated += fp8.count(saturated)
-        n_underflowed += fp8.count(nonzero & ((codes & (0x7F ^ ((1 << MANTISSA) - 1))) == 0))
-        n_nonzero += fp8.count(nonzero)
-        acc += tl.dot(r, _load_rows(k_head, keys, T, HEAD_DIM, 3, 7), input_precision="ieee")
-    dq = fp8.round_bf16(acc * tl.load(scales_ptr + 4)) * softmax_scale
+        k = load_rows(k_head, keys, T, HEAD_DIM, QKV_CODES, 3, 7)
+        if MECHANISM:
+            mean_key += tl.dot(p, k, input_precision="ieee")
+            squares += tl.sum(ds * ds, 1)
+        if GRAD_FP8:
+            amax = tl.maximum(amax, tl.max(tl.max(tl.abs(ds), 1), 0))
+            r, codes, saturated = round_grad(ds, ds_scale, MANTISSA, BIAS, MAX)
+            nonzero = ds != 0.0
+            n_saturated += fp8.count(saturated)
+            n_underflowed += fp8.count(nonzero & ((codes & (0x7F ^ ((1 << MANTISSA) - 1))) == 0))
+            n_nonzero += fp8.count(nonzero)
+            if MECHANISM:  # a zero code, all but the sign 0
+                flushed += tl.sum((nonzero & ((codes & 0x7F) == 0)).to(tl.float32), 1)
+            if DP_FP32:  # dS8's values
+                r = r * tl.load(scales_ptr + 9)
+        else:
+            r = fp8.round_bf16(ds)
+        acc += tl.dot(r, k, input_precision="ieee")
+    dq = acc * softmax_scale if DP_FP32 else fp8.round_bf16(acc * tl.load(scales_ptr + 4)) * softmax_scale
     dims = tl.arange(0, HEAD_DIM)
     tl.store(dq_ptr + (bh * T + rows[:, None]) * HEAD_DIM + dims[None, :], dq, mask=in_rows)
     tl.store(rowsum_ptr + bh * T + rows, rowsum, mask=rows < T)
-    tl.atomic_add(counts_ptr, n_saturated.to(tl.int64))
-    tl.atomic_add(counts_ptr + 1, n_underflowed.to(tl.int64))
-    tl.atomic_add(counts_ptr + 2, n_nonzero.to(tl.int64))
-    tl.atomic_max(amax_ptr, amax)
+    if MECHANISM:
+        tl.store(mean_key_ptr + (bh * T + rows[:, None]) * HEAD_DIM + dims[None, :], mean_key, mask=in_rows)
+        tl.store(sums_ptr + bh * T + rows, squares, mask=rows < T)
+        tl.store(sums_ptr + tl.num_programs(1) * T + bh * T + rows, flushed, mask=rows < T)
+    if GRAD_FP8:
+        tl.atomic_add(counts_ptr, n_saturated.to(tl.int64))
+        tl.atomic_add(counts_ptr + 1, n_underflowed.to(tl.int64))
+        tl.atomic_add(counts_ptr + 2, n_nonzero.to(tl.int64))
+        tl.atomic_max(amax_ptr, amax)
 
 
 @triton.jit
 def _grad_kv(
-    q_ptr, k_ptr, v_ptr, do_ptr, max_ptr, sum_ptr, d_ptr, scales_ptr, draws_ptr, dk_ptr, dv_ptr,
+    sq_ptr, sk_ptr, q_ptr, v_ptr, do_ptr, max_ptr, sum_ptr, d_ptr, scales_ptr, draws_ptr, dk_ptr, dv_ptr,
     softmax_scale, T, H, GROUP_HEADS,
-    HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    MANTISSA: tl.constexpr, BIAS: tl.constexpr, MAX: tl.constexpr, STOCHASTIC: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, MANTISSA: tl.constexpr, BIAS: tl.constexpr,
+    MAX: tl.constexpr, GRAD_FP8: tl.constexpr, QKV_CODES: tl.constexpr, DP_FP32: tl.constexpr,
+    DV_FP32: tl.constexpr, REBUILT: tl.constexpr, SEPARATE: tl.constexpr, STOCHASTIC: tl.constexpr,
 ):  # fmt: skip
     block, bh = tl.program_id(0), tl.program_id(1)
     kv_head = (bh // H) * (H // GROUP_HEADS) + (bh % H) // GROUP_HEADS
     keys = block * BLOCK_N + tl.arange(0, BLOCK_N)
-    k_head, v_head = k_ptr + kv_head * T * HEAD_DIM, v_ptr + kv_head * T * HEAD_DIM
+    score_k, v_head = sk_ptr + kv_head * T * HEAD_DIM, v_ptr + kv_head * T * HEAD_DIM
     key = (tl.load(draws_ptr) & 0xFFFFFFFF).to(tl.uint32)
     first = tl.load(draws_ptr + 1) + bh * T
     p_scale, ds_scale = tl.load(scales_ptr + 1), tl.load(scales_ptr + 3)
@@ -181,27 +166,48 @@ def _grad_kv(
     acc_v = tl.zeros([BLOCK_N, HEAD_DIM], tl.float32)
     for start in range(block * BLOCK_N, T, BLOCK_M):  # the query rows that see these keys
         rows = start + tl.arange(0, BLOCK_M)
-        q = _load_rows(q_ptr + bh * T * HEAD_DIM, rows, T, HEAD_DIM, 3, 7)
-        do = _load_rows(do_ptr + bh * T * HEAD_DIM, rows, T, HEAD_DIM, MANTISSA, BIAS)
+        q = load_rows(sq_ptr + bh * T * HEAD_DIM, rows, T, HEAD_DIM, not REBUILT, 3, 7)
+        # dK's Q: the scores' own, or another (the BF16 backward's Q8 values)
+        q_gemm = load_rows(q_ptr + bh * T * HEAD_DIM, rows, T, HEAD_DIM, QKV_CODES, 3, 7) if SEPARATE else q
+        do = load_rows(do_ptr + bh * T * HEAD_DIM, rows, T, HEAD_DIM, GRAD_FP8, MANTISSA, BIAS)
+        do_values = do * tl.load(scales_ptr + 8)  # dO8's values, where a GEMM of FP32 operands reads them
         row_max = tl.load(max_ptr + bh * T + rows, mask=rows < T, other=0.0)
         row_sum = tl.load(sum_ptr + bh * T + rows, mask=rows < T, other=1.0)
         d = tl.load(d_ptr + bh * T + rows, mask=rows < T, other=0.0)
-        p, _, ds = _tile(q, do, d, row_max, row_sum, rows, keys, k_head, v_head, scales_ptr, softmax_scale, T, HEAD_DIM)
+        do_dp = do_values if DP_FP32 else do
+        p, _, ds = tile(q, do_dp, d, row_max, row_sum, rows, keys, score_k, v_head, scales_ptr, softmax_scale, T,
+                        HEAD_DIM, QKV_CODES, DP_FP32, REBUILT)  # fmt: skip
         in_rows = rows[:, None] < T
-        p8, _, _ = round_probs(tl.where(in_rows, p, 0.0), rows, keys, key, first, T, p_scale, STOCHASTIC)
-        ds8, _, _ = _round_grad(tl.where(in_rows, ds, 0.0), ds_scale, MANTISSA, BIAS, MAX)
-        acc_v += tl.dot(tl.trans(p8), do, input_precision="ieee")
-        acc_k += tl.dot(tl.trans(ds8), q, input_precision="ieee")
+        p = tl.where(in_rows, p, 0.0)
+        if REBUILT:  # dV reads the rebuilt P: in FP32 (an FP8 backward), or in BF16
+            p_dv = p if DV_FP32 else fp8.round_bf16(p)
+        else:  # P8: its grid values (FP8), or its values in BF16 (decoded and scaled back)
+            p_dv, _, _ = round_probs(p, rows, keys, key, first, T, p_scale, STOCHASTIC)
+            if not GRAD_FP8:
+                p_dv = fp8.round_bf16(p_dv * tl.load(scales_ptr + 7))
+        ds = tl.where(in_rows, ds, 0.0)
+        if GRAD_FP8:
+            ds_gemm, _, _ = round_grad(ds, ds_scale, MANTISSA, BIAS, MAX)
+            if DP_FP32:  # dS8's values
+                ds_gemm = ds_gemm * tl.load(scales_ptr + 9)
+        else:
+            ds_gemm = fp8.round_bf16(ds)
+        acc_v += tl.dot(tl.trans(p_dv), do_values if DV_FP32 else do, input_precision="ieee")
+        acc_k += tl.dot(tl.trans(ds_gemm), q_gemm, input_precision="ieee")
     dims = tl.arange(0, HEAD_DIM)
     at = (bh * T + keys[:, None]) * HEAD_DIM + dims[None, :]
-    tl.store(dk_ptr + at, fp8.round_bf16(acc_k * tl.load(scales_ptr + 5)) * softmax_scale, mask=keys[:, None] < T)
-    tl.store(dv_ptr + at, fp8.round_bf16(acc_v * tl.load(scales_ptr + 6)), mask=keys[:, None] < T)
+    d_k = acc_k * softmax_scale if DP_FP32 else fp8.round_bf16(acc_k * tl.load(scales_ptr + 5)) * softmax_scale
+    tl.store(dk_ptr + at, d_k, mask=keys[:, None] < T)
+    tl.store(dv_ptr + at, acc_v if DV_FP32 else fp8.round_bf16(acc_v * tl.load(scales_ptr + 6)), mask=keys[:, None] < T)
 
 
 @dataclass(frozen=True)
 class Backward:
     """dQ, dK, dV (B, H, T, hd; dK, dV per query head); dS8's counts (int64: saturated,
-    underflowed, nonzero) and amax; ``rowsum(dS)`` per row (B, H, T), the D-term's error."""
+    underflowed, nonzero) and amax (zeros in a BF16 backward); ``rowsum(dS)`` per row (B, H, T),
+    the D-term's error; D per row (B, H, T). When asked for (the mechanism statistics), each row's
+    ``kbar = P K`` (B, H, T, hd; in K's codes where the dQ GEMM reads codes, unscaled) and sums
+    (2, B, H, T) of dS^2 and of dS's elements that dS8 flushes to zero; else None."""
 
     d_q: torch.Tensor
     d_k: torch.Tensor
@@ -209,68 +215,85 @@ class Backward:
     counts: torch.Tensor
     amax: torch.Tensor
     rowsum: torch.Tensor
+    d: torch.Tensor
+    mean_key: torch.Tensor | None
+    sums: torch.Tensor | None
+
+
+def _data(t: torch.Tensor) -> torch.Tensor:
+    """A kernel's view of an operand: FP8 codes as bytes, BF16 or FP32 values as they are."""
+    codes = t.dtype in (torch.float8_e4m3fn, torch.float8_e5m2)
+    return t.contiguous().view(torch.uint8) if codes else t.contiguous()
 
 
 def backward(
-    codes: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor],
+    scores_operands: tuple[torch.Tensor, torch.Tensor],
+    gemm_operands: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor],
     row_stats: tuple[torch.Tensor, torch.Tensor],
     d_term: torch.Tensor | None,
     scales: torch.Tensor,
     ds_scale: torch.Tensor | Callable[[torch.Tensor], torch.Tensor],
     softmax_scale: float,
     draws: torch.Tensor | None,
-    fmt: BackwardFormat,
+    fmt: BackwardFormat | None,
+    mechanism: bool = False,
 ) -> Backward:
-    """The backward of the forward's E4M3 ``codes`` Q8 (B, H, T, hd), K8, V8 (B, G, T, hd) and of
-    dO8 (B, H, T, hd, in ``fmt``), from the forward's ``row_stats`` (row max, row sum). ``d_term``
-    (B, H, T): D per row, or None for ``rowsum(P * dP)``. ``scales`` (FP32): ``[s_q^-1 s_k^-1,
-    P's scale, s_dO^-1 s_v^-1, s_k^-1, s_q^-1, s_p^-1 s_dO^-1]``, the inverses to be multiplied by
-    dS's; ``ds_scale``: dS's scale (the site's own, delayed scaling), or the function that
-    computes it from the whole dS's amax (current scaling). ``draws``: P's keyed draws'
-    ``[key, first row]``, or None (nearest)."""
-    q8, k8, v8, do8 = codes
-    batch, heads, seq, dim = q8.shape
-    device = q8.device
-    q, k, v, do = (t.contiguous().view(torch.uint8) for t in (q8, k8, v8, do8))
+    """The backward of query heads' Q (B, H, T, hd) over the groups' K, V (B, G, T, hd).
+
+    ``scores_operands``: the Q, K that S is recomputed from: the forward's E4M3 codes Q8, K8 (P from
+    ``row_stats``, row max and row sum), or the original Q, K (P rebuilt: ``row_stats`` the LSE
+    and ones). ``gemm_operands``: the Q, K, V that dK, dQ, dP read (E4M3 codes, or values) and
+    dO: the FP8 backward's dO8 in ``fmt`` (a GEMM with an operand of values, the original Q, K, V
+    in FP32 or a rebuilt P, runs in FP32, unrounded), or the BF16 backward's BF16 values (``fmt``
+    None; dS is then rounded to BF16). ``d_term`` (B, H, T): D per row, or None for
+    ``rowsum(P * dP)``. ``scales`` (FP32): ``[s_q^-1 s_k^-1, P's scale, s_dO^-1 s_v^-1, s_k^-1,
+    s_q^-1, s_p^-1 s_dO^-1, s_p^-1, s_dO^-1]``, the GEMMs' inverse scales (ones for values), dQ's
+    and dK's to be multiplied by dS's, P8's inverse scale (P8's BF16 values) and dO8's (its FP32
+    values); ``ds_scale``: dS's scale (the site's own, delayed scaling), or the
+    function that computes it from the whole dS's amax (current scaling). ``draws``: P's keyed
+    draws' ``[key, first row]``, or None (nearest). ``mechanism``: also ``Backward.mean_key`` and
+    ``sums``; the gradients, counts and row sums are the same bits either way."""
+    sq, sk = (_data(t) for t in scores_operands)
+    q, k, v, do = (_data(t) for t in gemm_operands)
+    batch, heads, seq, dim = q.shape
+    device = q.device
     row_max, row_sum = row_stats
-    shape = dict(HEAD_DIM=dim, BLOCK_M=BLOCK, BLOCK_N=BLOCK, MANTISSA=fmt.mantissa, BIAS=fmt.bias)
-    common = (softmax_scale, seq, heads, heads // k8.shape[1])
+    grad_fp8, qkv_codes, rebuilt = fmt is not None, q.dtype == torch.uint8, sq.dtype != torch.uint8
+    mantissa, bias, fmt_max = (fmt.mantissa, fmt.bias, fmt.max) if fmt is not None else (0, 0, 0.0)
+    # an FP8 backward's GEMMs of an operand that is no FP8 code run in FP32, never rounded
+    fp32 = dict(DP_FP32=grad_fp8 and not qkv_codes, DV_FP32=grad_fp8 and rebuilt)
+    flags = dict(MANTISSA=mantissa, BIAS=bias, GRAD_FP8=grad_fp8, QKV_CODES=qkv_codes, REBUILT=rebuilt, **fp32)
+    shape = dict(HEAD_DIM=dim, BLOCK_M=BLOCK, BLOCK_N=BLOCK, **flags)
+    common = (softmax_scale, seq, heads, heads // k.shape[1])
     grid = (triton.cdiv(seq, BLOCK), batch * heads)
     amax = torch.zeros((), dtype=torch.float32, device=device)
     d = torch.empty(batch, heads, seq, dtype=torch.float32, device=device) if d_term is None else d_term.contiguous()
     amax_first = callable(ds_scale)
-    gemm_scales = torch.cat([scales[:3], torch.zeros(4, device=device)])
+    gemm_scales = torch.cat([scales[:3], torch.zeros(5, device=device), scales[7:], torch.zeros(1, device=device)])
     if d_term is None or amax_first:
         _rows[grid](
-            q,
-            k,
-            v,
-            do,
-            row_max,
-            row_sum,
-            d,
-            gemm_scales,
-            amax,
-            *common,
-            **shape,
-            D_FROM_P=d_term is None,
-            AMAX=amax_first,
-        )
+            sq, sk, v, do, row_max, row_sum, d, gemm_scales, amax, *common, **shape,
+            D_FROM_P=d_term is None, AMAX=amax_first,
+        )  # fmt: skip
     scale = ds_scale(amax.clone()) if callable(ds_scale) else ds_scale
     ds_inv = scale.reciprocal()
     gemm_scales = torch.stack(
-        [scales[0], scales[1], scales[2], scale, ds_inv * scales[3], ds_inv * scales[4], scales[5]]
+        [scales[0], scales[1], scales[2], scale, ds_inv * scales[3], ds_inv * scales[4], *scales[5:], ds_inv]
     )
     d_q, d_k, d_v = (torch.empty(batch, heads, seq, dim, dtype=torch.float32, device=device) for _ in range(3))
     rowsum = torch.empty(batch, heads, seq, dtype=torch.float32, device=device)
     counts = torch.zeros(3, dtype=torch.int64, device=device)
     amax.zero_()
+    mean_key = torch.empty(batch, heads, seq, dim, dtype=torch.float32, device=device) if mechanism else None
+    sums = torch.empty(2, batch, heads, seq, dtype=torch.float32, device=device) if mechanism else None
     _grad_q[grid](
-        q, k, v, do, row_max, row_sum, d, gemm_scales, d_q, rowsum, counts, amax, *common, **shape, MAX=fmt.max
-    )
+        sq, sk, k, v, do, row_max, row_sum, d, gemm_scales, d_q, rowsum, counts, amax,
+        d_q if mean_key is None else mean_key, rowsum if sums is None else sums, *common, **shape, MAX=fmt_max,
+        MECHANISM=mechanism,
+    )  # fmt: skip
     no_draws = torch.zeros(2, dtype=torch.int64, device=device)
     _grad_kv[grid](
-        q, k, v, do, row_max, row_sum, d, gemm_scales, no_draws if draws is None else draws, d_k, d_v, *common,
-        **shape, MAX=fmt.max, STOCHASTIC=draws is not None,
+        sq, sk, q, v, do, row_max, row_sum, d, gemm_scales, no_draws if draws is None else draws, d_k, d_v, *common,
+        **shape, MAX=fmt_max, SEPARATE=sq.data_ptr() != q.data_ptr(), STOCHASTIC=draws is not None,
     )  # fmt: skip
-    return Backward(d_q, d_k, d_v, counts, amax, rowsum)
+    return Backward(d_q, d_k, d_v, counts, amax, rowsum, d, mean_key, sums)

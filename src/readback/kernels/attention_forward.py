@@ -58,9 +58,9 @@ def round_probs(p, rows, keys, key, first, T, p_scale, STOCHASTIC: tl.constexpr)
 @triton.jit
 def _forward(
     q_ptr, k_ptr, v_ptr, scales_ptr, draws_ptr, out_ptr, max_ptr, sum_ptr, counts_ptr, tape_s_ptr, tape_p_ptr,
-    softmax_scale, T, H, GROUP_HEADS,
+    sums_ptr, softmax_scale, T, H, GROUP_HEADS,
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    STOCHASTIC: tl.constexpr, TAPE: tl.constexpr,
+    STOCHASTIC: tl.constexpr, TAPE: tl.constexpr, MECHANISM: tl.constexpr,
 ):  # fmt: skip
     block, bh = tl.program_id(0), tl.program_id(1)
     kv_head = (bh // H) * (H // GROUP_HEADS) + (bh % H) // GROUP_HEADS
@@ -86,10 +86,18 @@ def _forward(
     in_rows = rows[:, None] < T
     acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
     n_saturated, n_underflowed, n_nonzero = tl.full([], 0, tl.int32), tl.full([], 0, tl.int32), tl.full([], 0, tl.int32)
+    s_sum = tl.zeros([BLOCK_M], tl.float32)  # MECHANISM: per row, the sums of S, S^2 and P S
+    s_squares = tl.zeros([BLOCK_M], tl.float32)
+    ps_sum = tl.zeros([BLOCK_M], tl.float32)
     for start in range(0, end, BLOCK_N):
         keys = start + tl.arange(0, BLOCK_N)
         s = scores_tile(q, k_head, keys, T, HEAD_DIM, qk_scale_inv, softmax_scale, rows)
         p = probs_tile(s, row_max, row_sum)
+        if MECHANISM:  # the visible logits' sums (a hidden one is -inf, its P 0)
+            s_seen = tl.where(s > float("-inf"), s, 0.0)
+            s_sum += tl.sum(s_seen, 1)
+            s_squares += tl.sum(s_seen * s_seen, 1)
+            ps_sum += tl.sum(p * s_seen, 1)
         r, codes, saturated = round_probs(p, rows, keys, key, first, T, p_scale, STOCHASTIC)
         nonzero = in_rows & (p != 0.0)
         underflowed = nonzero & ((codes & 0x78) == 0)
@@ -109,6 +117,11 @@ def _forward(
     tl.store(out_ptr + ((b * T + rows[:, None]) * H + h) * HEAD_DIM + dims[None, :], out, mask=in_rows)
     tl.store(max_ptr + bh * T + rows, row_max, mask=rows < T)
     tl.store(sum_ptr + bh * T + rows, row_sum, mask=rows < T)
+    if MECHANISM:
+        size = tl.num_programs(1) * T  # B H T: one plane per sum
+        tl.store(sums_ptr + bh * T + rows, s_sum, mask=rows < T)
+        tl.store(sums_ptr + size + bh * T + rows, s_squares, mask=rows < T)
+        tl.store(sums_ptr + 2 * size + bh * T + rows, ps_sum, mask=rows < T)
     tl.atomic_add(counts_ptr, n_saturated.to(tl.int64))
     tl.atomic_add(counts_ptr + 1, n_underflowed.to(tl.int64))
     tl.atomic_add(counts_ptr + 2, n_nonzero.to(tl.int64))
@@ -122,7 +135,9 @@ class Forward:
     """What the kernel computed: O before its rounding (B, T, H hd; BF16 values in FP32); each
     row's softmax statistics ``row_max``, ``row_sum`` (B, H, T), which the backward recomputes P
     from; P8's counts (int64: saturated, underflowed, nonzero); while taping, the whole S and
-    P8's codes (B, H, T, T; -inf and 0 where never computed), else None."""
+    P8's codes (B, H, T, T; -inf and 0 where never computed), else None; when asked for (the
+    mechanism statistics, ``ops.mechanism.observe_logit_sums``), each row's sums over its visible
+    keys of S, S^2 and P S (3, B, H, T), else None."""
 
     out: torch.Tensor
     row_max: torch.Tensor
@@ -130,6 +145,7 @@ class Forward:
     counts: torch.Tensor
     scores: torch.Tensor | None
     probs: torch.Tensor | None
+    sums: torch.Tensor | None
 
 
 def forward(
@@ -140,11 +156,13 @@ def forward(
     softmax_scale: float,
     draws: torch.Tensor | None,
     tape: bool = False,
+    mechanism: bool = False,
 ) -> Forward:
     """The forward of E4M3 codes ``q8`` (B, H, T, hd) over the groups' ``k8``, ``v8`` (B, G, T, hd).
     ``scales`` (FP32): ``[s_q^-1 s_k^-1, P's scale, s_p^-1 s_v^-1]``, the products as the
     emulated GEMM forms them; ``draws``: ``[key, first row]`` of P's keyed draws (stochastic
-    rounding), or None (nearest)."""
+    rounding), or None (nearest). ``mechanism``: also the rows' sums (``Forward.sums``); O, the
+    row statistics and the counts are the same bits either way."""
     batch, heads, seq, dim = q8.shape
     device = q8.device
     out = torch.empty(batch, seq, heads * dim, dtype=torch.float32, device=device)
@@ -152,13 +170,15 @@ def forward(
     counts = torch.zeros(3, dtype=torch.int64, device=device)
     scores = torch.full((batch, heads, seq, seq), float("-inf"), device=device) if tape else None
     probs = torch.zeros((batch, heads, seq, seq), dtype=torch.uint8, device=device) if tape else None
+    sums = torch.empty(3, batch, heads, seq, dtype=torch.float32, device=device) if mechanism else None
     codes = (t.contiguous().view(torch.uint8) for t in (q8, k8, v8))
     no_draws = torch.zeros(2, dtype=torch.int64, device=device)
     grid = (triton.cdiv(seq, BLOCK), batch * heads)
     _forward[grid](
         *codes, scales, no_draws if draws is None else draws, out, row_max, row_sum, counts,
-        row_max if scores is None else scores, counts if probs is None else probs,
+        row_max if scores is None else scores, counts if probs is None else probs, row_sum if sums is None else sums,
         softmax_scale, seq, heads, heads // k8.shape[1],
-        HEAD_DIM=dim, BLOCK_M=BLOCK, BLOCK_N=BLOCK, STOCHASTIC=draws is not None, TAPE=tape,
+        HEAD_DIM=dim, BLOCK_M=BLOCK, BLOCK_N=BLOCK, STOCHASTIC=draws is not None, TAPE=tape, MECHANISM=mechanism,
     )  # fmt: skip
-    return Forward(out, row_max, row_sum, counts, scores, None if probs is None else probs.view(torch.float8_e4m3fn))
+    probs_codes = None if probs is None else probs.view(torch.float8_e4m3fn)
+    return Forward(out, row_max, row_sum, counts, scores, probs_codes, sums)

@@ -25,9 +25,11 @@ class Observations:
         moments = torch.stack(
             [torch.tensor(float(v.numel()), dtype=torch.float64, device=v.device), v.sum(), v.square().sum()]
         )
-        self._add_moments(key, moments)
+        self.observe_moments(key, moments)
 
-    def _add_moments(self, key: str, moments: torch.Tensor) -> None:
+    def observe_moments(self, key: str, moments: torch.Tensor) -> None:
+        """Add moments (count, sum, sum of squares; FP64) summed elsewhere, as ``observe`` adds
+        its values' (a kernel's per-row sums, whose values are never held)."""
         slot = self.moments.get(key)
         if slot is None or slot.device != moments.device:  # (a resumed run's moments come back on the CPU)
             self.moments[key] = moments if slot is None else moments + slot.to(moments.device)
@@ -73,5 +75,5 @@ class Observations:
         for moments in self.moments.values():
             moments.zero_()
         for key, moments in state.get("observations", {}).items():
-            self._add_moments(key, moments.clone())
+            self.observe_moments(key, moments.clone())
         self.maxima = dict(state.get("maxima", {}))

@@ -243,6 +243,9 @@ class Numerics:
     def observe(self, key: str, values: torch.Tensor) -> None:
         self.observations.observe(key, values)
 
+    def observe_moments(self, key: str, moments: torch.Tensor) -> None:
+        self.observations.observe_moments(key, moments)
+
     def observe_max(self, key: str, value: torch.Tensor) -> None:
         self.observations.observe_max(key, value)
 

@@ -61,16 +61,7 @@ READ_OPERANDS = {"D": "O", "dQ": "K", "dK": "Q", "dV": "P", "dP": "V", "dS": "P"
 QKV_READERS, P_READERS = ("dQ", "dK", "dP"), ("dV", "dS")  # attention.bwd_qkv's and bwd_probs's gradients
 _CORRECT = parts.FORWARD_READS  # which copy of it each gradient but D reads under every policy
 READS = frozen_reads({policy: {**_CORRECT, "D": d_read} for policy, d_read in D_READS.items()})
-# The backward's flavour (attention.bwd_reads), laid over the policy's row (``ops.read_rules``;
-# D stays the policy's, and ``exact`` takes no flavour): ``forward`` reads the operands the FP8
-# forward multiplied; ``te`` what TE's BF16 backward (NVTE_FP8_DPA_BWD=0) reads: the original
-# K, Q, V, and P "rebuilt" as exp(c Q K^T - LSE) from them with the FP8 forward's LSE.
-BWD_READS = frozen_reads(
-    {
-        "forward": {},
-        "te": {"dQ": "original", "dK": "original", "dP": "original", "dV": "rebuilt", "dS": "rebuilt"},
-    }
-)
+BWD_READS = parts.BWD_READS  # the backward's flavour (attention.bwd_reads), laid over the policy's row
 assert tuple(BWD_READS) == attention_settings.BWD_READS
 # Transformer Engine's attention core reading a policy's D: (its per-tensor recipe, its backward's
 # precision, the policy) -> (what D reads, TE's switches that make it read so); backends/te/attention

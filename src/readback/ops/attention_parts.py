@@ -18,6 +18,7 @@ import torch
 
 from readback.numerics import QTensor, decoded, matmul
 from readback.numerics.rounding import KeyedDraws
+from readback.numerics.spec import frozen_reads
 
 if TYPE_CHECKING:
     from readback.numerics.site import Site
@@ -25,6 +26,16 @@ if TYPE_CHECKING:
 
 # which copy of its operand each gradient but D reads under every policy (``ops.attention.READS``)
 FORWARD_READS = {"dV": "rounded", "dS": "original", "dP": "rounded", "dQ": "rounded", "dK": "rounded"}
+# The backward's flavour (attention.bwd_reads), laid over the policy's row (``ops.read_rules``;
+# D stays the policy's, and ``exact`` takes no flavour): ``forward`` reads the operands the FP8
+# forward multiplied; ``te`` what TE's BF16 backward (NVTE_FP8_DPA_BWD=0) reads: the original
+# K, Q, V, and P "rebuilt" as exp(c Q K^T - LSE) from them with the FP8 forward's LSE.
+BWD_READS = frozen_reads(
+    {
+        "forward": {},
+        "te": {"dQ": "original", "dK": "original", "dP": "original", "dV": "rebuilt", "dS": "rebuilt"},
+    }
+)
 BLOCK_ELEMENTS = 1 << 21  # FP32 elements of a block's scores (B x H x rows x T): 8 MiB
 MIN_ROWS = 64  # query rows of a block at least (GEMMs of fewer rows run slowly)
 

@@ -3,16 +3,20 @@ it): the sites round Q, K, V, O and dO as under the ops core, the kernel runs th
 them (``readback.kernels``), with P's and dS's scales and counts taken from and added to their
 sites here.
 
-What it runs: the FP8 forward and the FP8 backward that reads what the forward multiplied
-(``attention.bwd_reads=forward``, dO and dS rounded), under any policy's D read, nearest or
-stochastic rounding, per-tensor delayed or current scaling. ``supports`` says so, and
-``unsupported`` names what it does not run yet (the ops core runs those).
+What it runs: the FP8 forward; the FP8 backward that reads what the forward multiplied
+(``attention.bwd_reads=forward``, dO and dS rounded); the BF16 backward of either flavour
+(``forward``: Q8, K8, V8, P8 as BF16 values; ``te``: the original Q, K, V and P rebuilt with the
+forward's LSE); either with ``bwd_qkv`` and ``bwd_probs`` set apart or not; under any policy's D
+read, nearest or stochastic rounding, per-tensor delayed or current scaling. ``unsupported`` names what it
+does not run yet (the ops core runs those). On log steps (``numerics.mechanism``) the kernels
+also return per-row sums from which ``ops.mechanism`` forms the ops core's statistics.
 """
 
 from __future__ import annotations
 
 import importlib.util
 import os
+from collections.abc import Collection
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -20,6 +24,7 @@ import torch
 from readback.numerics import E4M3, QTensor
 from readback.numerics.scale_state import CurrentScalingState, DelayedScalingState
 from readback.ops import attention_parts as parts
+from readback.ops import mechanism
 from readback.ops.attention_forward import Forward
 
 if TYPE_CHECKING:
@@ -53,13 +58,20 @@ def runs(numerics: Numerics, name: str, q: torch.Tensor) -> bool:
     return q.device.type == "cuda" and runnable and unsupported(numerics, name) is None
 
 
-def settings_refused(fp8: bool, bwd_precision: str, bwd_reads: str, parts_apart: bool, per_tensor: bool) -> str | None:
+def settings_refused(
+    fp8: bool, bwd_precision: str, bwd_reads: str, parts_apart: Collection[str], per_tensor: bool
+) -> str | None:
     """What of a run's settings the kernel does not run, or None: the one rule of the config's
-    check (``backends.attention_kernel``) and of the op's (``unsupported``)."""
+    check (``backends.attention_kernel``) and of the op's (``unsupported``). ``parts_apart``: the
+    names of the backward's parts set apart (``AttentionSettings.parts_set_apart``)."""
     if not fp8:
         return "the triton kernel runs precision=fp8 only"
-    if bwd_precision != "fp8" or bwd_reads != "forward" or parts_apart:
-        return "the triton kernel runs bwd_precision=fp8 with bwd_reads=forward and no part set apart only"
+    runs = bwd_precision == "bf16" or (bwd_precision == "fp8" and bwd_reads == "forward")
+    if not runs or not set(parts_apart) <= {"bwd_qkv", "bwd_probs"}:
+        return (
+            "the triton kernel runs bwd_precision=fp8 with bwd_reads=forward or bwd_precision=bf16 with"
+            " either bwd_reads, and no rounding of dO or dS set apart, only"
+        )
     if not per_tensor:
         return "the triton kernel runs per-tensor scaling only: set attention.recipe under a block recipe"
     return None
@@ -72,11 +84,14 @@ def unsupported(numerics: Numerics, name: str) -> str | None:
     fp8 = spec.precision.name == "fp8"
     sites = [numerics.site(f"{name}.{site}") for site in ("q", "k", "v", "probs")] if fp8 else []
     per_tensor = all(s.fmt is E4M3 and isinstance(s.state, DelayedScalingState | CurrentScalingState) for s in sites)
-    parts_apart = bool(spec.attention.parts_set_apart())
+    parts_apart = spec.attention.parts_set_apart()
     why = settings_refused(fp8, spec.bwd_gemm_precision, spec.attention.bwd_reads, parts_apart, per_tensor)
     reads = spec.reads["attention"]
-    if why is None and any(reads[g] != mode for g, mode in parts.FORWARD_READS.items()):
-        return "the triton kernel reads the forward's operands only (Q8, K8, V8, P8; P for dS)"
+    # one copy of Q, K, V for dQ, dK, dP (rounded or original); P for dV, dS the forward's or rebuilt
+    qkv, probs = {reads["dQ"], reads["dK"], reads["dP"]}, (reads["dV"], reads["dS"])
+    runs_reads = qkv in ({"rounded"}, {"original"}) and probs in (("rounded", "original"), ("rebuilt", "rebuilt"))
+    if why is None and not runs_reads:
+        return "the triton kernel reads each of Q, K, V and P in one copy only (no bias-meter variant)"
     return why
 
 
@@ -97,10 +112,15 @@ def forward(
     scales = torch.stack([qq.scale_inv * kq.scale_inv, p_scale, p_scale.reciprocal() * vq.scale_inv]).float()
     start = site.claim(batch * heads * seq, qq.data.device) if numerics.rounding == "stochastic" else None
     taping = numerics.tape is not None
-    result = kernel.forward(qq.data, kq.data, vq.data, scales, softmax_scale, start, taping)
+    result = kernel.forward(qq.data, kq.data, vq.data, scales, softmax_scale, start, taping, numerics.mechanism)
     site.count(*result.counts)
+    if result.sums is not None:
+        mechanism.observe_logit_sums(numerics, name, (result.row_max, result.row_sum), result.sums)
     probs = None if result.probs is None else QTensor(result.probs, p_scale, site.fmt)
-    blocks = Forward(result.out, p_scale, start, None, result.scores, probs)  # no LSE: bwd_reads=te runs on the ops
+    lse = None  # a rebuilt P's statistics, LSE = log(row sum) + row max, as torch.logsumexp forms it
+    if "rebuilt" in numerics.spec.reads["attention"].values():
+        lse = torch.log(result.row_sum).add_(result.row_max)
+    blocks = Forward(result.out, p_scale, start, lse, result.scores, probs)
     return blocks, (result.row_max, result.row_sum)
 
 
@@ -110,43 +130,94 @@ def backward(
     """``attention_backward.backward`` on the kernel: dQ, dK, dV (B, H, T, hd; K's and V's per
     query head) from dO (``grad``, B, T, H hd)."""
     from readback.kernels import attention_backward as kernel
+    from readback.kernels.attention_tiles import BackwardFormat
 
     batch, heads, seq, dim = ctx.shape
-    dtype = numerics.dtype
+    dtype, fp8 = numerics.dtype, numerics.bwd_gemm_precision == "fp8"
     grad = grad.reshape(batch, seq, heads, dim).transpose(1, 2)
-    d_out8 = numerics.site(f"{name}.grad_output", "bwd").quantize(grad.to(dtype))
+    # the dO the GEMMs read (dO8, or dO in BF16) and the one D reads (dO8, or dO held as ``held`` says)
+    d_out: torch.Tensor | QTensor
+    d_out_in_d: torch.Tensor | QTensor
+    if fp8:
+        d_out = d_out_in_d = numerics.site(f"{name}.grad_output", "bwd").quantize(grad.to(dtype))
+        if ctx.mechanism:  # as the ops core adds it: dO as held
+            grad_rounding = mechanism.GradientRounding(f"{name}.grad_output")
+            grad_rounding.add(grad.to(parts.held(numerics)), d_out)
+            grad_rounding.observe(numerics)
+    else:
+        d_out, d_out_in_d = grad.to(torch.bfloat16), grad.to(parts.held(numerics))
     o_read = parts.d_term_o(numerics, name, saved)  # None: D = rowsum(P * dP), formed by the kernel
     d_term = None
     if o_read is not None:  # the ops core's row term, over every row at once
         o_rows = parts.o_rows(numerics, o_read, slice(0, seq), heads)
-        d_term = (parts.value(d_out8, dtype) * o_rows).sum(-1)
-    site = numerics.site(f"{name}.grad_scores", "bwd")
-    fmt = site.fmt
-    assert fmt is not None
-    ds_scale: Any
-    if site.reads_amax_first:
-        ds_scale = lambda amax: site.scale_for(amax, amax)  # noqa: E731
-    else:  # the step's scale; this dS's amax joins the step's once the kernel has it
-        ds_scale = site.scale_for(torch.zeros((), device=grad.device), torch.zeros((), device=grad.device))
+        d_term = (parts.value(d_out_in_d, dtype) * o_rows).sum(-1)
     q8, k8, v8 = saved["q8"], saved["k8"], saved["v8"]
-    p_scale = saved["p8_scale"]
-    scales = torch.stack(
-        [
-            q8.scale_inv * k8.scale_inv,
-            p_scale,
-            d_out8.scale_inv * v8.scale_inv,
-            k8.scale_inv,
-            q8.scale_inv,
-            p_scale.reciprocal() * d_out8.scale_inv,
-        ]
-    ).float()
-    bwd_format = kernel.BackwardFormat(fmt.mantissa_bits, 1 - fmt.min_exponent, fmt.max)
-    codes = (q8.data, k8.data, v8.data, d_out8.data.contiguous())
+    one = torch.ones((), device=grad.device)
+    qk_inv = p_scale = p8_inv = one  # S's and P8's scales: a rebuilt P reads neither
+    reads = numerics.spec.reads["attention"]
+    if reads["dS"] == "rebuilt":  # P = exp(c Q K^T - LSE): row max the LSE, row sum one
+        scores_operands = (saved["q"], saved["k"])
+        row_stats = (saved["lse"], torch.ones_like(saved["lse"]))
+    else:
+        scores_operands, row_stats = (q8.data, k8.data), (saved["row_max"], saved["row_sum"])
+        qk_inv, p_scale = q8.scale_inv * k8.scale_inv, saved["p8_scale"]
+        p8_inv = p_scale.reciprocal()  # P8's inverse scale (``QTensor.scale_inv``): its values' factor
+    original = reads["dQ"] == "original"  # dQ, dK, dP read the original Q, K, V (held as ``held`` says)
+    if fp8:
+        assert isinstance(d_out, QTensor)
+        d_out_inv = d_out.scale_inv
+        if original:  # GEMMs of values in FP32, unscaled
+            gemm_operands = (saved["q"], saved["k"], saved["v"], d_out.data)
+            inverse, dp_inv = (one, one, p8_inv * d_out_inv), one
+        else:
+            gemm_operands = (q8.data, k8.data, v8.data, d_out.data)
+            inverse, dp_inv = (k8.scale_inv, q8.scale_inv, p8_inv * d_out_inv), d_out_inv * v8.scale_inv
+    else:  # BF16 values: Q8, K8, V8 as their GEMMs read them, or the originals
+        assert isinstance(d_out, torch.Tensor)
+        values = (saved[n] for n in "qkv") if original else (t.dequantize(torch.bfloat16) for t in (q8, k8, v8))
+        gemm_operands = (*values, d_out)
+        inverse, dp_inv, d_out_inv = (one, one, one), one, one
+    scales = torch.stack([qk_inv, p_scale, dp_inv, *inverse, p8_inv, d_out_inv]).float()
+    ds_scale: Any = one  # a BF16 backward rounds dS to BF16, unscaled: no site
+    bwd_format = None
+    if fp8:
+        site = numerics.site(f"{name}.grad_scores", "bwd")
+        fmt = site.fmt
+        assert fmt is not None
+        bwd_format = BackwardFormat(fmt.mantissa_bits, 1 - fmt.min_exponent, fmt.max)
+        if site.reads_amax_first:
+            ds_scale = lambda amax: site.scale_for(amax, amax)  # noqa: E731
+        else:  # the step's scale; this dS's amax joins the step's once the kernel has it
+            ds_scale = site.scale_for(torch.zeros((), device=grad.device), torch.zeros((), device=grad.device))
     result = kernel.backward(
-        codes, (saved["row_max"], saved["row_sum"]), d_term, scales, ds_scale, ctx.scale, saved["p8_draws"], bwd_format
-    )
-    if not site.reads_amax_first:
-        site.scale_for(result.amax, result.amax)
-    site.count(*result.counts)
+        scores_operands, gemm_operands, row_stats, d_term, scales, ds_scale, ctx.scale, saved["p8_draws"], bwd_format,
+        ctx.mechanism,
+    )  # fmt: skip
+    if bwd_format is not None:
+        if not site.reads_amax_first:
+            site.scale_for(result.amax, result.amax)
+        site.count(*result.counts)
     numerics.observe(f"attn_rowsum/{name}", result.rowsum)
+    if ctx.mechanism:
+        _observe_mechanism(numerics, name, result, bwd_format is not None)
     return result.d_q, result.d_k, result.d_v
+
+
+def _observe_mechanism(numerics: Numerics, name: str, result: Any, fp8: bool) -> None:
+    """The backward's mechanism statistics from the kernel's per-row results (``result``, a
+    ``kernels.attention_backward.Backward``), as ``ops.mechanism`` forms them: the D-term cosine
+    of ``kbar`` and D (``kbar`` in K8's codes where dQ reads them: the cosine does not depend on
+    K's scale); dS8's rounding (an FP8 backward), over as many elements as the ops core's blocks
+    of dS hold (their hidden keys' zeros too)."""
+    d_term = mechanism.DTermCosine()
+    d_term.add_mean_keys(result.mean_key, result.d[..., None])
+    d_term.observe(numerics, name)
+    if fp8:
+        batch, heads, seq = result.d.shape
+        blocks = parts.query_blocks(batch, heads, seq)
+        size = sum(batch * heads * (rows.stop - rows.start) * rows.stop for rows in blocks)
+        _, underflowed, nonzero = result.counts
+        grad_rounding = mechanism.GradientRounding(f"{name}.grad_scores")
+        squares, flushed = result.sums.double().sum((1, 2, 3))
+        grad_rounding.add_counts(torch.stack([nonzero, flushed, underflowed]), squares, result.amax, size)
+        grad_rounding.observe(numerics)

@@ -21,7 +21,21 @@ CASES = [  # (batch, heads, groups, T, head dim), policy, recipe, rounding: fog_
 ]
 
 
+BACKWARDS = [  # the BF16 backward's flavours, and parts set apart, each with fog_390m's head dim and GQA once
+    ((1, 8, 4, 256, 128), "reuse_rounded", "delayed", "nearest", dict(bwd_precision="bf16", bwd_reads="te")),
+    ((2, 2, 1, 200, 64), "original", "current", "stochastic", dict(bwd_precision="bf16", bwd_reads="forward")),
+    ((1, 4, 2, 130, 128), "original", "delayed", "stochastic", dict(bwd_precision="bf16", bwd_reads="te")),
+    ((1, 4, 2, 130, 128), "no_saved_copy", "delayed", "nearest", dict(bwd_qkv="original", bwd_probs="rebuilt")),
+]
+
+
 @pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") == "1", reason="the interpreter runs on the CPU")
 @pytest.mark.parametrize(("shape", "policy", "recipe", "rounding"), CASES)
 def test_the_kernel_on_cuda_rounds_as_the_ops_core(monkeypatch, shape, policy, recipe, rounding):
     compare(shape, policy, recipe, rounding, monkeypatch, "cuda")
+
+
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") == "1", reason="the interpreter runs on the CPU")
+@pytest.mark.parametrize(("shape", "policy", "recipe", "rounding", "backward"), BACKWARDS)
+def test_other_backwards_on_cuda_round_as_the_ops_core(monkeypatch, shape, policy, recipe, rounding, backward):
+    compare(shape, policy, recipe, rounding, monkeypatch, "cuda", backward)

@@ -14,7 +14,26 @@ sit that close to a decision point: at most a share ``_FLIPS`` of them. A GEMM o
 difference is then at most one BF16 unit plus a code step (2**-3 for E4M3, 2**-2 for E5M2)
 times the root of the stepped share, ``_bound``; the D-term's row sums likewise, and the sites'
 counts within ``_FLIPS`` of their nonzero elements. (In the interpreter the two cores' codes,
-counts, O, dK and dV have come out identical on these inputs, and dQ within 2e-5.)
+counts and O have come out identical on these inputs, and dQ, dK, dV identical or within 3e-5.)
+
+The BF16 backward (``attention.bwd_precision=bf16``, both flavours of ``bwd_reads``) rounds dO and
+dS to BF16, not FP8, and adds no count: the same sites round and count in both cores. Its GEMMs
+read BF16 values (Q8, K8, V8, P8 decoded and scaled, or the original Q, K, V and the rebuilt P),
+so the FP32 sum order is again the only difference (the ops core's one GEMM per block of rows,
+the kernel's 64-key tiles): a GEMM output one BF16 unit apart where it straddles, and dS's BF16
+values a unit apart where dP's or its own rounding did, at every element at worst
+(``_gradient_bounds``: three units for dQ, dK; two for dV from the rebuilt P, whose FP32 values
+differ by the LSE's sum order, the kernel's online ``log(row sum) + row max`` against
+``torch.logsumexp``). Such straddles are rare: a share ``_straddles`` (4 K 2**-16 for sums of K
+terms; 1/64 at K = 256) of a gradient's elements may differ at all, where a rounding left out
+changes about a third of them. (In the
+interpreter dQ, dK and dV have come out identical on these inputs, or a share 1e-4 of dK's.)
+
+What dQ, dK, dP read (``bwd_qkv``) and dV, dS read (``bwd_probs``) set apart choose the operands
+alone. Under the FP8 backward a GEMM of an original or a rebuilt P with dO8's or dS8's values runs
+in FP32 and is not rounded (``ops.attention_backward``'s ``gemm_of``): such an output differs by
+the FP32 sum order alone, at most K FP32 units (2**-24) relative, within the FP8 bounds, which
+stand for dS8's code steps. (In the interpreter: within 2e-7.)
 """
 
 import pytest
@@ -44,3 +63,50 @@ def test_every_policy_recipe_and_rounding(monkeypatch, policy, recipe, rounding)
 )
 def test_shapes(monkeypatch, shape, policy, recipe, rounding):
     compare(shape, policy, recipe, rounding, monkeypatch)
+
+
+# The BF16 backward, both flavours: every policy with each, nearest and stochastic rounding
+# alternating, so that each flavour and each policy meets both; then shapes as above.
+BF16_BACKWARD = [
+    (policy, reads, ("nearest", "stochastic")[(i + j) % 2], ("delayed", "current")[i % 2])
+    for i, policy in enumerate(POLICIES)
+    for j, reads in enumerate(("forward", "te"))
+]
+BF16_SHAPES = [
+    ((1, 4, 2, 24, 128), "fresh_reround", "current", "stochastic", "te"),
+    ((1, 2, 2, 128, 64), "reuse_rounded", "delayed", "nearest", "forward"),
+    ((2, 2, 1, 71, 64), "no_saved_copy", "current", "stochastic", "forward"),
+    ((1, 4, 2, 128, 128), "original", "delayed", "nearest", "te"),
+]
+
+
+@pytest.mark.parametrize(("policy", "reads", "rounding", "recipe"), BF16_BACKWARD)
+def test_bf16_backward_every_policy(monkeypatch, policy, reads, rounding, recipe):
+    compare(SMALL, policy, recipe, rounding, monkeypatch, backward=dict(bwd_precision="bf16", bwd_reads=reads))
+
+
+@pytest.mark.parametrize(
+    ("shape", "policy", "recipe", "rounding", "reads"),
+    BF16_SHAPES,
+    ids=[f"{c[4]}-T{c[0][3]}d{c[0][4]}H{c[0][1]}G{c[0][2]}" for c in BF16_SHAPES],
+)
+def test_bf16_backward_shapes(monkeypatch, shape, policy, recipe, rounding, reads):
+    compare(shape, policy, recipe, rounding, monkeypatch, backward=dict(bwd_precision="bf16", bwd_reads=reads))
+
+
+# What dQ, dK, dP read (bwd_qkv) or what dV, dS read (bwd_probs) set apart from the backward's
+# flavour: the originals with the forward's P, a rebuilt P with Q8, K8, V8, and both; under the
+# BF16 backward, and under the FP8 one, whose GEMMs of an original or a rebuilt P run in FP32
+PARTS = [
+    (SMALL, "reuse_rounded", "nearest", dict(bwd_precision="bf16", bwd_qkv="original")),
+    (SMALL, "original", "stochastic", dict(bwd_precision="bf16", bwd_probs="rebuilt")),
+    (SMALL, "no_saved_copy", "stochastic", dict(bwd_precision="bf16", bwd_reads="te", bwd_qkv="forward")),
+    (SMALL, "reuse_rounded", "nearest", dict(bwd_qkv="original")),
+    (SMALL, "original", "stochastic", dict(bwd_probs="rebuilt")),
+    ((1, 4, 2, 71, 128), "fresh_reround", "nearest", dict(bwd_qkv="original", bwd_probs="rebuilt")),
+]
+
+
+@pytest.mark.parametrize(("shape", "policy", "rounding", "parts"), PARTS, ids=[str(c[3]) for c in PARTS])
+def test_parts_set_apart(monkeypatch, shape, policy, rounding, parts):
+    compare(shape, policy, "delayed", rounding, monkeypatch, backward=parts)
