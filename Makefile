@@ -28,8 +28,11 @@ lint: $(STAMP)
 	$(VENV)/bin/ruff check tests
 	$(VENV)/bin/ruff format --check tests
 
+# One worker process per core, each test file on one worker (its module fixtures built once), each
+# worker on one intra-op thread: workers with several threads each wait on each other's cores.
+TEST_WORKERS ?= auto
 test: $(STAMP)
-	$(PY) -m pytest
+	OMP_NUM_THREADS=$${OMP_NUM_THREADS:-1} $(PY) -m pytest -n $(TEST_WORKERS) --dist loadfile
 
 # What CI runs on each supported Python besides the one that runs `make test` (.ci/run): the main
 # job for a few steps, the type check (under this Python's rules) and the fast tests.

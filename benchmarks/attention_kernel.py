@@ -7,14 +7,17 @@ torch's SDPA in BF16 (its flash kernel), in milliseconds per forward + backward 
 
 The FP8 cores run as a training step runs them (``reuse_rounded``, delayed scaling): the sites
 round Q, K, V, O and dO, and the step's scales are updated after each backward. The goal of the
-Triton core on an H100 is at least half SDPA BF16's speed at T 4,096. Transformer Engine's fused
-FP8 attention is not measured here (``benchmarks/gpu_step.py``'s te_fp8 case times it in a
-whole step). Needs a CUDA device and triton: without them it says so and exits 2.
+Triton core on an H100 is at least half SDPA BF16's speed at T 4,096. Where Transformer Engine
+imports, its fused FP8 attention (``te.DotProductAttention`` under ``DelayedScaling(fp8_dpa=True)``,
+BF16 in and out, the cuDNN kernel ``reuse_rounded`` runs under ``backend=te``) is timed beside them;
+elsewhere that case is left out and the output says so. Needs a CUDA device and triton: without them
+it says so and exits 2.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import sys
 from collections.abc import Callable
@@ -59,10 +62,34 @@ def _readback(kernel: str, batch: int, seq: int) -> Callable[[], None]:
     return step
 
 
+def _te_fp8(batch: int, seq: int) -> Callable[[], None]:
+    import transformer_engine.pytorch as te
+    from transformer_engine.common.recipe import DelayedScaling, Format
+
+    from readback.backends.te.parts import fp8_autocast
+
+    core = te.DotProductAttention(HEADS, HEAD_DIM, num_gqa_groups=GROUPS, attn_mask_type="causal", qkv_format="bshd")
+    q = torch.randn(batch, seq, HEADS, HEAD_DIM, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    k, v = (
+        torch.randn(batch, seq, GROUPS, HEAD_DIM, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+        for _ in range(2)
+    )
+    grad = torch.randn(batch, seq, HEADS * HEAD_DIM, device="cuda", dtype=torch.bfloat16)
+    recipe = DelayedScaling(fp8_format=Format.HYBRID, fp8_dpa=True)
+
+    def step() -> None:
+        with fp8_autocast(enabled=True, recipe=recipe):
+            o = core(q, k, v)
+        o.backward(grad)
+
+    return step
+
+
 CASES: dict[str, Callable[[int, int], Callable[[], None]]] = {
     "sdpa_bf16": _sdpa,
     "readback_fp8_triton": lambda batch, seq: _readback("triton", batch, seq),
     "readback_fp8_ops": lambda batch, seq: _readback("ops", batch, seq),
+    "te_fp8": _te_fp8,
 }
 
 
@@ -101,9 +128,13 @@ def main(argv: list[str] | None = None) -> int:
     except ImportError:
         print("attention_kernel: needs triton (pip install triton)", file=sys.stderr)
         return 2
+    cases = args.cases
+    if "te_fp8" in cases and importlib.util.find_spec("transformer_engine") is None:
+        print("attention_kernel: te_fp8 left out: transformer_engine is not installed", file=sys.stderr)
+        cases = [case for case in cases if case != "te_fp8"]
     results = []
     for seq in args.seq:
-        by_case = {case: measure(case, args.batch, seq, args.repeats) for case in args.cases}
+        by_case = {case: measure(case, args.batch, seq, args.repeats) for case in cases}
         base = by_case.get("sdpa_bf16")
         for case, figures in by_case.items():
             speed = f", {base['ms'] / figures['ms']:.2f}x sdpa_bf16's speed" if base else ""

@@ -17,7 +17,8 @@
 #   kernel_tests    tests/unit/backends/test_gpu_kernel.py: the Triton attention core on CUDA against the ops core
 #                   on the CPU (codes, counts, O and gradients within the interpreter tests' bounds)
 #   kernel_benchmark  benchmarks/attention_kernel.py: the FP8 core's forward + backward on the Triton kernel and
-#                   on the ops against SDPA in BF16 (flash), ms and peak memory at T 4,096, head dim 128
+#                   on the ops against SDPA in BF16 (flash) and, where TE imports, TE's fused FP8 attention,
+#                   ms and peak memory at T 4,096, head dim 128
 #   benchmark       benchmarks/gpu_step.py: fog_390m, emulated FP8 against BF16, tokens/s, MFU, peak memory
 #                   at sequence 1024 (micro-batch 8) and 4096 (micro-batch 2); its attention runs on the
 #                   Triton kernel (attention.kernel=auto)

@@ -4,6 +4,7 @@ made once per session for every test that reads it."""
 
 import functools
 import os
+import signal
 from collections.abc import Callable
 from pathlib import Path
 
@@ -33,6 +34,14 @@ settings.register_profile(
 settings.load_profile("readback")
 
 INTEGRATION = Path(__file__).parent / "integration"
+
+
+def pytest_configure(config):
+    """A suite started with SIGINT ignored (a background job of a shell script, as CI may start it)
+    would pass that on to every program a test starts: Python's own handler is put back, so that
+    they take Ctrl-C as they do from a terminal."""
+    if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 def pytest_collection_modifyitems(items):
