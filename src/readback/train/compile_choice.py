@@ -9,9 +9,11 @@ cache. Anywhere else it keeps eager, as every run did before ``auto``: a size wi
 break-even, a GPU, several processes.
 
 The choice reads only settings a resume keeps (the total ``trainer.steps``, not the steps left),
-so a run and its resume choose alike. Compiled losses agree with eager ones to about 1e-7
-relative, not bit for bit (``readback.ops.compiled``): the runs of one comparison keep one mode,
-and a resume refuses another setting, as for ``trainer.threads``.
+so a run and its resume choose alike. A resume that lengthens a run (``trainer.steps`` changed under
+``trainer.resume_changed_config``) may cross the threshold: giving ``trainer.compile`` the run's
+mode as well keeps it. Compiled losses agree with eager ones to about 1e-7 relative, not bit for
+bit (``readback.ops.compiled``): the runs of one comparison keep one mode, and a resume refuses
+another setting, as for ``trainer.threads``.
 """
 
 from __future__ import annotations
