@@ -31,9 +31,9 @@ log = logging.getLogger(__name__)
 AUTO = "auto"
 # model.name -> the trainer.steps from which ``auto`` compiles a CPU run: the break-even measured
 # with a cold inductor cache by benchmarks/compile.py on 2 shared cores, one thread (EPYC,
-# docs/performance.md; tiny: 1,433 steps of 16 x 128 tokens, every 10th eager), rounded up; a size
-# not named here stays eager.
-AUTO_COMPILE_STEPS = {"tiny": 1500}
+# docs/performance.md, every 10th step eager: tiny 1,433 steps of 16 x 128 tokens, small 91 of
+# 4 x 8 x 256), rounded up; a size not named here stays eager.
+AUTO_COMPILE_STEPS = {"tiny": 1500, "small": 100}
 
 
 def is_compile_setting(value: object) -> bool:

@@ -48,10 +48,10 @@ def test_auto_keeps_eager_on_a_gpu_over_several_processes_and_for_a_size_not_mea
 
 
 def test_the_test_suites_short_runs_stay_eager():
-    """Tests train a few dozen steps at most (and the toy config a dozen): auto compiles none."""
+    """Tests train 60 steps at most (the toy config 12): auto compiles none."""
     cfg = toys.make_cfg()
     assert cfg.trainer.compile == "auto" and cfg.model.name in AUTO_COMPILE_STEPS
-    assert min(AUTO_COMPILE_STEPS.values()) > 100 > cfg.trainer.steps
+    assert min(AUTO_COMPILE_STEPS.values()) > 60 > cfg.trainer.steps
 
 
 @pytest.mark.parametrize(("setting", "mode"), [("auto", "eager"), (True, "compiled")])
