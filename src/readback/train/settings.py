@@ -26,6 +26,7 @@ from readback.numerics.precision_settings import PrecisionSettings
 from readback.numerics.settings import NumericsSettings
 from readback.overrides import with_current_keys
 from readback.probe.settings import Probe
+from readback.train.compile_choice import is_compile_setting
 from readback.train.threads import is_thread_count
 
 DEVICES = ("auto", "cpu", "cuda")
@@ -60,7 +61,6 @@ RESUMABLE_KEYS = (
     "trainer.micro_batch",  # the same global batch, accumulated another way
     "trainer.gpu_memory_gb",
     "trainer.progress",
-    "trainer.compile",
     "trainer.preempt_signals",
     "trainer.timeouts.",
     "trainer.ckpt_every",
@@ -147,7 +147,7 @@ class Trainer(Checked):
     parallel: str = one_of(PARALLEL)
     gpu_memory_gb: float = number(0, low_open=True)
     progress: bool = MISSING
-    compile: bool = MISSING
+    compile: Any = MISSING  # true, false or auto (readback.train.compile_choice; OmegaConf 2.3 nests no Union)
     threads: str = matching("auto or an integer >= 1", is_thread_count)  # readback.train.threads
     optim: Optim = MISSING
     divergence: Divergence = MISSING
@@ -156,6 +156,8 @@ class Trainer(Checked):
     def check(self) -> None:
         from readback.train.preemption import parse_signals
 
+        if not is_compile_setting(self.compile):
+            raise ConfigError("trainer.compile", self.compile, "auto, true or false")
         try:
             parse_signals(self.preempt_signals)
         except ValueError:

@@ -38,11 +38,11 @@ import torch
 from readback.backends import site_implementations
 from readback.errors import ConfigError
 from readback.model import ActivationStats
-from readback.ops.compiled import compiled
 from readback.probe import check_params
 from readback.train.agreement import agree
 from readback.train.checkpoint import CheckpointManager, RNGState, RunDirTaken, WriterLock
 from readback.train.checkpoint.dirs import checkpoint_dir, list_checkpoints
+from readback.train.compile_choice import CompiledStep
 from readback.train.contract import Builders, check_model, with_vocabulary
 from readback.train.distributed import DistEnv, all_reduce_mean, set_collective_timeout
 from readback.train.divergence import DivergenceDetector
@@ -97,7 +97,7 @@ class Trainer:
         check_params(cfg.probe, self.model)  # the names its patterns match exist once it is built
         self.metrics.n_params = int(self.model.n_params())
         self.forward = apply_parallelism(self.model, env, cfg.trainer.parallel)  # before the optimizer: FSDP shards
-        self.compiled = compiled(self.forward) if cfg.trainer.compile else None
+        self.compiled = CompiledStep(self.forward, cfg.trainer.compile, cfg.model.name, self.steps, env)
         self.activation_stats = ActivationStats(self.model)  # forward hooks: FSDP keeps the modules
         self.named_params = [(n, p) for n, p in self.model.named_parameters() if p.requires_grad]
         self.params = [p for _, p in self.named_params]
@@ -127,7 +127,7 @@ class Trainer:
             self.step = self.start = start
             self.metrics.open_logger(self.cfg, self.run_dir, resume_step=start, wandb_run_id=wandb_id)
             self.summary.clear()
-            self.metrics.log_start(self.experiment, steps=self.steps, accum=self.accum)
+            self.metrics.log_start(self.experiment, steps=self.steps, accum=self.accum, mode=self.compiled.describe())
             status = self._loop(start)
             self.checkpoints.wait()  # an asynchronous save still in flight
         except Preempted as p:
@@ -181,7 +181,7 @@ class Trainer:
                     loss = taped.train(self.model, x, y, self.accum)
                 else:
                     with nullcontext() if last else no_gradient_sync(self.forward, self.env):
-                        loss = self._forward_of(measured)(x, y)
+                        loss = self._forward_of(measured, step)(x, y)
                         (loss / self.accum).backward()
             if taped is not None:
                 taped.measure(self.model, x, y, self.stream)
@@ -193,13 +193,13 @@ class Trainer:
         self.preempt = self.preempt or preempt_v > 0
         return loss_v, gnorm_v
 
-    def _forward_of(self, track_stats: bool):
+    def _forward_of(self, track_stats: bool, step: int):
         """The compiled forward, once a step has created every rounding site (a compiled backward
         can only update sites that exist), except where statistics are measured: their hooks and
         records run eagerly."""
-        if self.compiled is None or track_stats or not self.model.numerics.sites:
+        if self.compiled.forward is None or track_stats or not self.model.numerics.sites:
             return self.forward
-        return self.compiled
+        return self.compiled.at(step)
 
     def _apply_update(self, step: int, loss: float, gnorm: float) -> bool:
         """Step the optimizer unless the loss or the gradients are not finite; ``False``: stop.
@@ -256,6 +256,7 @@ class Trainer:
                 self._stop_nonfinite(step, t0, loss, lr, gnorm)
                 return "diverged"
             m.step_done(loss, time.perf_counter() - t0)
+            self.compiled.step_done(step, time.perf_counter() - t0, env.is_main)
             if step == start + 1:
                 set_collective_timeout(env, t.timeouts.step_s)
             if is_log:

@@ -98,10 +98,12 @@ class MetricsProcessor:
         gap = missing_records(last, resume_step, self.window.last_logged_step)
         log.warning("%s, and this run goes on without them (%s)", gap, rewind)
 
-    def log_start(self, experiment: str, *, steps: int, accum: int) -> None:
+    def log_start(self, experiment: str, *, steps: int, accum: int, mode: str) -> None:
+        """The run's start line; ``mode``: compiled or eager, and why (``train.compile_choice``)."""
         if self.env.is_main:
             log.info(
-                "%s: %s params, %.4g FLOPs/token, %d steps x %d tokens, accum %d, world %d, %s, %d intra-op threads",
+                "%s: %s params, %.4g FLOPs/token, %d steps x %d tokens, accum %d, world %d, %s, "
+                "%d intra-op threads, %s",
                 experiment,
                 f"{self.n_params:,}",
                 self.flops_per_token,
@@ -111,6 +113,7 @@ class MetricsProcessor:
                 self.env.world_size,
                 self.env.device,
                 torch.get_num_threads(),
+                mode,
             )
 
     def open_progress_bar(self, total: int, initial: int, desc: str) -> None:
