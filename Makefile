@@ -47,7 +47,7 @@ smoke: $(STAMP)
 train: $(STAMP)
 	WANDB_MODE=$${WANDB_MODE:-offline} $(PY) train.py +experiment=reuse_rounded
 
-# The CPU mini-study (sweeps/cpu_mini.sh): 5 experiments x 3 seeds of the small FOG, about an hour.
+# The CPU mini-study (sweeps/cpu_mini.sh): 5 experiments x 3 seeds of the tiny FOG.
 sweep-cpu: $(STAMP)
 	WANDB_MODE=$${WANDB_MODE:-offline} PYTHON=$(PY) bash sweeps/cpu_mini.sh
 
