@@ -30,10 +30,19 @@ def test_auto_runs_the_ops_core_on_a_cpu(monkeypatch):
     assert site_implementations(cfg)["attention_core"] == "readback.ops.attention"
 
 
-@pytest.mark.parametrize("experiment", ["fresh_reround", "reuse_rounded_bf16_bwd"])  # FP8 and BF16 backward
-def test_triton_under_the_interpreter_is_the_spec_s_and_the_summary_s(monkeypatch, experiment):
+# FP8 and BF16 backward, and each with a rounding of dO or dS set apart
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        ("+experiment=fresh_reround",),
+        ("+experiment=reuse_rounded_bf16_bwd",),
+        ("+experiment=reuse_rounded", "attention.round_grad_scores=false"),
+        ("+experiment=reuse_rounded_bf16_bwd", "attention.round_grad_output=true"),
+    ],
+)
+def test_triton_under_the_interpreter_is_the_spec_s_and_the_summary_s(monkeypatch, overrides):
     monkeypatch.setenv("TRITON_INTERPRET", "1")
-    cfg = validate(compose(f"+experiment={experiment}", "attention.kernel=triton"))
+    cfg = validate(compose(*overrides, "attention.kernel=triton"))
     assert numerics_spec(cfg.numerics).attention.kernel == "triton"
     assert site_implementations(cfg)["attention_core"] == "readback.ops.attention on readback.kernels (Triton)"
 
@@ -43,8 +52,6 @@ def test_triton_under_the_interpreter_is_the_spec_s_and_the_summary_s(monkeypatc
     [
         (("+experiment=reuse_rounded", "attention.bwd_precision=fp32"), "bwd_precision=fp8 with bwd_reads=forward"),
         (("+experiment=bf16_baseline",), "precision=fp8 only"),
-        (("+experiment=reuse_rounded", "attention.round_grad_scores=false"), "no rounding of dO or dS"),
-        (("+experiment=reuse_rounded_bf16_bwd", "attention.round_grad_output=true"), "no rounding of dO or dS"),
         (("+experiment=reuse_rounded", "model.d_model=96", "model.n_heads=2"), "model head_dim is 48"),
         (("+experiment=reuse_rounded", "probe.bias_every=10"), "the bias meter's variants"),
     ],
