@@ -240,28 +240,28 @@ def backward(
     softmax_scale: float,
     draws: torch.Tensor | None,
     fmt: BackwardFormat | None,
-    fp8_gemms: bool,
+    precision: str,
     round_scores: bool,
     mechanism: bool = False,
 ) -> Backward:
     """The backward of query heads' Q (B, H, T, hd) over the groups' K, V (B, G, T, hd).
 
     ``scores_operands``: the Q, K that S is recomputed from: the forward's E4M3 codes Q8, K8 (P from
-    ``row_stats``, row max and row sum), or the original Q, K (P rebuilt: ``row_stats`` the LSE
-    and ones). ``gemm_operands``: the Q, K, V that dK, dQ, dP read (E4M3 codes, or values) and
-    dO: dO8's codes in ``fmt``, or values (FP32 under the FP8 backward, an unrounded dO; BF16
-    under the BF16 backward, dO8's or dO's). ``fp8_gemms``: the FP8 backward, whose GEMM with an
-    operand of values (the original Q, K, V, a rebuilt P, an unrounded dO or dS) runs in FP32,
-    unrounded; else the BF16 backward's (BF16 values). ``round_scores``: dS is rounded to ``fmt``
-    (else not, or to BF16 in a BF16 backward). ``d_term`` (B, H, T): D per row, or None for
-    ``rowsum(P * dP)``. ``scales`` (FP32): ``[s_q^-1 s_k^-1, P's scale, s_dO^-1 s_v^-1, s_k^-1,
-    s_q^-1, s_p^-1 s_dO^-1, s_p^-1, s_dO^-1, s_v^-1, s_k^-1, s_q^-1]``, the GEMMs' inverse
-    scales (ones for values), dQ's and dK's to be multiplied by dS8's, P8's inverse scale (P8's
-    BF16 or FP32 values), dO8's (its FP32 values) and V8's, K8's, Q8's (their FP32 values, in an
-    FP32 GEMM of an unrounded dO or dS); ``ds_scale``: dS's scale (the site's own, delayed scaling), or the
-    function that computes it from the whole dS's amax (current scaling). ``draws``: P's keyed
-    draws' ``[key, first row]``, or None (nearest). ``mechanism``: also ``Backward.mean_key`` and
-    ``sums``; the gradients, counts and row sums are the same bits either way."""
+    ``row_stats``, row max and row sum), or the original Q, K (P rebuilt: ``row_stats`` the LSE and
+    ones). ``gemm_operands``: the Q, K, V that dK, dQ, dP read (E4M3 codes, or values) and dO: dO8's
+    codes in ``fmt``, or values (FP32 under the FP8 backward, an unrounded dO; BF16 under the BF16
+    backward, dO8's or dO's). ``precision``: the backward's, ``fp8`` (a GEMM with an operand of
+    values, the original Q, K, V, a rebuilt P, an unrounded dO or dS, runs in FP32, unrounded),
+    ``fp32`` (every GEMM so, of the codes' values) or ``bf16`` (BF16 values). ``round_scores``: dS
+    is rounded to ``fmt`` (else not, or to BF16 in a BF16 backward). ``d_term`` (B, H, T): D per
+    row, or None for ``rowsum(P * dP)``. ``scales`` (FP32): ``[s_q^-1 s_k^-1, P's scale, s_dO^-1
+    s_v^-1, s_k^-1, s_q^-1, s_p^-1 s_dO^-1, s_p^-1, s_dO^-1, s_v^-1, s_k^-1, s_q^-1]``, the GEMMs'
+    inverse scales (ones for values), dQ's and dK's to be multiplied by dS8's, P8's inverse scale
+    (P8's BF16 or FP32 values), dO8's (its FP32 values) and V8's, K8's, Q8's (their FP32 values, in
+    an FP32 GEMM of an unrounded dO or dS); ``ds_scale``: dS's scale (the site's own, delayed
+    scaling), or the function that computes it from the whole dS's amax (current scaling).
+    ``draws``: P's keyed draws' ``[key, first row]``, or None (nearest). ``mechanism``: also
+    ``Backward.mean_key`` and ``sums``; the gradients, counts and row sums are the same bits either way."""
     sq, sk = (_data(t) for t in scores_operands)
     q, k, v, do = (_data(t) for t in gemm_operands)
     batch, heads, seq, dim = q.shape
@@ -269,10 +269,14 @@ def backward(
     row_max, row_sum = row_stats
     do_codes, qkv_codes, rebuilt = do.dtype == torch.uint8, q.dtype == torch.uint8, sq.dtype != torch.uint8
     mantissa, bias, fmt_max = (fmt.mantissa, fmt.bias, fmt.max) if fmt is not None else (0, 0, 0.0)
-    # an FP8 backward's GEMMs of an operand that is no FP8 code run in FP32, never rounded
-    dp_fp32, dqk_fp32 = fp8_gemms and not (qkv_codes and do_codes), fp8_gemms and not (qkv_codes and round_scores)
-    fp32 = dict(DP_FP32=dp_fp32, DV_FP32=fp8_gemms and (rebuilt or not do_codes), DQK_FP32=dqk_fp32)
-    flags = dict(MANTISSA=mantissa, BIAS=bias, DO_CODES=do_codes, DS_FP8=round_scores, BF16=not fp8_gemms, **fp32)
+    # the FP32 backward's GEMMs, and an FP8 backward's of an operand that is no FP8 code, run in FP32, never rounded
+    bf16, codes = precision == "bf16", precision == "fp8"
+    fp32 = dict(
+        DP_FP32=not (bf16 or (codes and qkv_codes and do_codes)),
+        DV_FP32=not (bf16 or (codes and not rebuilt and do_codes)),
+        DQK_FP32=not (bf16 or (codes and qkv_codes and round_scores)),
+    )
+    flags = dict(MANTISSA=mantissa, BIAS=bias, DO_CODES=do_codes, DS_FP8=round_scores, BF16=bf16, **fp32)
     shape = dict(HEAD_DIM=dim, BLOCK_M=BLOCK, BLOCK_N=BLOCK, QKV_CODES=qkv_codes, REBUILT=rebuilt, **flags)
     common = (softmax_scale, seq, heads, heads // k.shape[1])
     grid = (triton.cdiv(seq, BLOCK), batch * heads)
@@ -288,7 +292,7 @@ def backward(
         )  # fmt: skip
     scale = ds_scale(amax.clone()) if callable(ds_scale) else ds_scale
     ds_inv = scale.reciprocal()
-    codes_inv = ds_inv if fp8_gemms else torch.ones_like(ds_inv)  # dQ's, dK's epilogue: dS8's codes' scale
+    codes_inv = torch.ones_like(ds_inv) if bf16 else ds_inv  # dQ's, dK's epilogue: dS8's codes' scale
     gemm_scales = torch.stack(
         [*scales[:3], scale, codes_inv * scales[3], codes_inv * scales[4], *scales[5:8], ds_inv, *scales[8:]]
     )

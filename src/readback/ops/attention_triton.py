@@ -6,7 +6,8 @@ sites here.
 What it runs: the FP8 forward; the FP8 backward that reads what the forward multiplied
 (``attention.bwd_reads=forward``, dO and dS rounded to E5M2); the BF16 backward of either flavour
 (``forward``: Q8, K8, V8, P8 as BF16 values; ``te``: the original Q, K, V and P rebuilt with the
-forward's LSE); either with any of its parts set apart (``bwd_qkv``, ``bwd_probs``, and the
+forward's LSE); the FP32 backward (``bwd_reads=forward``: every GEMM of values in FP32, unrounded);
+each with any of its parts set apart (``bwd_qkv``, ``bwd_probs``, and the
 rounding of dO, dS and the dO D reads: ``round_grad_output``, ``round_grad_scores``,
 ``round_grad_output_in_d``, at the ops core's sites, with its counts and scales) or not; under any policy's D
 read, nearest or stochastic rounding, per-tensor delayed or current scaling. ``unsupported`` names what it
@@ -65,9 +66,9 @@ def settings_refused(fp8: bool, bwd_precision: str, bwd_reads: str, per_tensor: 
     backward set apart (``AttentionSettings.parts_set_apart``) runs."""
     if not fp8:
         return "the triton kernel runs precision=fp8 only"
-    if not (bwd_precision == "bf16" or (bwd_precision == "fp8" and bwd_reads == "forward")):
+    if not (bwd_precision == "bf16" or (bwd_precision in ("fp8", "fp32") and bwd_reads == "forward")):
         return (
-            "the triton kernel runs bwd_precision=fp8 with bwd_reads=forward or bwd_precision=bf16 with"
+            "the triton kernel runs bwd_precision=fp8 or fp32 with bwd_reads=forward or bwd_precision=bf16 with"
             " either bwd_reads only"
         )
     if not per_tensor:
@@ -130,7 +131,8 @@ def backward(
     from readback.kernels.attention_tiles import BackwardFormat
 
     batch, heads, seq, dim = ctx.shape
-    dtype, fp8, spec = numerics.dtype, numerics.bwd_gemm_precision == "fp8", numerics.spec
+    dtype, spec = numerics.dtype, numerics.spec
+    fp8 = numerics.bwd_gemm_precision != "bf16"  # the GEMMs read codes, or their FP32 values (FP32 backward)
     reads = spec.reads["attention"]
     grad = grad.to(parts.held(numerics)).reshape(batch, seq, heads, dim).transpose(1, 2)
     # dO8 where the GEMMs or D read it (``NumericsSpec.attention_rounds``), one rounding as in the ops core
@@ -195,7 +197,7 @@ def backward(
     bwd_format = None if fmt is None else BackwardFormat(fmt.mantissa_bits, 1 - fmt.min_exponent, fmt.max)
     result = kernel.backward(
         scores_operands, gemm_operands, row_stats, d_term, scales, ds_scale, ctx.scale, saved["p8_draws"], bwd_format,
-        fp8, rounds_scores, ctx.mechanism,
+        numerics.bwd_gemm_precision, rounds_scores, ctx.mechanism,
     )  # fmt: skip
     if rounds_scores:
         if not site.reads_amax_first:

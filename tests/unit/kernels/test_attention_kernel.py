@@ -41,8 +41,9 @@ in both cores. Under the FP8 backward an unrounded dS's dQ and dK, and an unroun
 FP32 GEMMs rounded nowhere: they differ where dS's elements do (a BF16 unit, where dP's or S's
 rounding straddled: a share ``_straddles``) and by the FP32 sum order, a bound well under the
 BF16 unit a rounded output would take. The BF16 backward's dO8 and dS8 enter its GEMMs as their
-values rounded to BF16, as the ops core's BF16 GEMM reads them: its bounds stand. (In the
-interpreter: within 2e-7 for the FP32 outputs.)
+values rounded to BF16, as the ops core's BF16 GEMM reads them: its bounds stand. The FP32
+backward (``bwd_precision=fp32``) runs every GEMM so, on Q8's, K8's, V8's and P8's values: no
+output takes a BF16 unit. (In the interpreter: within 2e-7 for the FP32 outputs.)
 """
 
 import pytest
@@ -132,6 +133,9 @@ ROUNDINGS = [
     (SMALL, "no_saved_copy", "current", "stochastic", dict(bwd_precision="bf16", round_grad_output=True)),
     (SMALL, "reuse_rounded", "current", "nearest", dict(bwd_precision="bf16", round_grad_scores=True)),
     (SMALL, "original", "delayed", "nearest", dict(bwd_precision="bf16", round_grad_output_in_d=True)),
+    # the FP32 backward: every GEMM of values in FP32, dO and dS unrounded, or rounded set apart
+    ((1, 4, 2, 71, 64), "no_saved_copy", "current", "stochastic", dict(bwd_precision="fp32")),
+    (SMALL, "reuse_rounded", "delayed", "nearest", dict(bwd_precision="fp32", round_grad_scores=True)),
 ]
 
 
