@@ -26,7 +26,6 @@ its (scaled) output once to BF16, as the emulated GEMMs and ``SplitK`` do.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
 
 import torch
 import triton
@@ -34,7 +33,7 @@ import triton.language as tl
 
 from readback.kernels import fp8
 from readback.kernels.attention_forward import BLOCK, round_probs
-from readback.kernels.attention_tiles import BackwardFormat, grad_scores_operand, load_rows, round_grad, tile
+from readback.kernels.attention_tiles import Backward, BackwardFormat, grad_scores_operand, load_rows, round_grad, tile
 
 
 @triton.jit
@@ -203,25 +202,6 @@ def _grad_kv(
     d_k = acc_k * softmax_scale if DQK_FP32 else fp8.round_bf16(acc_k * tl.load(scales_ptr + 5)) * softmax_scale
     tl.store(dk_ptr + at, d_k, mask=keys[:, None] < T)
     tl.store(dv_ptr + at, acc_v if DV_FP32 else fp8.round_bf16(acc_v * tl.load(scales_ptr + 6)), mask=keys[:, None] < T)
-
-
-@dataclass(frozen=True)
-class Backward:
-    """dQ, dK, dV (B, H, T, hd; dK, dV per query head); dS8's counts (int64: saturated,
-    underflowed, nonzero) and amax (zeros in a BF16 backward); ``rowsum(dS)`` per row (B, H, T),
-    the D-term's error; D per row (B, H, T). When asked for (the mechanism statistics), each row's
-    ``kbar = P K`` (B, H, T, hd; in K's codes where the dQ GEMM reads codes, unscaled) and sums
-    (2, B, H, T) of dS^2 and of dS's elements that dS8 flushes to zero; else None."""
-
-    d_q: torch.Tensor
-    d_k: torch.Tensor
-    d_v: torch.Tensor
-    counts: torch.Tensor
-    amax: torch.Tensor
-    rowsum: torch.Tensor
-    d: torch.Tensor
-    mean_key: torch.Tensor | None
-    sums: torch.Tensor | None
 
 
 def _data(t: torch.Tensor) -> torch.Tensor:

@@ -5,18 +5,39 @@ What a tile reads is chosen at compile time: the FP8 backward's codes (dO in the
 format, Q, K, V in E4M3, scaled in each GEMM's epilogue; the original Q, K, V in FP32 where
 ``bwd_qkv`` sets them apart) or the BF16 backward's BF16 values (unscaled); P recomputed from
 the forward's Q8, K8 and row statistics, or rebuilt from the original Q, K and the forward's LSE
-(``REBUILT``: flavour ``te``, or ``bwd_probs`` set apart).
+(``REBUILT``: flavour ``te``, or ``bwd_probs`` set apart). Beside them, the backward's types:
+the format its gradients round to (``BackwardFormat``) and what it returns (``Backward``).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
 import triton
 import triton.language as tl
 
 from readback.kernels import fp8
 from readback.kernels.attention_forward import probs_tile, scores_tile
+
+
+@dataclass(frozen=True)
+class Backward:
+    """dQ, dK, dV (B, H, T, hd; dK, dV per query head); dS8's counts (int64: saturated,
+    underflowed, nonzero) and amax (zeros in a BF16 backward); ``rowsum(dS)`` per row (B, H, T),
+    the D-term's error; D per row (B, H, T). When asked for (the mechanism statistics), each row's
+    ``kbar = P K`` (B, H, T, hd; in K's codes where the dQ GEMM reads codes, unscaled) and sums
+    (2, B, H, T) of dS^2 and of dS's elements that dS8 flushes to zero; else None."""
+
+    d_q: torch.Tensor
+    d_k: torch.Tensor
+    d_v: torch.Tensor
+    counts: torch.Tensor
+    amax: torch.Tensor
+    rowsum: torch.Tensor
+    d: torch.Tensor
+    mean_key: torch.Tensor | None
+    sums: torch.Tensor | None
 
 
 @triton.jit

@@ -211,7 +211,7 @@ def backward(
 
 def _observe_mechanism(numerics: Numerics, name: str, result: Any, rounds_scores: bool) -> None:
     """The backward's mechanism statistics from the kernel's per-row results (``result``, a
-    ``kernels.attention_backward.Backward``), as ``ops.mechanism`` forms them: the D-term cosine
+    ``kernels.attention_tiles.Backward``), as ``ops.mechanism`` forms them: the D-term cosine
     of ``kbar`` and D (``kbar`` in K8's codes where dQ reads them: the cosine does not depend on
     K's scale); dS8's rounding (where dS is rounded), over as many elements as the ops core's blocks
     of dS hold (their hidden keys' zeros too)."""
