@@ -15,8 +15,7 @@ def kernel_cannot_run(settings: NumericsSettings) -> str | None:
     """What in these settings the Triton kernel does not run, or None."""
     attention, fp8 = settings.attention, settings.fp8 is not None
     per_tensor = fp8 and (attention.recipe is not None or not isinstance(settings.recipe(), BlockScalingRecipe))
-    apart = attention.parts_set_apart()
-    return attention_triton.settings_refused(fp8, attention.bwd_precision, attention.bwd_reads, apart, per_tensor)
+    return attention_triton.settings_refused(fp8, attention.bwd_precision, attention.bwd_reads, per_tensor)
 
 
 def kernel_to_run(settings: NumericsSettings, on_cuda: bool | None = None) -> str:

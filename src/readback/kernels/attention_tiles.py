@@ -5,18 +5,39 @@ What a tile reads is chosen at compile time: the FP8 backward's codes (dO in the
 format, Q, K, V in E4M3, scaled in each GEMM's epilogue; the original Q, K, V in FP32 where
 ``bwd_qkv`` sets them apart) or the BF16 backward's BF16 values (unscaled); P recomputed from
 the forward's Q8, K8 and row statistics, or rebuilt from the original Q, K and the forward's LSE
-(``REBUILT``: flavour ``te``, or ``bwd_probs`` set apart).
+(``REBUILT``: flavour ``te``, or ``bwd_probs`` set apart). Beside them, the backward's types:
+the format its gradients round to (``BackwardFormat``) and what it returns (``Backward``).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
 import triton
 import triton.language as tl
 
 from readback.kernels import fp8
 from readback.kernels.attention_forward import probs_tile, scores_tile
+
+
+@dataclass(frozen=True)
+class Backward:
+    """dQ, dK, dV (B, H, T, hd; dK, dV per query head); dS8's counts (int64: saturated,
+    underflowed, nonzero) and amax (zeros in a BF16 backward); ``rowsum(dS)`` per row (B, H, T),
+    the D-term's error; D per row (B, H, T). When asked for (the mechanism statistics), each row's
+    ``kbar = P K`` (B, H, T, hd; in K's codes where the dQ GEMM reads codes, unscaled) and sums
+    (2, B, H, T) of dS^2 and of dS's elements that dS8 flushes to zero; else None."""
+
+    d_q: torch.Tensor
+    d_k: torch.Tensor
+    d_v: torch.Tensor
+    counts: torch.Tensor
+    amax: torch.Tensor
+    rowsum: torch.Tensor
+    d: torch.Tensor
+    mean_key: torch.Tensor | None
+    sums: torch.Tensor | None
 
 
 @triton.jit
@@ -50,10 +71,13 @@ def tile(q, do, d, row_max, row_sum, rows, keys, k_head, v_head, scales_ptr, sof
          HEAD_DIM: tl.constexpr, QKV_CODES: tl.constexpr, DP_FP32: tl.constexpr, REBUILT: tl.constexpr):  # fmt: skip
     """P and dP of the tile (query ``rows`` x ``keys``), and ``dS = P (dP - D)``; ``q`` the rows'
     scores operand, ``k_head`` the keys' (``probs``), ``v_head`` dP's V (``QKV_CODES``: E4M3
-    codes). ``DP_FP32``: dP is an FP8 backward's GEMM of dO8's values (``do``, scaled) and the
-    original V, in FP32 and never rounded; else its output is scaled and rounded to BF16."""
+    codes). ``DP_FP32``: dP is an FP8 backward's GEMM of values (``do``: dO8's, scaled, or dO;
+    V8's, scaled, or the original V), in FP32 and never rounded; else its output is scaled and
+    rounded to BF16."""
     p = probs(q, k_head, keys, rows, row_max, row_sum, tl.load(scales_ptr), softmax_scale, T, HEAD_DIM, REBUILT)
     v = load_rows(v_head, keys, T, HEAD_DIM, QKV_CODES, 3, 7)
+    if DP_FP32 and QKV_CODES:  # V8's values, as a GEMM of FP32 operands reads them
+        v = v * tl.load(scales_ptr + 10)
     dp = tl.dot(do, tl.trans(v), input_precision="ieee")
     if not DP_FP32:
         dp = fp8.round_bf16(dp * tl.load(scales_ptr + 2))
@@ -81,3 +105,13 @@ def round_grad(ds, ds_scale, MANTISSA: tl.constexpr, BIAS: tl.constexpr, MAX: tl
     y = tl.minimum(tl.maximum(y, -MAX), MAX)
     r = fp8.round_to_grid(y, y, False, MANTISSA, 1 - BIAS)
     return r, fp8.encode(r, y, MANTISSA, BIAS), saturated
+
+
+@triton.jit
+def grad_scores_operand(r, scales_ptr, DS_FP8: tl.constexpr, DQK_FP32: tl.constexpr, BF16: tl.constexpr):
+    """What the dQ and dK GEMMs read of dS (``r``: dS8's grid values where ``DS_FP8``, else dS):
+    dS8's codes (scaled in the epilogue), or its values (an FP32 GEMM's, or rounded to BF16 in a
+    BF16 backward), or dS as it is (an FP32 GEMM's) or rounded to BF16."""
+    if DS_FP8 and (DQK_FP32 or BF16):
+        r = r * tl.load(scales_ptr + 9)
+    return fp8.round_bf16(r) if BF16 else r

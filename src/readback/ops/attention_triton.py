@@ -4,9 +4,12 @@ them (``readback.kernels``), with P's and dS's scales and counts taken from and 
 sites here.
 
 What it runs: the FP8 forward; the FP8 backward that reads what the forward multiplied
-(``attention.bwd_reads=forward``, dO and dS rounded); the BF16 backward of either flavour
+(``attention.bwd_reads=forward``, dO and dS rounded to E5M2); the BF16 backward of either flavour
 (``forward``: Q8, K8, V8, P8 as BF16 values; ``te``: the original Q, K, V and P rebuilt with the
-forward's LSE); either with ``bwd_qkv`` and ``bwd_probs`` set apart or not; under any policy's D
+forward's LSE); the FP32 backward (``bwd_reads=forward``: every GEMM of values in FP32, unrounded);
+each with any of its parts set apart (``bwd_qkv``, ``bwd_probs``, and the
+rounding of dO, dS and the dO D reads: ``round_grad_output``, ``round_grad_scores``,
+``round_grad_output_in_d``, at the ops core's sites, with its counts and scales) or not; under any policy's D
 read, nearest or stochastic rounding, per-tensor delayed or current scaling. ``unsupported`` names what it
 does not run yet (the ops core runs those). On log steps (``numerics.mechanism``) the kernels
 also return per-row sums from which ``ops.mechanism`` forms the ops core's statistics.
@@ -16,7 +19,6 @@ from __future__ import annotations
 
 import importlib.util
 import os
-from collections.abc import Collection
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -58,19 +60,16 @@ def runs(numerics: Numerics, name: str, q: torch.Tensor) -> bool:
     return q.device.type == "cuda" and runnable and unsupported(numerics, name) is None
 
 
-def settings_refused(
-    fp8: bool, bwd_precision: str, bwd_reads: str, parts_apart: Collection[str], per_tensor: bool
-) -> str | None:
+def settings_refused(fp8: bool, bwd_precision: str, bwd_reads: str, per_tensor: bool) -> str | None:
     """What of a run's settings the kernel does not run, or None: the one rule of the config's
-    check (``backends.attention_kernel``) and of the op's (``unsupported``). ``parts_apart``: the
-    names of the backward's parts set apart (``AttentionSettings.parts_set_apart``)."""
+    check (``backends.attention_kernel``) and of the op's (``unsupported``). Every part of the
+    backward set apart (``AttentionSettings.parts_set_apart``) runs."""
     if not fp8:
         return "the triton kernel runs precision=fp8 only"
-    runs = bwd_precision == "bf16" or (bwd_precision == "fp8" and bwd_reads == "forward")
-    if not runs or not set(parts_apart) <= {"bwd_qkv", "bwd_probs"}:
+    if not (bwd_precision == "bf16" or (bwd_precision in ("fp8", "fp32") and bwd_reads == "forward")):
         return (
-            "the triton kernel runs bwd_precision=fp8 with bwd_reads=forward or bwd_precision=bf16 with"
-            " either bwd_reads, and no rounding of dO or dS set apart, only"
+            "the triton kernel runs bwd_precision=fp8 or fp32 with bwd_reads=forward or bwd_precision=bf16 with"
+            " either bwd_reads only"
         )
     if not per_tensor:
         return "the triton kernel runs per-tensor scaling only: set attention.recipe under a block recipe"
@@ -84,8 +83,7 @@ def unsupported(numerics: Numerics, name: str) -> str | None:
     fp8 = spec.precision.name == "fp8"
     sites = [numerics.site(f"{name}.{site}") for site in ("q", "k", "v", "probs")] if fp8 else []
     per_tensor = all(s.fmt is E4M3 and isinstance(s.state, DelayedScalingState | CurrentScalingState) for s in sites)
-    parts_apart = spec.attention.parts_set_apart()
-    why = settings_refused(fp8, spec.bwd_gemm_precision, spec.attention.bwd_reads, parts_apart, per_tensor)
+    why = settings_refused(fp8, spec.bwd_gemm_precision, spec.attention.bwd_reads, per_tensor)
     reads = spec.reads["attention"]
     # one copy of Q, K, V for dQ, dK, dP (rounded or original); P for dV, dS the forward's or rebuilt
     qkv, probs = {reads["dQ"], reads["dK"], reads["dP"]}, (reads["dV"], reads["dS"])
@@ -133,28 +131,36 @@ def backward(
     from readback.kernels.attention_tiles import BackwardFormat
 
     batch, heads, seq, dim = ctx.shape
-    dtype, fp8 = numerics.dtype, numerics.bwd_gemm_precision == "fp8"
-    grad = grad.reshape(batch, seq, heads, dim).transpose(1, 2)
-    # the dO the GEMMs read (dO8, or dO in BF16) and the one D reads (dO8, or dO held as ``held`` says)
-    d_out: torch.Tensor | QTensor
-    d_out_in_d: torch.Tensor | QTensor
-    if fp8:
-        d_out = d_out_in_d = numerics.site(f"{name}.grad_output", "bwd").quantize(grad.to(dtype))
+    dtype, spec = numerics.dtype, numerics.spec
+    fp8 = numerics.bwd_gemm_precision != "bf16"  # the GEMMs read codes, or their FP32 values (FP32 backward)
+    reads = spec.reads["attention"]
+    grad = grad.to(parts.held(numerics)).reshape(batch, seq, heads, dim).transpose(1, 2)
+    # dO8 where the GEMMs or D read it (``NumericsSpec.attention_rounds``), one rounding as in the ops core
+    rounds_grad = spec.attention_rounds("grad_output")
+    rounded_in_d = reads["D"] != "none" and spec.attention_rounds("grad_output_in_d")
+    d_out8 = None
+    if rounds_grad or rounded_in_d:
+        d_out8 = numerics.site(f"{name}.grad_output", "bwd").quantize(grad.to(dtype))
         if ctx.mechanism:  # as the ops core adds it: dO as held
             grad_rounding = mechanism.GradientRounding(f"{name}.grad_output")
-            grad_rounding.add(grad.to(parts.held(numerics)), d_out)
+            grad_rounding.add(grad, d_out8)
             grad_rounding.observe(numerics)
+    # the dO the GEMMs read: dO8 (its codes; its BF16 values in a BF16 backward), or dO (FP32 or BF16)
+    one = torch.ones((), device=grad.device)
+    d_out_inv = one
+    if d_out8 is not None and rounds_grad:
+        d_out = d_out8.data if fp8 else d_out8.dequantize(torch.bfloat16)
+        d_out_inv = d_out8.scale_inv if fp8 else one
     else:
-        d_out, d_out_in_d = grad.to(torch.bfloat16), grad.to(parts.held(numerics))
+        d_out = grad.to(torch.float32 if fp8 else torch.bfloat16)
     o_read = parts.d_term_o(numerics, name, saved)  # None: D = rowsum(P * dP), formed by the kernel
     d_term = None
     if o_read is not None:  # the ops core's row term, over every row at once
         o_rows = parts.o_rows(numerics, o_read, slice(0, seq), heads)
+        d_out_in_d = d_out8 if rounded_in_d and d_out8 is not None else grad
         d_term = (parts.value(d_out_in_d, dtype) * o_rows).sum(-1)
     q8, k8, v8 = saved["q8"], saved["k8"], saved["v8"]
-    one = torch.ones((), device=grad.device)
     qk_inv = p_scale = p8_inv = one  # S's and P8's scales: a rebuilt P reads neither
-    reads = numerics.spec.reads["attention"]
     if reads["dS"] == "rebuilt":  # P = exp(c Q K^T - LSE): row max the LSE, row sum one
         scores_operands = (saved["q"], saved["k"])
         row_stats = (saved["lse"], torch.ones_like(saved["lse"]))
@@ -163,56 +169,56 @@ def backward(
         qk_inv, p_scale = q8.scale_inv * k8.scale_inv, saved["p8_scale"]
         p8_inv = p_scale.reciprocal()  # P8's inverse scale (``QTensor.scale_inv``): its values' factor
     original = reads["dQ"] == "original"  # dQ, dK, dP read the original Q, K, V (held as ``held`` says)
-    if fp8:
-        assert isinstance(d_out, QTensor)
-        d_out_inv = d_out.scale_inv
-        if original:  # GEMMs of values in FP32, unscaled
-            gemm_operands = (saved["q"], saved["k"], saved["v"], d_out.data)
-            inverse, dp_inv = (one, one, p8_inv * d_out_inv), one
-        else:
-            gemm_operands = (q8.data, k8.data, v8.data, d_out.data)
-            inverse, dp_inv = (k8.scale_inv, q8.scale_inv, p8_inv * d_out_inv), d_out_inv * v8.scale_inv
+    values_inv = (one, one, one)  # V8's, K8's, Q8's inverse scales where an FP32 GEMM reads their codes
+    if fp8 and original:  # GEMMs of values in FP32, unscaled
+        gemm_operands = (saved["q"], saved["k"], saved["v"], d_out)
+        inverse, dp_inv = (one, one, p8_inv * d_out_inv), one
+    elif fp8:
+        gemm_operands = (q8.data, k8.data, v8.data, d_out)
+        inverse, dp_inv = (k8.scale_inv, q8.scale_inv, p8_inv * d_out_inv), d_out_inv * v8.scale_inv
+        values_inv = (v8.scale_inv, k8.scale_inv, q8.scale_inv)
     else:  # BF16 values: Q8, K8, V8 as their GEMMs read them, or the originals
-        assert isinstance(d_out, torch.Tensor)
         values = (saved[n] for n in "qkv") if original else (t.dequantize(torch.bfloat16) for t in (q8, k8, v8))
         gemm_operands = (*values, d_out)
-        inverse, dp_inv, d_out_inv = (one, one, one), one, one
-    scales = torch.stack([qk_inv, p_scale, dp_inv, *inverse, p8_inv, d_out_inv]).float()
-    ds_scale: Any = one  # a BF16 backward rounds dS to BF16, unscaled: no site
-    bwd_format = None
-    if fp8:
+        inverse, dp_inv = (one, one, one), one
+    scales = torch.stack([qk_inv, p_scale, dp_inv, *inverse, p8_inv, d_out_inv, *values_inv]).float()
+    ds_scale: Any = one  # an unrounded dS (FP32, or BF16 in a BF16 backward), unscaled: no site
+    rounds_scores = spec.attention_rounds("grad_scores")
+    fmt = None
+    if rounds_scores:
         site = numerics.site(f"{name}.grad_scores", "bwd")
         fmt = site.fmt
-        assert fmt is not None
-        bwd_format = BackwardFormat(fmt.mantissa_bits, 1 - fmt.min_exponent, fmt.max)
         if site.reads_amax_first:
             ds_scale = lambda amax: site.scale_for(amax, amax)  # noqa: E731
         else:  # the step's scale; this dS's amax joins the step's once the kernel has it
             ds_scale = site.scale_for(torch.zeros((), device=grad.device), torch.zeros((), device=grad.device))
+    elif d_out8 is not None:
+        fmt = d_out8.fmt
+    bwd_format = None if fmt is None else BackwardFormat(fmt.mantissa_bits, 1 - fmt.min_exponent, fmt.max)
     result = kernel.backward(
         scores_operands, gemm_operands, row_stats, d_term, scales, ds_scale, ctx.scale, saved["p8_draws"], bwd_format,
-        ctx.mechanism,
+        numerics.bwd_gemm_precision, rounds_scores, ctx.mechanism,
     )  # fmt: skip
-    if bwd_format is not None:
+    if rounds_scores:
         if not site.reads_amax_first:
             site.scale_for(result.amax, result.amax)
         site.count(*result.counts)
     numerics.observe(f"attn_rowsum/{name}", result.rowsum)
     if ctx.mechanism:
-        _observe_mechanism(numerics, name, result, bwd_format is not None)
+        _observe_mechanism(numerics, name, result, rounds_scores)
     return result.d_q, result.d_k, result.d_v
 
 
-def _observe_mechanism(numerics: Numerics, name: str, result: Any, fp8: bool) -> None:
+def _observe_mechanism(numerics: Numerics, name: str, result: Any, rounds_scores: bool) -> None:
     """The backward's mechanism statistics from the kernel's per-row results (``result``, a
-    ``kernels.attention_backward.Backward``), as ``ops.mechanism`` forms them: the D-term cosine
+    ``kernels.attention_tiles.Backward``), as ``ops.mechanism`` forms them: the D-term cosine
     of ``kbar`` and D (``kbar`` in K8's codes where dQ reads them: the cosine does not depend on
-    K's scale); dS8's rounding (an FP8 backward), over as many elements as the ops core's blocks
+    K's scale); dS8's rounding (where dS is rounded), over as many elements as the ops core's blocks
     of dS hold (their hidden keys' zeros too)."""
     d_term = mechanism.DTermCosine()
     d_term.add_mean_keys(result.mean_key, result.d[..., None])
     d_term.observe(numerics, name)
-    if fp8:
+    if rounds_scores:
         batch, heads, seq = result.d.shape
         blocks = parts.query_blocks(batch, heads, seq)
         size = sum(batch * heads * (rows.stop - rows.start) * rows.stop for rows in blocks)

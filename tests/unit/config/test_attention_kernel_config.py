@@ -30,10 +30,20 @@ def test_auto_runs_the_ops_core_on_a_cpu(monkeypatch):
     assert site_implementations(cfg)["attention_core"] == "readback.ops.attention"
 
 
-@pytest.mark.parametrize("experiment", ["fresh_reround", "reuse_rounded_bf16_bwd"])  # FP8 and BF16 backward
-def test_triton_under_the_interpreter_is_the_spec_s_and_the_summary_s(monkeypatch, experiment):
+# FP8 and BF16 backward, each with a rounding of dO or dS set apart, and the FP32 backward
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        ("+experiment=fresh_reround",),
+        ("+experiment=reuse_rounded_bf16_bwd",),
+        ("+experiment=reuse_rounded", "attention.round_grad_scores=false"),
+        ("+experiment=reuse_rounded_bf16_bwd", "attention.round_grad_output=true"),
+        ("+experiment=reuse_rounded", "attention.bwd_precision=fp32"),
+    ],
+)
+def test_triton_under_the_interpreter_is_the_spec_s_and_the_summary_s(monkeypatch, overrides):
     monkeypatch.setenv("TRITON_INTERPRET", "1")
-    cfg = validate(compose(f"+experiment={experiment}", "attention.kernel=triton"))
+    cfg = validate(compose(*overrides, "attention.kernel=triton"))
     assert numerics_spec(cfg.numerics).attention.kernel == "triton"
     assert site_implementations(cfg)["attention_core"] == "readback.ops.attention on readback.kernels (Triton)"
 
@@ -41,10 +51,7 @@ def test_triton_under_the_interpreter_is_the_spec_s_and_the_summary_s(monkeypatc
 @pytest.mark.parametrize(
     "overrides, reason",
     [
-        (("+experiment=reuse_rounded", "attention.bwd_precision=fp32"), "bwd_precision=fp8 with bwd_reads=forward"),
         (("+experiment=bf16_baseline",), "precision=fp8 only"),
-        (("+experiment=reuse_rounded", "attention.round_grad_scores=false"), "no rounding of dO or dS"),
-        (("+experiment=reuse_rounded_bf16_bwd", "attention.round_grad_output=true"), "no rounding of dO or dS"),
         (("+experiment=reuse_rounded", "model.d_model=96", "model.n_heads=2"), "model head_dim is 48"),
         (("+experiment=reuse_rounded", "probe.bias_every=10"), "the bias meter's variants"),
     ],
@@ -54,6 +61,12 @@ def test_settings_the_kernel_does_not_run_are_refused(monkeypatch, overrides, re
     with pytest.raises(ConfigError) as error:
         validate(compose(*overrides, "attention.kernel=triton"))
     assert error.value.key == "attention.kernel" and reason in str(error.value) and "valid: ops" in str(error.value)
+
+
+def test_the_reference_s_fp64_backward_is_refused():  # no config reaches it: the op's own check
+    why = attention_triton.settings_refused(True, "fp64", "forward", True)
+    assert why is not None and "bwd_precision=fp8 or fp32 with bwd_reads=forward" in why
+    assert attention_triton.settings_refused(True, "fp32", "forward", True) is None
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the kernel runs on CUDA")

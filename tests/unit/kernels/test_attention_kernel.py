@@ -34,6 +34,16 @@ alone. Under the FP8 backward a GEMM of an original or a rebuilt P with dO8's or
 in FP32 and is not rounded (``ops.attention_backward``'s ``gemm_of``): such an output differs by
 the FP32 sum order alone, at most K FP32 units (2**-24) relative, within the FP8 bounds, which
 stand for dS8's code steps. (In the interpreter: within 2e-7.)
+
+The roundings set apart (``round_grad_output``, ``round_grad_scores``, ``round_grad_output_in_d``)
+choose where dO8 and dS8 stand for dO and dS, at the same sites with the same counts and scales
+in both cores. Under the FP8 backward an unrounded dS's dQ and dK, and an unrounded dO's dV, are
+FP32 GEMMs rounded nowhere: they differ where dS's elements do (a BF16 unit, where dP's or S's
+rounding straddled: a share ``_straddles``) and by the FP32 sum order, a bound well under the
+BF16 unit a rounded output would take. The BF16 backward's dO8 and dS8 enter its GEMMs as their
+values rounded to BF16, as the ops core's BF16 GEMM reads them: its bounds stand. The FP32
+backward (``bwd_precision=fp32``) runs every GEMM so, on Q8's, K8's, V8's and P8's values: no
+output takes a BF16 unit. (In the interpreter: within 2e-7 for the FP32 outputs.)
 """
 
 import pytest
@@ -110,3 +120,27 @@ PARTS = [
 @pytest.mark.parametrize(("shape", "policy", "rounding", "parts"), PARTS, ids=[str(c[3]) for c in PARTS])
 def test_parts_set_apart(monkeypatch, shape, policy, rounding, parts):
     compare(shape, policy, "delayed", rounding, monkeypatch, backward=parts)
+
+
+# The roundings set apart (``attention.round_<gradient>``): the FP8 backward's dS or dO left
+# unrounded (their GEMMs in FP32), the dO that D reads apart from the GEMMs' (dO8 or dO; a policy
+# that reads O for D), the BF16 backward's dO or dS rounded to E5M2 (their GEMMs of BF16 values;
+# dS8's scale from the whole dS under current scaling)
+ROUNDINGS = [
+    (SMALL, "reuse_rounded", "delayed", "nearest", dict(round_grad_scores=False)),
+    (SMALL, "original", "current", "stochastic", dict(round_grad_output=False)),
+    ((1, 4, 2, 71, 128), "fresh_reround", "delayed", "nearest", dict(round_grad_output_in_d=False)),
+    (SMALL, "no_saved_copy", "current", "stochastic", dict(bwd_precision="bf16", round_grad_output=True)),
+    (SMALL, "reuse_rounded", "current", "nearest", dict(bwd_precision="bf16", round_grad_scores=True)),
+    (SMALL, "original", "delayed", "nearest", dict(bwd_precision="bf16", round_grad_output_in_d=True)),
+    # the FP32 backward: every GEMM of values in FP32, dO and dS unrounded, or rounded set apart
+    ((1, 4, 2, 71, 64), "no_saved_copy", "current", "stochastic", dict(bwd_precision="fp32")),
+    (SMALL, "reuse_rounded", "delayed", "nearest", dict(bwd_precision="fp32", round_grad_scores=True)),
+]
+
+
+@pytest.mark.parametrize(
+    ("shape", "policy", "recipe", "rounding", "parts"), ROUNDINGS, ids=[str(c[4]) for c in ROUNDINGS]
+)
+def test_roundings_set_apart(monkeypatch, shape, policy, recipe, rounding, parts):
+    compare(shape, policy, recipe, rounding, monkeypatch, backward=parts)
