@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from filelock import FileLock
 from hypothesis import HealthCheck, settings
 
 # Without a GPU, Triton's kernels run in its interpreter (tests/unit/kernels). Triton reads the
@@ -49,6 +50,18 @@ def pytest_collection_modifyitems(items):
     for item in items:
         if INTEGRATION in item.path.parents:
             item.add_marker(pytest.mark.integration)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def distributed_modules_take_turns(request, tmp_path_factory):
+    """A module marked ``distributed`` holds a lock shared by the workers of ``pytest -n`` while it
+    runs: two such modules at once, each starting process groups on local ports, have crashed a
+    rendezvous (a rank aborted with "terminate called without an active exception")."""
+    if request.node.get_closest_marker("distributed") is None:
+        yield
+        return
+    with FileLock(tmp_path_factory.getbasetemp().parent / "distributed.lock"):
+        yield
 
 
 @pytest.fixture

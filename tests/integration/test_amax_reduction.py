@@ -1,6 +1,7 @@
 """With several processes, delayed scaling uses the amax over all of them (as Transformer Engine
 does), so every rank keeps the scales one process would have."""
 
+import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
@@ -8,6 +9,8 @@ import torch.multiprocessing as mp
 from readback.numerics import E4M3, DelayedScaling
 from readback.numerics.state import Numerics
 from specs import make_spec
+
+pytestmark = pytest.mark.distributed  # process groups on local ports: one such module at a time
 
 
 def _rank(rank: int, world: int, port: int, out) -> None:

@@ -19,6 +19,8 @@ from readback.train.checkpoint import checkpoint_path, list_checkpoints, load_ch
 from readback.train.records.metrics import read_jsonl
 from toys import REPO
 
+pytestmark = pytest.mark.distributed  # process groups on local ports: one such module at a time
+
 TESTS = REPO / "tests"
 OVERRIDES = {
     "trainer.steps": 8,

@@ -51,6 +51,8 @@ FAULTY = """
 import os, runpy, signal, sys
 from readback.data.stream import PackedStream
 
+pytestmark = pytest.mark.distributed  # process groups on local ports: one such module at a time
+
 fault, batches, next_batch = os.environ.get("FAULT"), [0], PackedStream.next_batch
 
 def faulty_next_batch(self):

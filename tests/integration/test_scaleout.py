@@ -31,6 +31,8 @@ from readback.train.records.metrics import read_jsonl
 from toys import TOY_RUN
 from toys import config as compose
 
+pytestmark = pytest.mark.distributed  # process groups on local ports: one such module at a time
+
 CONF = str(CONF_DIR)
 LOSS_RTOL = 3e-3  # FSDP vs DDP, and a 2-process checkpoint resumed by 1 process, over 20 steps
 TINY = [

@@ -31,6 +31,8 @@ import pytest
 from readback.train.checkpoint import list_checkpoints
 from toys import REPO, compose
 
+pytestmark = pytest.mark.distributed  # process groups on local ports: one such module at a time
+
 SCRIPTS = REPO / "scripts" / "slurm"
 SBIN = os.pathsep.join(["/usr/sbin", "/sbin"])
 COMMANDS = ("munged", "slurmctld", "slurmd", "sbatch", "srun", "scontrol", "squeue", "scancel")
