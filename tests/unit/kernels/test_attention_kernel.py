@@ -58,6 +58,7 @@ SHAPES = [
     ((1, 2, 2, 128, 64), "reuse_rounded", "delayed", "nearest"),
     ((2, 2, 1, 71, 64), "no_saved_copy", "current", "stochastic"),
     ((1, 2, 1, 80, 128), "original", "delayed", "stochastic"),
+    ((1, 2, 1, 256, 64), "reuse_rounded", "current", "nearest"),  # four query blocks, P's sums over 256 keys
 ]
 
 
