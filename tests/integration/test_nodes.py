@@ -26,6 +26,8 @@ from readback.train.checkpoint import list_checkpoints
 from readback.train.records.metrics import read_jsonl
 from toys import REPO, TOY_RUN
 
+pytestmark = pytest.mark.distributed  # process groups on local ports: one such module at a time
+
 STEPS = 12
 FAULT_BATCH = 8  # rank 1's 8th batch: step 8, after the checkpoint of step 6
 EXPERIMENT = "+experiment=reuse_rounded"
@@ -50,8 +52,6 @@ TIMING_KEYS = {"tokens_per_s", "mfu", "mem_gib"}  # wall-clock measurements, not
 FAULTY = """
 import os, runpy, signal, sys
 from readback.data.stream import PackedStream
-
-pytestmark = pytest.mark.distributed  # process groups on local ports: one such module at a time
 
 fault, batches, next_batch = os.environ.get("FAULT"), [0], PackedStream.next_batch
 
