@@ -11,11 +11,13 @@ from pathlib import Path
 
 import pytest
 
-from readback.analysis.decisions import parts_ladder, study_setting
+from readback.analysis.decisions import bf16_fix_cost, parts_ladder, study_setting, te_reads_meter
 
 RESULTS = Path(__file__).resolve().parents[2] / "docs" / "results" / "d_term"
 
 CASES = [
+    ("bf16_fix_cost", bf16_fix_cost, "bf16_fix_cost"),
+    ("bf16_fix_cost_meters", te_reads_meter, "bf16_fix_cost_ladder"),
     ("parts_ladder", parts_ladder, "multirun/parts_ladder"),
     ("study_setting", study_setting, "multirun/study_setting"),
 ]
