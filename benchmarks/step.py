@@ -4,6 +4,7 @@
     python benchmarks/step.py --sizes small --threads 1 --rounds 9
     python benchmarks/step.py --overrides precision.bf16_gemm=native   # readback's variants changed
     python benchmarks/step.py --variants reuse_rounded reuse_rounded@mxfp8 reuse_rounded@blockwise plain_fp32
+    python benchmarks/step.py --variants reuse_rounded reuse_rounded@precision.bf16_gemm=native plain_fog
 
 It first prints the CPU's model, its vector extensions that torch's kernels can use (AVX2,
 AVX512, AVX512-BF16, AMX) and the level torch dispatches to: figures from different CPUs are not
@@ -83,16 +84,20 @@ def cpu_description(cpuinfo: str = "/proc/cpuinfo") -> str:
 
 
 COMPILED = "+compile"
-RECIPE = "@"  # ``<experiment>@<recipe>``: the experiment under ``precision.recipe=<recipe>`` (e.g. reuse_rounded@mxfp8)
+# ``<experiment>@<recipe>``: the experiment under ``precision.recipe=<recipe>`` (e.g. reuse_rounded@mxfp8);
+# ``<experiment>@<key>=<value>``: under that one override (e.g. reuse_rounded@precision.bf16_gemm=native), so that
+# two settings of one experiment interleave in one run
+SETTING = "@"
+RECOMPILE_LIMIT = 64  # graphs of one function dynamo compiles in a process (its default: 8)
 
 
 def build(variant: str, size: str, batch: int, overrides: tuple[str, ...] = ()):
     """``(step function, FOG for the FLOP formula)`` of one variant, on fixed random tokens;
     ``overrides`` change readback's configuration."""
     variant, compile_it = variant.removesuffix(COMPILED), variant.endswith(COMPILED)
-    variant, _, recipe = variant.partition(RECIPE)
+    variant, _, setting = variant.partition(SETTING)
     experiment = variant if variant in READBACK else "reuse_rounded"
-    overrides = (*overrides, *([f"precision.recipe={recipe}"] if recipe else []))
+    overrides = (*overrides, *([setting if "=" in setting else f"precision.recipe={setting}"] if setting else []))
     with initialize_config_dir(str(CONF_DIR), version_base="1.3"):
         settings = [f"model={size}", f"+experiment={experiment}", f"model.vocab_size={VOCAB}", *overrides]
         cfg = typed(compose("train", overrides=settings))
@@ -115,6 +120,9 @@ def build(variant: str, size: str, batch: int, overrides: tuple[str, ...] = ()):
 
     if compile_it:
         step()  # eager: creates every rounding site before the compiled graph is traced
+        # each compiled variant and size is one more graph of FOG.forward: past dynamo's limit of 8
+        # the next variant would run eager under its compiled name
+        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, RECOMPILE_LIMIT)
         forward = compiled(model)
     if variant == "probe":
         probe = GradientProbe(dataclasses.replace(cfg.probe, every=1, repeats=1))
@@ -171,15 +179,16 @@ def time_table(
 
 def print_table(size: str, threads: int, batch: int, rounds: int, rows: dict, memory: dict) -> None:
     print(f"\n{size}, batch {batch}, {threads} thread(s), {rounds} interleaved rounds")
+    width = max(29, *(len(v) + 2 for v in rows))
     print(
-        f"  {'variant':<29}{'median ms':>10}{'min':>9}{'max':>9}{'tok/s':>9}{'GFLOP/s':>9}"
+        f"  {'variant':<{width}}{'median ms':>10}{'min':>9}{'max':>9}{'tok/s':>9}{'GFLOP/s':>9}"
         f"{'/ fp32':>8}{'rise MiB':>10}{'live MiB':>10}"
     )
     peer = rows[PEER]["gflops"] if PEER in rows else float("nan")
     for v, r in rows.items():
         mem = memory.get(v, {})
         print(
-            f"  {v:<29}{r['median_ms']:10.1f}{r['min_ms']:9.1f}{r['max_ms']:9.1f}{r['tokens_per_s']:9.0f}"
+            f"  {v:<{width}}{r['median_ms']:10.1f}{r['min_ms']:9.1f}{r['max_ms']:9.1f}{r['tokens_per_s']:9.0f}"
             f"{r['gflops']:9.2f}{r['gflops'] / peer:8.2f}"
             f"{mem.get('rise_mib', float('nan')):10.0f}{mem.get('live_rise_mib', float('nan')):10.0f}"
         )

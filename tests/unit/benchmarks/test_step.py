@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import sys
 
+import pytest
 import torch
 
 import peers
@@ -22,6 +23,24 @@ def test_one_round_prints_the_cpu_and_every_variant_against_the_fp32_peer(monkey
     rows = {line.split()[0]: line.split() for line in out.splitlines() if line.startswith("  ")}
     assert {"bf16_baseline", "reuse_rounded@mxfp8", "plain_fog", "plain_fp32"} <= set(rows)
     assert rows["plain_fp32"][6] == "1.00"  # the peer against itself; the header's 7th column is "/ fp32"
+
+
+@pytest.mark.parametrize(
+    ("variant", "recipe", "bf16_gemm"),
+    [("reuse_rounded@mxfp8", "mxfp8", "fp32"), ("reuse_rounded@precision.bf16_gemm=native", "delayed", "native")],
+)
+def test_a_variant_after_at_takes_a_recipe_or_one_override(variant, recipe, bf16_gemm):
+    _, fog = step.build(variant, "tiny", 2)
+    assert (fog.numerics.spec.precision.recipe, fog.numerics.spec.bf16_gemm) == (recipe, bf16_gemm)
+
+
+def test_a_compiled_variant_lifts_dynamos_limit_of_graphs_per_function(monkeypatch):
+    """Past the limit a compiled variant would run eager under its compiled name, silently."""
+    monkeypatch.setattr(torch._dynamo.config, "recompile_limit", 8)
+    step.build("reuse_rounded", "tiny", 2)
+    assert torch._dynamo.config.recompile_limit == 8
+    step.build("reuse_rounded+compile", "tiny", 2)
+    assert torch._dynamo.config.recompile_limit == step.RECOMPILE_LIMIT
 
 
 def test_the_cpu_description_names_the_isa_and_its_limits(tmp_path, monkeypatch):
