@@ -18,7 +18,21 @@
 Entry point: ``summary = run(cfg, run_dir)``.
 """
 
-from readback.train.contract import Builders
-from readback.train.launch import accumulation_steps, run
+from typing import TYPE_CHECKING, Any
 
-__all__ = ["Builders", "accumulation_steps", "run"]
+from readback.train.contract import Builders
+
+if TYPE_CHECKING:
+    from readback.train.launch import run
+
+__all__ = ["Builders", "run"]
+
+
+def __getattr__(name: str) -> Any:
+    """``run``, imported on first use: the config's schemas (``readback.train.settings``) load
+    without the trainer, so a bad command line is refused before torch.distributed loads."""
+    if name == "run":
+        from readback.train.launch import run
+
+        return run
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
