@@ -1,6 +1,9 @@
 """Configs: every experiment composes, validates and sets only the study's axes (each one trains
 through the real ``train.py``: tests/integration/test_experiments.py)."""
 
+import subprocess
+import sys
+
 import pytest
 from omegaconf import OmegaConf
 
@@ -164,3 +167,16 @@ def test_margins_that_round_even_the_amax_to_zero_are_refused(overrides, key, va
 )
 def test_margins_below_the_bound_of_their_sites_format_are_kept(overrides):
     validate(compose(*overrides))
+
+
+def test_a_bad_command_line_is_refused_without_loading_the_trainer():
+    """The config's schemas load without ``readback.train.launch`` (and the checkpoint code it
+    imports): every refusal of a command line would pay for it, in a process of its own."""
+    code = (
+        "import sys, readback.config, readback.train;"
+        "print(sorted(m for m in ('readback.train.launch', 'torch.distributed.checkpoint') if m in sys.modules));"
+        "readback.train.run;"
+        "print('readback.train.launch' in sys.modules)"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.split("\n")[:2] == ["[]", "True"], out
