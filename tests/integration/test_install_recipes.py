@@ -166,4 +166,5 @@ def test_every_place_names_the_same_pythons_and_ci_runs_each():
     assert re.search(rf"^FULL_PYTHON={re.escape(FULL_PYTHON)}$", ci, re.M)
     smoke = re.search(r'^SMOKE_PYTHONS="([\d. ]+)"$', ci, re.M)[1].split()
     assert sorted([FULL_PYTHON, *smoke]) == sorted(classified)
-    assert 'make test PYTHON="$python"' in ci and 'make smoke PYTHON="$python"' in ci
+    assert 'make test PYTHON="$python"' in ci
+    assert 'read -r -a versions <<< "$SMOKE_PYTHONS"' in ci and 'make smoke PYTHON="$(interpreter "$version")"' in ci
