@@ -30,7 +30,8 @@ __all__ = ["Builders", "run"]
 
 def __getattr__(name: str) -> Any:
     """``run``, imported on first use: the config's schemas (``readback.train.settings``) load
-    without the trainer, so a bad command line is refused before torch.distributed loads."""
+    without the trainer, so a bad command line is refused before the checkpoint code
+    (``torch.distributed.checkpoint``) loads."""
     if name == "run":
         from readback.train.launch import run
 
