@@ -17,7 +17,6 @@ Ctrl-C stops at once), with no traceback.
 
 import logging
 import os
-import shutil
 import sys
 from pathlib import Path
 
@@ -26,28 +25,11 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from omegaconf import DictConfig
 
-from readback.config import (
-    PREEXISTING_RUN_DIRS,
-    exit_on_bad_config,
-    print_error,
-    restore_hydra_files,
-    resume_of,
-    validate,
-)
+from readback.config import exit_on_bad_config, print_error, resume_of, undo_run_dir, validate
 from readback.errors import ConfigError
 from readback.stopping import ends_on_ctrl_c
 
 _SWEEP_CONFIG_ERRORS: list[str] = []
-
-
-def _made_by_this_job(run_dir: Path) -> bool:
-    """Whether ``run_dir`` holds nothing but what Hydra wrote for this job (its config folder and
-    log file) and did not exist, with content, before: then an error may remove it."""
-    if not run_dir.is_dir() or str(run_dir.resolve()) in PREEXISTING_RUN_DIRS:
-        return False
-    hc = HydraConfig.get()
-    hydra_files = {str(hc.output_subdir), f"{hc.job.name}.log"}
-    return all(p.name in hydra_files for p in run_dir.iterdir())
 
 
 def _config_error(error: ConfigError, run_dir: Path) -> None:
@@ -56,12 +38,9 @@ def _config_error(error: ConfigError, run_dir: Path) -> None:
     sweep goes on, and the process exits 2 at its end)."""
     from readback.train.checkpoint import RunDirTaken
 
-    if isinstance(error, RunDirTaken):
-        pass
-    elif _made_by_this_job(run_dir):
-        shutil.rmtree(run_dir, ignore_errors=True)
-    else:
-        restore_hydra_files(run_dir)
+    if not isinstance(error, RunDirTaken):
+        hc = HydraConfig.get()
+        undo_run_dir(run_dir, hydra_files={str(hc.output_subdir), f"{hc.job.name}.log"})
     print_error(error)
     if HydraConfig.get().mode == RunMode.MULTIRUN and "SUBMITIT_FOLDER" not in os.environ:
         _SWEEP_CONFIG_ERRORS.append(str(error))

@@ -146,8 +146,11 @@ def _assert_same_run(run_dir: Path, reference: Path) -> None:
     assert json.loads((run_dir / "summary.json").read_text())["status"] == "completed"
 
 
-def _error_lines(err: str) -> list[str]:
-    return [line for line in err.splitlines() if line.startswith("error: ")]
+def _error_line(err: str) -> str:
+    """The one ``error: `` line of a node's stderr; the failure shows the stderr if there is not one."""
+    lines = [line for line in err.splitlines() if line.startswith("error: ")]
+    assert len(lines) == 1, err[-3000:]
+    return lines[0]
 
 
 @pytest.fixture(scope="module")
@@ -172,7 +175,7 @@ def test_ranks_that_disagree_are_refused_on_every_rank_and_train_nothing(tmp_pat
         for proc in nodes:
             rc, err = _finish(proc)
             assert rc != 0, err[-3000:]
-            (line,) = _error_lines(err)
+            line = _error_line(err)
             assert line.startswith("error: ranks disagree: ") and DISAGREEING[case][1] in line, line
             assert "trainer.py" not in err  # no traceback from the trainer
         if case == "seed":  # the one key that differs, alone
@@ -189,7 +192,7 @@ def test_a_frozen_rank_stops_the_other_within_the_timeout(tmp_path):
     os.kill(int(_frozen_pid_file(run_dir).read_text()), signal.SIGKILL)
     _kill_group(node1)
     assert rc != 0, err[-3000:]
-    (line,) = _error_lines(err)
+    line = _error_line(err)
     assert line.startswith("error: rank 1 (host ") and f"stopped answering after step {FAULT_BATCH - 1}" in line, line
     assert "waited trainer.timeouts.step_s=3 s" in line and "newest checkpoint: step 6" in line, line
     assert "exitcode  : 3" in err and "trainer.py" not in err
@@ -204,7 +207,7 @@ def test_a_lost_node_ends_the_other_in_one_line_and_both_relaunched_resume(tmp_p
     rc, err = _finish(node0, timeout=60)
     _kill_group(node1)
     assert rc != 0, err[-3000:]
-    (line,) = _error_lines(err)
+    line = _error_line(err)
     assert line.startswith("error: rank 1 (host ") and f"stopped answering after step {FAULT_BATCH - 1}" in line, line
     assert "lost its connection" in line and "newest checkpoint: step 6" in line and "trainer.resume=true" in line
     assert "trainer.py" not in err

@@ -5,14 +5,13 @@ config (:mod:`.entry`). Importing this package registers the schema with Hydra."
 
 from readback.config.cross_group import check_site_margin, require_margin
 from readback.config.entry import (
-    PREEXISTING_RUN_DIRS,
     check_run_dir,
     exit_on_bad_config,
     from_saved,
     print_error,
-    restore_hydra_files,
     resume_of,
     typed,
+    undo_run_dir,
     validate,
 )
 from readback.config.refusals import CONF_DIR
@@ -23,7 +22,6 @@ register()
 
 __all__ = [
     "CONF_DIR",
-    "PREEXISTING_RUN_DIRS",
     "Config",
     "check_run_dir",
     "check_site_margin",
@@ -31,8 +29,8 @@ __all__ = [
     "from_saved",
     "print_error",
     "require_margin",
-    "restore_hydra_files",
     "resume_of",
     "typed",
+    "undo_run_dir",
     "validate",
 ]

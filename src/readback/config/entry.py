@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shutil
 import sys
 import tempfile
 import traceback
@@ -205,7 +206,23 @@ def _hydra_files(run_dir: Path) -> dict[str, bytes]:
     return {p.name: p.read_bytes() for p in hydra_dir.iterdir() if p.is_file()}
 
 
-def restore_hydra_files(run_dir: Path) -> None:
+def undo_run_dir(run_dir: Path, hydra_files: set[str]) -> None:
+    """After a refusal, the run directory as it was before this job: removed if the job made it
+    (it holds nothing but ``hydra_files``, the names of Hydra's own files, and held nothing
+    before), else with the Hydra config files it held put back. Every rank of a run refused at
+    once does this, on one shared file system: a directory another rank removed first stays so."""
+    if run_dir.is_dir() and str(run_dir.resolve()) not in PREEXISTING_RUN_DIRS:
+        try:
+            names = {p.name for p in run_dir.iterdir()}
+        except FileNotFoundError:  # another rank removed it between the two looks
+            return
+        if names <= hydra_files:
+            shutil.rmtree(run_dir, ignore_errors=True)
+            return
+    _restore_hydra_files(run_dir)
+
+
+def _restore_hydra_files(run_dir: Path) -> None:
     """Put back the Hydra config files a run directory held before this process started: a failed
     attempt to resume it must not leave its own config there as the run's."""
     saved = PREEXISTING_RUN_DIRS.get(str(Path(run_dir).resolve()))
