@@ -15,9 +15,9 @@ from readback.config.entry import PREEXISTING_RUN_DIRS
 HYDRA_FILES = {".hydra", "train.log"}
 
 
-def _hydra_made(run_dir: Path, config: bytes = b"this job's") -> Path:
+def _hydra_made(run_dir: Path) -> Path:
     (run_dir / ".hydra").mkdir(parents=True)
-    (run_dir / ".hydra" / "config.yaml").write_bytes(config)
+    (run_dir / ".hydra" / "config.yaml").write_bytes(b"this job's")
     (run_dir / "train.log").write_text("")
     return run_dir
 
@@ -36,7 +36,7 @@ def test_a_directory_with_more_than_hydra_files_is_kept(tmp_path):
 
 
 def test_a_run_held_before_gets_its_hydra_files_back(tmp_path, monkeypatch):
-    run_dir = _hydra_made(tmp_path / "run", config=b"this job's")
+    run_dir = _hydra_made(tmp_path / "run")
     monkeypatch.setitem(PREEXISTING_RUN_DIRS, str(run_dir.resolve()), {"config.yaml": b"the run's own"})
     undo_run_dir(run_dir, HYDRA_FILES)
     assert (run_dir / ".hydra" / "config.yaml").read_bytes() == b"the run's own"
